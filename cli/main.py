@@ -1,0 +1,60 @@
+"""The `composer` command: one Typer sub-app per command group, user errors without tracebacks."""
+
+from __future__ import annotations
+
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from cli import recipe as recipe_cmd
+from recipes.errors import UserError
+
+app = typer.Typer(
+    name="composer",
+    help="Train agentic coding MoE models: Megatron-Core mid-training, async RL with vLLM, delta weight sync.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(recipe_cmd.app, name="recipe")
+
+err_console = Console(stderr=True)
+_debug = False
+
+
+def _version() -> str:
+    try:
+        return version("composer-train")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"composer {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True, callback=_print_version),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks for errors."),
+) -> None:
+    global _debug
+    _debug = debug
+
+
+def main() -> None:
+    try:
+        app()
+    except UserError as e:
+        if _debug:
+            raise
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted[/]")
+        sys.exit(130)

@@ -1,0 +1,55 @@
+"""`composer recipe`: validate, show and describe recipes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from recipes.errors import UserError
+from recipes.loader import load_recipe, recipe_to_yaml
+from recipes.schema import Recipe
+
+app = typer.Typer(help="Validate, show and describe recipes.", no_args_is_help=True)
+console = Console()
+
+SetOption = typer.Option([], "--set", "-s", help="Override a key: --set train.steps=10 (value parsed as YAML). Repeatable.")
+
+
+class ValidationFailed(UserError):
+    pass
+
+
+@app.command()
+def validate(
+    files: list[Path] = typer.Argument(..., help="Recipe files."),
+    overrides: list[str] = SetOption,
+) -> None:
+    """Check recipes against the schema and the cross-field rules; report every problem at once."""
+    failed = 0
+    for file in files:
+        try:
+            recipe = load_recipe(file, overrides)
+        except UserError as e:
+            failed += 1
+            console.print(f"[red]✗[/] {escape(str(e))}", highlight=False)
+            continue
+        kind = "rl" if recipe.rl else "midtrain" if recipe.data else "model"
+        console.print(f"[green]✓[/] {escape(str(file))} [dim]({kind}, world size {recipe.cluster.world_size})[/]", highlight=False)
+    if failed:
+        raise ValidationFailed(f"{failed} of {len(files)} recipe(s) invalid")
+
+
+@app.command()
+def show(file: Path = typer.Argument(..., help="Recipe file."), overrides: list[str] = SetOption) -> None:
+    """Print the fully resolved recipe (extends merged, overrides applied, defaults filled in)."""
+    typer.echo(recipe_to_yaml(load_recipe(file, overrides)), nl=False)
+
+
+@app.command()
+def schema() -> None:
+    """Print the recipe JSON Schema (for editor completion and validation)."""
+    typer.echo(json.dumps(Recipe.model_json_schema(), indent=2))

@@ -1,0 +1,125 @@
+"""Checks across fields, run before anything launches.
+
+Each problem names every YAML path involved and how to fix it; all problems are reported at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from recipes.schema import Recipe
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+def check_recipe(recipe: Recipe) -> list[Problem]:
+    problems: list[Problem] = []
+    problems += _check_model(recipe)
+    problems += _check_parallelism(recipe)
+    problems += _check_batches(recipe)
+    problems += _check_lengths(recipe)
+    problems += _check_rl(recipe)
+    return problems
+
+
+def _check_model(r: Recipe) -> list[Problem]:
+    m, out = r.model, []
+    if m.num_attention_heads % m.num_kv_heads:
+        out.append(Problem("model.num_kv_heads", f"{m.num_kv_heads} does not divide model.num_attention_heads={m.num_attention_heads}"))
+    if m.is_moe:
+        if not 0 < m.moe_top_k <= m.num_experts:
+            out.append(Problem("model.moe_top_k", f"must be between 1 and model.num_experts={m.num_experts}, got {m.moe_top_k}"))
+        if m.moe_ffn_hidden_size == 0:
+            out.append(Problem("model.moe_ffn_hidden_size", "must be set for an MoE model (model.num_experts > 0)"))
+    else:
+        for key in ("moe_top_k", "moe_ffn_hidden_size", "num_shared_experts"):
+            if getattr(m, key):
+                out.append(Problem(f"model.{key}", "is set but model.num_experts is 0 (dense model); remove it or set num_experts"))
+        if m.ffn_hidden_size == 0:
+            out.append(Problem("model.ffn_hidden_size", "must be set for a dense model (model.num_experts is 0)"))
+    if m.family == "llama" and m.is_moe:
+        out.append(Problem("model.family", "`llama` is dense; use `qwen3_moe` for a model with experts"))
+    return out
+
+
+def _check_parallelism(r: Recipe) -> list[Problem]:
+    p, m, out = r.parallelism, r.model, []
+    world = r.cluster.world_size
+    model_parallel = p.tp * p.pp * p.cp
+    where = f"cluster: {len(r.cluster.hosts)} host(s) x procs_per_host={r.cluster.procs_per_host} = world size {world}"
+    if world % model_parallel:
+        out.append(Problem("parallelism", f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_parallel} does not divide the {where}"))
+        return out
+    dp = world // model_parallel
+    if p.dp is not None and p.dp != dp:
+        out.append(Problem("parallelism.dp", f"world size must equal tp*pp*cp*dp: {p.tp}*{p.pp}*{p.cp}*{p.dp} != {world} ({where}); dp would be {dp}"))
+    if m.num_attention_heads % p.tp:
+        out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.num_attention_heads={m.num_attention_heads}"))
+    if m.num_kv_heads % p.tp:
+        out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.num_kv_heads={m.num_kv_heads} (each tensor-parallel rank needs whole KV heads)"))
+    if m.num_layers % p.pp:
+        out.append(Problem("parallelism.pp", f"{p.pp} does not divide model.num_layers={m.num_layers}"))
+    if p.sequence_parallel and p.tp == 1:
+        out.append(Problem("parallelism.sequence_parallel", "needs tp > 1 (with tp=1 there is nothing to shard); set it to false"))
+    if m.is_moe:
+        if m.num_experts % p.ep:
+            out.append(Problem("parallelism.ep", f"{p.ep} does not divide model.num_experts={m.num_experts}"))
+        if (world // p.pp) % (p.ep * p.etp):
+            out.append(Problem("parallelism.ep", f"ep*etp = {p.ep}*{p.etp} does not divide world_size/pp = {world // p.pp}"))
+        if p.tp > 1 and not p.sequence_parallel:
+            out.append(Problem("parallelism.sequence_parallel", f"must be true for an MoE model with tp={p.tp} (Megatron requires it)"))
+    else:
+        if p.ep > 1 or p.etp > 1:
+            out.append(Problem("parallelism.ep", "expert parallelism needs an MoE model (model.num_experts > 0)"))
+    return out
+
+
+def _check_batches(r: Recipe) -> list[Problem]:
+    p, t = r.parallelism, r.train
+    world = r.cluster.world_size
+    model_parallel = p.tp * p.pp * p.cp
+    if world % model_parallel:
+        return []  # already reported; dp is undefined
+    dp = world // model_parallel
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        return [Problem("train.global_batch_size", f"{t.global_batch_size} is not a multiple of train.micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}")]
+    return []
+
+
+def _check_lengths(r: Recipe) -> list[Problem]:
+    out, limit = [], r.model.max_position_embeddings
+    if r.data and r.data.seq_length > limit:
+        out.append(Problem("data.seq_length", f"{r.data.seq_length} exceeds model.max_position_embeddings={limit}"))
+    if r.rollout and r.rollout.max_context > limit:
+        out.append(Problem("rollout.max_context", f"{r.rollout.max_context} exceeds model.max_position_embeddings={limit}"))
+    if r.rollout and r.rollout.sampling.max_tokens >= r.rollout.max_context:
+        out.append(Problem("rollout.sampling.max_tokens", f"{r.rollout.sampling.max_tokens} leaves no room for a prompt in rollout.max_context={r.rollout.max_context}"))
+    if r.parallelism.cp > 1 and r.data and r.data.seq_length % (2 * r.parallelism.cp):
+        out.append(Problem("data.seq_length", f"must be a multiple of 2*cp = {2 * r.parallelism.cp} for context parallelism"))
+    if r.optim.min_lr > r.optim.lr:
+        out.append(Problem("optim.min_lr", f"{r.optim.min_lr} is above optim.lr={r.optim.lr}"))
+    if r.optim.warmup_steps > r.train.steps:
+        out.append(Problem("optim.warmup_steps", f"{r.optim.warmup_steps} is more than train.steps={r.train.steps}"))
+    return out
+
+
+def _check_rl(r: Recipe) -> list[Problem]:
+    out = []
+    rl_parts = {"rollout": r.rollout, "env": r.env, "rl": r.rl}
+    present = [k for k, v in rl_parts.items() if v is not None]
+    if present and len(present) < 3:
+        missing = [k for k in rl_parts if k not in present]
+        out.append(Problem(missing[0], f"an RL recipe needs rollout, env and rl together; missing: {', '.join(missing)}"))
+    if r.rl and r.rl.router_replay == "r3" and not r.model.is_moe:
+        out.append(Problem("rl.router_replay", "`r3` needs an MoE model (model.num_experts > 0); set it to `off`"))
+    if r.rollout and r.rollout.summarize_at is not None and r.rollout.max_turns == 1:
+        out.append(Problem("rollout.summarize_at", "self-summarization happens between turns; set rollout.max_turns > 1"))
+    return out

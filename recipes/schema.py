@@ -1,0 +1,343 @@
+"""The recipe: a strict, documented description of a whole run.
+
+Every section forbids unknown keys; each field's docstring feeds `composer recipe schema`.
+Checks that span several fields live in `recipes.checks`, so this module stays a plain schema.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+# --- model -------------------------------------------------------------------------------------
+
+
+class ModelSection(Section):
+    family: Literal["qwen3_moe", "llama"] = "qwen3_moe"
+    """Architecture family: `qwen3_moe` (MoE, QK-norm) or `llama` (dense)."""
+    checkpoint: str | None = None
+    """HF checkpoint directory (safetensors + config.json) to start from; random initialisation when unset."""
+    num_layers: int = Field(gt=0)
+    """Transformer layers."""
+    hidden_size: int = Field(gt=0)
+    """Model width."""
+    num_attention_heads: int = Field(gt=0)
+    """Query heads."""
+    num_kv_heads: int = Field(gt=0)
+    """Key/value heads (grouped-query attention); equal to num_attention_heads for plain multi-head."""
+    head_dim: int = Field(gt=0)
+    """Channels per attention head (vLLM's CPU attention needs 32, 64, 80, 96, 112, 128, ...)."""
+    ffn_hidden_size: int = Field(default=0, ge=0)
+    """Dense MLP width (dense families and dense layers); 0 when every layer is MoE."""
+    num_experts: int = Field(default=0, ge=0)
+    """Routed experts per MoE layer; 0 for a dense model."""
+    moe_top_k: int = Field(default=0, ge=0)
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int = Field(default=0, ge=0)
+    """Width of each routed expert's FFN."""
+    num_shared_experts: int = Field(default=0, ge=0)
+    """Always-active shared experts per MoE layer (Kimi-K2 / DeepSeek-V3 style)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k gate probabilities to sum to 1 (HF `norm_topk_prob`)."""
+    moe_aux_loss_coeff: float = Field(default=1e-3, ge=0)
+    """Load-balancing loss weight."""
+    moe_token_dispatcher: Literal["allgather", "alltoall"] = "alltoall"
+    """Megatron token dispatcher for expert parallelism."""
+    vocab_size: int = Field(gt=0)
+    """Vocabulary size of the embedding and output layer."""
+    max_position_embeddings: int = Field(gt=0)
+    """Longest sequence the positional encoding supports."""
+    rope_theta: float = Field(default=1_000_000.0, gt=0)
+    """RoPE base frequency."""
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    """RMSNorm epsilon."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Parameter and compute dtype for training (CPU runs use float32)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+# --- parallelism and cluster -------------------------------------------------------------------
+
+
+class ParallelismSection(Section):
+    tp: int = Field(default=1, gt=0)
+    """Tensor-parallel size."""
+    pp: int = Field(default=1, gt=0)
+    """Pipeline-parallel size."""
+    ep: int = Field(default=1, gt=0)
+    """Expert-parallel size."""
+    etp: int = Field(default=1, gt=0)
+    """Tensor-parallel size inside each expert."""
+    cp: int = Field(default=1, gt=0)
+    """Context-parallel size."""
+    dp: int | None = Field(default=None, gt=0)
+    """Data-parallel size; derived as world_size / (tp*pp*cp) when unset, checked when set."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence across the tensor-parallel group (required for MoE with tp > 1)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+
+
+class SSHSection(Section):
+    user: str | None = None
+    """Login user on every host; the current user when unset."""
+    port: int = Field(default=22, gt=0, lt=65536)
+    """SSH port."""
+    key_file: str | None = None
+    """Private key to authenticate with; the SSH agent and default keys when unset."""
+    known_hosts: str | None = None
+    """known_hosts file used to verify host keys; ~/.ssh/known_hosts when unset."""
+    verify_host_key: bool = True
+    """Refuse hosts whose key is unknown or changed. Turn off only on throw-away test hosts."""
+
+
+class ClusterSection(Section):
+    hosts: list[str] = Field(default_factory=lambda: ["localhost"], min_length=1)
+    """Trainer hosts; the first one is the rendezvous master."""
+    procs_per_host: int = Field(default=1, gt=0)
+    """Training processes per host: GPUs per host, or gloo processes on a CPU machine."""
+    ssh: SSHSection = Field(default_factory=SSHSection)
+    """How remote hosts (trainer, rollout, sync stores) are reached."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.hosts) * self.procs_per_host
+
+
+# --- data, optimizer, training -----------------------------------------------------------------
+
+
+class DataSource(Section):
+    name: str = Field(min_length=1)
+    """Name of this corpus in the blend (and in its cache key)."""
+    paths: list[str] = Field(min_length=1)
+    """Glob patterns of input files; `{stdlib}` expands to this Python's standard library directory."""
+    format: Literal["text", "jsonl"] = "text"
+    """`text`: one document per file; `jsonl`: one document per line, taken from `jsonl_field`."""
+    jsonl_field: str = "text"
+    """Field holding the document text in JSONL inputs."""
+    weight: float = Field(default=1.0, gt=0)
+    """Blend weight relative to the other sources."""
+
+
+class DataSection(Section):
+    sources: list[DataSource] = Field(min_length=1)
+    """Corpora blended into the training stream."""
+    tokenizer: str | None = None
+    """HF tokenizer directory; the model checkpoint's tokenizer when unset."""
+    seq_length: int = Field(gt=0)
+    """Tokens per training sequence."""
+    split: tuple[float, float, float] = (98.0, 2.0, 0.0)
+    """Train / validation / test proportions of every source."""
+    cache_dir: str = ".cache/composer/data"
+    """Where tokenized indexed datasets are cached, keyed by a hash of inputs and tokenizer."""
+    num_workers: int = Field(default=2, gt=0)
+    """Tokenizer processes."""
+
+    @model_validator(mode="after")
+    def _split_has_training(self) -> DataSection:
+        if self.split[0] <= 0 or any(x < 0 for x in self.split):
+            raise ValueError("split needs a positive train share and no negative share, e.g. [98, 2, 0]")
+        return self
+
+
+class OptimSection(Section):
+    lr: float = Field(gt=0)
+    """Peak learning rate."""
+    min_lr: float = Field(default=0.0, ge=0)
+    """Learning rate at the end of the decay."""
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """Decay after warmup: cosine, warmup-stable-decay, or constant."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warmup steps."""
+    wsd_decay_fraction: float = Field(default=0.2, gt=0, le=1)
+    """For `wsd`: the final fraction of steps spent decaying."""
+    clip_grad: float = Field(default=1.0, ge=0)
+    """Global gradient-norm clip; 0 disables clipping."""
+    weight_decay: float = Field(default=0.1, ge=0)
+    """Decoupled weight decay."""
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    """Adam beta1."""
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    """Adam beta2."""
+    eps: float = Field(default=1e-8, gt=0)
+    """Adam epsilon."""
+
+
+class TrainSection(Section):
+    steps: int = Field(gt=0)
+    """Optimizer steps (RL: learner steps)."""
+    micro_batch_size: int = Field(default=1, gt=0)
+    """Sequences per forward/backward pass on one data-parallel rank."""
+    global_batch_size: int = Field(gt=0)
+    """Sequences per optimizer step across all data-parallel ranks."""
+    checkpoint_every: int = Field(default=100, gt=0)
+    """Steps between checkpoints."""
+    keep_checkpoints: int = Field(default=2, gt=0)
+    """Checkpoints kept on disk (oldest removed first)."""
+    eval_every: int = Field(default=100, gt=0)
+    """Steps between held-out evaluations."""
+    eval_batches: int = Field(default=4, gt=0)
+    """Batches per evaluation."""
+    log_every: int = Field(default=1, gt=0)
+    """Steps between metric records."""
+    seed: int = 1234
+    """Seed for initialisation, data order and sampling."""
+    recompute_activations: bool = False
+    """Recompute activations in backward to save memory."""
+
+
+# --- rollout, environments, RL, sync -----------------------------------------------------------
+
+
+class SamplingSection(Section):
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature (RL needs 1.0 for unbiased logprobs)."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(default=-1, ge=-1)
+    """Top-k sampling; -1 disables."""
+    max_tokens: int = Field(default=512, gt=0)
+    """Tokens generated per model turn."""
+
+
+class RolloutSection(Section):
+    engine: Literal["embedded", "server"] = "embedded"
+    """`embedded`: vLLM in this process; `server`: one OpenAI-compatible vLLM server per rollout host."""
+    hosts: list[str] = Field(default_factory=lambda: ["localhost"], min_length=1)
+    """Rollout hosts (servers are started there over SSH, or locally for localhost)."""
+    engines_per_host: int = Field(default=1, gt=0)
+    """vLLM engines per rollout host."""
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    """Sampling parameters."""
+    max_context: int = Field(default=4096, gt=0)
+    """Context window of the engines (vLLM max_model_len)."""
+    max_turns: int = Field(default=1, gt=0)
+    """Agent turns per episode (1 = single-turn)."""
+    summarize_at: float | None = Field(default=None, gt=0, lt=1)
+    """Self-summarize when the context reaches this fraction of max_context; off when unset."""
+    max_summaries: int = Field(default=4, ge=0)
+    """Most summaries in one episode."""
+    kv_cache_gib: float = Field(default=1.0, gt=0)
+    """KV-cache memory per engine."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Inference dtype."""
+
+
+class TaskSet(Section):
+    name: Literal["humaneval", "codeio", "smoke"]
+    """Task family: HumanEval, CodeI/O, or the small learnable smoke family."""
+    weight: float = Field(default=1.0, gt=0)
+    """Sampling weight among task sets."""
+    limit: int | None = Field(default=None, gt=0)
+    """Use at most this many tasks of the set."""
+
+
+class SandboxSection(Section):
+    cpu_seconds: int = Field(default=10, gt=0)
+    """CPU time limit per execution."""
+    wall_seconds: float = Field(default=20.0, gt=0)
+    """Wall-clock limit per execution."""
+    memory_mb: int = Field(default=1024, gt=0)
+    """Address-space limit."""
+    max_processes: int = Field(default=64, gt=0)
+    """Process-count limit."""
+    max_file_mb: int = Field(default=16, gt=0)
+    """Largest file the code may write."""
+    max_output_kb: int = Field(default=64, gt=0)
+    """Captured stdout/stderr kept per execution."""
+    network: bool = False
+    """Allow network access (off: a fresh network namespace when root)."""
+
+
+class EnvSection(Section):
+    tasks: list[TaskSet] = Field(min_length=1)
+    """Task sets to draw episodes from."""
+    sandbox: SandboxSection = Field(default_factory=SandboxSection)
+    """Limits for running model-written code."""
+    reward: Literal["fraction", "all_or_nothing"] = "fraction"
+    """Reward = fraction of tests passed, or 1 only when all pass."""
+
+
+class RLSection(Section):
+    group_size: int = Field(default=8, gt=1)
+    """Samples per prompt for group-relative advantages."""
+    prompts_per_step: int = Field(default=8, gt=0)
+    """Prompts (groups) per learner step."""
+    advantage: Literal["group_mean", "group_mean_std"] = "group_mean_std"
+    """Advantage = reward minus group mean, optionally divided by the group's standard deviation."""
+    is_cap: float = Field(default=2.0, ge=1)
+    """Truncation cap of the importance ratio between learner and rollout policy."""
+    is_level: Literal["token", "sequence"] = "token"
+    """Where the importance ratio is computed and truncated."""
+    kl_coeff: float = Field(default=0.0, ge=0)
+    """Weight of a KL penalty to the reference policy; 0 disables it."""
+    max_staleness: int = Field(default=1, ge=0)
+    """Most policy versions a trajectory may lag the learner; older ones are dropped."""
+    router_replay: Literal["r3", "off"] = "r3"
+    """Replay the experts the rollout engine routed each token to (MoE only)."""
+
+
+class CodecSection(Section):
+    zstd_level: int = Field(default=3, ge=1, le=22)
+    """zstandard compression level."""
+    threads: int = Field(default=0, ge=0)
+    """Compression threads; 0 = one per core."""
+    chunk_mb: int = Field(default=64, gt=0)
+    """Chunk size: bounds memory and is the unit of transfer and de-duplication."""
+
+
+class SyncSection(Section):
+    store: str
+    """Where versions go: a directory, or `ssh://[user@]host[:port]/path`."""
+    anchor_every: int = Field(default=20, gt=0)
+    """A full snapshot every N versions; the rest are deltas against the previous version."""
+    keep_anchors: int = Field(default=2, gt=0)
+    """Garbage collection keeps the chains from the newest N anchors."""
+    codec: CodecSection = Field(default_factory=CodecSection)
+    """Delta codec settings."""
+
+
+class RunSection(Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """Run name; the run directory is `<dir>/<name>`."""
+    dir: str = "runs"
+    """Parent directory of run directories."""
+
+
+class Recipe(Section):
+    """A complete run: what to train, where, and how."""
+
+    run: RunSection
+    """Run name and location."""
+    model: ModelSection
+    """Model architecture and starting weights."""
+    parallelism: ParallelismSection = Field(default_factory=ParallelismSection)
+    """How the trainer splits the model across processes."""
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
+    """Trainer hosts and how to reach remote machines."""
+    optim: OptimSection
+    """Optimizer and learning-rate schedule."""
+    train: TrainSection
+    """Steps, batches, checkpoints, evaluation."""
+    data: DataSection | None = None
+    """Pre-training corpus (midtrain)."""
+    rollout: RolloutSection | None = None
+    """Inference engines (RL)."""
+    env: EnvSection | None = None
+    """Environments and sandbox (RL)."""
+    rl: RLSection | None = None
+    """RL objective (RL)."""
+    sync: SyncSection | None = None
+    """Weight distribution of every new policy."""

