@@ -1,0 +1,129 @@
+"""The run directory and the durable-write helpers every loop uses.
+
+Layout of `runs/<name>/`:
+    recipe.yaml      the fully resolved recipe of the run (rewritten on every start or resume)
+    metrics.jsonl    one JSON object per record: {"step": .., "time": .., "<series>": value, ...}
+    logs/            per-process logs
+    checkpoints/     training checkpoints
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+from recipes.errors import UserError
+from recipes.schema import Recipe
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class MetricsWriter:
+    """Appends one JSON line per record and flushes it, so a killed run keeps every record written."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file: IO[str] = path.open("a")
+
+    def write(self, step: int, **values: Any) -> None:
+        record = {"step": step, "time": round(time.time(), 3)}
+        for key, value in values.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                value = str(value)  # JSON has no NaN/inf; keep them visible rather than invalid
+            record[key] = value
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: Path) -> Iterator[dict]:
+    """Records of a metrics file; a torn last line (killed writer) is skipped."""
+    with path.open() as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+class RunDir:
+    """`<run.dir>/<run.name>/` of a recipe."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> RunDir:
+        return cls(Path(recipe.run.dir) / recipe.run.name)
+
+    @property
+    def recipe_path(self) -> Path:
+        return self.root / "recipe.yaml"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def prepare(self, recipe_yaml: str, resume: bool) -> None:
+        """Create the run directory and save the resolved recipe.
+
+        A fresh start refuses a directory that already holds a run, so nothing is overwritten by accident.
+        """
+        if not resume and self.metrics_path.exists():
+            raise UserError(f"{self.root} already holds a run; pass --resume to continue it, or choose another run.name")
+        if resume and not self.root.is_dir():
+            raise UserError(f"--resume: no run at {self.root}")
+        self.logs.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.recipe_path, recipe_yaml)
+
+    def metrics(self) -> MetricsWriter:
+        return MetricsWriter(self.metrics_path)
