@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from recipes.errors import UserError
 from recipes.schema import Recipe
 
 
@@ -123,3 +124,29 @@ def _check_rl(r: Recipe) -> list[Problem]:
     if r.rollout and r.rollout.summarize_at is not None and r.rollout.max_turns == 1:
         out.append(Problem("rollout.summarize_at", "self-summarization happens between turns; set rollout.max_turns > 1"))
     return out
+
+
+def refuse_unhonoured(recipe: Recipe, command: str, unhonoured: dict[str, str]) -> None:
+    """Refuse recipe keys that `command` does not honour yet, when set to anything but their default.
+
+    `unhonoured` maps a dotted path (`parallelism.pp`) to the reason; every offending key is named at once.
+    """
+    problems = []
+    for path, reason in unhonoured.items():
+        value, default = _value_and_default(recipe, path)
+        if value != default:
+            problems.append(f"  {path}: {command} does not support {value!r} here ({reason}); leave it at {default!r}")
+    if problems:
+        raise UserError(f"{command}: the recipe sets keys this command cannot honour:\n" + "\n".join(problems))
+
+
+def _value_and_default(recipe: Recipe, path: str) -> tuple[object, object]:
+    node: object = recipe
+    parts = path.split(".")
+    for part in parts[:-1]:
+        node = getattr(node, part)
+        if node is None:
+            return None, None  # the section is absent, so the key is not set
+    field = type(node).model_fields[parts[-1]]
+    default = field.default_factory() if field.default_factory else field.default
+    return getattr(node, parts[-1]), default

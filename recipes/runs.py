@@ -56,6 +56,7 @@ class MetricsWriter:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        _drop_torn_tail(path)
         self._file: IO[str] = path.open("a")
 
     def write(self, step: int, **values: Any) -> None:
@@ -75,6 +76,16 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line left unfinished by a killed writer, so appended records start on their own line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 def read_metrics(path: Path) -> Iterator[dict]:

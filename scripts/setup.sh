@@ -17,11 +17,14 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     exit 0
 fi
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
-"${pip[@]}" --upgrade "pip>=24"
+pip_install() {
+    # The machine's pip config lists local indexes that may be absent; their warnings are noise.
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@" 2> >(grep -v -e "is ignored: it is neither" -e "^$" >&2)
+}
+pip_install --upgrade "pip>=24"
 # numpy first: otherwise the resolver may pick a numpy sdist for megatron-core that fails to build.
-"${pip[@]}" "numpy>=1.26,<2.4" "packaging>=24.2"
-"${pip[@]}" -e ".[$flavour,dev]"
+pip_install "numpy>=1.26,<2.4" "packaging>=24.2"
+pip_install -e ".[$flavour,dev]"
 if [[ $flavour == cpu ]]; then
     "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
