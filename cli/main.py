@@ -21,7 +21,7 @@ app = typer.Typer(
 )
 app.add_typer(recipe_cmd.app, name="recipe")
 
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
 _debug = False
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     except UserError as e:
         if _debug:
             raise
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")

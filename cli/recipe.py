@@ -14,7 +14,7 @@ from recipes.loader import load_recipe, recipe_to_yaml
 from recipes.schema import Recipe
 
 app = typer.Typer(help="Validate, show and describe recipes.", no_args_is_help=True)
-console = Console()
+console = Console(soft_wrap=True)
 
 SetOption = typer.Option([], "--set", "-s", help="Override a key: --set train.steps=10 (value parsed as YAML). Repeatable.")
 

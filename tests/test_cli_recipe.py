@@ -75,3 +75,32 @@ def test_schema_is_json_schema_with_docs(composer):
     assert {"run", "model", "parallelism", "data", "rollout", "env", "rl", "sync", "cluster", "optim", "train"} <= set(schema["properties"])
     assert "additionalProperties" in json.dumps(schema)
     assert "Tensor-parallel size." in result.stdout
+
+
+MALFORMED = {
+    "unknown key": (["--set", "train.chekpoint_every=5"], "train.chekpoint_every: unknown key; did you mean 'checkpoint_every'?"),
+    "wrong type": (["--set", "model.num_layers=two"], "model.num_layers: Input should be a valid integer"),
+    "impossible parallel sizes": (["--set", "parallelism.ep=3"], "parallelism.ep: 3 does not divide model.num_experts=8"),
+    "bad --set": (["--set", "model.num_layers.x=1"], "--set 'model.num_layers.x=1': model.num_layers holds a value"),
+}
+
+
+def _run_malformed(composer, args):
+    result = composer("recipe", "show", str(RECIPES / "smoke-midtrain.yaml"), *args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stdout + result.stderr
+    return result.stderr
+
+
+def test_malformed_recipes_name_the_path_without_traceback(composer):
+    for name, (args, message) in MALFORMED.items():
+        assert message in _run_malformed(composer, args), name
+
+
+def test_bad_and_cyclic_extends_without_traceback(composer, write_recipe):
+    missing = write_recipe("extends: nowhere.yaml\n", "missing.yaml")
+    write_recipe("extends: b.yaml\n", "a.yaml")
+    cyclic = write_recipe("extends: a.yaml\n", "b.yaml")
+    for path, message in ((missing, "extends: 'nowhere.yaml' not found"), (cyclic, "cyclic extends: b.yaml -> a.yaml -> b.yaml")):
+        result = composer("recipe", "validate", str(path))
+        assert result.returncode == 2 and message in result.stdout and "Traceback" not in result.stdout + result.stderr
