@@ -1,0 +1,151 @@
+"""Trajectories: what rollouts hand to the learner, stored durably and compactly.
+
+A trajectory is one episode. Its token stream is split into segments (one training sequence each;
+more than one when the episode was self-summarized). Per token we keep the id, whether the learner
+trains on it (model-generated) and the rollout engine's logprob; per token and MoE layer, the experts
+the engine routed to (narrowest integer dtype; a long episode holds ~10^8 ids, never JSON).
+
+A group (the samples of one prompt) is the unit of storage: one zstd-compressed file, written with
+temp + fsync + rename and verified by a checksum on read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+from recipes.errors import UserError
+from recipes.runs import atomic_write_bytes, fsync_dir
+
+_MAGIC = b"CTRJ1\n"
+
+
+@dataclass
+class Segment:
+    token_ids: np.ndarray
+    """int32 [T]: prompt and response tokens of one training sequence."""
+    loss_mask: np.ndarray
+    """bool [T]: tokens the policy generated (trained on); prompt and tool output are False."""
+    logprobs: np.ndarray
+    """float32 [T]: rollout logprob of each generated token (0 elsewhere)."""
+    routed_experts: np.ndarray | None = None
+    """[T-1, layers, top_k] expert ids from the engine (the last token is never forwarded)."""
+
+    def __post_init__(self) -> None:
+        self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
+        self.loss_mask = np.asarray(self.loss_mask, dtype=bool)
+        self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(f"segment arrays disagree: {n} tokens, {len(self.loss_mask)} mask, {len(self.logprobs)} logprobs")
+        if self.routed_experts is not None:
+            self.routed_experts = narrowest_ids(self.routed_experts)
+            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != n - 1:
+                raise ValueError(f"routed experts {self.routed_experts.shape} do not cover {n} tokens ([T-1, layers, top_k])")
+
+
+@dataclass
+class Trajectory:
+    id: str
+    group_id: str
+    task_id: str
+    policy_version: int
+    """Weights version the episode was generated with (staleness is measured against it)."""
+    reward: float
+    segments: list[Segment]
+    info: dict = field(default_factory=dict)
+    """JSON-serialisable extras: finish reasons, sandbox status, summaries made."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments)
+
+
+def narrowest_ids(ids: np.ndarray) -> np.ndarray:
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < 0):
+        raise ValueError("expert ids must be non-negative")
+    top = int(ids.max()) if ids.size else 0
+    dtype = np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.uint32
+    return ids.astype(dtype, copy=False)
+
+
+def encode_group(trajectories: list[Trajectory], level: int = 3) -> bytes:
+    arrays: dict[str, np.ndarray] = {}
+    meta = []
+    for t, traj in enumerate(trajectories):
+        segs = []
+        for s, seg in enumerate(traj.segments):
+            key = f"{t}.{s}"
+            arrays[f"{key}.tokens"] = seg.token_ids
+            arrays[f"{key}.mask"] = seg.loss_mask
+            arrays[f"{key}.logprobs"] = seg.logprobs
+            if seg.routed_experts is not None:
+                arrays[f"{key}.routes"] = seg.routed_experts
+            segs.append(key)
+        meta.append({"id": traj.id, "group_id": traj.group_id, "task_id": traj.task_id,
+                     "policy_version": traj.policy_version, "reward": traj.reward, "info": traj.info, "segments": segs})
+    buffer = io.BytesIO()
+    np.savez(buffer, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    body = zstandard.ZstdCompressor(level=level).compress(buffer.getvalue())
+    return _MAGIC + hashlib.blake2b(body, digest_size=16).hexdigest().encode() + b"\n" + body
+
+
+def decode_group(data: bytes, source: str = "trajectory file") -> list[Trajectory]:
+    if not data.startswith(_MAGIC):
+        raise UserError(f"{source}: not a composer trajectory file")
+    header_end = data.index(b"\n", len(_MAGIC))
+    digest, body = data[len(_MAGIC):header_end].decode(), data[header_end + 1:]
+    if hashlib.blake2b(body, digest_size=16).hexdigest() != digest:
+        raise UserError(f"{source}: checksum mismatch (corrupt or truncated)")
+    with np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(body))) as z:
+        arrays = {k: z[k] for k in z.files}
+    trajectories = []
+    for m in json.loads(arrays.pop("__meta__").tobytes()):
+        segments = [Segment(arrays[f"{k}.tokens"], arrays[f"{k}.mask"], arrays[f"{k}.logprobs"], arrays.get(f"{k}.routes"))
+                    for k in m.pop("segments")]
+        trajectories.append(Trajectory(segments=segments, **m))
+    return trajectories
+
+
+class TrajectoryStore:
+    """Groups waiting for the learner (`ready/`) and groups it has consumed (`consumed/`).
+
+    A group becomes visible only once completely written, and moves to `consumed/` only after the learner
+    step that used it is checkpointed, so a crash at any point neither loses nor duplicates a trajectory.
+    """
+
+    def __init__(self, root: Path):
+        self.ready = root / "ready"
+        self.consumed = root / "consumed"
+        self.ready.mkdir(parents=True, exist_ok=True)
+        self.consumed.mkdir(parents=True, exist_ok=True)
+
+    def put(self, group_id: str, trajectories: list[Trajectory]) -> Path:
+        path = self.ready / f"{group_id}.traj"
+        atomic_write_bytes(path, encode_group(trajectories))
+        return path
+
+    def ready_groups(self) -> list[str]:
+        return sorted(p.stem for p in self.ready.glob("*.traj"))
+
+    def load(self, group_id: str) -> list[Trajectory]:
+        path = self.ready / f"{group_id}.traj"
+        return decode_group(path.read_bytes(), str(path))
+
+    def mark_consumed(self, group_ids: list[str]) -> None:
+        for group_id in group_ids:
+            os.replace(self.ready / f"{group_id}.traj", self.consumed / f"{group_id}.traj")
+        fsync_dir(self.ready)
+        fsync_dir(self.consumed)
+
+    def known_groups(self) -> set[str]:
+        """Every group written, consumed or not (a resumed run must not generate these again)."""
+        return {p.stem for d in (self.ready, self.consumed) for p in d.glob("*.traj")}
