@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,3 +102,121 @@ def _completion(prompt_ids: list[int], output) -> Completion:
         routed_experts=output.routed_experts,
         finish_reason=output.finish_reason or "length",
     )
+
+
+class VllmServer:
+    """An OpenAI-compatible vLLM server started by composer on this host, stopped with it."""
+
+    def __init__(self, model_dir: str | Path, rollout: RolloutSection, *, seed: int, routed_experts: bool, log_path: Path, startup_timeout: float = 300):
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise UserError(f"rollout: {model_dir} is not an HF checkpoint (no config.json)")
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", rollout.dtype, "--max-model-len", str(rollout.max_context),
+            "--kv-cache-memory-bytes", str(int(rollout.kv_cache_gib * 2**30)),
+            "--enforce-eager", "--seed", str(seed), "--enable-prefix-caching",
+            "--worker-extension-cls", "rollout.vllm_worker.WeightUpdateExtension",
+        ]
+        if routed_experts:
+            args.append("--enable-return-routed-experts")
+        if not (model_dir / "tokenizer.json").is_file():
+            args.append("--skip-tokenizer-init")
+        # Dev mode exposes /collective_rpc and /reset_prefix_cache, used for in-place weight updates.
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        with log_path.open("ab") as log:
+            self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            self._wait_healthy(startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise UserError(f"vLLM server exited with code {self._proc.returncode} during start-up; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise UserError(f"vLLM server not healthy after {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ServerEngine:
+    """Client of one OpenAI-compatible vLLM server: the same interface as `EmbeddedEngine`."""
+
+    def __init__(self, url: str, rollout: RolloutSection, model: str):
+        self.url = url.rstrip("/")
+        self.model = model
+        self._sampling = rollout.sampling
+
+    def generate(self, prompts: list[list[int]], n: int = 1, seed: int | None = None, max_tokens: int | None = None) -> list[list[Completion]]:
+        s = self._sampling
+        results = []
+        for prompt in prompts:
+            body = {
+                "model": self.model, "prompt": prompt, "n": n, "temperature": s.temperature, "top_p": s.top_p,
+                "top_k": s.top_k, "max_tokens": max_tokens or s.max_tokens, "logprobs": 0,
+                "return_token_ids": True, "return_tokens_as_token_ids": True, "seed": seed,
+            }
+            choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
+            results.append([_server_completion(prompt, c) for c in choices])
+        return results
+
+    def load_weights(self, weights_dir: str | Path) -> None:
+        self._post("/collective_rpc", {"method": "load_weights_from_dir", "args": [str(weights_dir)]})
+        self._post("/reset_prefix_cache", None)
+
+    def _post(self, path: str, body: dict | None) -> dict:
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(self.url + path, data=data, method="POST", headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=600) as r:
+                payload = r.read()
+        except urllib.error.HTTPError as e:
+            raise UserError(f"vLLM server {self.url}{path}: HTTP {e.code}: {e.read()[:500].decode(errors='replace')}") from None
+        except urllib.error.URLError as e:
+            raise UserError(f"vLLM server {self.url} unreachable: {e.reason}") from None
+        return json.loads(payload) if payload else {}
+
+
+def _server_completion(prompt: list[int], choice: dict) -> Completion:
+    routes = choice.get("routed_experts")
+    return Completion(
+        prompt_ids=list(prompt),
+        token_ids=list(choice["token_ids"]),
+        logprobs=[float(x) for x in choice["logprobs"]["token_logprobs"]],
+        routed_experts=np.load(io.BytesIO(base64.b64decode(routes))) if routes else None,
+        finish_reason=choice.get("finish_reason") or "length",
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

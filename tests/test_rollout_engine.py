@@ -71,3 +71,21 @@ def test_missing_checkpoint_is_a_user_error(tmp_path):
 
     with pytest.raises(UserError, match="is not an HF checkpoint"):
         EmbeddedEngine(tmp_path, RolloutSection(), seed=0, routed_experts=False)
+
+
+def test_server_engine_generates_and_updates_in_place(checkpoints, tmp_path):
+    from rollout.engine import ServerEngine, VllmServer
+
+    rollout = RolloutSection(engine="server", max_context=256, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=8))
+    with VllmServer(checkpoints[0], rollout, seed=0, routed_experts=True, log_path=tmp_path / "vllm.log") as server:
+        engine = ServerEngine(server.url, rollout, model=str(checkpoints[0]))
+        [[a, b]] = engine.generate([SEQS[1]], n=2, seed=5)
+        assert len(a.token_ids) == len(a.logprobs) == 8
+        assert a.routed_experts.shape == (len(SEQS[1]) + 8 - 1, 2, 2)
+        expected, routes = hf_logprobs_and_routes(checkpoints[0], [a.prompt_ids + a.token_ids])
+        assert np.max(np.abs(np.array(expected[0][-8:]) - np.array(a.logprobs))) < 1e-4
+        assert np.array_equal(np.sort(a.routed_experts, -1), routes[0].permute(1, 0, 2).numpy()[: len(SEQS[1]) + 7])
+        engine.load_weights(checkpoints[1])
+        [[c]] = engine.generate([SEQS[1]], n=1, seed=5)
+        expected, _ = hf_logprobs_and_routes(checkpoints[1], [c.prompt_ids + c.token_ids])
+        assert np.max(np.abs(np.array(expected[0][-8:]) - np.array(c.logprobs))) < 1e-4
