@@ -1,0 +1,49 @@
+"""Engine routes -> Megatron RouterReplay layout: order, sharding and validation."""
+
+import numpy as np
+import pytest
+
+from trainer.replay_layout import ReplayLayoutError, replay_tensors
+
+
+def routes_for(lengths, layers=3, top_k=2, experts=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return [np.stack([np.stack([rng.choice(experts, top_k, replace=False) for _ in range(layers)]) for _ in range(n - 1)]) for n in lengths]
+
+
+def test_sequence_major_order_and_layers():
+    lengths = [5, 3]
+    routes = routes_for(lengths)
+    out = replay_tensors(routes, lengths, seq_len=6, num_experts=8, layers=range(1, 3))
+    assert len(out) == 2 and out[0].shape == (12, 2) and str(out[0].dtype) == "torch.int64"
+    for i, layer in enumerate((1, 2)):
+        for b, n in enumerate(lengths):
+            for s in range(n - 1):
+                assert out[i][s * 2 + b].tolist() == routes[b][s, layer].tolist()
+            assert out[i][(n - 1) * 2 + b].tolist() == routes[b][n - 2, layer].tolist()  # last token repeats
+            assert out[i][5 * 2 + b].tolist() == [0, 1]  # padding: a fixed valid choice
+
+
+def test_sequence_parallel_shards():
+    lengths = [8, 8]
+    routes = routes_for(lengths)
+    full = replay_tensors(routes, lengths, 8, 8, range(3))
+    parts = [replay_tensors(routes, lengths, 8, 8, range(3), tp_rank=r, tp_size=2, sequence_parallel=True) for r in (0, 1)]
+    for layer in range(3):
+        assert np.array_equal(np.concatenate([parts[0][layer], parts[1][layer]]), full[layer].numpy())
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda r, n: ([r[0][:-1], r[1]], n), "routed positions for 5 tokens"),
+        (lambda r, n: ([r[0] + 8, r[1]], n), "out of range for 8 experts"),
+        (lambda r, n: ([r[0], r[1][:, :2]], n), "expected"),
+        (lambda r, n: (r, [5]), "route arrays for 1 sequences"),
+    ],
+)
+def test_mismatches_are_errors(mutate, match):
+    lengths = [5, 3]
+    routes, lens = mutate(routes_for(lengths), lengths)
+    with pytest.raises(ReplayLayoutError, match=match):
+        replay_tensors(routes, lens, 6, 8, range(3))
