@@ -33,11 +33,13 @@ def init_distributed(p: ParallelismSection, seed: int = 1234) -> None:
 
     apply_cpu_patches()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "RANK" in os.environ:
+            dist.init_process_group(backend=backend)
+        else:
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
     model_parallel = p.tp * p.pp * p.cp
     if world % model_parallel:
@@ -68,12 +70,15 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def run_torchrun(nproc: int, module: str, args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m module args` as `nproc` local processes under torchrun; output is captured."""
+def run_torchrun(nproc: int, args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run `nproc` local processes under torchrun; `args` is `["-m", module, ...]` or `[script.py, ...]`.
+
+    Output is captured; OMP_NUM_THREADS defaults to 1 (faster than sharing cores between ranks).
+    """
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", module, *args,
+        *args,
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
     return subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)

@@ -275,6 +275,13 @@ def build_model(m: ModelSection, p: ParallelismSection):
         pre_process=True,
         post_process=True,
     )
+    if m.is_moe and p.ep == 1:
+        # Megatron marks expert weights as expert-parallel only when ep > 1, so with ep=1 its DDP reduces them over
+        # the dense data-parallel group. With etp < tp the tensor-parallel peers route different tokens through
+        # the same experts, and those gradients must also be summed: the expert data-parallel group does that.
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                param.allreduce = False
     if torch.cuda.is_available():
         model.cuda()
     return model

@@ -1,0 +1,150 @@
+"""One model, three engines: transformers, Megatron-Core (tp/ep splits) and vLLM agree on a tiny Qwen3-MoE.
+
+The model has 2 KV groups of 2 query heads, randomised norm weights and a router with clear top-k margins,
+and every batch has 2 sequences, so a wrong QKV interleave, a missing norm mapping or a batch/sequence-major
+mix-up in the routing shows (notes/model-parity.md lists how weaker setups hide such bugs).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes.loader import load_recipe
+from recipes.schema import ParallelismSection
+from trainer.checkpoint_init import init_hf_checkpoint
+from trainer.distributed import init_distributed, run_torchrun, shutdown_distributed
+from trainer.model import build_model, forward_logits, model_section_from_hf
+from trainer.weights import export_hf, load_hf_into
+
+pytestmark = pytest.mark.engines
+
+REPO = Path(__file__).resolve().parent.parent
+BATCH, SEQ = 2, 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    model = load_recipe(REPO / "recipes/smoke-midtrain.yaml", []).model
+    return init_hf_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "tiny", tokenizer_bytes=2**20)
+
+
+@pytest.fixture(scope="module")
+def megatron(checkpoint):
+    """The checkpoint loaded into a Megatron GPTModel in this process (world size 1)."""
+    torch.set_num_threads(1)
+    m = model_section_from_hf(checkpoint)
+    init_distributed(ParallelismSection())
+    model = build_model(m, ParallelismSection())
+    load_hf_into(model, m, checkpoint)
+    model.eval()
+    yield m, model
+    shutdown_distributed()
+
+
+@pytest.fixture(scope="module")
+def tokens(megatron) -> torch.Tensor:
+    m, _ = megatron
+    return torch.randint(1, m.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def megatron_logits_and_routes(model, tokens) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits [B, S, V] and, per layer, the recorded top-k experts as [B, S, K] (Megatron records [S*B, K])."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+    try:
+        with torch.no_grad():
+            logits = forward_logits(model, tokens)
+        routes = [r.view(SEQ, BATCH, -1).transpose(0, 1) for r in RouterReplay.get_recorded_data()]
+    finally:
+        RouterReplay.clear_global_indices()
+        RouterReplay.clear_global_router_replay_action()
+    return logits, routes
+
+
+def test_megatron_matches_transformers(checkpoint, megatron, tokens):
+    from transformers import AutoModelForCausalLM
+
+    m, model = megatron
+    logits, routes = megatron_logits_and_routes(model, tokens)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        out = hf(tokens, output_router_logits=True)
+    assert (logits - out.logits).abs().max().item() <= 1e-4
+    assert len(routes) == len(out.router_logits) == m.num_layers
+    for layer, (ours, theirs) in enumerate(zip(routes, out.router_logits)):
+        hf_topk = theirs.view(BATCH, SEQ, -1).topk(m.moe_top_k, dim=-1).indices
+        assert torch.equal(ours.sort(-1).values, hf_topk.sort(-1).values), f"layer {layer}: expert choices differ"
+        # the router must be decisive for this comparison to mean anything
+        probs = theirs.softmax(-1).sort(-1, descending=True).values
+        margin = probs[..., m.moe_top_k - 1] - probs[..., m.moe_top_k]
+        assert margin.min().item() > 1e-5
+
+
+def test_import_export_round_trip_is_bit_exact(checkpoint, megatron, tmp_path):
+    from safetensors import safe_open
+
+    from trainer.weights import hf_weight_files
+
+    m, model = megatron
+    export_hf(model, m, tmp_path / "export", tokenizer_dir=checkpoint, max_shard_bytes=2 * 2**20)
+    original, exported = hf_weight_files(checkpoint), hf_weight_files(tmp_path / "export")
+    assert set(exported) == set(original)
+    assert len(set(exported.values())) > 1, "a 2 MiB shard limit must split the ~8 MB model"
+    for name in original:
+        with safe_open(original[name], "pt") as a, safe_open(exported[name], "pt") as b:
+            x, y = a.get_tensor(name), b.get_tensor(name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert (tmp_path / "export/tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()
+    assert model_section_from_hf(tmp_path / "export") == m.model_copy(update={"checkpoint": str(tmp_path / "export")})
+
+
+def test_vllm_serves_the_exported_model(megatron, tokens, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    m, model = megatron
+    export_hf(model, m, tmp_path / "served", tokenizer_dir=None)
+    logits, routes = megatron_logits_and_routes(model, tokens)
+    logprobs = torch.log_softmax(logits, dim=-1)
+
+    llm = LLM(
+        model=str(tmp_path / "served"), tokenizer=None, skip_tokenizer_init=True, dtype="float32",
+        enforce_eager=True, kv_cache_memory_bytes=64 * 2**20, max_model_len=64, seed=0,
+        enable_return_routed_experts=True,
+    )
+    try:
+        prompts = [TokensPrompt(prompt_token_ids=row.tolist()) for row in tokens]
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False))
+    finally:
+        del llm
+    for b, out in enumerate(outputs):
+        # prompt_logprobs[t] holds log p(token t | tokens < t); position 0 has none
+        served = torch.tensor([out.prompt_logprobs[t][tokens[b, t].item()].logprob for t in range(1, SEQ)])
+        ours = logprobs[b, torch.arange(SEQ - 1), tokens[b, 1:]]
+        assert (served - ours).abs().max().item() <= 1e-4
+        vllm_routes = torch.from_numpy(out.outputs[0].routed_experts.astype("int64"))  # [S, layers, K]
+        assert vllm_routes.shape == (SEQ, m.num_layers, m.moe_top_k)
+        for layer in range(m.num_layers):
+            assert torch.equal(vllm_routes[:, layer].sort(-1).values, routes[layer][b].sort(-1).values), f"sequence {b}, layer {layer}"
+
+
+def test_tensor_and_expert_parallel_match_single_process(checkpoint, tmp_path):
+    out = tmp_path / "splits.pt"
+    result = run_torchrun(
+        2, [str(REPO / "tests/model_parallel_worker.py"), str(checkpoint), str(out), "alltoall"],
+        env={"PYTHONPATH": str(REPO)}, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    splits = torch.load(out)
+    reference = splits.pop("tp1")
+    assert reference["loss_before"] - reference["loss_after"] > 1e-2, "the SGD step must change the loss"
+    for name, got in splits.items():
+        assert (got["logits"] - reference["logits"]).abs().max().item() <= 1e-5, name
+        assert abs(got["loss_before"].item() - reference["loss_before"].item()) <= 1e-5, name
+        assert abs(got["loss_after"].item() - reference["loss_after"].item()) <= 1e-5, name
