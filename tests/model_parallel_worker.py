@@ -1,7 +1,8 @@
-"""torchrun worker for tests/test_model_parallel.py: the same HF checkpoint under several tp/ep splits.
+"""torchrun worker for tests/test_model_engines.py: the same HF checkpoints under several tp/ep splits.
 
-For each split: full logits of a fixed batch, then one SGD step through Megatron's DDP and
-finalize_model_grads, then the loss before and after the step. Rank 0 saves everything to OUT.
+For each split: full logits of a fixed batch, an HF export of the loaded weights, then one SGD step through
+Megatron's DDP and finalize_model_grads, and the loss before and after the step.
+Usage: model_parallel_worker.py OUT_DIR MOE_CHECKPOINT DENSE_CHECKPOINT; rank 0 saves OUT_DIR/results.pt.
 """
 
 import sys
@@ -13,20 +14,25 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from recipes.schema import ParallelismSection
 from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.model import build_model, causal_mask, forward_logits, model_section_from_hf
-from trainer.weights import load_hf_into
+from trainer.weights import export_hf, load_hf_into
 
-SPLITS = {
+MOE_SPLITS = {
     "tp1": ParallelismSection(),
     "tp2_sp": ParallelismSection(tp=2, sequence_parallel=True),
     "ep2": ParallelismSection(ep=2),
 }
+DENSE_SPLITS = {
+    "tp1": ParallelismSection(),
+    "tp2": ParallelismSection(tp=2),
+}
 LR = 0.5
 
 
-def run_split(m, p, checkpoint, tokens):
+def run_split(m, p, checkpoint, tokens, export_dir):
     init_distributed(p)
     model = build_model(m, p)
     load_hf_into(model, m, checkpoint)
+    export_hf(model, m, export_dir)
     ddp = DistributedDataParallel(
         config=model.config,
         ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
@@ -49,12 +55,16 @@ def run_split(m, p, checkpoint, tokens):
 
 
 def main() -> None:
-    checkpoint, out = sys.argv[1], sys.argv[2]
-    m = model_section_from_hf(checkpoint).model_copy(update={"moe_token_dispatcher": sys.argv[3]})
-    tokens = torch.randint(0, m.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
-    results = {name: run_split(m, p, checkpoint, tokens) for name, p in SPLITS.items()}
+    out, moe_checkpoint, dense_checkpoint = sys.argv[1:4]
+    results = {}
+    for checkpoint, splits in ((moe_checkpoint, MOE_SPLITS), (dense_checkpoint, DENSE_SPLITS)):
+        m = model_section_from_hf(checkpoint)
+        tokens = torch.randint(0, m.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+        results[m.family] = {
+            name: run_split(m, p, checkpoint, tokens, f"{out}/export-{m.family}-{name}") for name, p in splits.items()
+        }
     if torch.distributed.get_rank() == 0:
-        torch.save(results, out)
+        torch.save(results, f"{out}/results.pt")
     shutdown_distributed()
 
 

@@ -18,7 +18,7 @@ from recipes.schema import ParallelismSection
 from trainer.checkpoint_init import init_hf_checkpoint
 from trainer.distributed import init_distributed, run_torchrun, shutdown_distributed
 from trainer.model import build_model, forward_logits, model_section_from_hf
-from trainer.weights import export_hf, load_hf_into
+from trainer.weights import export_hf, hf_weight_files, load_hf_into
 
 pytestmark = pytest.mark.engines
 
@@ -30,6 +30,14 @@ BATCH, SEQ = 2, 24
 def checkpoint(tmp_path_factory) -> Path:
     model = load_recipe(REPO / "recipes/smoke-midtrain.yaml", []).model
     return init_hf_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "tiny", tokenizer_bytes=2**20)
+
+
+@pytest.fixture(scope="module")
+def dense_checkpoint(tmp_path_factory) -> Path:
+    """A tiny Llama (dense SwiGLU MLP) of the same attention shape."""
+    moe = load_recipe(REPO / "recipes/smoke-midtrain.yaml", []).model
+    dense = moe.model_copy(update=dict(family="llama", num_experts=0, moe_top_k=0, moe_ffn_hidden_size=0, ffn_hidden_size=256))
+    return init_hf_checkpoint(dense, tmp_path_factory.mktemp("dense") / "tiny-llama", tokenizer_bytes=2**20)
 
 
 @pytest.fixture(scope="module")
@@ -85,20 +93,24 @@ def test_megatron_matches_transformers(checkpoint, megatron, tokens):
         assert margin.min().item() > 1e-5
 
 
-def test_import_export_round_trip_is_bit_exact(checkpoint, megatron, tmp_path):
+def assert_same_weights(original_dir: Path, exported_dir: Path) -> None:
+    """Same tensor names, dtypes and bits."""
     from safetensors import safe_open
 
-    from trainer.weights import hf_weight_files
-
-    m, model = megatron
-    export_hf(model, m, tmp_path / "export", tokenizer_dir=checkpoint, max_shard_bytes=2 * 2**20)
-    original, exported = hf_weight_files(checkpoint), hf_weight_files(tmp_path / "export")
-    assert set(exported) == set(original)
-    assert len(set(exported.values())) > 1, "a 2 MiB shard limit must split the ~8 MB model"
+    original, exported = hf_weight_files(original_dir), hf_weight_files(exported_dir)
+    assert set(exported) == set(original), exported_dir.name
     for name in original:
         with safe_open(original[name], "pt") as a, safe_open(exported[name], "pt") as b:
             x, y = a.get_tensor(name), b.get_tensor(name)
-        assert x.dtype == y.dtype and torch.equal(x, y), name
+        assert x.dtype == y.dtype and torch.equal(x, y), f"{exported_dir.name}: {name}"
+
+
+def test_import_export_round_trip_is_bit_exact(checkpoint, megatron, tmp_path):
+
+    m, model = megatron
+    export_hf(model, m, tmp_path / "export", tokenizer_dir=checkpoint, max_shard_bytes=2 * 2**20)
+    assert len(set(hf_weight_files(tmp_path / "export").values())) > 1, "a 2 MiB shard limit must split the ~8 MB model"
+    assert_same_weights(checkpoint, tmp_path / "export")
     assert (tmp_path / "export/tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()
     assert model_section_from_hf(tmp_path / "export") == m.model_copy(update={"checkpoint": str(tmp_path / "export")})
 
@@ -134,17 +146,36 @@ def test_vllm_serves_the_exported_model(megatron, tokens, tmp_path, monkeypatch)
             assert torch.equal(vllm_routes[:, layer].sort(-1).values, routes[layer][b].sort(-1).values), f"sequence {b}, layer {layer}"
 
 
-def test_tensor_and_expert_parallel_match_single_process(checkpoint, tmp_path):
-    out = tmp_path / "splits.pt"
+def test_tensor_and_expert_parallel_match_single_process(checkpoint, dense_checkpoint, tmp_path):
+    """tp=2 (sequence parallel) and ep=2 for the MoE, tp=2 for the dense model, against tp=1, under torchrun."""
     result = run_torchrun(
-        2, [str(REPO / "tests/model_parallel_worker.py"), str(checkpoint), str(out), "alltoall"],
+        2, [str(REPO / "tests/model_parallel_worker.py"), str(tmp_path), str(checkpoint), str(dense_checkpoint)],
         env={"PYTHONPATH": str(REPO)}, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    splits = torch.load(out)
-    reference = splits.pop("tp1")
-    assert reference["loss_before"] - reference["loss_after"] > 1e-2, "the SGD step must change the loss"
-    for name, got in splits.items():
-        assert (got["logits"] - reference["logits"]).abs().max().item() <= 1e-5, name
-        assert abs(got["loss_before"].item() - reference["loss_before"].item()) <= 1e-5, name
-        assert abs(got["loss_after"].item() - reference["loss_after"].item()) <= 1e-5, name
+    results = torch.load(tmp_path / "results.pt")
+    assert set(results) == {"qwen3_moe", "llama"}
+    for family, splits in results.items():
+        reference = splits.pop("tp1")
+        assert reference["loss_before"] - reference["loss_after"] > 1e-2, "the SGD step must change the loss"
+        for name, got in splits.items():
+            where = f"{family} {name}"
+            assert (got["logits"] - reference["logits"]).abs().max().item() <= 1e-5, where
+            assert abs(got["loss_before"].item() - reference["loss_before"].item()) <= 1e-5, where
+            assert abs(got["loss_after"].item() - reference["loss_after"].item()) <= 1e-5, where
+    for export in sorted(tmp_path.glob("export-*")):
+        source = checkpoint if "qwen3_moe" in export.name else dense_checkpoint
+        assert_same_weights(source, export)
+
+
+def test_dense_megatron_matches_transformers(dense_checkpoint, megatron, tokens):
+    from transformers import AutoModelForCausalLM
+
+    m = model_section_from_hf(dense_checkpoint)
+    assert m.family == "llama"
+    model = build_model(m, ParallelismSection())
+    load_hf_into(model, m, dense_checkpoint)
+    hf = AutoModelForCausalLM.from_pretrained(dense_checkpoint, dtype=torch.float32)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        assert (forward_logits(model.eval(), tokens) - hf(tokens).logits).abs().max().item() <= 1e-4

@@ -253,7 +253,11 @@ def layer_block_spec(m: ModelSection):
 
 
 def build_model(m: ModelSection, p: ParallelismSection):
-    """A GPTModel for this rank; torch.distributed and Megatron's parallel state must be initialised."""
+    """A GPTModel for this rank; torch.distributed and Megatron's parallel state must be initialised.
+
+    MoE routers have replay enabled (megatron.core.transformer.moe.router_replay); the newest MoE model built
+    in a process is the one RouterReplay records and replays.
+    """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -261,8 +265,9 @@ def build_model(m: ModelSection, p: ParallelismSection):
 
     apply_cpu_patches()
     check_supported(m, p)
-    # replay instances are process-global; a second model in one process must not inherit the first one's
-    RouterReplay.clear_global_router_replay_instances()
+    if m.is_moe:
+        # Router-replay instances are process-global: the newest MoE model becomes the one recorded and replayed.
+        RouterReplay.clear_global_router_replay_instances()
     model = GPTModel(
         config=transformer_config(m, p),
         transformer_layer_spec=layer_block_spec(m),
