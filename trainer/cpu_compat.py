@@ -2,8 +2,9 @@
 
 Megatron assumes CUDA in a few well-isolated places (measured list: notes/megatron-on-cpu.md).
 `apply_cpu_patches()` swaps exactly those for CPU equivalents; none changes the maths. It is a
-no-op when CUDA is available and idempotent otherwise. The patches reach into internals, which is
-why pyproject pins megatron-core to one version.
+no-op when CUDA is available and idempotent otherwise. `define_missing_transformer_engine_names()`
+is the one fix that GPUs without Transformer Engine need too. The patches reach into internals,
+which is why pyproject pins megatron-core to one version.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ def apply_cpu_patches() -> None:
     _patch_current_device()
     _patch_rng_tracker()
     _patch_alltoall_dispatcher()
-    _patch_missing_transformer_engine()
     _applied = True
 
 
@@ -72,7 +72,8 @@ def _patch_alltoall_dispatcher() -> None:
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "unused on CPU"
 
 
-def _patch_missing_transformer_engine() -> None:
+def define_missing_transformer_engine_names() -> None:
+    """Idempotent; a no-op when Transformer Engine is installed."""
     from megatron.core.transformer.moe import moe_utils
 
     # replaces the te_general_gemm name that 0.16.1 leaves undefined without Transformer Engine (router GEMM).

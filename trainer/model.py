@@ -261,9 +261,10 @@ def build_model(m: ModelSection, p: ParallelismSection):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from trainer.cpu_compat import apply_cpu_patches
+    from trainer.cpu_compat import apply_cpu_patches, define_missing_transformer_engine_names
 
     apply_cpu_patches()
+    define_missing_transformer_engine_names()
     check_supported(m, p)
     if m.is_moe:
         # Router-replay instances are process-global: the newest MoE model becomes the one recorded and replayed.
