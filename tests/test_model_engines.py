@@ -168,6 +168,30 @@ def test_tensor_and_expert_parallel_match_single_process(checkpoint, dense_check
         assert_same_weights(source, export)
 
 
+def test_load_refuses_a_checkpoint_that_is_not_this_model(checkpoint, megatron, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from recipes.errors import UserError
+
+    m, model = megatron
+    with pytest.raises(UserError, match=r"model.rope_theta: recipe 500000.0, checkpoint 10000.0"):
+        load_hf_into(model, m.model_copy(update={"rope_theta": 5e5}), checkpoint)
+    with pytest.raises(UserError, match="no such checkpoint directory"):
+        load_hf_into(model, m, tmp_path / "missing")
+    extra = shutil.copytree(checkpoint, tmp_path / "extra")
+    weights = load_file(extra / "model.safetensors")
+    weights["model.layers.0.mlp.shared_expert.up_proj.weight"] = torch.zeros(4, 4)
+    save_file(weights, extra / "model.safetensors")
+    with pytest.raises(UserError, match="would not use: model.layers.0.mlp.shared_expert.up_proj.weight"):
+        load_hf_into(model, m, extra)
+    del weights["model.layers.0.mlp.shared_expert.up_proj.weight"], weights["model.layers.1.self_attn.q_norm.weight"]
+    save_file(weights, extra / "model.safetensors")
+    with pytest.raises(UserError, match="lacks tensors the model needs: model.layers.1.self_attn.q_norm.weight"):
+        load_hf_into(model, m, extra)
+
+
 def test_dense_megatron_matches_transformers(dense_checkpoint, megatron, tokens):
     from transformers import AutoModelForCausalLM
 

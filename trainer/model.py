@@ -87,6 +87,26 @@ def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32") -> ModelSe
     return ModelSection(**fields)
 
 
+ARCHITECTURE_FIELDS = (
+    "family", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+    "num_experts", "moe_top_k", "moe_ffn_hidden_size", "num_shared_experts", "norm_topk_prob", "vocab_size",
+    "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+)
+"""ModelSection fields that change the function the model computes; the rest are training settings."""
+
+
+def check_matches_checkpoint(m: ModelSection, hf_dir: str | Path) -> None:
+    """Refuse a recipe model section that describes a different architecture than the checkpoint's config.json."""
+    found = model_section_from_hf(hf_dir)
+    differences = [
+        f"model.{key}: recipe {getattr(m, key)!r}, checkpoint {getattr(found, key)!r}"
+        for key in ARCHITECTURE_FIELDS
+        if getattr(m, key) != getattr(found, key)
+    ]
+    if differences:
+        raise UserError(f"{hf_dir}: the recipe's model section does not match config.json: " + "; ".join(differences))
+
+
 def hf_config_from_model_section(m: ModelSection, dtype: torch.dtype, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
     """config.json content for `m`, as transformers itself writes it (vLLM and AutoModel read it)."""
     from transformers import AutoConfig

@@ -26,6 +26,7 @@ import torch
 from recipes.errors import UserError
 from recipes.runs import atomic_write_text, fsync_dir
 from recipes.schema import ModelSection
+from trainer.model import check_matches_checkpoint, hf_config_from_model_section
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -121,6 +122,18 @@ FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
 }
 
 
+def expected_hf_names(m: ModelSection) -> set[str]:
+    """Every tensor name an HF checkpoint of architecture `m` holds."""
+    names = set()
+    for rule in FAMILY_RULES[m.family]:
+        if rule.megatron == "output_layer.weight" and m.tie_word_embeddings:
+            continue
+        for layer in range(m.num_layers) if "{layer}" in rule.megatron else [None]:
+            for expert in range(m.num_experts) if rule.is_expert else [None]:
+                names.update(name.format(layer=layer, expert=expert) for name in rule.hf)
+    return names
+
+
 def _compile(pattern: str) -> re.Pattern:
     return re.compile(re.escape(pattern).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(r"\{expert\}", r"(?P<expert>\d+)") + "$")
 
@@ -199,13 +212,20 @@ def load_hf_into(model, m: ModelSection, hf_dir: str | Path) -> None:
     """Copy the HF checkpoint's weights into this rank's shards of `model` (built by build_model from `m`)."""
     from safetensors import safe_open
 
+    check_matches_checkpoint(m, hf_dir)
     files = hf_weight_files(hf_dir)
+    expected = expected_hf_names(m)
+    # a tied checkpoint may still store lm_head; old ones store RoPE tables; neither is a weight of the model
+    unused = {n for n in set(files) - expected if not (n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq"))}
+    missing = expected - set(files)
+    for problem, names in (("lacks tensors the model needs", missing), ("has tensors the model would not use", unused)):
+        if names:
+            listed = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise UserError(f"{hf_dir}: checkpoint {problem}: {listed}")
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
         def read(name: str) -> torch.Tensor:
-            if name not in files:
-                raise UserError(f"{hf_dir}: checkpoint lacks tensor {name} that a {m.family} model with this config needs")
             path = files[name]
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(path, framework="pt"))
@@ -300,11 +320,12 @@ def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | 
     """
     import torch.distributed as dist
 
-    from trainer.model import hf_config_from_model_section
-
     out = Path(out_dir)
     writing = dist.get_rank() == 0
-    if out.exists():
+    # rank 0's file system decides (other nodes may not see it); every rank must stop together or none
+    exists = [out.exists()]
+    dist.broadcast_object_list(exists, src=0)
+    if exists[0]:
         raise UserError(f"{out}: already exists; export into a new directory")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if writing:
@@ -319,7 +340,7 @@ def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | 
                 writer.add(name, tensor)
         if writing:
             writer.finish()
-            _write_config_and_tokenizer(tmp, m, dtype, tokenizer_dir, hf_config_from_model_section)
+            _write_config_and_tokenizer(tmp, m, dtype, tokenizer_dir)
             for path in tmp.iterdir():
                 with open(path, "rb") as f:
                     os.fsync(f.fileno())
@@ -331,7 +352,7 @@ def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | 
     dist.barrier()
 
 
-def _write_config_and_tokenizer(directory: Path, m: ModelSection, dtype: torch.dtype, tokenizer_dir, make_config) -> None:
+def _write_config_and_tokenizer(directory: Path, m: ModelSection, dtype: torch.dtype, tokenizer_dir) -> None:
     special: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
     if tokenizer_dir is not None:
         source = Path(tokenizer_dir)
@@ -343,5 +364,5 @@ def _write_config_and_tokenizer(directory: Path, m: ModelSection, dtype: torch.d
         if (source / "config.json").is_file():
             source_config = json.loads((source / "config.json").read_text())
             special = {k: source_config.get(k) for k in special}
-    config = make_config(m, dtype, **special)
+    config = hf_config_from_model_section(m, dtype, **special)
     atomic_write_text(directory / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
