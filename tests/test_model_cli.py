@@ -83,6 +83,12 @@ def test_unsupported_setting_of_a_known_family(initialised, tmp_path):
         model_section_from_hf(tmp_path)
 
 
+def test_config_without_required_keys(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(UserError, match="missing key.*num_hidden_layers"):
+        model_section_from_hf(tmp_path)
+
+
 @pytest.mark.parametrize(
     ("parallelism", "message"),
     [

@@ -57,6 +57,13 @@ def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32") -> ModelSe
     bad = [k for k, is_bad in refused.items() if is_bad]
     if bad:
         raise UserError(f"{where}: unsupported setting(s) for the Megatron provider: {', '.join(bad)}")
+    required = ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"]
+    required += ["num_experts_per_tok", "moe_intermediate_size"] if family == "qwen3_moe" else ["intermediate_size"]
+    absent = [key for key in required if key not in cfg]
+    if family == "qwen3_moe" and "num_experts" not in cfg and "num_local_experts" not in cfg:
+        absent.append("num_experts")
+    if absent:
+        raise UserError(f"{where}: missing key(s) for a {family} model: {', '.join(absent)}")
     rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     heads = cfg["num_attention_heads"]
     fields = dict(

@@ -148,12 +148,13 @@ class ParamPlan:
     local_expert: int | None
 
 
-def plan_params(model, m: ModelSection) -> Iterator[tuple[torch.nn.Parameter, ParamPlan, int]]:
-    """Every parameter of `model` with its rule and the global expert index offset of this rank."""
+def plan_params(model, m: ModelSection) -> Iterator[tuple[torch.nn.Parameter, ParamPlan]]:
+    """Every parameter of `model` with the HF tensors it is made of."""
     from megatron.core import parallel_state
 
     rules = [(rule, _compile(rule.megatron)) for rule in FAMILY_RULES[m.family]]
-    expert_offset = parallel_state.get_expert_model_parallel_rank() * (m.num_experts // max(parallel_state.get_expert_model_parallel_world_size(), 1))
+    experts_per_rank = m.num_experts // parallel_state.get_expert_model_parallel_world_size()
+    expert_offset = parallel_state.get_expert_model_parallel_rank() * experts_per_rank
     for name, param in model.named_parameters():
         for rule, regex in rules:
             match = regex.match(name)
@@ -166,7 +167,7 @@ def plan_params(model, m: ModelSection) -> Iterator[tuple[torch.nn.Parameter, Pa
         local = int(parts["expert"]) if "expert" in parts else None
         fill = {"layer": layer, "expert": None if local is None else local + expert_offset}
         hf_names = tuple(n.format(**fill) for n in rule.hf)
-        yield param, ParamPlan(rule, hf_names, layer, local), expert_offset
+        yield param, ParamPlan(rule, hf_names, layer, local)
 
 
 def _tp_group_of(param: torch.nn.Parameter, rule: Rule):
@@ -231,7 +232,7 @@ def load_hf_into(model, m: ModelSection, hf_dir: str | Path) -> None:
                 handles[path] = stack.enter_context(safe_open(path, framework="pt"))
             return handles[path].get_tensor(name)
 
-        for param, plan, _ in plan_params(model, m):
+        for param, plan in plan_params(model, m):
             size, rank = _tp_size_rank(param, plan.rule)
             full = plan.rule.transform.to_megatron([read(n) for n in plan.hf_names], m, size)
             shard = full.chunk(size, dim=param.partition_dim)[rank] if size > 1 else full
@@ -293,19 +294,23 @@ def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def iter_hf_tensors(model, m: ModelSection) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every weight, gathered over tp and ep; a collective: every rank must iterate it."""
+    """(HF name, full tensor) for every weight, gathered over tp and ep, one parameter at a time.
+
+    A collective: every rank must iterate it to the end. Tensors that needed no gather are views of the live
+    parameters; copy them if the model changes before they are used.
+    """
     from megatron.core import parallel_state
 
     ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
-    num_local = m.num_experts // max(parallel_state.get_expert_model_parallel_world_size(), 1) if m.is_moe else 0
-    for param, plan, _ in plan_params(model, m):
+    experts_per_rank = m.num_experts // parallel_state.get_expert_model_parallel_world_size()
+    for param, plan in plan_params(model, m):
         size, _ = _tp_size_rank(param, plan.rule)
         data = param.detach()
         full = torch.cat(_gather(data, _tp_group_of(param, plan.rule)), dim=param.partition_dim) if size > 1 else data
         if plan.rule.is_expert:
             per_rank = _gather(full, ep_group)
             for ep_rank, tensor in enumerate(per_rank):
-                fill = {"layer": plan.layer, "expert": ep_rank * num_local + plan.local_expert}
+                fill = {"layer": plan.layer, "expert": ep_rank * experts_per_rank + plan.local_expert}
                 names = [n.format(**fill) for n in plan.rule.hf]
                 yield from zip(names, plan.rule.transform.to_hf(tensor, m, size))
         else:
