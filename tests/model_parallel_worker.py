@@ -1,7 +1,7 @@
 """torchrun worker for tests/test_model_engines.py: the same HF checkpoints under several tp/ep splits.
 
 For each split: full logits of a fixed batch, an HF export of the loaded weights, then one SGD step through
-Megatron's DDP and finalize_model_grads, and the loss before and after the step.
+Megatron's DDP and finalize_model_grads: the loss before and after the step and the updated weights.
 Usage: model_parallel_worker.py OUT_DIR MOE_CHECKPOINT DENSE_CHECKPOINT; rank 0 saves OUT_DIR/results.pt.
 """
 
@@ -14,7 +14,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from recipes.schema import ParallelismSection
 from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.model import build_model, causal_mask, forward_logits, model_section_from_hf
-from trainer.weights import export_hf, load_hf_into
+from trainer.weights import export_hf, iter_hf_tensors, load_hf_into
 
 MOE_SPLITS = {
     "tp1": ParallelismSection(),
@@ -51,7 +51,8 @@ def run_split(m, p, checkpoint, tokens, export_dir):
         for param in ddp.parameters():
             param.add_(param.main_grad, alpha=-LR)
         loss_after = ddp(inputs, position_ids, causal_mask(seq - 1), labels=labels).mean()
-    return {"logits": logits, "loss_before": loss_before.detach(), "loss_after": loss_after}
+        weights_after = {name: tensor.clone() for name, tensor in iter_hf_tensors(model, m)}
+    return {"logits": logits, "loss_before": loss_before.detach(), "loss_after": loss_after, "weights_after": weights_after}
 
 
 def main() -> None:

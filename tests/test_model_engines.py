@@ -163,6 +163,9 @@ def test_tensor_and_expert_parallel_match_single_process(checkpoint, dense_check
             assert (got["logits"] - reference["logits"]).abs().max().item() <= 1e-5, where
             assert abs(got["loss_before"].item() - reference["loss_before"].item()) <= 1e-5, where
             assert abs(got["loss_after"].item() - reference["loss_after"].item()) <= 1e-5, where
+            # the updated weights show a gradient reduced over the wrong group far more clearly than the loss
+            for name, weight in reference["weights_after"].items():
+                assert (got["weights_after"][name] - weight).abs().max().item() <= 1e-6, f"{where}: {name}"
     for export in sorted(tmp_path.glob("export-*")):
         source = checkpoint if "qwen3_moe" in export.name else dense_checkpoint
         assert_same_weights(source, export)
