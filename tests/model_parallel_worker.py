@@ -16,14 +16,17 @@ from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.model import build_model, causal_mask, forward_logits, model_section_from_hf
 from trainer.weights import export_hf, iter_hf_tensors, load_hf_into
 
+# name -> (parallel sizes, MoE token dispatcher)
 MOE_SPLITS = {
-    "tp1": ParallelismSection(),
-    "tp2_sp": ParallelismSection(tp=2, sequence_parallel=True),
-    "ep2": ParallelismSection(ep=2),
+    "tp1": (ParallelismSection(), "alltoall"),
+    "tp2_sp": (ParallelismSection(tp=2, sequence_parallel=True), "alltoall"),
+    "ep2": (ParallelismSection(ep=2), "alltoall"),
+    "ep2_allgather": (ParallelismSection(ep=2), "allgather"),
+    "tp2_sp_ep2": (ParallelismSection(tp=2, ep=2, sequence_parallel=True), "alltoall"),
 }
 DENSE_SPLITS = {
-    "tp1": ParallelismSection(),
-    "tp2": ParallelismSection(tp=2),
+    "tp1": (ParallelismSection(), "alltoall"),
+    "tp2": (ParallelismSection(tp=2), "alltoall"),
 }
 LR = 0.5
 
@@ -62,7 +65,8 @@ def main() -> None:
         m = model_section_from_hf(checkpoint)
         tokens = torch.randint(0, m.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
         results[m.family] = {
-            name: run_split(m, p, checkpoint, tokens, f"{out}/export-{m.family}-{name}") for name, p in splits.items()
+            name: run_split(m.model_copy(update={"moe_token_dispatcher": dispatcher}), p, checkpoint, tokens, f"{out}/export-{m.family}-{name}")
+            for name, (p, dispatcher) in splits.items()
         }
     if torch.distributed.get_rank() == 0:
         torch.save(results, f"{out}/results.pt")

@@ -147,7 +147,8 @@ def test_vllm_serves_the_exported_model(megatron, tokens, tmp_path, monkeypatch)
 
 
 def test_tensor_and_expert_parallel_match_single_process(checkpoint, dense_checkpoint, tmp_path):
-    """tp=2 (sequence parallel) and ep=2 for the MoE, tp=2 for the dense model, against tp=1, under torchrun."""
+    """MoE: tp=2 (sequence parallel), ep=2 (alltoall and allgather), tp=2 with ep=2 over the same two ranks;
+    dense: tp=2; each against tp=1, under torchrun with 2 gloo processes."""
     result = run_torchrun(
         2, [str(REPO / "tests/model_parallel_worker.py"), str(tmp_path), str(checkpoint), str(dense_checkpoint)],
         env={"PYTHONPATH": str(REPO)}, timeout=300,
