@@ -196,6 +196,15 @@ def test_load_refuses_a_checkpoint_that_is_not_this_model(checkpoint, megatron, 
         load_hf_into(model, m, extra)
 
 
+def test_parallel_sizes_must_fit_the_world(megatron):
+    from recipes.errors import UserError
+
+    with pytest.raises(UserError, match="tp\\*pp\\*cp = 2 does not divide the world size 1"):
+        init_distributed(ParallelismSection(tp=2, sequence_parallel=True))
+    with pytest.raises(UserError, match="ep\\*etp = 2 does not divide world_size/pp = 1"):
+        init_distributed(ParallelismSection(ep=2))
+
+
 def test_dense_megatron_matches_transformers(dense_checkpoint, megatron, tokens):
     from transformers import AutoModelForCausalLM
 

@@ -25,7 +25,10 @@ def free_port() -> int:
 
 
 def init_distributed(p: ParallelismSection, seed: int = 1234) -> None:
-    """Join the process group and build Megatron's tp/pp/cp/ep/etp/dp groups (idempotent)."""
+    """Join the process group (once per process) and (re)build Megatron's tp/pp/cp/ep/etp/dp groups for `p`.
+
+    Calling it again with other sizes rebuilds the groups; models built under the old groups must not be used.
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
