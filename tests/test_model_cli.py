@@ -1,0 +1,105 @@
+"""`composer model init` makes a checkpoint transformers loads offline; bad inputs end in one clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.errors import UserError
+from recipes.loader import load_recipe
+from recipes.schema import ParallelismSection
+from trainer.model import check_supported, model_section_from_hf
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def composer(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def initialised(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("init")
+    result = composer("model", "init", "tiny", "--set", "model.num_layers=1", cwd=work)
+    assert result.returncode == 0, result.stderr
+    return work / "tiny"
+
+
+def test_init_checkpoint_loads_in_transformers_offline(initialised, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokenizer = AutoTokenizer.from_pretrained(initialised)
+    model = AutoModelForCausalLM.from_pretrained(initialised)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert model.config.num_hidden_layers == 1 and model.config.num_experts == 8
+    assert len(tokenizer) == model.config.vocab_size == 4096
+    assert tokenizer.eos_token_id == model.config.eos_token_id
+    text = "def add(a, b):\n    return a + b\n"
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text and len(ids) < len(text) / 2, "BPE merges learnt from the stdlib"
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), 4096) and torch.isfinite(logits).all()
+    norms = model.model.layers[0].input_layernorm.weight
+    assert not torch.allclose(norms, torch.ones_like(norms)), "norm weights are randomised for parity tests"
+
+
+def test_init_refuses_existing_directory_and_leaves_nothing_behind(initialised):
+    before = sorted(p.name for p in initialised.parent.iterdir())
+    result = composer("model", "init", "tiny", cwd=initialised.parent)
+    assert result.returncode == 2 and "already exists" in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in initialised.parent.iterdir()) == before
+
+
+def test_init_refuses_what_the_provider_does_not_build(tmp_path):
+    result = composer("model", "init", "shared", "--set", "model.num_shared_experts=2", cwd=tmp_path)
+    assert result.returncode == 2 and "num_shared_experts" in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_checkpoint_directory(tmp_path):
+    with pytest.raises(UserError, match="no such checkpoint directory"):
+        model_section_from_hf(tmp_path / "nowhere")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
+    with pytest.raises(UserError, match="model_type 'mamba' is not supported"):
+        model_section_from_hf(tmp_path)
+
+
+def test_unsupported_setting_of_a_known_family(initialised, tmp_path):
+    config = json.loads((initialised / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [0]}))
+    with pytest.raises(UserError, match="mlp_only_layers"):
+        model_section_from_hf(tmp_path)
+
+
+def test_config_without_required_keys(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(UserError, match="missing key.*num_hidden_layers"):
+        model_section_from_hf(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "message"),
+    [
+        (ParallelismSection(ep=3), "ep=3 does not divide model.num_experts=8"),
+        (ParallelismSection(tp=4, sequence_parallel=True), "tp=4 does not divide model.num_kv_heads=2"),
+        (ParallelismSection(tp=2), "sequence_parallel must be true"),
+        (ParallelismSection(pp=2), "pipeline parallelism is not wired"),
+        (ParallelismSection(cp=2), "context parallelism is not wired"),
+    ],
+)
+def test_parallel_sizes_the_model_cannot_be_split_by(parallelism, message):
+    model = load_recipe(REPO / "recipes/smoke-midtrain.yaml", []).model
+    with pytest.raises(UserError, match=message):
+        check_supported(model, parallelism)

@@ -1,0 +1,81 @@
+"""Make Megatron-Core 0.16.1 run on CPU with gloo.
+
+Megatron assumes CUDA in a few well-isolated places (measured list: notes/megatron-on-cpu.md).
+`apply_cpu_patches()` swaps exactly those for CPU equivalents; none changes the maths. It is a
+no-op when CUDA is available and idempotent otherwise. `define_missing_transformer_engine_names()`
+is the one fix that GPUs without Transformer Engine need too. The patches reach into internals,
+which is why pyproject pins megatron-core to one version.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_applied = False
+
+
+def apply_cpu_patches() -> None:
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return
+    _patch_current_device()
+    _patch_rng_tracker()
+    _patch_alltoall_dispatcher()
+    _applied = True
+
+
+def _patch_current_device() -> None:
+    # replaces torch.cuda.current_device(): Megatron allocates attention buffers, TP-mapping outputs
+    # and DDP grad buffers on `device=torch.cuda.current_device()`; on CPU that device is "cpu".
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Megatron's RNG tracker on the CPU default generator (dropout, init, recompute)."""
+
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_:
+                raise RuntimeError(f"seed {seed} already exists")
+            if name in self.states_:
+                raise RuntimeError(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+    # replaces CudaRNGStatesTracker: initialize_rng_tracker() instantiates this module global.
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    # replaces _get_cuda_rng_state/_set_cuda_rng_state (tracker fork, activation recompute): CPU generator state.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+
+def _patch_alltoall_dispatcher() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    def splits_to_numpy(self, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    # replaces _maybe_dtoh_and_synchronize (CUDA side stream + event): on CPU nothing to copy, but gloo's
+    # all_to_all_single wants the split sizes as plain numbers, which Megatron converts only for CUDA tensors.
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = splits_to_numpy
+    # replaces the torch.cuda.Stream() that __init__ creates once per class: the CPU method above never uses it.
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "unused on CPU"
+
+
+def define_missing_transformer_engine_names() -> None:
+    """Idempotent; a no-op when Transformer Engine is installed."""
+    from megatron.core.transformer.moe import moe_utils
+
+    # replaces the te_general_gemm name that 0.16.1 leaves undefined without Transformer Engine (router GEMM).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

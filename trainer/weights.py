@@ -1,0 +1,373 @@
+"""HF checkpoints <-> Megatron GPTModel weights, for any tp/ep split.
+
+The name mapping of each family is data: a table of rules `Megatron name pattern <- HF name(s) + transform`.
+A transform turns the HF tensors into the *full* (unsharded) Megatron tensor and back; sharding is then the
+generic split along the parameter's tensor-parallel `partition_dim`. Experts carry a global index in HF names
+and a local one in Megatron's, offset by the expert-parallel rank.
+
+`load_hf_into(model, m, hf_dir)` reads only the tensors this rank holds. `export_hf(model, m, out_dir)`
+gathers one tensor at a time to global rank 0, which streams them into safetensors shards in a temporary
+directory renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from recipes.errors import UserError
+from recipes.runs import atomic_write_text, fsync_dir
+from recipes.schema import ModelSection
+from trainer.model import check_matches_checkpoint, hf_config_from_model_section
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "chat_template.jinja", "generation_config.json",
+)
+SHARD_BYTES = 2 * 2**30
+
+
+# --- transforms: HF tensors -> full Megatron tensor, and back -------------------------------------
+
+
+@dataclass(frozen=True)
+class Transform:
+    to_megatron: Callable[[list[torch.Tensor], ModelSection, int], torch.Tensor]
+    to_hf: Callable[[torch.Tensor, ModelSection, int], list[torch.Tensor]]
+
+
+def _qkv_to_megatron(ts: list[torch.Tensor], m: ModelSection, shards: int) -> torch.Tensor:
+    # Megatron interleaves per KV group: [q heads of group g ; k_g ; v_g], so each TP shard holds whole groups.
+    q, k, v = ts
+    groups, per_group, d, h = m.num_kv_heads, m.num_attention_heads // m.num_kv_heads, m.head_dim, q.shape[1]
+    return torch.cat([q.view(groups, per_group * d, h), k.view(groups, d, h), v.view(groups, d, h)], 1).reshape(-1, h)
+
+
+def _qkv_to_hf(t: torch.Tensor, m: ModelSection, shards: int) -> list[torch.Tensor]:
+    groups, per_group, d, h = m.num_kv_heads, m.num_attention_heads // m.num_kv_heads, m.head_dim, t.shape[1]
+    q, k, v = t.view(groups, (per_group + 2) * d, h).split([per_group * d, d, d], 1)
+    return [q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]
+
+
+def _glu_to_megatron(ts: list[torch.Tensor], m: ModelSection, shards: int) -> torch.Tensor:
+    # Megatron's GLU computes silu(first half) * second half of *each shard's* output: [gate_r ; up_r] per shard.
+    gate, up = ts
+    return torch.cat([torch.cat(pair) for pair in zip(gate.chunk(shards), up.chunk(shards))])
+
+
+def _glu_to_hf(t: torch.Tensor, m: ModelSection, shards: int) -> list[torch.Tensor]:
+    halves = [shard.chunk(2) for shard in t.chunk(shards)]
+    return [torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])]
+
+
+COPY = Transform(lambda ts, m, shards: ts[0], lambda t, m, shards: [t])
+QKV = Transform(_qkv_to_megatron, _qkv_to_hf)
+GLU = Transform(_glu_to_megatron, _glu_to_hf)
+
+
+# --- per-family tables -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    """Megatron parameter name; `{layer}` and `{expert}` (local index) are placeholders."""
+    hf: tuple[str, ...]
+    """HF tensor names; `{expert}` is the global expert index."""
+    transform: Transform = COPY
+
+    @property
+    def is_expert(self) -> bool:
+        return "{expert}" in self.megatron
+
+
+_L, _ML = "model.layers.{layer}", "decoder.layers.{layer}"
+_COMMON = (
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+    Rule(f"{_ML}.input_layernorm.weight", (f"{_L}.input_layernorm.weight",)),
+    Rule(
+        f"{_ML}.self_attention.linear_qkv.weight",
+        (f"{_L}.self_attn.q_proj.weight", f"{_L}.self_attn.k_proj.weight", f"{_L}.self_attn.v_proj.weight"),
+        QKV,
+    ),
+    Rule(f"{_ML}.self_attention.linear_proj.weight", (f"{_L}.self_attn.o_proj.weight",)),
+    Rule(f"{_ML}.pre_mlp_layernorm.weight", (f"{_L}.post_attention_layernorm.weight",)),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    Rule("output_layer.weight", ("lm_head.weight",)),
+)
+FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
+    "qwen3_moe": _COMMON + (
+        Rule(f"{_ML}.self_attention.q_layernorm.weight", (f"{_L}.self_attn.q_norm.weight",)),
+        Rule(f"{_ML}.self_attention.k_layernorm.weight", (f"{_L}.self_attn.k_norm.weight",)),
+        Rule(f"{_ML}.mlp.router.weight", (f"{_L}.mlp.gate.weight",)),
+        Rule(
+            f"{_ML}.mlp.experts.local_experts.{{expert}}.linear_fc1.weight",
+            (f"{_L}.mlp.experts.{{expert}}.gate_proj.weight", f"{_L}.mlp.experts.{{expert}}.up_proj.weight"),
+            GLU,
+        ),
+        Rule(f"{_ML}.mlp.experts.local_experts.{{expert}}.linear_fc2.weight", (f"{_L}.mlp.experts.{{expert}}.down_proj.weight",)),
+    ),
+    "llama": _COMMON + (
+        Rule(f"{_ML}.mlp.linear_fc1.weight", (f"{_L}.mlp.gate_proj.weight", f"{_L}.mlp.up_proj.weight"), GLU),
+        Rule(f"{_ML}.mlp.linear_fc2.weight", (f"{_L}.mlp.down_proj.weight",)),
+    ),
+}
+
+
+def expected_hf_names(m: ModelSection) -> set[str]:
+    """Every tensor name an HF checkpoint of architecture `m` holds."""
+    names = set()
+    for rule in FAMILY_RULES[m.family]:
+        if rule.megatron == "output_layer.weight" and m.tie_word_embeddings:
+            continue
+        for layer in range(m.num_layers) if "{layer}" in rule.megatron else [None]:
+            for expert in range(m.num_experts) if rule.is_expert else [None]:
+                names.update(name.format(layer=layer, expert=expert) for name in rule.hf)
+    return names
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(r"\{expert\}", r"(?P<expert>\d+)") + "$")
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """How one local Megatron parameter relates to the HF checkpoint."""
+
+    rule: Rule
+    hf_names: tuple[str, ...]
+    layer: int | None
+    local_expert: int | None
+
+
+def plan_params(model, m: ModelSection) -> Iterator[tuple[torch.nn.Parameter, ParamPlan]]:
+    """Every parameter of `model` with the HF tensors it is made of."""
+    from megatron.core import parallel_state
+
+    rules = [(rule, _compile(rule.megatron)) for rule in FAMILY_RULES[m.family]]
+    experts_per_rank = m.num_experts // parallel_state.get_expert_model_parallel_world_size()
+    expert_offset = parallel_state.get_expert_model_parallel_rank() * experts_per_rank
+    for name, param in model.named_parameters():
+        for rule, regex in rules:
+            match = regex.match(name)
+            if match:
+                break
+        else:
+            raise KeyError(f"no {m.family} weight rule for Megatron parameter {name}")
+        parts = match.groupdict()
+        layer = int(parts["layer"]) if "layer" in parts else None
+        local = int(parts["expert"]) if "expert" in parts else None
+        fill = {"layer": layer, "expert": None if local is None else local + expert_offset}
+        hf_names = tuple(n.format(**fill) for n in rule.hf)
+        yield param, ParamPlan(rule, hf_names, layer, local)
+
+
+def _tp_group_of(param: torch.nn.Parameter, rule: Rule):
+    from megatron.core import parallel_state
+
+    if rule.is_expert:
+        return parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _tp_size_rank(param: torch.nn.Parameter, rule: Rule) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    group = _tp_group_of(param, rule)
+    if not getattr(param, "tensor_model_parallel", False) or group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+# --- import ----------------------------------------------------------------------------------------
+
+
+def hf_weight_files(hf_dir: str | Path) -> dict[str, Path]:
+    """HF tensor name -> safetensors file holding it."""
+    root = Path(hf_dir)
+    if not root.is_dir():
+        raise UserError(f"{root}: no such checkpoint directory")
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: root / file for name, file in weight_map.items()}
+    single = root / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise UserError(f"{root}: no safetensors weights (model.safetensors or model.safetensors.index.json)")
+
+
+@torch.no_grad()
+def load_hf_into(model, m: ModelSection, hf_dir: str | Path) -> None:
+    """Copy the HF checkpoint's weights into this rank's shards of `model` (built by build_model from `m`)."""
+    from safetensors import safe_open
+
+    check_matches_checkpoint(m, hf_dir)
+    files = hf_weight_files(hf_dir)
+    expected = expected_hf_names(m)
+    # a tied checkpoint may still store lm_head; old ones store RoPE tables; neither is a weight of the model
+    unused = {n for n in set(files) - expected if not (n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq"))}
+    missing = expected - set(files)
+    for problem, names in (("lacks tensors the model needs", missing), ("has tensors the model would not use", unused)):
+        if names:
+            listed = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise UserError(f"{hf_dir}: checkpoint {problem}: {listed}")
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def read(name: str) -> torch.Tensor:
+            path = files[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return handles[path].get_tensor(name)
+
+        for param, plan in plan_params(model, m):
+            size, rank = _tp_size_rank(param, plan.rule)
+            full = plan.rule.transform.to_megatron([read(n) for n in plan.hf_names], m, size)
+            shard = full.chunk(size, dim=param.partition_dim)[rank] if size > 1 else full
+            if shard.shape != param.shape:
+                raise UserError(f"{hf_dir}: {', '.join(plan.hf_names)} has shape {tuple(full.shape)}, which does not fit the model config (Megatron shard {tuple(param.shape)})")
+            param.copy_(shard)
+
+
+# --- export ----------------------------------------------------------------------------------------
+
+
+class _ShardWriter:
+    """Accumulates tensors and writes a safetensors shard whenever `max_bytes` is reached."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.pending[name] = tensor.detach().to("cpu").contiguous()
+        self.pending_bytes += tensor.numel() * tensor.element_size()
+        if self.pending_bytes >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        path = self.directory / f"part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append((path, sorted(self.pending)))
+        self.total_bytes += self.pending_bytes
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        count = len(self.files)
+        weight_map = {}
+        for i, (path, names) in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            path.rename(self.directory / final)
+            weight_map.update({n: final for n in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
+def iter_hf_tensors(model, m: ModelSection) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every weight, gathered over tp and ep, one parameter at a time.
+
+    A collective: every rank must iterate it to the end. Tensors that needed no gather are views of the live
+    parameters; copy them if the model changes before they are used.
+    """
+    from megatron.core import parallel_state
+
+    ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
+    experts_per_rank = m.num_experts // parallel_state.get_expert_model_parallel_world_size()
+    for param, plan in plan_params(model, m):
+        size, _ = _tp_size_rank(param, plan.rule)
+        data = param.detach()
+        full = torch.cat(_gather(data, _tp_group_of(param, plan.rule)), dim=param.partition_dim) if size > 1 else data
+        if plan.rule.is_expert:
+            per_rank = _gather(full, ep_group)
+            for ep_rank, tensor in enumerate(per_rank):
+                fill = {"layer": plan.layer, "expert": ep_rank * experts_per_rank + plan.local_expert}
+                names = [n.format(**fill) for n in plan.rule.hf]
+                yield from zip(names, plan.rule.transform.to_hf(tensor, m, size))
+        else:
+            yield from zip(plan.hf_names, plan.rule.transform.to_hf(full, m, size))
+
+
+@torch.no_grad()
+def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | Path | None = None, max_shard_bytes: int = SHARD_BYTES) -> None:
+    """Write `model` as an HF checkpoint (per-expert names, config.json, tokenizer files) at `out_dir`.
+
+    Collective: call it on every rank. Global rank 0 writes; `out_dir` must not exist yet.
+    """
+    import torch.distributed as dist
+
+    out = Path(out_dir)
+    writing = dist.get_rank() == 0
+    # rank 0's file system decides (other nodes may not see it); every rank must stop together or none
+    exists = [out.exists()]
+    dist.broadcast_object_list(exists, src=0)
+    if exists[0]:
+        raise UserError(f"{out}: already exists; export into a new directory")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if writing:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    try:
+        writer = _ShardWriter(tmp, max_shard_bytes)
+        dtype = None
+        for name, tensor in iter_hf_tensors(model, m):
+            dtype = tensor.dtype
+            if writing:
+                writer.add(name, tensor)
+        if writing:
+            writer.finish()
+            _write_config_and_tokenizer(tmp, m, dtype, tokenizer_dir)
+            for path in tmp.iterdir():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+            tmp.rename(out)
+            fsync_dir(out.parent)
+    finally:
+        if writing and tmp.exists():
+            shutil.rmtree(tmp)
+    dist.barrier()
+
+
+def _write_config_and_tokenizer(directory: Path, m: ModelSection, dtype: torch.dtype, tokenizer_dir) -> None:
+    special: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
+    if tokenizer_dir is not None:
+        source = Path(tokenizer_dir)
+        if not source.is_dir():
+            raise UserError(f"{source}: no such tokenizer directory")
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, directory / name)
+        if (source / "config.json").is_file():
+            source_config = json.loads((source / "config.json").read_text())
+            special = {k: source_config.get(k) for k in special}
+    config = hf_config_from_model_section(m, dtype, **special)
+    atomic_write_text(directory / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
