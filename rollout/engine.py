@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -33,6 +34,14 @@ class Completion:
     routed_experts: np.ndarray | None
     """[len(prompt_ids) + len(token_ids) - 1, layers, top_k] expert ids (the last sampled token is never forwarded)."""
     finish_reason: str
+
+
+class Engine(Protocol):
+    """What the agent loop needs of an inference engine (embedded or server)."""
+
+    def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None) -> list[list[Completion]]: ...
+
+    def load_weights(self, weights_dir: str | Path) -> None: ...
 
 
 class EmbeddedEngine:
@@ -61,20 +70,23 @@ class EmbeddedEngine:
         )
         self._sampling = rollout.sampling
 
-    def generate(self, prompts: list[list[int]], n: int = 1, seed: int | None = None, max_tokens: int | None = None) -> list[list[Completion]]:
-        """`n` samples per prompt; each carries the sampled tokens' logprobs (and routed experts when enabled)."""
+    def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None) -> list[list[Completion]]:
+        """`n` samples per prompt (seeded per prompt); each carries the sampled tokens' logprobs and routed experts."""
         from vllm import SamplingParams, TokensPrompt
 
         s = self._sampling
-        params = SamplingParams(
-            n=n,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_tokens=max_tokens or s.max_tokens,
-            logprobs=0,  # the sampled token's own logprob
-            seed=seed,
-        )
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                max_tokens=max_tokens or s.max_tokens,
+                logprobs=0,  # the sampled token's own logprob
+                seed=seed,
+            )
+            for seed in (seeds or [None] * len(prompts))
+        ]
         outputs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [[_completion(out.prompt_token_ids, c) for c in out.outputs] for out in outputs]
 
@@ -175,10 +187,10 @@ class ServerEngine:
         self.model = model
         self._sampling = rollout.sampling
 
-    def generate(self, prompts: list[list[int]], n: int = 1, seed: int | None = None, max_tokens: int | None = None) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None) -> list[list[Completion]]:
         s = self._sampling
         results = []
-        for prompt in prompts:
+        for prompt, seed in zip(prompts, seeds or [None] * len(prompts)):
             body = {
                 "model": self.model, "prompt": prompt, "n": n, "temperature": s.temperature, "top_p": s.top_p,
                 "top_k": s.top_k, "max_tokens": max_tokens or s.max_tokens, "logprobs": 0,

