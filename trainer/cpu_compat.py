@@ -9,7 +9,10 @@ which is why pyproject pins megatron-core to one version.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 _applied = False
 
@@ -21,7 +24,38 @@ def apply_cpu_patches() -> None:
     _patch_current_device()
     _patch_rng_tracker()
     _patch_alltoall_dispatcher()
+    _patch_synchronize()
     _applied = True
+
+
+def _patch_synchronize() -> None:
+    # replaces torch.cuda.synchronize(): distributed checkpointing waits for device copies before writing.
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+class _CudaCallsOnCpu(TorchFunctionMode):
+    """Megatron's optimizer, grad clipping and checkpoint paths create `device="cuda"` tensors, call
+    `Tensor.cuda()` and check `param.type() == "torch.cuda.FloatTensor"`; this mode answers all three on CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        device = kwargs.get("device")
+        if device is not None and str(device).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def cuda_calls_on_cpu() -> contextlib.AbstractContextManager:
+    """Scope for Megatron optimizer and checkpoint calls: maps their CUDA calls to CPU (a no-op on GPUs).
+
+    Scoped rather than global because a TorchFunctionMode adds Python overhead to every torch call.
+    """
+    return contextlib.nullcontext() if torch.cuda.is_available() else _CudaCallsOnCpu()
 
 
 def _patch_current_device() -> None:

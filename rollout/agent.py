@@ -1,0 +1,197 @@
+"""The agent loop: episodes of a task, single- or multi-turn, with self-summarization past the context.
+
+A turn: the policy writes a reply; if it holds code, the environment writes it as the solution, runs the
+hidden tests and returns their output as the next observation (tokens the learner does not train on).
+The episode ends when every test passes, the turns run out, or the context cannot hold another turn.
+
+Self-summarization: when the context reaches `summarize_at * max_context` at a turn boundary, the policy is
+asked to summarize its work; the context restarts as [task, summary, latest observation] in a new segment.
+The summary is generated (and trained) in the segment that ends with it, under the episode's reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from recipes.schema import RolloutSection
+from rollout.engine import Completion, Engine
+from rollout.environment import CodingEnvironment
+from rollout.sandbox import SandboxResult
+from rollout.tasks import Task
+from rollout.trajectories import Segment, Trajectory
+
+SUMMARY_REQUEST = "\n\n[The context is nearly full. Summarize the task, what you tried and what the tests said, so you can continue from the summary alone.]\nSummary:"
+SUMMARY_HEADER = "\n\n[Summary of your earlier work]\n"
+OBSERVATION_HEADER = "\n\n[Test results]\n"
+NEXT_TURN = "\n\n[Fix the code and reply with the complete solution.]\n"
+
+
+class Tokenizer:
+    """Text <-> token ids with an HF tokenizer, never adding special tokens inside an episode."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+@dataclass
+class _SegmentBuilder:
+    tokens: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    routes: np.ndarray | None = None
+
+    def observe(self, ids: list[int]) -> None:
+        self.tokens += ids
+        self.mask += [False] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def act(self, completion: Completion) -> None:
+        self.tokens += completion.token_ids
+        self.mask += [True] * len(completion.token_ids)
+        self.logprobs += completion.logprobs
+        # The engine routed the whole context of this call: it covers every earlier position too.
+        self.routes = completion.routed_experts
+
+    def build(self) -> Segment:
+        return Segment(np.array(self.tokens), np.array(self.mask), np.array(self.logprobs), _cover(self.routes, len(self.tokens)))
+
+
+def _cover(routes: np.ndarray | None, num_tokens: int) -> np.ndarray | None:
+    """Routes for positions [0, num_tokens-1): an observation appended after the last reply has none yet,
+    and those tokens are not trained, so the last known row stands in for them."""
+    if routes is None:
+        return None
+    need = num_tokens - 1
+    if len(routes) >= need:
+        return routes[:need]
+    return np.concatenate([routes, np.repeat(routes[-1:], need - len(routes), axis=0)])
+
+
+@dataclass
+class _Episode:
+    id: str
+    seed: int
+    prompt_ids: list[int]
+    segments: list[_SegmentBuilder]
+    result: SandboxResult | None = None
+    turns: int = 0
+    summaries: int = 0
+    done: bool = False
+    end_reason: str = ""
+    last_observation: list[int] = field(default_factory=list)
+    summarizing: bool = False
+
+    @property
+    def current(self) -> _SegmentBuilder:
+        return self.segments[-1]
+
+
+class EpisodeRunner:
+    """Runs the `group_size` episodes of one task in lock-step, batching each turn into one engine call."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, env: CodingEnvironment, rollout: RolloutSection):
+        self.engine = engine
+        self.tok = tokenizer
+        self.env = env
+        self.cfg = rollout
+
+    def run_group(self, task: Task, group_id: str, group_size: int, policy_version: int, seed: int) -> list[Trajectory]:
+        prompt_ids = self.tok.encode(task.prompt)
+        if len(prompt_ids) + self.cfg.sampling.max_tokens > self.cfg.max_context:
+            raise ValueError(f"task {task.id}: prompt of {len(prompt_ids)} tokens leaves no room in max_context={self.cfg.max_context}")
+        episodes = [_Episode(f"{group_id}-{i}", seed * 1000 + i, prompt_ids, [_SegmentBuilder()]) for i in range(group_size)]
+        for e in episodes:
+            e.current.observe(prompt_ids)
+        while active := [e for e in episodes if not e.done]:
+            completions = self.engine.generate(
+                [e.current.tokens for e in active], seeds=[e.seed + 7919 * (e.turns + e.summaries) for e in active]
+            )
+            for episode, [completion] in zip(active, completions):
+                episode.current.act(completion)
+                if episode.summarizing:
+                    self._restart_from_summary(episode, completion)
+                else:
+                    self._after_turn(task, episode, completion)
+        return [self._trajectory(task, group_id, e, policy_version) for e in episodes]
+
+    def _after_turn(self, task: Task, e: _Episode, completion: Completion) -> None:
+        e.turns += 1
+        e.result = self.env.grade(task, self.tok.decode(completion.token_ids))
+        if e.result.reward == 1.0:
+            return self._end(e, "solved")
+        if e.turns >= self.cfg.max_turns:
+            return self._end(e, "max_turns")
+        feedback = self.tok.encode(OBSERVATION_HEADER + _feedback(e.result))[: self._observation_cap]
+        e.last_observation = feedback + self.tok.encode(NEXT_TURN)
+        e.current.observe(e.last_observation)
+        if self._needs_summary(e):
+            if e.summaries >= self.cfg.max_summaries:
+                return self._end(e, "max_summaries")
+            e.current.observe(self.tok.encode(SUMMARY_REQUEST))
+            e.summarizing = True
+        if len(e.current.tokens) + self.cfg.sampling.max_tokens > self.cfg.max_context:
+            self._end(e, "context_full")
+
+    @property
+    def _observation_cap(self) -> int:
+        return self.cfg.sampling.max_tokens
+
+    def _needs_summary(self, e: _Episode) -> bool:
+        """At the trigger, or when one more turn would leave no room to summarize after it."""
+        if self.cfg.summarize_at is None:
+            return False
+        reply = self.cfg.sampling.max_tokens
+        another_turn = reply + self._observation_cap + len(self.tok.encode(NEXT_TURN))
+        summary = len(self.tok.encode(SUMMARY_REQUEST)) + reply
+        used = len(e.current.tokens)
+        return used >= self.cfg.summarize_at * self.cfg.max_context or used + another_turn + summary > self.cfg.max_context
+
+    def _restart_from_summary(self, e: _Episode, summary: Completion) -> None:
+        e.summaries += 1
+        e.summarizing = False
+        fresh = _SegmentBuilder()
+        fresh.observe(e.prompt_ids + self.tok.encode(SUMMARY_HEADER) + summary.token_ids + e.last_observation)
+        e.segments.append(fresh)
+        if len(fresh.tokens) + self.cfg.sampling.max_tokens > self.cfg.max_context:
+            self._end(e, "summary_too_long")
+
+    @staticmethod
+    def _end(e: _Episode, reason: str) -> None:
+        e.done = True
+        e.end_reason = reason
+
+    def _trajectory(self, task: Task, group_id: str, e: _Episode, policy_version: int) -> Trajectory:
+        result = e.result
+        return Trajectory(
+            id=e.id,
+            group_id=group_id,
+            task_id=task.id,
+            policy_version=policy_version,
+            reward=result.reward if result else 0.0,
+            segments=[s.build() for s in e.segments],
+            info={
+                "end_reason": e.end_reason,
+                "turns": e.turns,
+                "summaries": e.summaries,
+                "tests_passed": result.passed if result else 0,
+                "tests_total": result.total if result else 0,
+                "sandbox_status": result.status if result else "none",
+            },
+        )
+
+
+def _feedback(result: SandboxResult) -> str:
+    lines = [f"{result.passed}/{result.total} tests passed ({result.status})."]
+    if result.detail:
+        lines.append(result.detail[:400])
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""Resumable training checkpoints: Megatron distributed checkpoints of model and optimizer, plus trainer state.
+
+Layout of `checkpoints/`:
+    step-00000040/      one complete checkpoint (Megatron dist-checkpoint files + trainer_state.json)
+    latest              the name of the newest complete checkpoint (replaced atomically)
+A checkpoint is written into `.tmp-step-N/` by every rank and renamed by rank 0 only after all ranks finished,
+so a run killed while saving leaves the previous checkpoint as `latest`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from recipes.errors import UserError
+from recipes.runs import atomic_write_text, fsync_dir
+from trainer.cpu_compat import cuda_calls_on_cpu
+from trainer.optimizer import TrainOptimizer
+
+LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "cp")
+
+
+class Checkpointer:
+    def __init__(self, directory: Path, keep: int):
+        self.directory = directory
+        self.keep = keep
+
+    def latest(self) -> Path | None:
+        pointer = self.directory / "latest"
+        if not pointer.is_file():
+            return None
+        path = self.directory / pointer.read_text().strip()
+        if not (path / "trainer_state.json").is_file():
+            raise UserError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+        return path
+
+    def save(self, step: int, model, optimizer: TrainOptimizer, state: dict) -> Path:
+        """Collective. `model` is the unwrapped GPTModel; `state` (JSON-serialisable, e.g. data position and
+        `layout`) is saved by rank 0 with the schedule."""
+        from megatron.core import dist_checkpointing
+
+        name = f"step-{step:08d}"
+        tmp, final = self.directory / f".tmp-{name}", self.directory / name
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        model_state = model.sharded_state_dict(prefix="")
+        sharded = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state)}
+        with cuda_calls_on_cpu():
+            dist_checkpointing.save(sharded, str(tmp))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            full_state = {"step": step, "scheduler": optimizer.scheduler.state_dict(), "adam_steps": optimizer.adam_steps(), **state}
+            atomic_write_text(tmp / "trainer_state.json", json.dumps(full_state))
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            fsync_dir(self.directory)
+            atomic_write_text(self.directory / "latest", name)
+            self._prune()
+        dist.barrier()
+        return final
+
+    def load(self, path: Path, model, optimizer: TrainOptimizer, layout: dict) -> dict:
+        """Collective. Restores model, optimizer, schedule and RNG; returns the saved trainer state."""
+        from megatron.core import dist_checkpointing
+
+        state = json.loads((path / "trainer_state.json").read_text())
+        saved = state.get("layout", {})
+        changed = {k: (saved.get(k), layout[k]) for k in LAYOUT_KEYS if saved.get(k) != layout[k]}
+        if changed:
+            what = ", ".join(f"{k}={a} in the checkpoint, {b} now" for k, (a, b) in changed.items())
+            raise UserError(
+                f"{path}: cannot resume with another model-parallel layout ({what}); optimizer state is resharded across "
+                f"data parallelism only: resume with the checkpoint's parallelism, or start a new run from an exported HF checkpoint"
+            )
+        model_state = model.sharded_state_dict(prefix="")
+        sharded = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)}
+        with cuda_calls_on_cpu():
+            loaded = dist_checkpointing.load(sharded, str(path))
+        model.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"], state["scheduler"], state["adam_steps"])
+        return state
+
+    def _prune(self) -> None:
+        complete = sorted(p for p in self.directory.glob("step-*") if (p / "trainer_state.json").is_file())
+        for old in complete[: -self.keep]:
+            shutil.rmtree(old)
