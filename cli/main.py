@@ -9,7 +9,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from cli import data as data_cmd
 from cli import recipe as recipe_cmd
+from cli import report as report_cmd
 from recipes.errors import UserError
 
 app = typer.Typer(
@@ -20,6 +22,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(recipe_cmd.app, name="recipe")
+app.add_typer(data_cmd.app, name="data")
+app.add_typer(report_cmd.app, name="report")
 
 err_console = Console(stderr=True)
 _debug = False
