@@ -40,8 +40,9 @@ def data_section(tmp_path: Path, tokenizer_dir: Path, sources: list[dict], **ext
 
 
 def documents(prefix: Path) -> list[np.ndarray]:
-    dataset = IndexedDataset(str(prefix))  # indexing past the end is not checked: iterate by index
-    return [dataset[i] for i in range(len(dataset))]
+    # Index, don't iterate (reads past the end are not checked), and copy: the arrays view a mmap closed with the dataset.
+    dataset = IndexedDataset(str(prefix))
+    return [dataset[i].copy() for i in range(len(dataset))]
 
 
 def cache_entries(cache_dir: Path) -> list[str]:
