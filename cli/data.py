@@ -35,6 +35,6 @@ def prepare(recipe_file: Path = typer.Argument(..., metavar="RECIPE", help="Reci
         table.add_row(escape(s.name), f"{s.weight:g}", f"{s.num_files:,}", f"{s.num_documents:,}", f"{s.num_tokens:,}", cache)
     console.print(table)
     for s in prepared.sources:
-        console.print(f"  {escape(s.name)}: {escape(str(s.prefix))}.bin/.idx", highlight=False)
+        console.print(f"  {escape(s.name)}: {escape(str(s.prefix))}.bin/.idx", highlight=False, soft_wrap=True)
     if prepared.all_cached:
         console.print("[green]every source was already prepared; nothing to do[/]")

@@ -196,7 +196,8 @@ def _init_worker(tokenizer_file: str) -> None:
 
 def tokenize_file(path: Path, fmt: str, jsonl_field: str, eod: int, dtype: type[np.number], tokenizer: Tokenizer | None = None) -> FileTokens:
     """Tokens of one input file; `tokenizer` defaults to the pool worker's own."""
-    tokenizer = tokenizer or _worker_tokenizer
+    if tokenizer is None:
+        tokenizer = _worker_tokenizer
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -406,9 +407,8 @@ def _human(value: float) -> str:
 def _progress(console: Console | None) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),
-        BarColumn(),
+        BarColumn(bar_width=24),
         MofNCompleteColumn(),
-        TextColumn("files"),
         _RateColumn("files/s"),
         _RateColumn("tokens/s", "tokens"),
         TimeElapsedColumn(),
