@@ -36,5 +36,7 @@ def prepare(recipe_file: Path = typer.Argument(..., metavar="RECIPE", help="Reci
     console.print(table)
     for s in prepared.sources:
         console.print(f"  {escape(s.name)}: {escape(str(s.prefix))}.bin/.idx", highlight=False, soft_wrap=True)
+        if s.num_files_not_utf8:
+            console.print(f"  [yellow]{s.num_files_not_utf8} file(s) of {escape(s.name)} were not valid UTF-8; bad bytes became U+FFFD[/]", highlight=False)
     if prepared.all_cached:
         console.print("[green]every source was already prepared; nothing to do[/]")

@@ -18,7 +18,8 @@ from tokenizers import Tokenizer
 
 from recipes.errors import UserError
 from recipes.loader import load_recipe
-from trainer.data import prepare_data
+from recipes.schema import DataSource
+from trainer.data import expand_paths, prepare_data
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSER = [sys.executable, "-c", "from cli.main import main; main()"]
@@ -72,6 +73,22 @@ def test_documents_are_tokenized_in_file_order_and_each_ends_with_eod(tmp_path, 
     assert snippets.num_documents == len(dataset) == 2
     assert [tokenizer.decode(d[:-1].tolist()) for d in dataset] == ["def f():\n    return 1\n", "x = [1, 2]\n"]
     assert dataset[0].dtype == np.uint16  # vocab of 512 fits 16-bit tokens
+
+
+def test_text_that_is_not_utf8_is_kept_with_replacement_characters_and_counted(tmp_path, tokenizer_dir):
+    (tmp_path / "latin1.txt").write_bytes("café = 1\n".encode("latin-1"))
+    (tmp_path / "utf8.txt").write_text("café = 2\n")
+    prepared = prepare(tmp_path, data_section(tmp_path, tokenizer_dir, [{"name": "mixed", "paths": [str(tmp_path / "*.txt")]}]))
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    assert prepared.sources[0].num_files_not_utf8 == 1
+    assert [tokenizer.decode(d[:-1].tolist()) for d in documents(prepared.sources[0].prefix)] == ["caf\ufffd = 1\n", "café = 2\n"]
+    assert prepare(tmp_path, data_section(tmp_path, tokenizer_dir, [{"name": "mixed", "paths": [str(tmp_path / "*.txt")]}])).sources[0].num_files_not_utf8 == 1
+
+
+def test_stdlib_placeholder_means_the_standard_library_without_installed_packages():
+    files = expand_paths(DataSource(name="stdlib", paths=["{stdlib}/**/*.py"]), 0)
+    assert STDLIB / "json" / "decoder.py" in files
+    assert not [f for f in files if "site-packages" in f.parts or "dist-packages" in f.parts]
 
 
 def test_second_prepare_reuses_the_cache_until_an_input_or_the_tokenizer_changes(tmp_path, tokenizer_dir):

@@ -253,6 +253,8 @@ class PreparedSource:
     num_files: int
     num_documents: int
     num_tokens: int
+    num_files_not_utf8: int
+    """Text files that were not valid UTF-8; their bad bytes became U+FFFD."""
     cached: bool
     """Found in the cache: nothing was tokenized."""
 
@@ -290,7 +292,7 @@ def prepare_data(data: DataSection, *, model_checkpoint: str | None, model_vocab
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_temp_dirs(cache_dir)
-    # fork: workers start in milliseconds and inherit the imported modules; nothing here has started threads yet.
+    # fork (the Linux default of this Python): workers start in milliseconds without importing torch/Megatron again.
     context = multiprocessing.get_context("fork")
     with (
         context.Pool(data.num_workers, initializer=_init_worker, initargs=(str(tokenizer.file),)) as pool,
@@ -307,7 +309,9 @@ def _cached_source(source: DataSource, files: list[Path], entry: Path) -> Prepar
         manifest = json.loads((entry / MANIFEST).read_text())
     except FileNotFoundError:
         return None
-    return PreparedSource(source.name, entry / ENTRY_PREFIX, source.weight, len(files), manifest["num_documents"], manifest["num_tokens"], cached=True)
+    return PreparedSource(
+        source.name, entry / ENTRY_PREFIX, source.weight, len(files), manifest["num_documents"], manifest["num_tokens"], manifest["num_files_not_utf8"], cached=True
+    )
 
 
 def _build_entry(pool: Pool, num_workers: int, progress: Progress, source: DataSource, index: int, files: list[Path], entry: Path, tokenizer: CorpusTokenizer) -> PreparedSource:
@@ -319,7 +323,7 @@ def _build_entry(pool: Pool, num_workers: int, progress: Progress, source: DataS
         task = progress.add_task(source.name, total=len(files), tokens=0)
         work = functools.partial(tokenize_file, fmt=source.format, jsonl_field=source.jsonl_field, eod=tokenizer.eod, dtype=tokenizer.token_dtype)
         builder = IndexedDatasetBuilder(str(temp / f"{ENTRY_PREFIX}.bin"), dtype=tokenizer.token_dtype)
-        num_documents = num_tokens = num_replaced = 0
+        num_documents = num_tokens = num_not_utf8 = 0
         # Ordered imap keeps documents in file order, so the same corpus always gives the same dataset.
         chunksize = max(1, min(32, len(files) // (8 * num_workers)))
         for result in pool.imap(work, files, chunksize=chunksize):
@@ -329,7 +333,7 @@ def _build_entry(pool: Pool, num_workers: int, progress: Progress, source: DataS
                 at += length
             num_documents += len(result.document_lengths)
             num_tokens += len(result.tokens)
-            num_replaced += result.replaced_utf8
+            num_not_utf8 += result.replaced_utf8
             progress.update(task, advance=1, tokens=num_tokens)
         builder.finalize(str(temp / f"{ENTRY_PREFIX}.idx"))
         if num_documents == 0:
@@ -344,7 +348,7 @@ def _build_entry(pool: Pool, num_workers: int, progress: Progress, source: DataS
             "num_files": len(files),
             "num_documents": num_documents,
             "num_tokens": num_tokens,
-            "files_not_utf8": num_replaced,
+            "num_files_not_utf8": num_not_utf8,
         }
         atomic_write_text(temp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         try:
@@ -357,7 +361,7 @@ def _build_entry(pool: Pool, num_workers: int, progress: Progress, source: DataS
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    return PreparedSource(source.name, entry / ENTRY_PREFIX, source.weight, len(files), num_documents, num_tokens, cached=False)
+    return PreparedSource(source.name, entry / ENTRY_PREFIX, source.weight, len(files), num_documents, num_tokens, num_not_utf8, cached=False)
 
 
 def _fsync_file(path: Path) -> None:
