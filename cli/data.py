@@ -24,7 +24,7 @@ def prepare(recipe_file: Path = typer.Argument(..., metavar="RECIPE", help="Reci
     recipe = load_recipe(recipe_file, overrides)
     if recipe.data is None:
         raise UserError(f"{recipe_file}: the recipe has no data section; nothing to prepare")
-    from trainer.data import prepare_data  # imports Megatron: keep `composer --help` fast
+    from trainer.data import prepare_data  # loads tokenizers (and Megatron when writing): keep `composer --help` fast
 
     prepared = prepare_data(recipe.data, model_checkpoint=recipe.model.checkpoint, model_vocab_size=recipe.model.vocab_size, console=console)
     table = Table(title=f"data ({escape(str(prepared.tokenizer.directory))}, vocab {prepared.tokenizer.vocab_size})")

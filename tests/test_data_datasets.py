@@ -13,7 +13,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from recipes.errors import UserError
 from recipes.schema import DataSection
-from trainer.data import PreparedData, build_gpt_datasets, prepare_data
+from trainer.data import PreparedData, prepare_data
+from trainer.datasets import build_gpt_datasets
 
 SEQ = 32
 

@@ -1,9 +1,9 @@
-"""Corpus files -> tokens -> Megatron indexed datasets (cached), and the blended GPT datasets training reads.
+"""Corpus files -> tokens -> Megatron indexed datasets, cached.
 
 `prepare_data` tokenizes every source of a recipe's `data` section in a process pool, appends the
 end-of-document token to each document and writes one Megatron `.bin/.idx` pair per source into a
-cache entry named by a hash of everything those tokens depend on. `build_gpt_datasets` blends the
-prepared sources into Megatron's GPTDataset train/valid/test splits.
+cache entry named by a hash of everything those tokens depend on. `trainer.datasets` turns the
+prepared sources into the blended GPT datasets training reads.
 
 Cache key of a source: format settings, the SHA-256 of tokenizer.json, and for every input file its
 absolute path, size and modification time (ns). Stat data rather than content hashes, because a cache
@@ -25,11 +25,9 @@ import signal
 import socket
 import sysconfig
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass
 from multiprocessing.pool import Pool
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from rich.console import Console
@@ -41,21 +39,9 @@ from recipes.errors import UserError
 from recipes.runs import atomic_write_text, fsync_dir
 from recipes.schema import DataSection, DataSource
 
-with warnings.catch_warnings():
-    # Importing megatron.core announces that the optional Transformer Engine / Apex kernels are absent.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 """Bump when the layout of cache entries or the tokenization rules change, so old entries are not reused."""
 
-SPLIT_NAMES = ("train", "valid", "test")
 
 
 # --- tokenizer ---------------------------------------------------------------------------------
@@ -78,7 +64,7 @@ class CorpusTokenizer:
 
     @property
     def token_dtype(self) -> type[np.number]:
-        return DType.optimal_dtype(self.vocab_size)
+        return np.uint16 if self.vocab_size < 65500 else np.int32  # Megatron's DType.optimal_dtype rule
 
 
 def load_tokenizer(data: DataSection, model_checkpoint: str | None, model_vocab_size: int) -> CorpusTokenizer:
@@ -292,7 +278,7 @@ def prepare_data(data: DataSection, *, model_checkpoint: str | None, model_vocab
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_temp_dirs(cache_dir)
-    # fork (the Linux default of this Python): workers start in milliseconds without importing torch/Megatron again.
+    # fork (the Linux default of this Python): workers start in milliseconds with the modules already loaded.
     context = multiprocessing.get_context("fork")
     with (
         context.Pool(data.num_workers, initializer=_init_worker, initargs=(str(tokenizer.file),)) as pool,
@@ -316,6 +302,11 @@ def _cached_source(source: DataSource, files: list[Path], entry: Path) -> Prepar
 
 def _build_entry(pool: Pool, num_workers: int, progress: Progress, source: DataSource, index: int, files: list[Path], entry: Path, tokenizer: CorpusTokenizer) -> PreparedSource:
     """Tokenize one source into a temporary directory, then rename it to `entry` (all or nothing)."""
+    with warnings.catch_warnings():
+        # Imported here, not at the top: megatron.core takes seconds to import and a cache hit needs none of it.
+        # It announces on import that the optional Transformer Engine / Apex kernels are absent.
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     temp = entry.parent / f".tmp-{entry.name}-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()
@@ -419,79 +410,3 @@ def _progress(console: Console | None) -> Progress:
         console=console,
         disable=console is None,
     )
-
-
-# --- blended GPT datasets ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _DatasetTokenizer:
-    """What Megatron's GPTDataset reads from a tokenizer (no text is tokenized at training time)."""
-
-    vocab_size: int
-    eod: int
-    pad: int
-    unique_identifiers: OrderedDict
-
-
-@dataclass(frozen=True)
-class GPTDatasets:
-    train: GPTDataset
-    valid: GPTDataset | None
-    test: GPTDataset | None
-
-
-def build_gpt_datasets(
-    prepared: PreparedData,
-    *,
-    seq_length: int,
-    split: tuple[float, float, float],
-    seed: int,
-    num_samples: tuple[int, int, int],
-    index_cache_dir: Path,
-    is_built_on_rank: Callable[[], bool] = lambda: True,
-) -> GPTDatasets:
-    """Megatron's blended GPT datasets over the prepared sources, weighted by their blend weights.
-
-    Each sample holds `tokens` and `labels` (the next tokens) of `seq_length`, `loss_mask` and
-    `position_ids`; the model builds the causal mask itself (a per-sample [s, s] mask would cost
-    O(s^2) memory per sample). The sample order is a function of `seed` only. Call on every rank after
-    torch.distributed is initialised: Megatron builds the index files (under `index_cache_dir`) on rank 0
-    while the other ranks wait, then every rank reads them.
-    """
-    _check_splits_have_documents(prepared, split)
-    tokenizer = prepared.tokenizer
-    identity = OrderedDict(kind="hf-tokenizers", tokenizer_sha256=tokenizer.sha256, eod=tokenizer.eod)
-    prefixes = [str(s.prefix) for s in prepared.sources]
-    # A single source needs no blending layer; Megatron then samples it directly.
-    weights = [s.weight for s in prepared.sources] if len(prefixes) > 1 else None
-    config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=(prefixes, weights),
-        split=",".join(str(x) for x in split),
-        path_to_cache=str(index_cache_dir),
-        # Prepared data is never padded, so no real id may be taken for padding (-1 matches nothing).
-        tokenizer=_DatasetTokenizer(tokenizer.vocab_size, tokenizer.eod, -1, identity),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-    )
-    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config).build()
-    return GPTDatasets(train, valid, test)
-
-
-def _check_splits_have_documents(prepared: PreparedData, split: tuple[float, float, float]) -> None:
-    """Megatron splits each source by whole documents; a split with a share but no document cannot sample."""
-    bookends = convert_split_vector_to_split_matrix(parse_and_normalize_split(",".join(str(x) for x in split)))
-    for source in prepared.sources:
-        for name, ends in zip(SPLIT_NAMES, bookends):
-            if ends is None:
-                continue
-            begin, end = (int(round(x * source.num_documents)) for x in ends)
-            if begin == end:
-                raise UserError(
-                    f"data.split {list(split)} leaves the {name} split of source {source.name!r} without documents "
-                    f"(it has {source.num_documents}); add documents or give {name} a larger share"
-                )
