@@ -186,6 +186,8 @@ def test_cli_prepares_then_reports_a_cache_hit_and_shows_errors_without_tracebac
     failed = run_composer("data", "prepare", str(recipe), "--set", "model.vocab_size=100", cwd=tmp_path)
     assert failed.returncode == 2
     assert "tokenizer/model mismatch" in failed.stderr and "Traceback" not in failed.stderr
+    rl_recipe = run_composer("data", "prepare", str(REPO / "recipes" / "smoke-rl.yaml"), cwd=tmp_path)
+    assert rl_recipe.returncode == 2 and "no data section" in rl_recipe.stderr
 
 
 def test_a_killed_prepare_leaves_no_entry_and_the_next_one_cleans_up(tmp_path, tokenizer_dir):
