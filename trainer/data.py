@@ -197,7 +197,8 @@ def tokenize_file(path: Path, fmt: str, jsonl_field: str, eod: int, dtype: type[
         texts = [text] if text.strip() else []
     else:
         texts = _jsonl_documents(path, raw, jsonl_field)
-    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+    # The fast variant skips computing character offsets, which nothing here needs (about 20% less CPU).
+    encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
     lengths = np.array([len(e.ids) + 1 for e in encodings], dtype=np.int64)
     tokens = np.empty(int(lengths.sum()), dtype=dtype)
     at = 0
