@@ -43,7 +43,6 @@ CACHE_FORMAT = 2
 """Bump when the layout of cache entries or the tokenization rules change, so old entries are not reused."""
 
 
-
 # --- tokenizer ---------------------------------------------------------------------------------
 
 
@@ -198,14 +197,14 @@ def tokenize_file(path: Path, fmt: str, jsonl_field: str, eod: int, dtype: type[
     else:
         texts = _jsonl_documents(path, raw, jsonl_field)
     # The fast variant skips computing character offsets, which nothing here needs (about 20% less CPU).
-    encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-    lengths = np.array([len(e.ids) + 1 for e in encodings], dtype=np.int64)
+    documents = [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+    lengths = np.array([len(ids) + 1 for ids in documents], dtype=np.int64)
     tokens = np.empty(int(lengths.sum()), dtype=dtype)
     at = 0
-    for encoding, length in zip(encodings, lengths):
-        tokens[at : at + length - 1] = encoding.ids
-        tokens[at + length - 1] = eod
-        at += length
+    for ids in documents:
+        tokens[at : at + len(ids)] = ids
+        tokens[at + len(ids)] = eod
+        at += len(ids) + 1
     return FileTokens(tokens, lengths, replaced)
 
 
