@@ -9,8 +9,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from cli import data as data_cmd
 from cli import model as model_cmd
 from cli import recipe as recipe_cmd
+from cli import report as report_cmd
 from recipes.errors import UserError
 
 app = typer.Typer(
@@ -22,6 +24,8 @@ app = typer.Typer(
 )
 app.add_typer(recipe_cmd.app, name="recipe")
 app.add_typer(model_cmd.app, name="model")
+app.add_typer(data_cmd.app, name="data")
+app.add_typer(report_cmd.app, name="report")
 
 err_console = Console(stderr=True, soft_wrap=True)
 _debug = False
