@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from cli import recipe as recipe_cmd
+from cli import sync as sync_cmd
 from recipes.errors import UserError
 
 app = typer.Typer(
@@ -20,6 +21,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(recipe_cmd.app, name="recipe")
+app.add_typer(sync_cmd.app, name="sync")
 
 err_console = Console(stderr=True)
 _debug = False

@@ -184,3 +184,22 @@ def create_safetensors(path: Path, header: str, size: int) -> int:
     os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
     os.ftruncate(fd, size)
     return fd
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    """Write named arrays (with their safetensors dtype; bf16/fp8 given as uint bit patterns) as one file,
+    streaming each array's bytes, via a temp file renamed into place."""
+    header, offset = {}, 0
+    for name, (dtype, array) in tensors.items():
+        if dtype not in DTYPE_SIZES or array.itemsize != DTYPE_SIZES[dtype]:
+            raise UserError(f"tensor {name!r}: cannot store a {array.dtype} array as {dtype}")
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data region to 8 bytes
+    tmp = path.with_name(f".tmp-{path.name}")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, array in tensors.values():
+            f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+    os.replace(tmp, path)
