@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
@@ -86,7 +87,7 @@ def push(
     kind = "anchor" if info.is_anchor else f"delta on {info.parent}"
     density = 100 * info.changed_elements / max(info.total_elements, 1)
     console.print(f"[green]pushed[/] {info.id} ({kind}): {_gb(info.stored_bytes)} stored for a {_gb(info.full_bytes)} "
-                  f"checkpoint ({info.ratio:.1f}x), {density:.2f}% of elements changed, "
+                  f"checkpoint ({info.ratio:.1f}x smaller), {density:.2f}% of elements changed, "
                   f"{info.chunks_sent} chunks sent, {info.chunks_skipped} already there, {info.seconds:.1f} s",
                   highlight=False)
 
@@ -156,22 +157,25 @@ def status(
     known_hosts: Optional[Path] = KnownHostsOption,
 ) -> None:
     """List the store's versions: parent, anchor, bytes stored and ratio against the full checkpoint."""
+    from sync.manifest import version_seq
     from sync.store import Store
 
     sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
     with Store.open(sync.store, ssh) as source:
-        table = Table(title=f"sync store {escape(sync.store)}")
-        for column in ("version", "parent", "anchor", "created", "changed", "stored", "ratio", "chain"):
-            table.add_column(column, justify="right" if column in ("changed", "stored", "ratio", "chain") else "left")
+        table = Table(title=f"sync store {escape(sync.store)}", box=box.SIMPLE_HEAD)
+        for column in ("version", "parent", "anchor"):
+            table.add_column(column, no_wrap=True)
+        for column in ("changed", "stored", "ratio", "chain"):
+            table.add_column(column, justify="right", no_wrap=True)
         total = 0
         for vid in source.versions():
             m = source.manifest(vid)
             stats = m.stats
             total += stats["stored_bytes"]
             changed = 100 * stats["changed_elements"] / max(stats["total_elements"], 1)
-            table.add_row(vid, m.parent or "-", "[bold]anchor[/]" if m.is_anchor else m.anchor, m.created,
-                          f"{changed:.2f}%", _gb(stats["stored_bytes"]),
-                          f"{stats['full_bytes'] / max(stats['stored_bytes'], 1):.1f}x", str(m.seq - int(m.anchor[1:])))
+            ratio = f"{stats['full_bytes'] / stats['stored_bytes']:.1f}x" if stats["stored_bytes"] else "no change"
+            table.add_row(vid, m.parent or "-", "[bold]anchor[/]" if m.is_anchor else m.anchor,
+                          f"{changed:.2f}%", _gb(stats["stored_bytes"]), ratio, str(m.seq - version_seq(m.anchor)))
     console.print(table)
     console.print(f"{table.row_count} version(s), {_gb(total)} stored", highlight=False)
 
