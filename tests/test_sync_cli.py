@@ -77,7 +77,8 @@ def test_damaged_store_fails_verify_with_exit_2(pushed, tmp_path):
 def test_gc_keeps_the_newest_anchor_chain(pushed, tmp_path):
     _, _, store = pushed
     copy = tmp_path / "copy"
-    assert run_cli("sync", "relay", "--store", str(store), "--to-store", str(copy)).returncode == 0
+    for version in ("v00000002", "v00000003"):  # the chain of v2 (v1, v2), then the anchor v3
+        assert run_cli("sync", "relay", "--store", str(store), "--to-store", str(copy), "--version", version).returncode == 0
     result = run_cli("sync", "gc", "--store", str(copy), "--keep-anchors", "1", "--grace-minutes", "0")
     assert result.returncode == 0, result.stderr
     assert "deleted 2 version(s)" in result.stdout
