@@ -86,8 +86,9 @@ def push(
         info = push_version(checkpoint, sync, ssh, cache_dir=cache, on_progress=advance)
     kind = "anchor" if info.is_anchor else f"delta on {info.parent}"
     density = 100 * info.changed_elements / max(info.total_elements, 1)
+    smaller = f"{info.ratio:.1f}x smaller" if info.stored_bytes else "nothing changed"
     console.print(f"[green]pushed[/] {info.id} ({kind}): {_gb(info.stored_bytes)} stored for a {_gb(info.full_bytes)} "
-                  f"checkpoint ({info.ratio:.1f}x smaller), {density:.2f}% of elements changed, "
+                  f"checkpoint ({smaller}), {density:.2f}% of elements changed, "
                   f"{info.chunks_sent} chunks sent, {info.chunks_skipped} already there, {info.seconds:.1f} s",
                   highlight=False)
 
@@ -190,7 +191,7 @@ def verify(
     known_hosts: Optional[Path] = KnownHostsOption,
 ) -> None:
     """Re-hash every chunk and rebuild every piece in memory, checking each version's hashes."""
-    from sync.receiver import verify as verify_store
+    from sync.rebuild import verify as verify_store
     from sync.store import Store
 
     sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)

@@ -40,6 +40,11 @@ def digest(data: np.ndarray | bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def hasher() -> xxhash.xxh3_128:
+    """Incremental form of `digest`, for data that arrives in blocks."""
+    return xxhash.xxh3_128()
+
+
 def piece_stops(numel: int, itemsize: int, chunk_bytes: int) -> list[int]:
     """End element of each piece when a tensor is cut into pieces of at most `chunk_bytes`."""
     per_piece = max(1, chunk_bytes // itemsize)

@@ -43,7 +43,6 @@ class Piece:
 class TensorRecord:
     dtype: str
     shape: list[int]
-    file: str
     pieces: list[Piece]
 
     @property
@@ -74,10 +73,10 @@ class TensorRecord:
 @dataclass
 class FileRecord:
     name: str
+    """Path relative to the checkpoint directory."""
     header: str
+    """The safetensors JSON header verbatim: tensor names, dtypes, shapes and offsets in the file."""
     size: int
-    tensors: list[str]
-    """Tensor names in the order of their data in the file."""
 
 
 @dataclass
@@ -134,7 +133,7 @@ class Manifest:
             raise CorruptDataError(f"{where}: manifest format {body.get('format')!r}; this composer reads {FORMAT}")
         try:
             tensors = {
-                name: TensorRecord(t["dtype"], t["shape"], t["file"], [Piece(**p) for p in t["pieces"]])
+                name: TensorRecord(t["dtype"], t["shape"], [Piece(**p) for p in t["pieces"]])
                 for name, t in body["tensors"].items()
             }
             manifest = cls(

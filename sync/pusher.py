@@ -23,13 +23,13 @@ from typing import Callable
 import numpy as np
 import zstandard
 
-from recipes.errors import UserError
 from recipes.schema import CodecSection, SSHSection, SyncSection
 from sync.checkpoint import Checkpoint, TensorInfo
-from sync.codec import RAW, digest, encode_piece, piece_stops
+from sync.codec import RAW, digest, encode_piece, hasher, piece_stops
 from sync.manifest import FileRecord, Manifest, OpaqueRecord, Piece, TensorRecord, version_id, version_seq
 from sync.pool import num_threads, ordered_map
-from sync.receiver import ReceiverDir, WrongBaseError, pull
+from sync.rebuild import WrongBaseError
+from sync.receiver import ReceiverDir, pull
 from sync.store import Store
 
 Progress = Callable[[int], None]
@@ -162,7 +162,7 @@ class DeltaEncoder:
                 else:
                     stops = piece_stops(info.numel, info.itemsize, self.chunk_bytes)
                     hashes = [None] * len(stops)
-                records[info.name] = TensorRecord(info.dtype, list(info.shape), info.file, [])
+                records[info.name] = TensorRecord(info.dtype, list(info.shape), [])
                 starts = [0] + stops[:-1]
                 jobs += [_Job(info, i, a, b, h) for i, (a, b, h) in enumerate(zip(starts, stops, hashes))]
 
@@ -198,17 +198,23 @@ class DeltaEncoder:
         return records, {"changed_elements": changed, "total_elements": total, "encodings": encodings}
 
     def opaque(self, checkpoint: Checkpoint, parent: Manifest | None, packer: _Packer) -> tuple[list[OpaqueRecord], int]:
-        """Opaque files as zstd chunks of their own; returns the records and the bytes new to this version."""
+        """Opaque files as zstd chunks of their own, read block by block; returns the records and the
+        compressed bytes of files that differ from the parent's."""
         cctx = zstandard.ZstdCompressor(level=self.codec.zstd_level, write_checksum=True)
         before = {o.name: o for o in parent.opaque} if parent else {}
         records, new_bytes = [], 0
         for name in checkpoint.opaque:
-            data = (checkpoint.root / name).read_bytes()
-            blobs = [cctx.compress(data[i: i + self.chunk_bytes]) for i in range(0, max(len(data), 1), self.chunk_bytes)]
-            record = OpaqueRecord(name, len(data), digest(data), [packer.add_blob(b) for b in blobs])
-            if name not in before or before[name].chunks != record.chunks:
-                new_bytes += sum(len(b) for b in blobs)
-            records.append(record)
+            running, size, chunks, compressed = hasher(), 0, [], 0
+            with open(checkpoint.root / name, "rb") as f:
+                while block := f.read(self.chunk_bytes):
+                    running.update(block)
+                    size += len(block)
+                    blob = cctx.compress(block)
+                    compressed += len(blob)
+                    chunks.append(packer.add_blob(blob))
+            if name not in before or before[name].chunks != chunks:
+                new_bytes += compressed
+            records.append(OpaqueRecord(name, size, running.hexdigest(), chunks))
         return records, new_bytes
 
 
@@ -266,7 +272,7 @@ def _encode(encoder: DeltaEncoder, checkpoint: Checkpoint, store: Store, vid: st
     except BaseException:
         packer.abort()
         raise
-    files = [FileRecord(f.name, f.header, f.size, [t.name for t in f.tensors]) for f in checkpoint.files]
+    files = [FileRecord(f.name, f.header, f.size) for f in checkpoint.files]
     stats["full_bytes"] = checkpoint.nbytes + sum((checkpoint.root / n).stat().st_size for n in checkpoint.opaque)
     stats["stored_bytes"] = packer.stored_bytes + opaque_new
     manifest = Manifest(

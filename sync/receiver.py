@@ -1,13 +1,10 @@
-"""Receivers: rebuild versions from a store's chains, bit-exactly and verified, and publish them atomically.
+"""Receivers: bring a directory to a version of a store, atomically, and apply versions to live tensors.
 
 A receiver directory holds
     versions/<id>/         complete safetensors checkpoints (written under a temp name, then renamed)
     manifests/<id>.json    the manifest of each version held, so the next pull can check its base
     current -> versions/<id>   a symlink replaced atomically: a reader never sees a half-written model
-
-Every piece is rebuilt by following its chain back to a raw payload or to the receiver's current version,
-and its hash is checked after EVERY step, so a damaged chunk, a delta applied to the wrong base or a
-modified local copy is refused before anything is published.
+A pull applies only the deltas after the receiver's current version when it is on the target's chain.
 """
 
 from __future__ import annotations
@@ -21,25 +18,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
-import zstandard
 
 from recipes.errors import UserError
 from recipes.runs import atomic_write_bytes, fsync_dir
 from sync.checkpoint import UINT_OF_WIDTH, Checkpoint, create_safetensors, numpy_dtype, parse_header
-from sync.codec import RAW, CorruptDataError, apply_piece, digest
-from sync.manifest import Manifest, OpaqueRecord, Piece, TensorRecord
+from sync.manifest import Manifest, TensorRecord
 from sync.pool import num_threads, ordered_map
-from sync.store import CHUNKS, Store
+from sync.rebuild import (PiecePlan, Progress, Rebuilder, WrongBaseError, fetch_chunks, needed_chunks, plan_tensor,
+                          restore_opaque)
+from sync.store import Store
 from sync.transports import LocalTransport
-
-Progress = Callable[[int], None]
-
-
-class WrongBaseError(CorruptDataError):
-    """The data a delta is applied to is not the version the delta was made against."""
 
 
 class ReceiverDir:
@@ -88,160 +79,6 @@ class ReceiverDir:
                 (self.manifests / f"{entry.name}.json").unlink(missing_ok=True)
 
 
-# --- plans: how to produce one piece of one tensor -----------------------------------------------
-
-
-@dataclass
-class PiecePlan:
-    name: str
-    index: int
-    start: int
-    stop: int
-    itemsize: int
-    steps: list[tuple[str, Piece]]
-    """(version id, piece) oldest first; the first is raw unless the plan starts from a base."""
-    base_hash: str | None = None
-    """Hash the base piece must have when the plan starts from the receiver's copy."""
-
-    @property
-    def uint(self) -> np.dtype:
-        return np.dtype(UINT_OF_WIDTH[self.itemsize])
-
-    @property
-    def nbytes(self) -> int:
-        return (self.stop - self.start) * self.itemsize
-
-
-def plan_tensor(manifests: Mapping[str, Manifest], target: str, name: str, base: str | None) -> list[PiecePlan]:
-    """Plans for every piece of `name` in version `target`, walking parents back to a raw piece, or to `base`."""
-    record = manifests[target].tensors[name]
-    plans = []
-    for index, (start, stop) in enumerate(record.bounds()):
-        steps: list[tuple[str, Piece]] = []
-        vid, base_hash = target, None
-        while True:
-            current = manifests[vid].tensors.get(name)
-            if current is None or not current.same_layout(record):
-                raise CorruptDataError(f"version {vid}: tensor {name!r} breaks the delta chain of {target}")
-            piece = current.pieces[index]
-            steps.append((vid, piece))
-            if piece.encoding == RAW:
-                break
-            parent = manifests[vid].parent
-            if parent is None or parent not in manifests:
-                raise CorruptDataError(f"version {vid}: parent {parent} of a delta is not available")
-            if parent == base:
-                base_record = manifests[base].tensors.get(name)
-                if base_record is None or not base_record.same_layout(record):
-                    raise WrongBaseError(f"version {vid}: tensor {name!r} has no matching base in {base}")
-                base_hash = base_record.pieces[index].hash
-                break
-            vid = parent
-        steps.reverse()
-        plans.append(PiecePlan(name, index, start, stop, record.itemsize, steps, base_hash))
-    return plans
-
-
-# --- chunks ------------------------------------------------------------------------------------
-
-
-class ChunkReader:
-    """Piece payloads read from a local directory of chunks that were all verified by `fetch_chunks`."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-
-    def payload(self, piece: Piece) -> bytes:
-        with open(self.directory / piece.chunk, "rb") as f:
-            return os.pread(f.fileno(), piece.length, piece.offset)
-
-
-def fetch_chunks(store: Store, needed: dict[str, str], staging: Path, workers: int) -> tuple[ChunkReader, int]:
-    """Make every needed chunk (id -> the version needing it) available locally, verified against its hash.
-
-    A local store is read in place; a remote one is downloaded into `staging`, skipping chunks already
-    there from an interrupted pull. Returns the reader and the bytes downloaded.
-    """
-    local = isinstance(store.transport, LocalTransport)
-    directory = store.transport.root / CHUNKS if local else staging
-    directory.mkdir(parents=True, exist_ok=True)
-    fetched = 0
-    lock = threading.Lock()
-
-    def one(item: tuple[str, str]) -> None:
-        nonlocal fetched
-        cid, vid = item
-        path = directory / cid
-        if path.is_file() and digest(path.read_bytes()) == cid:
-            return
-        # A local store's chunk only gets here when missing or damaged, and get_chunk raises for both.
-        data = store.get_chunk(cid, f" (needed by {vid})")
-        atomic_write_bytes(path, data)
-        with lock:
-            fetched += len(data)
-
-    with ThreadPoolExecutor(max(workers, store.transport.parallelism)) as pool:
-        list(pool.map(one, sorted(needed.items())))
-    return ChunkReader(directory), fetched
-
-
-# --- rebuilding --------------------------------------------------------------------------------
-
-
-class _Rebuilder:
-    """Runs piece plans on worker threads with reusable per-thread buffers."""
-
-    def __init__(self, chunks: ChunkReader, manifests: Mapping[str, Manifest]):
-        self.chunks = chunks
-        self.manifests = manifests
-        self._local = threading.local()
-
-    def _buffer(self, nbytes: int) -> np.ndarray:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self._local.buf = np.empty(nbytes, dtype=np.uint8)
-            self._local.dctx = zstandard.ZstdDecompressor()
-        return buf
-
-    def run(self, plan: PiecePlan, load_base: Callable[[PiecePlan, np.ndarray], None] | None,
-            out: np.ndarray | None = None) -> np.ndarray:
-        """The rebuilt piece (in `out`, or in a thread buffer valid until this thread's next call)."""
-        if out is None:
-            out = self._buffer(plan.nbytes)[: plan.nbytes].view(plan.uint)
-        dctx = getattr(self._local, "dctx", None) or zstandard.ZstdDecompressor()
-        first_vid = plan.steps[0][0]
-        if plan.base_hash is not None:
-            load_base(plan, out)
-            if digest(out) != plan.base_hash:
-                base = self.manifests[first_vid].parent
-                raise WrongBaseError(f"tensor {plan.name!r} piece {plan.index}: the base does not match version {base} "
-                                     f"that {first_vid} was encoded against (modified or wrong base); nothing applied")
-        for vid, piece in plan.steps:
-            where = f"version {vid} tensor {plan.name!r} piece {plan.index}"
-            apply_piece(piece.encoding, self.chunks.payload(piece) if piece.chunk else b"", piece.changed,
-                        piece.gap_width, out, dctx, where)
-            if digest(out) != piece.hash:
-                raise CorruptDataError(f"{where}: rebuilt bytes do not match the manifest hash")
-        return out
-
-
-def _opaque_bytes(chunks: ChunkReader, record: OpaqueRecord, vid: str) -> bytes:
-    dctx = zstandard.ZstdDecompressor()
-    try:
-        data = b"".join(dctx.decompress((chunks.directory / cid).read_bytes()) for cid in record.chunks)
-    except zstandard.ZstdError:
-        raise CorruptDataError(f"version {vid}: file {record.name} does not decompress") from None
-    if len(data) != record.size or digest(data) != record.hash:
-        raise CorruptDataError(f"version {vid}: file {record.name} does not match its manifest hash")
-    return data
-
-
-def _needed_chunks(plans: list[PiecePlan], manifest: Manifest) -> dict[str, str]:
-    needed = {piece.chunk: vid for plan in plans for vid, piece in plan.steps if piece.chunk}
-    needed.update({cid: manifest.id for record in manifest.opaque for cid in record.chunks})
-    return needed
-
-
 @dataclass
 class PullInfo:
     version: str
@@ -272,7 +109,7 @@ def pull(store: Store, to: Path, version: str | None = None, threads: int = 0,
     target = manifests[target_id]
     plans = [plan for name in target.tensors for plan in plan_tensor(manifests, target_id, name, base)]
     workers = num_threads(threads)
-    reader, fetched = fetch_chunks(store, _needed_chunks(plans, target), to / ".incoming", workers)
+    reader, fetched = fetch_chunks(store, needed_chunks(plans, target), to / ".incoming", workers)
     staged = receiver.staging(target_id)
     base_checkpoint = Checkpoint(receiver.path(base)) if base else None
     fds: dict[str, int] = {}
@@ -288,7 +125,7 @@ def pull(store: Store, to: Path, version: str | None = None, threads: int = 0,
         def load_base(plan: PiecePlan, out: np.ndarray) -> None:
             base_checkpoint.read(base_checkpoint.tensors[plan.name], plan.start, plan.stop, out)
 
-        rebuilder = _Rebuilder(reader, manifests)
+        rebuilder = Rebuilder(reader, manifests)
 
         def rebuild_piece(plan: PiecePlan) -> int:
             data = rebuilder.run(plan, load_base)
@@ -302,7 +139,10 @@ def pull(store: Store, to: Path, version: str | None = None, threads: int = 0,
         for record in target.opaque:
             path = staged / record.name
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(_opaque_bytes(reader, record, target_id))
+            with open(path, "wb") as f:
+                restore_opaque(reader, record, target_id, f)
+                f.flush()
+                os.fsync(f.fileno())
         for fd in fds.values():
             os.fsync(fd)
         receiver.install(staged, target)
@@ -339,7 +179,7 @@ def apply_version(store: Store, version_id: str, base_tensors: Mapping[str, np.n
     with tempfile.TemporaryDirectory(prefix="composer-sync-") as staging:
         needed = {piece.chunk: vid for ps in plans.values() for plan in ps for vid, piece in plan.steps if piece.chunk}
         reader, _ = fetch_chunks(store, needed, Path(staging), num_threads(threads))
-        rebuilder = _Rebuilder(reader, manifests)
+        rebuilder = Rebuilder(reader, manifests)
         for name, record in records.items():
             flat = _base_view(base_tensors, name, record) if any(p.base_hash for p in plans[name]) else None
 
@@ -361,64 +201,6 @@ def _base_view(base_tensors: Mapping[str, np.ndarray], name: str, record: Tensor
         raise WrongBaseError(f"tensor {name!r}: base has {array.size} elements of {array.itemsize} bytes, "
                              f"the version has {record.numel} of {record.itemsize}")
     return array.reshape(-1).view(UINT_OF_WIDTH[record.itemsize])
-
-
-# --- verify and relay --------------------------------------------------------------------------
-
-
-@dataclass
-class VerifyReport:
-    versions: list[str]
-    pieces: int = 0
-    bytes_checked: int = 0
-    chunks: int = 0
-
-
-def verify(store: Store, version: str | None = None, threads: int = 0,
-           on_progress: Progress | None = None) -> VerifyReport:
-    """Re-hash every chunk and rebuild every piece of `version` (default: every version) in memory,
-    checking each piece's hash at every step of its chain."""
-    versions = store.versions()
-    if version is not None and version not in versions:
-        raise UserError(f"store {store.location}: no version {version}")
-    selected = [version] if version else versions
-    # One plan per piece that no later version's chain passes through: a chain checks every step it takes.
-    jobs: list[tuple[str, str]] = []
-    for i, vid in enumerate(selected):
-        manifest = store.manifest(vid)
-        after = store.manifest(selected[i + 1]) if i + 1 < len(selected) else None
-        continued = after is not None and after.parent == vid
-        for name in manifest.tensors:
-            record = after.tensors.get(name) if continued else None
-            if record is None or record.pieces[0].encoding == RAW:
-                jobs.append((vid, name))
-    manifests: dict[str, Manifest] = {}
-    for vid in selected:
-        manifests.update({m.id: m for m in store.chain(vid)})
-    plans = [plan for vid, name in jobs for plan in plan_tensor(manifests, vid, name, None)]
-    needed: dict[str, str] = {}
-    for vid in selected:
-        needed.update(_needed_chunks([], manifests[vid]))
-    needed.update({piece.chunk: vid for plan in plans for vid, piece in plan.steps if piece.chunk})
-    workers = num_threads(threads)
-    report = VerifyReport(selected, chunks=len(needed))
-    with tempfile.TemporaryDirectory(prefix="composer-sync-") as staging:
-        reader, _ = fetch_chunks(store, needed, Path(staging), workers)
-        rebuilder = _Rebuilder(reader, manifests)
-
-        def check(plan: PiecePlan) -> int:
-            rebuilder.run(plan, None)
-            return plan.nbytes
-
-        for nbytes in ordered_map(check, plans, workers):
-            report.pieces += 1
-            report.bytes_checked += nbytes
-            if on_progress:
-                on_progress(nbytes)
-        for vid in selected:
-            for record in manifests[vid].opaque:
-                _opaque_bytes(reader, record, vid)
-    return report
 
 
 @dataclass

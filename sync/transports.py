@@ -260,11 +260,12 @@ class SSHTransport(Transport):
                 raise
 
     def exists(self, path: str) -> bool:
-        try:
-            self._sftp().stat(self._path(path))
-        except FileNotFoundError:
-            return False
-        return True
+        with self._io_errors(f"look up {path}"):
+            try:
+                self._sftp().stat(self._path(path))
+            except FileNotFoundError:
+                return False
+            return True
 
     def list(self, directory: str) -> dict[str, float]:
         with self._io_errors(f"list {directory}"):

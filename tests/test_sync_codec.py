@@ -176,7 +176,7 @@ def test_apply_version_yields_only_changed_tensors_and_refuses_a_wrong_base(tmp_
             assert np.array_equal(array.view(v2[name].dtype), v2[name]), name
         wrong = dict(v1)
         wrong["model.embed.weight"] = v2["model.embed.weight"]  # already at v2: not the parent
-        from sync.receiver import WrongBaseError
+        from sync.rebuild import WrongBaseError
 
         with pytest.raises(WrongBaseError, match="does not match version v00000001"):
             list(apply_version(store, "v00000002", wrong))

@@ -15,7 +15,8 @@ from recipes.errors import UserError
 from recipes.schema import SSHSection
 from sync.manifest import Manifest
 from sync.pusher import push_version
-from sync.receiver import pull, relay, verify
+from sync.rebuild import verify
+from sync.receiver import pull, relay
 from sync.store import Store, VersionTakenError
 from sync_testing import TrainingRun, checkpoint_files, run_cli, sync_section
 

@@ -17,7 +17,8 @@ from recipes.errors import UserError
 from sync.checkpoint import write_safetensors
 from sync.codec import CorruptDataError
 from sync.pusher import push_version
-from sync.receiver import WrongBaseError, pull, relay, verify
+from sync.rebuild import WrongBaseError, verify
+from sync.receiver import pull, relay
 from sync.store import CHUNKS, MANIFESTS, Store, VersionTakenError
 from sync_testing import REPO, TrainingRun, checkpoint_files, sync_section, to_bf16
 
