@@ -110,8 +110,8 @@ def pull(store: Store, to: Path, version: str | None = None, threads: int = 0,
     plans = [plan for name in target.tensors for plan in plan_tensor(manifests, target_id, name, base)]
     workers = num_threads(threads)
     reader, fetched = fetch_chunks(store, needed_chunks(plans, target), to / ".incoming", workers)
-    staged = receiver.staging(target_id)
     base_checkpoint = Checkpoint(receiver.path(base)) if base else None
+    staged = receiver.staging(target_id)
     fds: dict[str, int] = {}
     try:
         offsets = {}
