@@ -10,7 +10,7 @@ import typer
 from rich import box
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from recipes.errors import UserError
@@ -50,12 +50,21 @@ def _settings(store: Optional[str], recipe: Optional[Path], overrides: list[str]
     return sync, ssh.model_copy(update=updates)
 
 
+Track = Callable[[str, Optional[int]], Callable[[int], None]]
+
+
 @contextlib.contextmanager
-def _progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
-    columns = (description, BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+def _progress() -> Iterator[Track]:
+    """Yields `track(description, total_bytes)`, which adds a bar and returns its advance(nbytes) callback."""
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda n: progress.advance(task, n)
+
+        def track(description: str, total: Optional[int]) -> Callable[[int], None]:
+            task = progress.add_task(description, total=total)
+            return lambda nbytes: progress.advance(task, nbytes)
+
+        yield track
 
 
 def _gb(n: int) -> str:
@@ -82,8 +91,8 @@ def push(
         sync = sync.model_copy(update={"anchor_every": anchor_every})
     with Checkpoint(checkpoint) as ck:
         total = ck.nbytes
-    with _progress("encoding", total) as advance:
-        info = push_version(checkpoint, sync, ssh, cache_dir=cache, on_progress=advance)
+    with _progress() as track:
+        info = push_version(checkpoint, sync, ssh, cache_dir=cache, on_progress=track("encoding", total))
     kind = "anchor" if info.is_anchor else f"delta on {info.parent}"
     density = 100 * info.changed_elements / max(info.total_elements, 1)
     smaller = f"{info.ratio:.1f}x smaller" if info.stored_bytes else "nothing changed"
@@ -119,8 +128,9 @@ def pull(
                           highlight=False)
     with Store.open(relay_store or sync.store, ssh) as source:
         total = sum(t.nbytes for t in source.manifest(target).tensors.values()) if target else 0
-        with _progress("rebuilding", total) as advance:
-            info = pull_version(source, to, target, sync.codec.threads, advance)
+        with _progress() as track:
+            downloads = track("downloading", None) if source.location.startswith("ssh://") else None
+            info = pull_version(source, to, target, sync.codec.threads, track("rebuilding", total), downloads)
     if info.already_current:
         console.print(f"{escape(str(to))} is already at {info.version}", highlight=False)
     else:

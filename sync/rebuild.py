@@ -103,11 +103,13 @@ class ChunkReader:
             return os.pread(f.fileno(), piece.length, piece.offset)
 
 
-def fetch_chunks(store: Store, needed: dict[str, str], staging: Path, workers: int) -> tuple[ChunkReader, int]:
+def fetch_chunks(store: Store, needed: dict[str, str], staging: Path, workers: int,
+                 on_progress: Progress | None = None) -> tuple[ChunkReader, int]:
     """Make every needed chunk (id -> the version needing it) available locally, verified against its hash.
 
     A local store is read in place; a remote one is downloaded into `staging`, skipping chunks already
-    there from an interrupted pull. Returns the reader and the bytes downloaded.
+    there from an interrupted pull; `on_progress` gets the bytes of each download. Returns the reader and
+the bytes downloaded.
     """
     local = isinstance(store.transport, LocalTransport)
     directory = store.transport.root / CHUNKS if local else staging
@@ -126,6 +128,8 @@ def fetch_chunks(store: Store, needed: dict[str, str], staging: Path, workers: i
         atomic_write_bytes(path, data)
         with lock:
             fetched += len(data)
+            if on_progress:
+                on_progress(len(data))
 
     with ThreadPoolExecutor(max(workers, store.transport.parallelism)) as pool:
         list(pool.map(one, sorted(needed.items())))

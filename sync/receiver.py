@@ -91,8 +91,9 @@ class PullInfo:
 
 
 def pull(store: Store, to: Path, version: str | None = None, threads: int = 0,
-         on_progress: Progress | None = None) -> PullInfo:
-    """Bring the receiver directory `to` to `version` (default: the store's head) and make it current."""
+         on_progress: Progress | None = None, on_fetch: Progress | None = None) -> PullInfo:
+    """Bring the receiver directory `to` to `version` (default: the store's head) and make it current.
+    `on_fetch` gets the bytes of each chunk downloaded, `on_progress` the bytes of each piece rebuilt."""
     started = time.monotonic()
     receiver = ReceiverDir(to)
     target_id = version or store.head()
@@ -109,7 +110,7 @@ def pull(store: Store, to: Path, version: str | None = None, threads: int = 0,
     target = manifests[target_id]
     plans = [plan for name in target.tensors for plan in plan_tensor(manifests, target_id, name, base)]
     workers = num_threads(threads)
-    reader, fetched = fetch_chunks(store, needed_chunks(plans, target), to / ".incoming", workers)
+    reader, fetched = fetch_chunks(store, needed_chunks(plans, target), to / ".incoming", workers, on_fetch)
     base_checkpoint = Checkpoint(receiver.path(base)) if base else None
     staged = receiver.staging(target_id)
     fds: dict[str, int] = {}

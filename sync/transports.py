@@ -177,38 +177,50 @@ class SSHTransport(Transport):
             self._known_hosts = known_hosts
         else:
             client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
-        self._connect()
-        self._local = threading.local()
-        self._sftps: list = []
+        self._idle: list = []
+        self._opened: list = []
         self._lock = threading.Lock()
-
-    def _connect(self) -> None:
-        import paramiko
-
         try:
             self._conn.open()
-        except paramiko.BadHostKeyException:
-            raise UserError(f"{self.where}: host key does NOT match the one in {self._known_hosts} "
-                            "(the host was reinstalled, or someone is intercepting the connection)") from None
-        except paramiko.AuthenticationException as e:
-            raise UserError(f"{self.where}: authentication failed ({e}); check cluster.ssh.user and key_file") from None
-        except paramiko.SSHException as e:
-            if "known_hosts" in str(e):
-                raise UserError(f"{self.where}: host key is not in {self._known_hosts}; add it "
-                                f"(ssh-keyscan -p {self.port} {self.host} >> {self._known_hosts}) "
-                                "or set cluster.ssh.known_hosts") from None
-            raise UserError(f"{self.where}: SSH failed ({e})") from None
-        except (OSError, socket.timeout) as e:
-            reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
-            raise UserError(f"{self.where}: cannot connect ({reason})") from None
+        except Exception as e:
+            self._conn.close()
+            raise self._explain(e) from None
 
-    def _sftp(self):
-        sftp = getattr(self._local, "sftp", None)
+    def _explain(self, error: Exception) -> Exception:
+        """A connection failure as the UserError that says what to fix (anything unexpected stays as is)."""
+        import paramiko
+
+        if isinstance(error, paramiko.BadHostKeyException):
+            return UserError(f"{self.where}: host key does NOT match the one in {self._known_hosts} "
+                             "(the host was reinstalled, or someone is intercepting the connection)")
+        if isinstance(error, paramiko.AuthenticationException):
+            return UserError(f"{self.where}: authentication failed ({error}); check cluster.ssh.user and key_file")
+        if isinstance(error, paramiko.SSHException) and "known_hosts" in str(error):
+            return UserError(f"{self.where}: host key is not in {self._known_hosts}; add it "
+                             f"(ssh-keyscan -p {self.port} {self.host} >> {self._known_hosts}) "
+                             "or set cluster.ssh.known_hosts")
+        if isinstance(error, paramiko.SSHException):
+            return UserError(f"{self.where}: SSH failed ({error})")
+        if isinstance(error, (OSError, socket.timeout)):
+            reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+            return UserError(f"{self.where}: cannot connect ({reason})")
+        return error
+
+    @contextlib.contextmanager
+    def _sftp(self) -> Iterator:
+        """An SFTP channel for one operation. Channels are reused, so their number stays the number of
+        operations running at once (OpenSSH allows 10 per connection by default)."""
+        with self._lock:
+            sftp = self._idle.pop() if self._idle else None
         if sftp is None:
-            sftp = self._local.sftp = self._conn.client.open_sftp()
+            sftp = self._conn.client.open_sftp()
             with self._lock:
-                self._sftps.append(sftp)
-        return sftp
+                self._opened.append(sftp)
+        try:
+            yield sftp
+        finally:
+            with self._lock:
+                self._idle.append(sftp)
 
     def _path(self, path: str) -> str:
         return posixpath.join(self.root, path)
@@ -223,13 +235,12 @@ class SSHTransport(Transport):
             raise UserError(f"store {self.location}: cannot {what}: {e}") from None
 
     def get(self, path: str) -> bytes:
-        with self._io_errors(f"read {path}"), self._sftp().open(self._path(path), "rb") as f:
+        with self._io_errors(f"read {path}"), self._sftp() as sftp, sftp.open(self._path(path), "rb") as f:
             f.prefetch()
             return f.read()
 
-    def _write_temp(self, path: str, data: bytes) -> str:
+    def _write_temp(self, sftp, path: str, data: bytes) -> str:
         tmp = self._path(_temp_name(path))
-        sftp = self._sftp()
         try:
             with sftp.open(tmp, "wb") as f:
                 f.set_pipelined(True)
@@ -241,47 +252,46 @@ class SSHTransport(Transport):
         return tmp
 
     def put(self, path: str, data: bytes) -> None:
-        with self._io_errors(f"write {path}"):
-            tmp = self._write_temp(path, data)
-            self._sftp().posix_rename(tmp, self._path(path))
+        with self._io_errors(f"write {path}"), self._sftp() as sftp:
+            sftp.posix_rename(self._write_temp(sftp, path, data), self._path(path))
 
     def publish(self, path: str, data: bytes) -> None:
-        with self._io_errors(f"publish {path}"):
-            tmp = self._write_temp(path, data)
-            sftp = self._sftp()
+        with self._io_errors(f"publish {path}"), self._sftp() as sftp:
+            tmp = self._write_temp(sftp, path, data)
             try:
                 # Plain SFTP rename refuses an existing target (OpenSSH implements it with link()).
                 sftp.rename(tmp, self._path(path))
-            except OSError:
+            except OSError as rename_error:
                 with contextlib.suppress(OSError):
                     sftp.remove(tmp)
-                if self.exists(path):
-                    raise FileExistsError(path) from None
-                raise
+                try:
+                    sftp.stat(self._path(path))
+                except FileNotFoundError:
+                    raise rename_error from None  # it failed for another reason
+                raise FileExistsError(path) from None
 
     def exists(self, path: str) -> bool:
-        with self._io_errors(f"look up {path}"):
+        with self._io_errors(f"look up {path}"), self._sftp() as sftp:
             try:
-                self._sftp().stat(self._path(path))
+                sftp.stat(self._path(path))
             except FileNotFoundError:
                 return False
             return True
 
     def list(self, directory: str) -> dict[str, float]:
-        with self._io_errors(f"list {directory}"):
+        with self._io_errors(f"list {directory}"), self._sftp() as sftp:
             try:
-                entries = self._sftp().listdir_attr(self._path(directory))
+                entries = sftp.listdir_attr(self._path(directory))
             except FileNotFoundError:
                 return {}
             return {e.filename: float(e.st_mtime or 0) for e in entries}
 
     def delete(self, path: str) -> None:
-        with self._io_errors(f"delete {path}"), contextlib.suppress(FileNotFoundError):
-            self._sftp().remove(self._path(path))
+        with self._io_errors(f"delete {path}"), self._sftp() as sftp, contextlib.suppress(FileNotFoundError):
+            sftp.remove(self._path(path))
 
     def makedirs(self, directory: str) -> None:
-        sftp = self._sftp()
-        with self._io_errors(f"create {directory}"):
+        with self._io_errors(f"create {directory}"), self._sftp() as sftp:
             full = self._path(directory)
             current = "/" if full.startswith("/") else ""
             for part in filter(None, full.split("/")):
@@ -292,7 +302,7 @@ class SSHTransport(Transport):
                     sftp.mkdir(current)
 
     def close(self) -> None:
-        for sftp in self._sftps:
+        for sftp in self._opened:
             sftp.close()
         self._conn.close()
 

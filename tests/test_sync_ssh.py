@@ -160,3 +160,15 @@ def test_unreachable_port_is_a_clear_error(sshd, tmp_path):
     result = run_cli("sync", "status", "--store", url, "--ssh-key", str(sshd[1]), "--known-hosts", str(sshd[2]))
     assert result.returncode == 2
     assert "cannot connect" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_many_parallel_transfers_share_one_connection(sshd, tmp_path):
+    # OpenSSH allows 10 channels per connection: transfers from many short-lived threads must reuse them.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with Store.open(_url(sshd, tmp_path / "remote"), _ssh(sshd), create=True) as store:
+        for round_ in range(4):
+            with ThreadPoolExecutor(8) as pool:
+                ids = list(pool.map(lambda i: store.put_chunk(f"{round_}-{i}".encode() * 100)[0], range(24)))
+            with ThreadPoolExecutor(8) as pool:
+                assert list(pool.map(store.get_chunk, ids)) == [f"{round_}-{i}".encode() * 100 for i in range(24)]
