@@ -8,6 +8,8 @@ Real mode: --checkpoints DIR0 DIR1 ... pushes consecutive checkpoint directories
 
 Each push and pull runs in a fresh process so its peak RSS is its own. Files are read from the page
 cache (they were just written); other processes sharing the CPUs make throughput a lower bound.
+"decode" is a pull: it writes (and fsyncs) a complete new checkpoint directory, so it is bounded by the
+disk's write speed; "apply" is a live receiver updating in-memory tensors with `apply_version`.
 
     PYTHONPATH=. python benchmarks/sync_bench.py --size-gb 1
     PYTHONPATH=. python benchmarks/sync_bench.py --checkpoints ckpt/step1 ckpt/step2 ckpt/step3
@@ -108,6 +110,19 @@ def _pull(store: str, to: str, version: str, threads: int):
     with Store.open(store) as s:
         info = pull(s, Path(to), version, threads)
     return info, time.perf_counter() - started, peak_rss()
+
+
+def _apply(store: str, version: str, base_dir: str, threads: int):
+    """A live receiver: the parent's tensors in memory, updated with apply_version (no files written)."""
+    from sync.receiver import apply_version
+    from sync.store import Store
+
+    with Checkpoint(Path(base_dir)) as ck:
+        base = {name: ck.read(info, 0, info.numel, np.empty(info.numel, info.uint)) for name, info in ck.tensors.items()}
+    started = time.perf_counter()
+    with Store.open(store) as s:
+        updated = sum(1 for _ in apply_version(s, version, base, threads))
+    return updated, time.perf_counter() - started, peak_rss()
 
 
 def peak_rss() -> int:
@@ -216,7 +231,7 @@ def synthetic(args: argparse.Namespace, work: Path) -> None:
           f"encode {gbps(model_bytes, zstd_s)}\n")
 
     header = (f"{'target':>6} {'actual':>7} | {'sync delta':>12} {'ratio':>7} {'encode':>11} {'enc rss':>12} "
-              f"{'decode':>11} {'dec rss':>12} | {'xor+zstd':>12} {'ratio':>7} {'encode':>11} | "
+              f"{'decode':>11} {'dec rss':>12} {'apply':>11} | {'xor+zstd':>12} {'ratio':>7} {'encode':>11} | "
               f"{'codec enc':>11} {'codec dec':>11} (1 thread, in memory)")
     print(header)
     print("-" * len(header))
@@ -231,6 +246,7 @@ def synthetic(args: argparse.Namespace, work: Path) -> None:
         assert not info.is_anchor
         pulled, dec_s, dec_rss = in_fresh_process(_pull, str(store), str(recv), info.id, args.threads)
         assert pulled.started_from == anchor.id
+        _, apply_s, _ = in_fresh_process(_apply, str(store), info.id, str(base), args.threads)
         with Checkpoint(recv / "current") as rebuilt:  # the pull verified every hash; check the bytes too
             assert all((recv / "current" / f.name).read_bytes() == (new / f.name).read_bytes() for f in rebuilt.files)
         xor_bytes, xor_s = baseline_xor_zstd(base, new, 3, args.threads or os.cpu_count())
@@ -238,7 +254,7 @@ def synthetic(args: argparse.Namespace, work: Path) -> None:
         codec_enc_s, codec_dec_s = codec_only(relative_step)
         matrix_bytes = SHAPE[0] * SHAPE[1] * 2
         print(f"{density:5.1f}% {actual:6.2f}% | {mib(info.stored_bytes)} {info.ratio:6.1f}x {gbps(model_bytes, enc_s)} "
-              f"{mib(enc_rss)} {gbps(model_bytes, dec_s)} {mib(dec_rss)} | {mib(xor_bytes)} "
+              f"{mib(enc_rss)} {gbps(model_bytes, dec_s)} {mib(dec_rss)} {gbps(model_bytes, apply_s)} | {mib(xor_bytes)} "
               f"{copy_bytes / xor_bytes:6.1f}x {gbps(model_bytes, xor_s)} | {gbps(matrix_bytes, codec_enc_s)} "
               f"{gbps(matrix_bytes, codec_dec_s)}", flush=True)
         for path in (new, store, cache, recv):

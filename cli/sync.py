@@ -205,8 +205,8 @@ def verify(
     from sync.store import Store
 
     sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
-    with Store.open(sync.store, ssh) as source:
-        report = verify_store(source, version, sync.codec.threads)
+    with Store.open(sync.store, ssh) as source, _progress() as track:
+        report = verify_store(source, version, sync.codec.threads, track("verifying", None))
     console.print(f"[green]ok[/] {len(report.versions)} version(s): {report.chunks} chunks and {report.pieces} pieces "
                   f"({_gb(report.bytes_checked)}) match their hashes", highlight=False)
 

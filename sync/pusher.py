@@ -25,7 +25,7 @@ import zstandard
 
 from recipes.schema import CodecSection, SSHSection, SyncSection
 from sync.checkpoint import Checkpoint, TensorInfo
-from sync.codec import RAW, digest, encode_piece, hasher, piece_stops
+from sync.codec import digest, encode_piece, hasher, piece_stops
 from sync.manifest import FileRecord, Manifest, OpaqueRecord, Piece, TensorRecord, version_id, version_seq
 from sync.pool import num_threads, ordered_map
 from sync.rebuild import WrongBaseError
@@ -191,7 +191,7 @@ class DeltaEncoder:
                 packer.add(piece, payload)
             size = job.stop - job.start
             total += size
-            changed += size if piece.encoding == RAW and job.base_hash is None else piece.changed
+            changed += piece.changed
             encodings[piece.encoding] = encodings.get(piece.encoding, 0) + 1
             if self.on_progress:
                 self.on_progress(size * job.info.itemsize)
