@@ -285,16 +285,17 @@ def _encode(encoder: DeltaEncoder, checkpoint: Checkpoint, store: Store, vid: st
 
 def _adopt(cache: ReceiverDir, source: Path, manifest: Manifest) -> None:
     """Make the pushed checkpoint the cache's current version: hard links when on the same filesystem."""
-    staged = cache.staging(manifest.id)
-    try:
-        for path in sorted(p for p in source.rglob("*") if p.is_file()):
-            target = staged / path.relative_to(source)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(path, target)
-            except OSError:
-                shutil.copy2(path, target)
-        cache.install(staged, manifest)
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
+    with cache.locked():
+        staged = cache.staging(manifest.id)
+        try:
+            for path in sorted(p for p in source.rglob("*") if p.is_file()):
+                target = staged / path.relative_to(source)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(path, target)
+                except OSError:
+                    shutil.copy2(path, target)
+            cache.install(staged, manifest)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise

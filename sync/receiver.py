@@ -9,6 +9,8 @@ A pull applies only the deltas after the receiver's current version when it is o
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import secrets
 import shutil
@@ -52,6 +54,20 @@ class ReceiverDir:
     def manifest(self, vid: str) -> Manifest:
         path = self.manifests / f"{vid}.json"
         return Manifest.from_bytes(path.read_bytes(), str(path))
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the directory's writer lock (one pull at a time) and clear what a killed pull left behind."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".lock", "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UserError(f"{self.root}: another pull is writing to this directory") from None
+            if self.versions.is_dir():
+                for leftover in self.versions.glob(".tmp-*"):
+                    shutil.rmtree(leftover, ignore_errors=True)
+            yield
 
     def staging(self, vid: str) -> Path:
         self.versions.mkdir(parents=True, exist_ok=True)
@@ -99,34 +115,50 @@ def pull(store: Store, to: Path, version: str | None = None, threads: int = 0,
     target_id = version or store.head()
     if target_id is None:
         raise UserError(f"store {store.location} holds no versions yet")
-    current = receiver.current_id()
-    if current == target_id:
-        return PullInfo(target_id, current, already_current=True)
-    chain = store.chain(target_id, stop_at=current)
-    manifests = {m.id: m for m in chain}
-    base = current if current and chain[-1].parent == current else None
-    if base:
-        manifests[base] = receiver.manifest(base)
-    target = manifests[target_id]
-    plans = [plan for name in target.tensors for plan in plan_tensor(manifests, target_id, name, base)]
-    workers = num_threads(threads)
-    reader, fetched = fetch_chunks(store, needed_chunks(plans, target), to / ".incoming", workers, on_fetch)
-    base_checkpoint = Checkpoint(receiver.path(base)) if base else None
-    staged = receiver.staging(target_id)
+    with receiver.locked():
+        current = receiver.current_id()
+        if current == target_id:
+            return PullInfo(target_id, current, already_current=True)
+        chain = store.chain(target_id, stop_at=current)
+        manifests = {m.id: m for m in chain}
+        base = current if current and chain[-1].parent == current else None  # else: rebuild from the anchor
+        if base:
+            manifests[base] = receiver.manifest(base)
+        target = manifests[target_id]
+        plans = [plan for name in target.tensors for plan in plan_tensor(manifests, target_id, name, base)]
+        workers = num_threads(threads)
+        reader, fetched = fetch_chunks(store, needed_chunks(plans, target), to / ".incoming", workers, on_fetch)
+        staged = receiver.staging(target_id)
+        try:
+            _write_version(staged, target, plans, Rebuilder(reader, manifests), receiver.path(base) if base else None,
+                           workers, on_progress)
+            receiver.install(staged, target)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        if not isinstance(store.transport, LocalTransport):
+            shutil.rmtree(to / ".incoming", ignore_errors=True)
+        return PullInfo(target_id, base or target.anchor, fetched, sum(p.nbytes for p in plans),
+                        time.monotonic() - started)
+
+
+def _write_version(staged: Path, target: Manifest, plans: list[PiecePlan], rebuilder: Rebuilder,
+                   base_dir: Path | None, workers: int, on_progress: Progress | None) -> None:
+    """Write every file of `target` into `staged`: safetensors files piece by piece on worker threads
+    (each piece verified), then the opaque files; everything fsynced."""
     fds: dict[str, int] = {}
+    base = Checkpoint(base_dir) if base_dir else None
     try:
         offsets = {}
         for record in target.files:
             path = staged / record.name
             path.parent.mkdir(parents=True, exist_ok=True)
             fds[record.name] = create_safetensors(path, record.header, record.size)
-            for info in parse_header(record.header, record.name, record.size, f"version {target_id}").tensors:
+            for info in parse_header(record.header, record.name, record.size, f"version {target.id}").tensors:
                 offsets[info.name] = (record.name, info.offset)
 
         def load_base(plan: PiecePlan, out: np.ndarray) -> None:
-            base_checkpoint.read(base_checkpoint.tensors[plan.name], plan.start, plan.stop, out)
-
-        rebuilder = Rebuilder(reader, manifests)
+            base.read(base.tensors[plan.name], plan.start, plan.stop, out)
 
         def rebuild_piece(plan: PiecePlan) -> int:
             data = rebuilder.run(plan, load_base)
@@ -141,24 +173,16 @@ def pull(store: Store, to: Path, version: str | None = None, threads: int = 0,
             path = staged / record.name
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as f:
-                restore_opaque(reader, record, target_id, f)
+                restore_opaque(rebuilder.chunks, record, target.id, f)
                 f.flush()
                 os.fsync(f.fileno())
         for fd in fds.values():
             os.fsync(fd)
-        receiver.install(staged, target)
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
     finally:
         for fd in fds.values():
             os.close(fd)
-        if base_checkpoint:
-            base_checkpoint.close()
-    if not isinstance(store.transport, LocalTransport):
-        shutil.rmtree(to / ".incoming", ignore_errors=True)
-    return PullInfo(target_id, base or target.anchor, fetched, sum(p.nbytes for p in plans),
-                    time.monotonic() - started)
+        if base:
+            base.close()
 
 
 def apply_version(store: Store, version_id: str, base_tensors: Mapping[str, np.ndarray],

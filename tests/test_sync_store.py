@@ -254,3 +254,36 @@ def test_relay_copies_the_chain_once_and_serves_pulls(tmp_path):
         assert again.versions == [] and again.chunks_copied == 0
         pull(cluster, tmp_path / "recv")
     assert checkpoint_files(tmp_path / "recv" / "current") == checkpoint_files(run.root / "step0001")
+
+
+PULL_SCRIPT = """
+import sys
+from pathlib import Path
+from sync.receiver import pull
+from sync.store import Store
+with Store.open(sys.argv[1]) as store:
+    pull(store, Path(sys.argv[2]), threads=1)
+"""
+
+
+def test_pull_killed_midway_leaves_the_previous_version_current(tmp_path):
+    store_dir, receiver = tmp_path / "store", tmp_path / "recv"
+    section = sync_section(store_dir, codec={"chunk_mb": 1, "threads": 1})
+    push_version(_big_checkpoint(tmp_path / "ck0", seed=3), section, cache_dir=tmp_path / "cache")
+    with Store.open(str(store_dir)) as store:
+        pull(store, receiver)
+    push_version(_big_checkpoint(tmp_path / "ck1", seed=4), section, cache_dir=tmp_path / "cache")  # all new bits
+    proc = subprocess.Popen([sys.executable, "-c", PULL_SCRIPT, str(store_dir), str(receiver)],
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None and not list((receiver / "versions").glob(".tmp-*")):
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the pull finished before it could be killed"
+    assert list((receiver / "versions").glob(".tmp-*"))  # killed while writing...
+    assert os.readlink(receiver / "current") == "versions/v00000001"  # ...readers still see the previous version
+    assert checkpoint_files(receiver / "current") == checkpoint_files(tmp_path / "ck0")
+    with Store.open(str(store_dir)) as store:
+        pull(store, receiver)
+    assert checkpoint_files(receiver / "current") == checkpoint_files(tmp_path / "ck1")
+    assert not list((receiver / "versions").glob(".tmp-*"))
