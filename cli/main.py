@@ -13,6 +13,7 @@ from cli import data as data_cmd
 from cli import model as model_cmd
 from cli import recipe as recipe_cmd
 from cli import report as report_cmd
+from cli import sync as sync_cmd
 from recipes.errors import UserError
 
 app = typer.Typer(
@@ -26,6 +27,7 @@ app.add_typer(recipe_cmd.app, name="recipe")
 app.add_typer(model_cmd.app, name="model")
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(report_cmd.app, name="report")
+app.add_typer(sync_cmd.app, name="sync")
 
 err_console = Console(stderr=True, soft_wrap=True)
 _debug = False

@@ -1,0 +1,11 @@
+"""Weight distribution as lossless compressed deltas (numpy + zstandard; nothing of Megatron or vLLM).
+
+    checkpoint  safetensors directories read lazily (bf16/fp8 as bit patterns), written piece by piece
+    codec       one piece against its previous version: same / sparse / xor / raw, zstd, hashes
+    manifest    a version: tensors cut into pieces, where each payload lives, hashes, self-checksum
+    transports  a local directory or an SSH host (fabric/SFTP), atomic and exclusive writes
+    store       versions (manifests, published last) + content-addressed chunks; gc
+    pusher      push_version: encode against the head (or an anchor), upload, publish
+    rebuild     plans along delta chains, chunk fetching, verified rebuilding, verify
+    receiver    pull into a directory with an atomic swap, apply_version for live tensors, relay
+"""

@@ -1,0 +1,232 @@
+"""`composer sync`: push checkpoints as compressed deltas, pull them elsewhere, inspect, verify, collect garbage."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from recipes.errors import UserError
+from recipes.schema import SSHSection, SyncSection
+
+app = typer.Typer(help="Distribute weights as lossless compressed deltas to stores and SSH hosts.", no_args_is_help=True)
+console = Console()
+
+StoreOption = typer.Option(None, "--store", help="Store: a directory or ssh://[user@]host[:port]/path (default: the recipe's sync.store).")
+RecipeOption = typer.Option(None, "--recipe", "-r", help="Recipe whose `sync` and `cluster.ssh` sections to use.")
+SetOption = typer.Option([], "--set", "-s", help="Override a recipe key, e.g. --set sync.codec.chunk_mb=128. Repeatable.")
+KeyOption = typer.Option(None, "--ssh-key", help="Private key for ssh:// stores (overrides cluster.ssh.key_file).")
+KnownHostsOption = typer.Option(None, "--known-hosts", help="known_hosts file for ssh:// stores (overrides cluster.ssh.known_hosts).")
+VersionOption = typer.Option(None, "--version", "-v", help="Version id, e.g. v00000012 (default: the newest).")
+
+
+def _settings(store: Optional[str], recipe: Optional[Path], overrides: list[str], ssh_key: Optional[Path],
+              known_hosts: Optional[Path]) -> tuple[SyncSection, SSHSection]:
+    """The sync and SSH settings: from the recipe when given, with command-line flags on top."""
+    if recipe is not None:
+        from recipes.loader import load_recipe
+
+        loaded = load_recipe(recipe, overrides)
+        if loaded.sync is None and store is None:
+            raise UserError(f"{recipe}: the recipe has no `sync` section; pass --store")
+        sync = loaded.sync or SyncSection(store=store)
+        ssh = loaded.cluster.ssh
+    elif overrides:
+        raise UserError("--set needs --recipe")
+    else:
+        if store is None:
+            raise UserError("pass --store DIR|ssh://host/path, or --recipe with a `sync` section")
+        sync, ssh = SyncSection(store=store), SSHSection()
+    if store is not None:
+        sync = sync.model_copy(update={"store": store})
+    updates = {k: str(v) for k, v in (("key_file", ssh_key), ("known_hosts", known_hosts)) if v is not None}
+    return sync, ssh.model_copy(update=updates)
+
+
+Track = Callable[[str, Optional[int]], Callable[[int], None]]
+
+
+@contextlib.contextmanager
+def _progress() -> Iterator[Track]:
+    """Yields `track(description, total_bytes)`, which adds a bar and returns its advance(nbytes) callback."""
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+
+        def track(description: str, total: Optional[int]) -> Callable[[int], None]:
+            task = progress.add_task(description, total=total)
+            return lambda nbytes: progress.advance(task, nbytes)
+
+        yield track
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+@app.command()
+def push(
+    checkpoint: Path = typer.Argument(..., help="Safetensors checkpoint directory."),
+    store: Optional[str] = StoreOption,
+    anchor_every: Optional[int] = typer.Option(None, "--anchor-every", min=1, help="A full snapshot every N versions."),
+    cache: Optional[Path] = typer.Option(None, "--cache", help="Base cache: the last pushed version (default ~/.cache/composer/sync/<store>)."),
+    recipe: Optional[Path] = RecipeOption,
+    overrides: list[str] = SetOption,
+    ssh_key: Optional[Path] = KeyOption,
+    known_hosts: Optional[Path] = KnownHostsOption,
+) -> None:
+    """Publish CHECKPOINT as the store's next version (a delta against the newest, or an anchor)."""
+    from sync.checkpoint import Checkpoint
+    from sync.pusher import push_version
+
+    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
+    if anchor_every is not None:
+        sync = sync.model_copy(update={"anchor_every": anchor_every})
+    with Checkpoint(checkpoint) as ck:
+        total = ck.nbytes
+    with _progress() as track:
+        info = push_version(checkpoint, sync, ssh, cache_dir=cache, on_progress=track("encoding", total))
+    kind = "anchor" if info.is_anchor else f"delta on {info.parent}"
+    density = 100 * info.changed_elements / max(info.total_elements, 1)
+    smaller = f"{info.ratio:.1f}x smaller" if info.stored_bytes else "nothing changed"
+    console.print(f"[green]pushed[/] {info.id} ({kind}): {_gb(info.stored_bytes)} stored for a {_gb(info.full_bytes)} "
+                  f"checkpoint ({smaller}), {density:.2f}% of elements changed, "
+                  f"{info.chunks_sent} chunks sent, {info.chunks_skipped} already there, {info.seconds:.1f} s",
+                  highlight=False)
+
+
+@app.command()
+def pull(
+    to: Path = typer.Option(..., "--to", help="Receiver directory: versions/<id>/ and a `current` symlink."),
+    store: Optional[str] = StoreOption,
+    version: Optional[str] = VersionOption,
+    relay_store: Optional[str] = typer.Option(None, "--relay-store", help="Also copy the chain into this store, to serve this cluster."),
+    recipe: Optional[Path] = RecipeOption,
+    overrides: list[str] = SetOption,
+    ssh_key: Optional[Path] = KeyOption,
+    known_hosts: Optional[Path] = KnownHostsOption,
+) -> None:
+    """Rebuild a version from its chain, verify it, and make it current in --to atomically."""
+    from sync.receiver import pull as pull_version
+    from sync.receiver import relay
+    from sync.store import Store
+
+    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
+    with Store.open(sync.store, ssh) as source:
+        target = version or source.head()
+        if relay_store is not None:
+            with Store.open(relay_store, ssh, create=True) as dest:
+                copied = relay(source, dest, target)
+            console.print(f"relayed {len(copied.versions)} version(s), {_gb(copied.bytes_copied)} into {escape(relay_store)}",
+                          highlight=False)
+    with Store.open(relay_store or sync.store, ssh) as source:
+        total = sum(t.nbytes for t in source.manifest(target).tensors.values()) if target else 0
+        with _progress() as track:
+            downloads = track("downloading", None) if source.location.startswith("ssh://") else None
+            info = pull_version(source, to, target, sync.codec.threads, track("rebuilding", total), downloads)
+    if info.already_current:
+        console.print(f"{escape(str(to))} is already at {info.version}", highlight=False)
+    else:
+        console.print(f"[green]pulled[/] {info.version} into {escape(str(to / 'current'))} (from {info.started_from}; "
+                      f"{_gb(info.fetched_bytes)} downloaded, {info.seconds:.1f} s)", highlight=False)
+
+
+@app.command()
+def relay(
+    to_store: str = typer.Option(..., "--to-store", help="Store to copy the chain into."),
+    store: Optional[str] = StoreOption,
+    version: Optional[str] = VersionOption,
+    recipe: Optional[Path] = RecipeOption,
+    overrides: list[str] = SetOption,
+    ssh_key: Optional[Path] = KeyOption,
+    known_hosts: Optional[Path] = KnownHostsOption,
+) -> None:
+    """Copy a version's chain (manifests and chunks) into another store, e.g. one shared by a remote cluster."""
+    from sync.receiver import relay as relay_chain
+    from sync.store import Store
+
+    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
+    with Store.open(sync.store, ssh) as source, Store.open(to_store, ssh, create=True) as dest:
+        info = relay_chain(source, dest, version)
+    console.print(f"[green]relayed[/] {len(info.versions)} version(s), {info.chunks_copied} chunks, "
+                  f"{_gb(info.bytes_copied)}", highlight=False)
+
+
+@app.command()
+def status(
+    store: Optional[str] = StoreOption,
+    recipe: Optional[Path] = RecipeOption,
+    overrides: list[str] = SetOption,
+    ssh_key: Optional[Path] = KeyOption,
+    known_hosts: Optional[Path] = KnownHostsOption,
+) -> None:
+    """List the store's versions: parent, anchor, bytes stored and ratio against the full checkpoint."""
+    from sync.manifest import version_seq
+    from sync.store import Store
+
+    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
+    with Store.open(sync.store, ssh) as source:
+        table = Table(title=f"sync store {escape(sync.store)}", box=box.SIMPLE_HEAD)
+        for column in ("version", "parent", "anchor"):
+            table.add_column(column, no_wrap=True)
+        for column in ("changed", "stored", "ratio", "chain"):
+            table.add_column(column, justify="right", no_wrap=True)
+        total = 0
+        for vid in source.versions():
+            m = source.manifest(vid)
+            stats = m.stats
+            total += stats["stored_bytes"]
+            changed = 100 * stats["changed_elements"] / max(stats["total_elements"], 1)
+            ratio = f"{stats['full_bytes'] / stats['stored_bytes']:.1f}x" if stats["stored_bytes"] else "no change"
+            table.add_row(vid, m.parent or "-", "[bold]anchor[/]" if m.is_anchor else m.anchor,
+                          f"{changed:.2f}%", _gb(stats["stored_bytes"]), ratio, str(m.seq - version_seq(m.anchor)))
+    console.print(table)
+    console.print(f"{table.row_count} version(s), {_gb(total)} stored", highlight=False)
+
+
+@app.command()
+def verify(
+    store: Optional[str] = StoreOption,
+    version: Optional[str] = VersionOption,
+    recipe: Optional[Path] = RecipeOption,
+    overrides: list[str] = SetOption,
+    ssh_key: Optional[Path] = KeyOption,
+    known_hosts: Optional[Path] = KnownHostsOption,
+) -> None:
+    """Re-hash every chunk and rebuild every piece in memory, checking each version's hashes."""
+    from sync.rebuild import verify as verify_store
+    from sync.store import Store
+
+    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
+    with Store.open(sync.store, ssh) as source, _progress() as track:
+        report = verify_store(source, version, sync.codec.threads, track("verifying", None))
+    console.print(f"[green]ok[/] {len(report.versions)} version(s): {report.chunks} chunks and {report.pieces} pieces "
+                  f"({_gb(report.bytes_checked)}) match their hashes", highlight=False)
+
+
+@app.command()
+def gc(
+    store: Optional[str] = StoreOption,
+    keep_anchors: Optional[int] = typer.Option(None, "--keep-anchors", min=1, help="Keep the chains of the newest K anchors."),
+    grace_minutes: float = typer.Option(60.0, "--grace-minutes", min=0, help="Keep unreferenced chunks younger than this (pushes in flight)."),
+    recipe: Optional[Path] = RecipeOption,
+    overrides: list[str] = SetOption,
+    ssh_key: Optional[Path] = KeyOption,
+    known_hosts: Optional[Path] = KnownHostsOption,
+) -> None:
+    """Delete versions older than the newest K anchors' chains, and chunks no remaining version uses."""
+    from sync.store import Store
+
+    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
+    with Store.open(sync.store, ssh) as target:
+        report = target.gc(keep_anchors or sync.keep_anchors, grace_minutes * 60)
+    console.print(f"[green]gc[/] deleted {len(report.deleted_versions)} version(s) and {report.deleted_chunks} chunk(s); "
+                  f"kept {len(report.kept_versions)}", highlight=False)
+

@@ -1,0 +1,139 @@
+"""The delta codec: one piece of a tensor (its bit patterns as unsigned ints) against the same piece of
+the previous version.
+
+Encodings, chosen per piece by encoded size:
+  same    no element changed; nothing is stored
+  sparse  changed positions as gaps (narrowest of uint8/16/32 that fits) + the NEW bit patterns
+          (never arithmetic differences, which drift), each split into byte planes, one zstd frame
+  xor     new ^ old over the whole piece, byte planes, zstd (wins when many elements changed)
+  raw     the new bit patterns, byte planes, zstd (anchors, new tensors, or when nearly all changed)
+Byte planes put the low-entropy bytes (bf16/fp32 sign+exponent, high bytes of gaps) together, which
+zstd compresses far better than interleaved bytes.
+Frames carry zstd's content checksum, so a flipped bit in a stored payload fails loudly on decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+import zstandard
+
+from recipes.errors import UserError
+
+SAME, SPARSE, XOR, RAW = "same", "sparse", "xor", "raw"
+UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+ENCODINGS = (SAME, SPARSE, XOR, RAW)
+
+# Only try the dense encodings when enough changed for them to have a chance against sparse.
+XOR_MIN_DENSITY = 0.10
+RAW_MIN_DENSITY = 0.50
+
+
+class CorruptDataError(UserError):
+    """Stored data that does not decode to what its manifest promises."""
+
+
+def digest(data: np.ndarray | bytes | memoryview) -> str:
+    """Content hash of raw bytes (chunks, pieces, opaque files): 128-bit xxh3, fast enough to check everything."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def hasher() -> xxhash.xxh3_128:
+    """Incremental form of `digest`, for data that arrives in blocks."""
+    return xxhash.xxh3_128()
+
+
+def piece_stops(numel: int, itemsize: int, chunk_bytes: int) -> list[int]:
+    """End element of each piece when a tensor is cut into pieces of at most `chunk_bytes`."""
+    per_piece = max(1, chunk_bytes // itemsize)
+    return list(range(per_piece, numel, per_piece)) + [numel]
+
+
+@dataclass(frozen=True)
+class EncodedPiece:
+    encoding: str
+    payload: bytes
+    changed: int
+    """Elements whose bit pattern differs from the base (all of them for raw without a base)."""
+    gap_width: int = 0
+
+
+def _to_planes(values: np.ndarray) -> np.ndarray:
+    if values.itemsize == 1:
+        return values.view(np.uint8)
+    return np.ascontiguousarray(values.view(np.uint8).reshape(-1, values.itemsize).T).reshape(-1)
+
+
+def _from_planes(buf: np.ndarray, dtype: np.dtype, count: int) -> np.ndarray:
+    if dtype.itemsize == 1:
+        return buf.view(dtype)
+    return np.ascontiguousarray(buf.reshape(dtype.itemsize, count).T).view(dtype).reshape(count)
+
+
+def _gap_dtype(max_gap: int) -> np.dtype:
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if max_gap <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.uint64)
+
+
+def encode_piece(new: np.ndarray, old: np.ndarray | None, compressor: zstandard.ZstdCompressor,
+                 changed_mask: np.ndarray | None = None) -> EncodedPiece:
+    """Encode `new` (unsigned-int bit patterns) against `old` (same length) or, without a base, as raw.
+
+    `changed_mask` is an optional reusable bool buffer of at least len(new) (saves a page-faulting allocation).
+    """
+    if old is None:
+        return EncodedPiece(RAW, compressor.compress(_to_planes(new)), new.size)
+    mask = np.not_equal(new, old, out=None if changed_mask is None else changed_mask[: new.size])
+    positions = np.flatnonzero(mask)
+    changed = positions.size
+    if changed == 0:
+        return EncodedPiece(SAME, b"", 0)
+    candidates = []
+    gaps = np.diff(positions, prepend=-1) - 1
+    gap_dtype = _gap_dtype(int(gaps.max()))
+    if changed * (gap_dtype.itemsize + new.itemsize) < new.nbytes:
+        planes = np.concatenate([_to_planes(gaps.astype(gap_dtype)), _to_planes(new[positions])])
+        candidates.append(EncodedPiece(SPARSE, compressor.compress(planes), changed, gap_dtype.itemsize))
+    if changed >= XOR_MIN_DENSITY * new.size:
+        candidates.append(EncodedPiece(XOR, compressor.compress(_to_planes(new ^ old)), changed))
+    if changed >= RAW_MIN_DENSITY * new.size or not candidates:
+        candidates.append(EncodedPiece(RAW, compressor.compress(_to_planes(new)), changed))
+    return min(candidates, key=lambda c: len(c.payload))
+
+
+def _decompress(payload: bytes | memoryview, nbytes: int, decompressor: zstandard.ZstdDecompressor,
+                where: str) -> np.ndarray:
+    try:
+        raw = decompressor.decompress(payload, max_output_size=nbytes)
+    except zstandard.ZstdError as e:
+        raise CorruptDataError(f"{where}: stored delta does not decompress ({e})") from None
+    if len(raw) != nbytes:
+        raise CorruptDataError(f"{where}: stored delta decompresses to {len(raw)} bytes, expected {nbytes}")
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def apply_piece(encoding: str, payload: bytes | memoryview, changed: int, gap_width: int, out: np.ndarray,
+                decompressor: zstandard.ZstdDecompressor, where: str) -> None:
+    """Turn `out` (the base piece, or anything for raw) into the encoded piece, in place."""
+    n, dtype = out.size, out.dtype
+    if encoding == SAME:
+        return
+    if encoding == RAW:
+        out[:] = _from_planes(_decompress(payload, out.nbytes, decompressor, where), dtype, n)
+    elif encoding == XOR:
+        out ^= _from_planes(_decompress(payload, out.nbytes, decompressor, where), dtype, n)
+    elif encoding == SPARSE:
+        gap_dtype = np.dtype(UINT_OF_WIDTH.get(gap_width, np.uint8))
+        gap_bytes = changed * gap_width
+        buf = _decompress(payload, gap_bytes + changed * dtype.itemsize, decompressor, where)
+        positions = np.cumsum(_from_planes(buf[:gap_bytes], gap_dtype, changed).astype(np.int64) + 1) - 1
+        if changed and (gap_width not in UINT_OF_WIDTH or positions[-1] >= n):
+            raise CorruptDataError(f"{where}: stored delta points past the end of the tensor")
+        out[positions] = _from_planes(buf[gap_bytes:], dtype, changed)
+    else:
+        raise CorruptDataError(f"{where}: unknown encoding {encoding!r}")
+

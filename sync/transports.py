@@ -1,0 +1,316 @@
+"""Where a store's files live: a local (or shared) directory, or a directory on an SSH host.
+
+One small interface, one factory (`build_transport`) chosen by the store string. Every write is atomic
+(temp file, then rename); `publish` is atomic AND exclusive (it fails if the name exists), which is how
+two racing pushers are kept from publishing the same version. Paths are '/'-separated, relative to the root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import getpass
+import os
+import posixpath
+import secrets
+import socket
+import threading
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import urlsplit
+
+from recipes.errors import UserError
+from recipes.runs import fsync_dir
+from recipes.schema import SSHSection
+
+
+class Transport(ABC):
+    location: str
+    parallelism: int
+    """Transfers worth running at once."""
+
+    @abstractmethod
+    def get(self, path: str) -> bytes:
+        """The file's bytes; FileNotFoundError when absent."""
+
+    @abstractmethod
+    def put(self, path: str, data: bytes) -> None:
+        """Write atomically, replacing any file of that name."""
+
+    @abstractmethod
+    def publish(self, path: str, data: bytes) -> None:
+        """Write atomically; FileExistsError (and nothing written) when the name already exists."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, directory: str) -> dict[str, float]:
+        """Names in `directory` (temp files included) with their modification times; empty when it does not exist."""
+
+    @abstractmethod
+    def delete(self, path: str) -> None: ...
+
+    @abstractmethod
+    def makedirs(self, directory: str) -> None: ...
+
+    def close(self) -> None:
+        """Release connections."""
+
+
+def _temp_name(path: str) -> str:
+    head, name = posixpath.split(path)
+    return posixpath.join(head, f".tmp-{name}-{secrets.token_hex(4)}")
+
+
+def is_temp(name: str) -> bool:
+    return name.startswith(".tmp-")
+
+
+class LocalTransport(Transport):
+    parallelism = 2
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.location = str(root)
+
+    @contextlib.contextmanager
+    def _os_errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except (FileNotFoundError, FileExistsError):
+            raise
+        except OSError as e:
+            hint = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+            raise UserError(f"store {self.location}: cannot {what}: {e.strerror}{hint}") from None
+
+    def get(self, path: str) -> bytes:
+        with self._os_errors(f"read {path}"):
+            return (self.root / path).read_bytes()
+
+    def _write_temp(self, path: str, data: bytes) -> Path:
+        tmp = self.root / _temp_name(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def put(self, path: str, data: bytes) -> None:
+        with self._os_errors(f"write {path}"):
+            tmp = self._write_temp(path, data)
+            try:
+                os.replace(tmp, self.root / path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+
+    def publish(self, path: str, data: bytes) -> None:
+        with self._os_errors(f"publish {path}"):
+            tmp = self._write_temp(path, data)
+            try:
+                os.link(tmp, self.root / path)  # unlike rename, link never replaces an existing file
+            finally:
+                tmp.unlink(missing_ok=True)
+            fsync_dir((self.root / path).parent)
+
+    def exists(self, path: str) -> bool:
+        return (self.root / path).exists()
+
+    def list(self, directory: str) -> dict[str, float]:
+        with self._os_errors(f"list {directory}"):
+            try:
+                entries = list(os.scandir(self.root / directory))
+            except FileNotFoundError:
+                return {}
+            return {e.name: e.stat().st_mtime for e in entries}
+
+    def delete(self, path: str) -> None:
+        with self._os_errors(f"delete {path}"):
+            (self.root / path).unlink(missing_ok=True)
+
+    def makedirs(self, directory: str) -> None:
+        with self._os_errors(f"create {directory}"):
+            (self.root / directory).mkdir(parents=True, exist_ok=True)
+
+
+class SSHTransport(Transport):
+    """A directory on an SSH host, through fabric and SFTP; one SFTP channel per worker thread."""
+
+    parallelism = 4
+
+    def __init__(self, location: str, ssh: SSHSection):
+        import fabric
+        import paramiko
+
+        parts = urlsplit(location)
+        if not parts.hostname or not parts.path or parts.path == "/":
+            raise UserError(f"store {location!r}: expected ssh://[user@]host[:port]/path")
+        self.location = location
+        self.host = parts.hostname
+        self.port = parts.port or ssh.port
+        self.user = parts.username or ssh.user or getpass.getuser()
+        self.root = parts.path
+        key_file = os.path.expanduser(ssh.key_file) if ssh.key_file else None
+        if key_file and not os.path.isfile(key_file):
+            raise UserError(f"cluster.ssh.key_file: {key_file} does not exist")
+        self.where = f"{self.user}@{self.host}:{self.port}"
+        self._conn = fabric.Connection(
+            self.host, user=self.user, port=self.port, connect_timeout=15,
+            connect_kwargs={"key_filename": key_file, "look_for_keys": key_file is None,
+                            "allow_agent": key_file is None},
+        )
+        client = self._conn.client
+        self._known_hosts: str | None = None
+        if ssh.verify_host_key:
+            known_hosts = os.path.expanduser(ssh.known_hosts or "~/.ssh/known_hosts")
+            if not os.path.isfile(known_hosts):
+                raise UserError(f"{self.where}: known_hosts file {known_hosts} does not exist; add the host's key "
+                                f"(ssh-keyscan -p {self.port} {self.host} >> {known_hosts}) or set cluster.ssh.known_hosts")
+            client.load_host_keys(known_hosts)
+            client.set_missing_host_key_policy(paramiko.RejectPolicy())
+            self._known_hosts = known_hosts
+        else:
+            client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+        self._idle: list = []
+        self._opened: list = []
+        self._lock = threading.Lock()
+        try:
+            self._conn.open()
+        except Exception as e:
+            self._conn.close()
+            raise self._explain(e) from None
+
+    def _explain(self, error: Exception) -> Exception:
+        """A connection failure as the UserError that says what to fix (anything unexpected stays as is)."""
+        import paramiko
+
+        if isinstance(error, paramiko.BadHostKeyException):
+            return UserError(f"{self.where}: host key does NOT match the one in {self._known_hosts} "
+                             "(the host was reinstalled, or someone is intercepting the connection)")
+        if isinstance(error, paramiko.AuthenticationException):
+            return UserError(f"{self.where}: authentication failed ({error}); check cluster.ssh.user and key_file")
+        if isinstance(error, paramiko.SSHException) and "known_hosts" in str(error):
+            return UserError(f"{self.where}: host key is not in {self._known_hosts}; add it "
+                             f"(ssh-keyscan -p {self.port} {self.host} >> {self._known_hosts}) "
+                             "or set cluster.ssh.known_hosts")
+        if isinstance(error, paramiko.SSHException):
+            return UserError(f"{self.where}: SSH failed ({error})")
+        if isinstance(error, (OSError, socket.timeout)):
+            reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+            return UserError(f"{self.where}: cannot connect ({reason})")
+        return error
+
+    @contextlib.contextmanager
+    def _sftp(self) -> Iterator:
+        """An SFTP channel for one operation. Channels are reused, so their number stays the number of
+        operations running at once (OpenSSH allows 10 per connection by default)."""
+        with self._lock:
+            sftp = self._idle.pop() if self._idle else None
+        if sftp is None:
+            sftp = self._conn.client.open_sftp()
+            with self._lock:
+                self._opened.append(sftp)
+        try:
+            yield sftp
+        finally:
+            with self._lock:
+                self._idle.append(sftp)
+
+    def _path(self, path: str) -> str:
+        return posixpath.join(self.root, path)
+
+    @contextlib.contextmanager
+    def _io_errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except (FileNotFoundError, FileExistsError):
+            raise
+        except OSError as e:
+            raise UserError(f"store {self.location}: cannot {what}: {e}") from None
+
+    def get(self, path: str) -> bytes:
+        with self._io_errors(f"read {path}"), self._sftp() as sftp, sftp.open(self._path(path), "rb") as f:
+            f.prefetch()
+            return f.read()
+
+    def _write_temp(self, sftp, path: str, data: bytes) -> str:
+        tmp = self._path(_temp_name(path))
+        try:
+            with sftp.open(tmp, "wb") as f:
+                f.set_pipelined(True)
+                f.write(data)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                sftp.remove(tmp)
+            raise
+        return tmp
+
+    def put(self, path: str, data: bytes) -> None:
+        with self._io_errors(f"write {path}"), self._sftp() as sftp:
+            sftp.posix_rename(self._write_temp(sftp, path, data), self._path(path))
+
+    def publish(self, path: str, data: bytes) -> None:
+        with self._io_errors(f"publish {path}"), self._sftp() as sftp:
+            tmp = self._write_temp(sftp, path, data)
+            try:
+                # Plain SFTP rename refuses an existing target (OpenSSH implements it with link()).
+                sftp.rename(tmp, self._path(path))
+            except OSError as rename_error:
+                with contextlib.suppress(OSError):
+                    sftp.remove(tmp)
+                try:
+                    sftp.stat(self._path(path))
+                except FileNotFoundError:
+                    raise rename_error from None  # it failed for another reason
+                raise FileExistsError(path) from None
+
+    def exists(self, path: str) -> bool:
+        with self._io_errors(f"look up {path}"), self._sftp() as sftp:
+            try:
+                sftp.stat(self._path(path))
+            except FileNotFoundError:
+                return False
+            return True
+
+    def list(self, directory: str) -> dict[str, float]:
+        with self._io_errors(f"list {directory}"), self._sftp() as sftp:
+            try:
+                entries = sftp.listdir_attr(self._path(directory))
+            except FileNotFoundError:
+                return {}
+            return {e.filename: float(e.st_mtime or 0) for e in entries}
+
+    def delete(self, path: str) -> None:
+        with self._io_errors(f"delete {path}"), self._sftp() as sftp, contextlib.suppress(FileNotFoundError):
+            sftp.remove(self._path(path))
+
+    def makedirs(self, directory: str) -> None:
+        with self._io_errors(f"create {directory}"), self._sftp() as sftp:
+            full = self._path(directory)
+            current = "/" if full.startswith("/") else ""
+            for part in filter(None, full.split("/")):
+                current = posixpath.join(current, part) if current else part
+                try:
+                    sftp.stat(current)
+                except FileNotFoundError:
+                    sftp.mkdir(current)
+
+    def close(self) -> None:
+        for sftp in self._opened:
+            sftp.close()
+        self._conn.close()
+
+
+def build_transport(location: str, ssh: SSHSection) -> Transport:
+    """The transport for a store string: `ssh://[user@]host[:port]/path`, or a local directory."""
+    if location.startswith("ssh://"):
+        return SSHTransport(location, ssh)
+    if "://" in location:
+        raise UserError(f"store {location!r}: unsupported scheme; use a directory or ssh://[user@]host[:port]/path")
+    return LocalTransport(Path(location).expanduser())

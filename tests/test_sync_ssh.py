@@ -1,0 +1,174 @@
+"""Stores on an SSH host: a real OpenSSH server on loopback, host-key verification on."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from recipes.errors import UserError
+from recipes.schema import SSHSection
+from sync.manifest import Manifest
+from sync.pusher import push_version
+from sync.rebuild import verify
+from sync.receiver import pull, relay
+from sync.store import Store, VersionTakenError
+from sync_testing import TrainingRun, checkpoint_files, run_cli, sync_section
+
+pytestmark = pytest.mark.ssh
+
+SSHD = "/usr/sbin/sshd"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _keygen(path: Path) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    return path.with_suffix(".pub").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    """An OpenSSH server on 127.0.0.1 with its own host key; yields (port, client key, known_hosts, workdir)."""
+    if not os.path.exists(SSHD) or not shutil.which("ssh-keygen"):
+        pytest.skip("OpenSSH server not installed (apt-get install openssh-server)")
+    d = tmp_path_factory.mktemp("sshd")
+    host_pub = _keygen(d / "host_key")
+    client_pub = _keygen(d / "client_key")
+    (d / "authorized_keys").write_text(client_pub + "\n")
+    port = _free_port()
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", "/dev/null", "-p", str(port), "-h", str(d / "host_key"),
+                             "-o", "ListenAddress=127.0.0.1", "-o", f"AuthorizedKeysFile={d / 'authorized_keys'}",
+                             "-o", f"PidFile={d / 'sshd.pid'}", "-o", "StrictModes=no",
+                             "-o", "Subsystem sftp internal-sftp", "-o", "PermitRootLogin=prohibit-password"],
+                            stderr=open(d / "sshd.log", "wb"))
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail(f"sshd did not start: {(d / 'sshd.log').read_text()}")
+            time.sleep(0.05)
+    known_hosts = d / "known_hosts"
+    known_hosts.write_text(f"[127.0.0.1]:{port} {' '.join(host_pub.split()[:2])}\n")
+    try:
+        yield port, d / "client_key", known_hosts, d
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _ssh(sshd, **kw) -> SSHSection:
+    _, key, known_hosts, _ = sshd
+    return SSHSection(key_file=str(key), known_hosts=str(known_hosts), **kw)
+
+
+def _url(sshd, path: Path) -> str:
+    return f"ssh://root@127.0.0.1:{sshd[0]}{path}"
+
+
+def test_push_pull_verify_gc_relay_over_ssh(sshd, tmp_path):
+    ssh = _ssh(sshd)
+    run = TrainingRun(tmp_path / "train")
+    section = sync_section(_url(sshd, tmp_path / "remote"), anchor_every=2)
+    first = push_version(run.save(), section, ssh, cache_dir=tmp_path / "cache")
+    second = push_version(run.next_checkpoint(), section, ssh, cache_dir=tmp_path / "cache")
+    assert first.chunks_sent > 0 and not second.is_anchor and second.ratio > 10
+    assert (tmp_path / "remote" / "manifests" / "v00000002.json").is_file()  # really on the "remote" host
+    again = push_version(run.root / "step0001", section, ssh, cache_dir=tmp_path / "cache")
+    assert again.is_anchor and again.chunks_skipped > 0  # chunks already on the host are not re-sent
+    with Store.open(section.store, ssh) as store:
+        pulled = pull(store, tmp_path / "recv", "v00000002")
+        assert pulled.fetched_bytes > 0
+        assert checkpoint_files(tmp_path / "recv" / "current") == checkpoint_files(run.root / "step0001")
+        assert not (tmp_path / "recv" / ".incoming").exists()
+        assert verify(store).versions == ["v00000001", "v00000002", "v00000003"]
+        assert store.gc(keep_anchors=1, min_age_s=0).deleted_versions == ["v00000001", "v00000002"]
+        with Store.open(str(tmp_path / "local"), create=True) as local:
+            assert relay(store, local).versions == ["v00000003"]
+            pull(local, tmp_path / "recv2")
+    assert checkpoint_files(tmp_path / "recv2" / "current") == checkpoint_files(run.root / "step0001")
+
+
+def test_publish_over_sftp_is_exclusive(sshd, tmp_path):
+    ssh = _ssh(sshd)
+    run = TrainingRun(tmp_path / "train")
+    section = sync_section(_url(sshd, tmp_path / "remote"))
+    push_version(run.save(), section, ssh, cache_dir=tmp_path / "cache")
+    with Store.open(section.store, ssh) as a, Store.open(section.store, ssh) as b:
+        manifest = a.manifest("v00000001")
+        rival = Manifest.from_bytes(manifest.to_bytes(), "copy")
+        rival.created = "another pusher's version"
+        with pytest.raises(VersionTakenError, match="published by another pusher"):
+            b.publish(rival)
+    with Store.open(section.store, ssh) as store:
+        assert store.manifest("v00000001").created == manifest.created
+
+
+def test_cli_over_ssh(sshd, tmp_path):
+    _, key, known_hosts, _ = sshd
+    run = TrainingRun(tmp_path / "train")
+    url = _url(sshd, tmp_path / "remote")
+    auth = ["--ssh-key", str(key), "--known-hosts", str(known_hosts)]
+    run.save()
+    pushed = run_cli("sync", "push", str(run.root / "step0000"), "--store", url, "--cache", str(tmp_path / "c"), *auth)
+    assert pushed.returncode == 0, pushed.stderr
+    status = run_cli("sync", "status", "--store", url, *auth)
+    assert status.returncode == 0 and "v00000001" in status.stdout
+    pulled = run_cli("sync", "pull", "--store", url, "--to", str(tmp_path / "recv"),
+                     "--relay-store", str(tmp_path / "relay"), *auth)
+    assert pulled.returncode == 0, pulled.stderr
+    assert checkpoint_files(tmp_path / "recv" / "current") == checkpoint_files(run.root / "step0000")
+    assert (tmp_path / "relay" / "manifests" / "v00000001.json").is_file()
+
+
+def test_unknown_host_key_is_refused(sshd, tmp_path):
+    other = tmp_path / "known_hosts"
+    other.write_text("[127.0.0.1]:1 " + " ".join(_keygen(tmp_path / "k").split()[:2]) + "\n")
+    ssh = _ssh(sshd).model_copy(update={"known_hosts": str(other)})
+    with pytest.raises(UserError, match=f"host key is not in {other}"):
+        Store.open(_url(sshd, tmp_path / "remote"), ssh, create=True)
+    assert not (tmp_path / "remote").exists()
+
+
+def test_changed_host_key_is_refused(sshd, tmp_path):
+    port = sshd[0]
+    changed = tmp_path / "known_hosts"
+    changed.write_text(f"[127.0.0.1]:{port} " + " ".join(_keygen(tmp_path / "k").split()[:2]) + "\n")
+    ssh = _ssh(sshd).model_copy(update={"known_hosts": str(changed)})
+    with pytest.raises(UserError, match="host key does NOT match"):
+        Store.open(_url(sshd, tmp_path / "remote"), ssh, create=True)
+
+
+def test_unreachable_port_is_a_clear_error(sshd, tmp_path):
+    url = f"ssh://root@127.0.0.1:{_free_port()}{tmp_path}/remote"
+    with pytest.raises(UserError, match="cannot connect"):
+        Store.open(url, _ssh(sshd))
+    result = run_cli("sync", "status", "--store", url, "--ssh-key", str(sshd[1]), "--known-hosts", str(sshd[2]))
+    assert result.returncode == 2
+    assert "cannot connect" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_many_parallel_transfers_share_one_connection(sshd, tmp_path):
+    # OpenSSH allows 10 channels per connection: transfers from many short-lived threads must reuse them.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with Store.open(_url(sshd, tmp_path / "remote"), _ssh(sshd), create=True) as store:
+        for round_ in range(4):
+            with ThreadPoolExecutor(8) as pool:
+                ids = list(pool.map(lambda i: store.put_chunk(f"{round_}-{i}".encode() * 100)[0], range(24)))
+            with ThreadPoolExecutor(8) as pool:
+                assert list(pool.map(store.get_chunk, ids)) == [f"{round_}-{i}".encode() * 100 for i in range(24)]
