@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from cli import env as env_cmd
 from cli import recipe as recipe_cmd
 from recipes.errors import UserError
 
@@ -20,6 +21,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(recipe_cmd.app, name="recipe")
+app.add_typer(env_cmd.app, name="env")
 
 err_console = Console(stderr=True)
 _debug = False

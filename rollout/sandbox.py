@@ -35,6 +35,7 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
+from recipes.errors import UserError
 from recipes.schema import SandboxSection
 
 log = logging.getLogger("composer.sandbox")
@@ -47,6 +48,8 @@ PROJECT_ROOT = _HERE.parent
 # A range of uids no account uses: one per concurrent run, claimed through a lock file.
 SANDBOX_UID_BASE = 1_900_000_000
 MAX_CONCURRENT_RUNS = 4096
+# Leases must be machine-wide (every process, every sandbox root), so their locks live in one place.
+UID_LOCK_DIR = Path("/run/composer-sandbox-uids")
 # Result lines beyond this are not a test report any more.
 MAX_RESULT_BYTES = 64 << 20
 _GRACE_SECONDS = 2.0
@@ -142,6 +145,8 @@ class SandboxResult:
     stdout_tail: str
     stderr_tail: str
     wall_seconds: float
+    uid: int | None = None
+    """The uid the program ran as (None: the caller's)."""
     cases: tuple[CaseResult, ...] = field(default=(), repr=False)
 
 
@@ -171,14 +176,19 @@ def _needed_paths(sandbox_root: Path) -> list[Path]:
 
 
 def _mask_plan(sandbox_root: Path) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(directory, children kept) pairs, outermost first: the places the program must not see, and
+    every ancestor of a needed path that others cannot traverse (e.g. /root holding a pyenv Python)."""
     needed = _needed_paths(sandbox_root)
     hidden = {Path(os.path.realpath(p)) for p in (tempfile.gettempdir(), "/var/tmp", "/dev/shm", pwd.getpwuid(0).pw_dir, PROJECT_ROOT)}
     for path in needed:
-        # An ancestor that others cannot traverse (e.g. /root holding a pyenv Python) is masked too,
-        # which reopens just the path to the interpreter.
         for ancestor in path.parents:
             if ancestor != Path("/") and not os.stat(ancestor).st_mode & 0o001:
                 hidden.add(ancestor)
+    for path in needed:
+        # Below a hidden directory, each level down to a needed path keeps only that path, so its
+        # siblings (other runs, other checkouts) stay hidden too.
+        for outer in [h for h in hidden if h in path.parents]:
+            hidden.update(a for a in path.parents if outer in a.parents)
     plan = []
     for directory in sorted(hidden, key=lambda p: len(p.parts)):
         # A needed directory (or one inside it) stays as it is.
@@ -189,30 +199,40 @@ def _mask_plan(sandbox_root: Path) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return tuple(plan)
 
 
+_PROBE_PROGRAM = "def probe():\n    return 1\n"
+_PROBE_TESTS = AssertionTests(entry_point="probe", setup="", cases=("assert candidate() == 1",))
+
+
+def _describe(isolation: Isolation) -> str:
+    who = "a dedicated uid" if isolation.dedicated_uid else "the caller's uid"
+    return f"{who} {'with' if isolation.namespaces else 'without'} namespaces"
+
+
 @cache
 def detect_isolation(sandbox_root: Path) -> Isolation:
-    """Find out, once per process, which isolation works here; log a warning for what does not."""
+    """The strongest isolation that runs a trivial program here, found once per process and sandbox root;
+    each weaker fallback is logged with the reason the stronger one failed."""
     root = os.geteuid() == 0
-    if not root:
-        log.warning("sandbox: not running as root, so model code runs as this user (RLIMIT_NPROC then counts all its processes, "
-                    "and the harness files are guarded only by re-hashing them)")
-    masks = _mask_plan(sandbox_root) if root else ()
-    probe = {"root": root, "mount_namespace": root, "network_namespace": True, "masks": [list(m) for m in masks]}
-    done = subprocess.run([sys.executable, "-I", "-S", str(_HERE / "sandbox_entry.py"), "--probe", json.dumps(probe)],
-                          capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
-        log.warning("sandbox: cannot create namespaces here (%s); model code keeps the network and sees this machine's files "
-                    "as its uid does", reason)
-        return Isolation(dedicated_uid=root, namespaces=False)
-    return Isolation(dedicated_uid=root, namespaces=True, masks=masks)
+    if root:
+        candidates = [Isolation(True, True, _mask_plan(sandbox_root)), Isolation(True, False), Isolation(False, False)]
+    else:
+        log.warning("sandbox: not running as root, so model code runs as this user (RLIMIT_NPROC then counts all its "
+                    "processes, and the harness files are guarded only by re-hashing them)")
+        candidates = [Isolation(False, True), Isolation(False, False)]
+    for isolation in candidates:
+        probe = Sandbox(SandboxSection(), sandbox_root, isolation).run(_PROBE_PROGRAM, _PROBE_TESTS)
+        if probe.reward == 1.0:
+            return isolation
+        lines = (probe.stderr_tail.strip() or probe.detail).splitlines()
+        log.warning("sandbox: %s does not work here (%s)", _describe(isolation), lines[-1] if lines else probe.status)
+    raise UserError(f"the sandbox cannot run Python programs here, even as {_describe(candidates[-1])}; see the log above")
 
 
 class _UidLease:
     """A uid no other run on this machine is using, held through an exclusive lock file."""
 
     def __init__(self, lock_dir: Path):
-        lock_dir.mkdir(mode=0o700, exist_ok=True)
+        lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for slot in range(MAX_CONCURRENT_RUNS):
             fd = os.open(lock_dir / f"{slot}.lock", os.O_RDWR | os.O_CREAT, 0o600)
             try:
@@ -237,7 +257,8 @@ def _kill_uid(uid: int) -> None:
             if not entry.name.isdigit():
                 continue
             try:
-                if entry.stat().st_uid == uid:
+                # A zombie is already dead; its parent (or init) reaps it.
+                if entry.stat().st_uid == uid and Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                     os.kill(int(entry.name), signal.SIGKILL)
                     found = True
             except (FileNotFoundError, ProcessLookupError):
@@ -278,13 +299,13 @@ class Sandbox:
     def __init__(self, config: SandboxSection, root: Path | None = None, isolation: Isolation | None = None):
         self.config = config
         self.root = root or Path(tempfile.gettempdir()) / "composer-sandbox"
-        self.root.mkdir(mode=0o711, exist_ok=True)
+        self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
         os.chmod(self.root, 0o711)
         self.isolation = isolation or detect_isolation(self.root)
 
     def run(self, program: str, tests: Tests, reward: RewardMode = "fraction") -> SandboxResult:
         run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=self.root))
-        lease = _UidLease(self.root / "uids") if self.isolation.dedicated_uid else None
+        lease = _UidLease(UID_LOCK_DIR) if self.isolation.dedicated_uid else None
         try:
             return self._run(run_dir, lease.uid if lease else None, program, tests, reward)
         finally:
@@ -323,7 +344,7 @@ class Sandbox:
         wall = time.monotonic() - started
 
         tampered = _hash_dir(harness) != before
-        return self._judge(tests, reward, proc.returncode, stop, report, stdout, stderr, wall, tampered)
+        return self._judge(tests, reward, proc.returncode, stop, report, stdout, stderr, wall, tampered, uid)
 
     def _plan(self, uid: int | None, work: Path, harness: Path, result_fd: int) -> dict:
         c = self.config
@@ -415,7 +436,7 @@ class Sandbox:
         return stdout, stderr, report, stop
 
     def _judge(self, tests: Tests, reward: RewardMode, returncode: int, stop: str, report: bytearray,
-               stdout: _Tail, stderr: _Tail, wall: float, tampered: bool) -> SandboxResult:
+               stdout: _Tail, stderr: _Tail, wall: float, tampered: bool, uid: int | None) -> SandboxResult:
         total = _num_cases(tests)
         cases, done = _parse_report(report)
         cases = cases[:total]
@@ -441,7 +462,7 @@ class Sandbox:
         return SandboxResult(
             reward=0.0 if tampered else reward_for(passed, total, reward),
             passed=passed, total=total, status=status, detail=detail,
-            stdout_tail=stdout.text(), stderr_tail=stderr.text(), wall_seconds=wall, cases=tuple(cases),
+            stdout_tail=stdout.text(), stderr_tail=stderr.text(), wall_seconds=wall, uid=uid, cases=tuple(cases),
         )
 
 

@@ -151,7 +151,8 @@ class CodeIOSource:
         return len(self._rows)
 
     def task(self, index: int, sandbox: Sandbox) -> Task | None:
-        """The task of row `index`, or None when its reference program fails on its own inputs."""
+        """The task of row `index`, or None when its reference program fails on its own inputs or
+        does not reproduce its outputs."""
         row = json.loads(self._rows[index])
         task_id = f"codeio/{index}"
         seed = _stable_seed(task_id)
@@ -163,6 +164,11 @@ class CodeIOSource:
         if generation.status != "ok" or generation.passed != CODEIO_CASES:
             return None
         cases = generation.cases
+        tests = CallTests(entry_point="main_solution", inputs=tuple(c.input for c in cases),
+                          expected=tuple(c.output for c in cases), seed=seed)
+        # A reference that cannot pass its own tests again (unseeded randomness, clocks) makes no task.
+        if sandbox.run(reference, tests).reward != 1.0:
+            return None
         return Task(
             id=task_id,
             family="codeio",
@@ -170,8 +176,7 @@ class CodeIOSource:
                     "Write a Python function `main_solution` that takes the inputs as keyword arguments and returns "
                     "the output (JSON-serializable). Answer with the code in a ```python code block.\n"),
             entry_point="main_solution",
-            tests=CallTests(entry_point="main_solution", inputs=tuple(c.input for c in cases),
-                            expected=tuple(c.output for c in cases), seed=seed),
+            tests=tests,
             reference=reference,
         )
 
@@ -248,20 +253,31 @@ class TaskPool:
         self._lock = threading.Lock()
         self.skipped: dict[str, int] = {ts.name: 0 for ts, _ in self._sets}
 
-    def set_sizes(self) -> dict[str, int]:
-        return {ts.name: len(indices) for (ts, _), indices in zip(self._sets, self._indices)}
+    @property
+    def task_sets(self) -> list[TaskSet]:
+        return [ts for ts, _ in self._sets]
+
+    def indices(self, set_index: int) -> list[int]:
+        """The task indices of a set that are in use (its first `limit`, minus those skipped so far)."""
+        with self._lock:
+            return list(self._indices[set_index])
 
     def task(self, set_index: int, index: int) -> Task | None:
         """Task `index` of task set `set_index` (built and cached on first use); None when it was skipped."""
+        key = (set_index, index)
         with self._lock:
-            key = (set_index, index)
+            if key in self._cache:
+                return self._cache[key]
+        # Built outside the lock so threads build different CodeI/O tasks at once; a task built twice
+        # by a race comes out the same (its tests are seeded by its id).
+        ts, source = self._sets[set_index]
+        task = source.task(index, self._sandbox)
+        with self._lock:
             if key not in self._cache:
-                ts, source = self._sets[set_index]
-                task = source.task(index, self._sandbox)
+                self._cache[key] = task
                 if task is None:
                     self.skipped[ts.name] += 1
                     self._indices[set_index].remove(index)
-                self._cache[key] = task
             return self._cache[key]
 
     def draw(self) -> Task:
