@@ -5,7 +5,8 @@ program, the tests) and `work/` (the only place the program may write; its cwd, 
 process starts through `rollout.sandbox_entry`, which applies the isolation this machine allows:
 
   as root      a dedicated uid per concurrent run (so RLIMIT_NPROC counts only this run and every
-               stray process can be found and killed), new mount and network namespaces, masks over
+               stray process can be found and killed), new mount, PID and network namespaces (the
+               PID namespace's end kills and reaps whatever the program left running), masks over
                the project, /root and the shared temp directories;
   not root     a user + network namespace when the kernel allows it; the same uid as the caller, so
                the harness files are protected only by the re-hash after the run.

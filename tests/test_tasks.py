@@ -69,6 +69,7 @@ def test_humaneval_whole_function_in_a_fence_scores_one(sandbox, humaneval):
 
 
 def test_humaneval_empty_and_wrong_solutions_score_zero(sandbox, humaneval):
+    # (A constant answer can pass a boolean task's `assert not candidate(...)`; this sample has none.)
     sample = random.Random(1).sample(humaneval, 24)
     empty = grade_all(sandbox, [(t.program(""), t.tests) for t in sample])
     wrong = grade_all(sandbox, [(t.program(f"```python\ndef {t.entry_point}(*args):\n    return object()\n```"), t.tests) for t in sample])
@@ -154,6 +155,14 @@ def test_pool_draws_are_reproducible_weighted_and_limited(sandbox):
     families = Counter(d.split("/")[0] for d in draws)
     assert 240 <= families["smoke"] <= 360  # weight 3 : 1
     assert {d for d in draws if d.startswith("HumanEval")} <= {f"HumanEval/{i}" for i in range(5)}
+
+
+def test_pool_skips_and_counts_codeio_rows_whose_reference_fails(sandbox):
+    pool = TaskPool([TaskSet(name="codeio", limit=92)], sandbox, seed=0)
+    assert pool.task(0, 91) is None  # its input generator calls a function that does not exist
+    assert pool.task(0, 90).id == "codeio/90"
+    assert pool.skipped == {"codeio": 1}
+    assert 91 not in pool.indices(0) and len(pool.indices(0)) == 91
 
 
 # --- the CLI -----------------------------------------------------------------------------------
