@@ -107,6 +107,12 @@ def _run_generate(tests: dict, candidate, namespace: dict, report: _Reporter) ->
         _call(candidate, tests["seed"] + i, input_json, report)
 
 
+def _num_cases(tests: dict) -> int:
+    if tests["kind"] == "assertions":
+        return len(tests["cases"])
+    return len(tests["inputs"]) if tests["kind"] == "calls" else tests["count"]
+
+
 def main() -> None:
     harness, result_fd = sys.argv[1], int(sys.argv[2])
     with open(os.path.join(harness, "tests.json")) as f:
@@ -122,8 +128,7 @@ def main() -> None:
     except BaseException as e:
         report.leave_if_forked()
         error = f"{tests['entry_point']} is not defined" if isinstance(e, KeyError) else _describe(e)
-        count = len(tests["cases"]) if tests["kind"] == "assertions" else len(tests.get("inputs", ())) or tests.get("count", 0)
-        for _ in range(count):
+        for _ in range(_num_cases(tests)):
             report.case(False, f"program failed to load: {error}")
         report.done()
         return

@@ -6,7 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from recipes.schema import SandboxSection, TaskSet
+from recipes.schema import EnvSection, SandboxSection, TaskSet
+from rollout.environment import CodingEnvironment
 from rollout.sandbox import Sandbox
 from rollout.tasks import CodeIOSource, HumanEvalSource, TaskPool, extract_code, smoke_task
 from tests.conftest import RECIPES
@@ -163,6 +164,16 @@ def test_pool_skips_and_counts_codeio_rows_whose_reference_fails(sandbox):
     assert pool.task(0, 90).id == "codeio/90"
     assert pool.skipped == {"codeio": 1}
     assert 91 not in pool.indices(0) and len(pool.indices(0)) == 91
+
+
+def test_environment_grades_with_the_recipe_reward_rule(tmp_path):
+    config = EnvSection(tasks=[TaskSet(name="smoke")], reward="all_or_nothing", sandbox=SandboxSection(cpu_seconds=5, wall_seconds=10))
+    env = CodingEnvironment(config, seed=0, sandbox_root=tmp_path)
+    task = env.draw()
+    k = int(task.reference.split("return ")[1])
+    assert env.grade(task, f"```python\n{k}\n```").reward == 1.0
+    wrong = env.grade(task, str((k + 1) % 10))
+    assert wrong.passed >= 2 and wrong.reward == 0.0  # some tests pass, but not all
 
 
 # --- the CLI -----------------------------------------------------------------------------------
