@@ -36,9 +36,9 @@ def check(
         raise UserError(f"{file}: the recipe has no `env` section to check")
     env = CodingEnvironment(recipe.env, seed=recipe.train.seed)
     iso = env.sandbox.isolation
+    namespaces = ("mount, PID and network namespaces" if iso.dedicated_uid else "user and network namespaces") if iso.namespaces else "no namespaces"
     console.print(
-        f"sandbox: {'a dedicated uid per run' if iso.dedicated_uid else 'the caller uid'}, "
-        f"{'mount + network namespaces' if iso.namespaces else 'no namespaces'}"
+        f"sandbox: {'a dedicated uid per run' if iso.dedicated_uid else 'the caller uid'}, {namespaces}"
         f"{', network allowed' if recipe.env.sandbox.network else ''}",
         highlight=False,
     )
