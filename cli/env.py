@@ -35,11 +35,12 @@ def check(
     if recipe.env is None:
         raise UserError(f"{file}: the recipe has no `env` section to check")
     env = CodingEnvironment(recipe.env, seed=recipe.train.seed)
-    iso = env.sandbox.isolation
-    namespaces = ("mount, PID and network namespaces" if iso.dedicated_uid else "user and network namespaces") if iso.namespaces else "no namespaces"
+    iso, network = env.sandbox.isolation, recipe.env.sandbox.network
+    kinds = (["mount", "PID"] if iso.dedicated_uid else ["user"]) + ([] if network else ["network"]) if iso.namespaces else []
+    namespaces = f"{', '.join(kinds[:-1])} and {kinds[-1]} namespaces" if len(kinds) > 1 else "no namespaces"
     console.print(
         f"sandbox: {'a dedicated uid per run' if iso.dedicated_uid else 'the caller uid'}, {namespaces}"
-        f"{', network allowed' if recipe.env.sandbox.network else ''}",
+        f"{', network allowed' if network else ''}",
         highlight=False,
     )
     limit = max_tasks or None
