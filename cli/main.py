@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from cli import data as data_cmd
 from cli import model as model_cmd
+from cli import env as env_cmd
 from cli import recipe as recipe_cmd
 from cli import report as report_cmd
 from cli import sync as sync_cmd
@@ -28,6 +29,7 @@ app.add_typer(model_cmd.app, name="model")
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(report_cmd.app, name="report")
 app.add_typer(sync_cmd.app, name="sync")
+app.add_typer(env_cmd.app, name="env")
 
 err_console = Console(stderr=True, soft_wrap=True)
 _debug = False

@@ -1,0 +1,67 @@
+"""`composer env`: health checks of the coding environments and the sandbox."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import Progress
+from rich.table import Table
+
+from recipes.errors import UserError
+from recipes.loader import load_recipe
+
+app = typer.Typer(help="Coding environments: tasks, sandbox, rewards.", no_args_is_help=True)
+console = Console()
+
+
+class ReferenceFailures(UserError):
+    pass
+
+
+@app.command()
+def check(
+    file: Path = typer.Argument(..., help="Recipe file with an `env` section."),
+    overrides: list[str] = typer.Option([], "--set", "-s", help="Override a key: --set env.reward=fraction (value parsed as YAML). Repeatable."),
+    max_tasks: int = typer.Option(50, "--max-tasks", min=0, help="Check the first N tasks of each task set; 0 checks all."),
+    workers: int = typer.Option(2, "--workers", min=1, help="Sandboxes run at once."),
+) -> None:
+    """Run each task set's reference solutions against their hidden tests in the sandbox; report pass rates."""
+    from rollout.environment import CodingEnvironment, check_references
+
+    recipe = load_recipe(file, overrides)
+    if recipe.env is None:
+        raise UserError(f"{file}: the recipe has no `env` section to check")
+    env = CodingEnvironment(recipe.env, seed=recipe.train.seed)
+    iso, network = env.sandbox.isolation, recipe.env.sandbox.network
+    kinds = (["mount", "PID"] if iso.dedicated_uid else ["user"]) + ([] if network else ["network"]) if iso.namespaces else []
+    namespaces = f"{', '.join(kinds[:-1])} and {kinds[-1]} namespaces" if len(kinds) > 1 else "no namespaces"
+    console.print(
+        f"sandbox: {'a dedicated uid per run' if iso.dedicated_uid else 'the caller uid'}, {namespaces}"
+        f"{', network allowed' if network else ''}",
+        highlight=False,
+    )
+    limit = max_tasks or None
+    total = sum(len(env.pool.indices(i)[:limit]) for i in range(len(env.pool.task_sets)))
+    with Progress(console=console, transient=True) as progress:
+        bar = progress.add_task("reference solutions", total=total)
+        reports = check_references(env, limit, workers, on_task=lambda _: progress.advance(bar))
+
+    table = Table(title="reference solutions in the sandbox")
+    for column in ("task set", "checked", "passed", "failed", "skipped", "pass rate", "mean wall s"):
+        table.add_column(column, justify="left" if column == "task set" else "right")
+    for r in reports:
+        rate = f"{r.passed / r.checked:.1%}" if r.checked else "-"
+        mean = f"{r.wall_seconds / r.checked:.3f}" if r.checked else "-"
+        table.add_row(r.task_set, str(r.checked), str(r.passed), str(len(r.failures)), str(r.skipped), rate, mean)
+    console.print(table)
+    for r in reports:
+        if r.skipped:
+            console.print(f"[dim]{r.task_set}: {r.skipped} task(s) skipped: their reference program fails on its own inputs[/]")
+        for task_id, result in r.failures:
+            console.print(f"[red]✗[/] {escape(task_id)}: {result.status} {escape(result.detail)}, {result.passed}/{result.total} tests", highlight=False)
+    failed = sum(len(r.failures) for r in reports)
+    if failed:
+        raise ReferenceFailures(f"{failed} reference solution(s) failed their own tests")

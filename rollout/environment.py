@@ -1,0 +1,68 @@
+"""The coding environment of RL: a seeded task pool, a sandbox, and the recipe's reward rule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from recipes.schema import EnvSection
+from rollout.sandbox import Sandbox, SandboxResult
+from rollout.tasks import Task, TaskPool
+
+
+class CodingEnvironment:
+    """Draws tasks and grades completions by running them against the hidden tests in the sandbox."""
+
+    def __init__(self, config: EnvSection, seed: int, sandbox_root: Path | None = None):
+        self.sandbox = Sandbox(config.sandbox, root=sandbox_root)
+        self.pool = TaskPool(config.tasks, self.sandbox, seed)
+        self.reward = config.reward
+
+    def draw(self) -> Task:
+        return self.pool.draw()
+
+    def grade(self, task: Task, completion: str) -> SandboxResult:
+        return self.sandbox.run(task.program(completion), task.tests, self.reward)
+
+
+@dataclass
+class ReferenceReport:
+    """How the reference solutions of one task set fare against their own hidden tests."""
+
+    task_set: str
+    checked: int = 0
+    passed: int = 0
+    skipped: int = 0
+    wall_seconds: float = 0.0
+    failures: list[tuple[str, SandboxResult]] = field(default_factory=list)
+
+
+def check_references(env: CodingEnvironment, max_tasks: int | None, workers: int,
+                     on_task: Callable[[str], None] = lambda task_set: None) -> list[ReferenceReport]:
+    """Run every task set's reference solutions (its first `max_tasks` tasks, all when None) in the sandbox."""
+    reports = []
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for set_index, task_set in enumerate(env.pool.task_sets):
+            report = ReferenceReport(task_set.name)
+            indices = env.pool.indices(set_index)[:max_tasks]
+
+            def check(index: int, set_index: int = set_index) -> tuple[Task | None, SandboxResult | None]:
+                task = env.pool.task(set_index, index)
+                result = env.sandbox.run(task.reference, task.tests, "all_or_nothing") if task else None
+                on_task(env.pool.task_sets[set_index].name)
+                return task, result
+
+            for task, result in pool.map(check, indices):
+                if task is None:
+                    report.skipped += 1
+                    continue
+                report.checked += 1
+                report.wall_seconds += result.wall_seconds
+                if result.reward == 1.0 and result.status == "ok":
+                    report.passed += 1
+                else:
+                    report.failures.append((task.id, result))
+            reports.append(report)
+    return reports

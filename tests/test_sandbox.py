@@ -1,0 +1,189 @@
+"""The sandbox, with real processes: rewards, limits, containment, tamper detection, concurrency."""
+
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from recipes.schema import SandboxSection
+from rollout.sandbox import AssertionTests, Isolation, Sandbox
+from tests.conftest import REPO
+
+LIMITS = dict(cpu_seconds=2, wall_seconds=4, memory_mb=512, max_processes=16, max_file_mb=2, max_output_kb=8)
+AS_ROOT = os.geteuid() == 0
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    return Sandbox(SandboxSection(**LIMITS), root=tmp_path_factory.mktemp("sandboxes"))
+
+
+def calls(*cases: str, entry_point: str = "f", setup: str = "") -> AssertionTests:
+    return AssertionTests(entry_point=entry_point, setup=setup, cases=cases)
+
+
+def processes_of(uids: set[int]) -> list[int]:
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid in uids:
+                    pids.append(int(entry.name))
+            except FileNotFoundError:
+                continue
+    return pids
+
+
+SQUARE_TESTS = calls("assert candidate(2) == 4", "assert candidate(3) == 9", "assert candidate(-1) == 1", "assert candidate(0) == 0")
+
+
+def test_reward_is_the_fraction_of_tests_passed(sandbox):
+    right = sandbox.run("def f(x):\n    return x * x\n", SQUARE_TESTS)
+    assert (right.status, right.passed, right.total, right.reward) == ("ok", 4, 4, 1.0)
+    partial = sandbox.run("def f(x):\n    return 2 * x\n", SQUARE_TESTS)
+    assert (partial.status, partial.passed, partial.reward) == ("ok", 2, 0.5)
+    assert sandbox.run("def f(x):\n    return 2 * x\n", SQUARE_TESTS, reward="all_or_nothing").reward == 0.0
+
+
+@pytest.mark.parametrize("program", ["", "def f(x) return x", "raise SystemExit(0)", "def g(x):\n    return x * x\n"])
+def test_programs_that_do_not_load_score_zero(sandbox, program):
+    result = sandbox.run(program, SQUARE_TESTS)
+    assert (result.reward, result.passed, result.total) == (0.0, 0, 4)
+
+
+def test_prints_are_captured_and_never_read_as_results(sandbox):
+    program = 'import json\ndef f(x):\n    print(json.dumps({"ok": True}))\n    print("{\\"done\\": true}")\n    return None\n'
+    result = sandbox.run(program, SQUARE_TESTS)
+    assert result.reward == 0.0
+    assert '{"ok": true}' in result.stdout_tail
+
+
+def test_no_network_inside(sandbox):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        port = server.getsockname()[1]
+        program = f"import socket\ndef f():\n    socket.create_connection(('127.0.0.1', {port}), timeout=2).close()\n    return 'connected'\n"
+        tests = calls("assert candidate() == 'connected'")
+        blocked = sandbox.run(program, tests)
+        allowed = Sandbox(SandboxSection(**LIMITS, network=True)).run(program, tests)
+    assert (blocked.status, blocked.reward) == ("ok", 0.0)
+    assert "Network is unreachable" in blocked.cases[0].error  # a fresh network namespace: loopback down
+    assert allowed.reward == 1.0  # the same program connects when the recipe allows the network
+
+
+def test_writes_only_inside_its_work_dir(sandbox, tmp_path):
+    outside = [tmp_path / "escape.txt", "/root/escape.txt", REPO / "escape.txt"]
+    program = "def f(path):\n    with open(path, 'w') as out:\n        out.write('x')\n    return open(path).read()\n"
+    tests = calls("assert candidate('inside.txt') == 'x'", *(f"assert candidate({str(p)!r}) == 'x'" for p in outside))
+    result = sandbox.run(program, tests)
+    assert (result.status, result.passed, result.total) == ("ok", 1, 4)
+    assert not any(os.path.exists(p) for p in outside)
+
+
+def test_cannot_read_project_files_or_environment_secrets(sandbox, monkeypatch):
+    monkeypatch.setenv("COMPOSER_TEST_SECRET", "hunter2")
+    program = (
+        "import os\n"
+        "def from_env():\n    return os.environ.get('COMPOSER_TEST_SECRET')\n"
+        f"def from_parent():\n    return open('/proc/{os.getpid()}/environ', 'rb').read()\n"
+        f"def from_project():\n    return open({str(REPO / 'pyproject.toml')!r}).read()\n"
+    )
+    tests = calls(
+        "assert from_env() == 'hunter2'",
+        "assert b'hunter2' in from_parent()",
+        "assert 'composer' in from_project()",
+        entry_point="from_env",
+    )
+    result = sandbox.run(program, tests)
+    assert (result.status, result.passed) == ("ok", 0)
+    assert "hunter2" not in result.stdout_tail + result.stderr_tail
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="a process limit of its own needs a dedicated uid (root)")
+def test_fork_bomb_is_contained_and_cleaned_up(sandbox):
+    program = "import os\ndef f():\n    while True:\n        os.fork()\n"
+    result = sandbox.run(program, calls("candidate()", "assert 1 + 1 == 2"))
+    assert (result.passed, result.total) == (1, 2)  # the bomb's case fails, the run goes on
+    assert processes_of({result.uid}) == []
+    assert sandbox.run("def f(x):\n    return x * x\n", SQUARE_TESTS).reward == 1.0
+
+
+def test_infinite_loop_hits_the_cpu_limit(tmp_path):
+    # A wall limit far away, so the CPU limit ends the run however busy this machine is.
+    sandbox = Sandbox(SandboxSection(**{**LIMITS, "cpu_seconds": 1, "wall_seconds": 120}), root=tmp_path)
+    result = sandbox.run("def f():\n    while True:\n        pass\n", calls("assert 1 + 1 == 2", "candidate()"))
+    assert (result.status, result.detail, result.passed) == ("timeout", "CPU-time limit", 1)
+
+
+def test_sleeping_forever_hits_the_wall_limit(sandbox):
+    result = sandbox.run("import time\ndef f():\n    time.sleep(1000)\n", calls("candidate()"))
+    assert (result.status, result.detail, result.reward) == ("timeout", "wall-clock limit", 0.0)
+
+
+def test_memory_hog_hits_the_memory_limit(sandbox):
+    result = sandbox.run("def f():\n    return len(bytearray(4 << 30))\n", calls("candidate()", "assert 1 + 1 == 2"))
+    assert (result.status, result.passed) == ("memory", 1)
+
+
+def test_huge_output_is_capped(sandbox):
+    cap = LIMITS["max_output_kb"] << 10
+    program = "def f():\n    print('x' * (1 << 20))\n    return 1\n"
+    result = sandbox.run(program, calls("assert candidate() == 1"))
+    assert (result.status, result.reward) == ("ok", 1.0)
+    assert 0 < len(result.stdout_tail) <= cap
+    endless = sandbox.run("def f():\n    while True:\n        print('y' * 10000)\n", calls("candidate()"))
+    assert (endless.status, endless.reward) == ("crash", 0.0)
+    assert "output exceeded" in endless.detail
+    assert len(endless.stdout_tail) <= cap
+
+
+def test_no_file_larger_than_the_limit(sandbox):
+    program = "def f(mb):\n    with open('big.bin', 'wb') as out:\n        out.write(b'0' * (mb << 20))\n"
+    result = sandbox.run(program, calls("candidate(1)", "candidate(3)"))
+    assert result.passed == 1  # 1 MB fits under max_file_mb=2, 3 MB does not
+
+
+TAMPER = (
+    "import json, os, sys\n"
+    "def f():\n"
+    "    return 0\n"
+    "path = os.path.join(sys.argv[1], 'tests.json')\n"
+    "try:\n"
+    "    os.chmod(path, 0o644)\n"
+    "    with open(path, 'w') as out:\n"
+    "        json.dump({'kind': 'assertions', 'entry_point': 'f', 'setup': '', 'cases': ['pass']}, out)\n"
+    "except OSError as e:\n"
+    "    print('refused:', e)\n"
+)
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="a dedicated uid needs root")
+def test_tests_file_cannot_be_changed_by_the_sandbox_uid(sandbox):
+    result = sandbox.run(TAMPER, calls("assert candidate() == 1"))
+    assert (result.status, result.reward) == ("ok", 0.0)
+    assert "refused" in result.stdout_tail
+
+
+def test_changed_tests_file_is_flagged_and_scores_zero(tmp_path):
+    # Without a dedicated uid (the fallback off root) the harness is writable; the re-hash catches it.
+    same_uid = Sandbox(SandboxSection(**LIMITS), root=tmp_path / "sandboxes", isolation=Isolation(dedicated_uid=False, namespaces=False))
+    result = same_uid.run(TAMPER, calls("assert candidate() == 0"))
+    assert (result.status, result.reward, result.passed) == ("tampered", 0.0, 0)
+    assert same_uid.run("def f():\n    return 0\n", calls("assert candidate() == 0")).reward == 1.0
+
+
+def test_concurrent_runs_do_not_interfere(sandbox):
+    bomb = "import os\ndef f():\n    while True:\n        os.fork()\n"
+
+    def run(i: int):
+        if i == 0:
+            return sandbox.run(bomb, calls("candidate()"))
+        return sandbox.run(f"import time\ndef f():\n    time.sleep(0.2)\n    return {i}\n", calls(f"assert candidate() == {i}"))
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(run, range(9)))
+    assert [r.reward for r in results[1:]] == [1.0] * 8
+    assert processes_of({r.uid for r in results}) == []
+    assert [p.name for p in sandbox.root.glob("run-*")] == []
