@@ -206,3 +206,8 @@ def test_bad_routes_and_settings_are_clear_errors(checkpoint, megatron_ready, ro
                     pass
         finally:
             setattr(config, field, original)
+    # a dense model has nothing to replay
+    dense = build_model(m.model_copy(update=dict(family="llama", num_experts=0, moe_top_k=0, moe_ffn_hidden_size=0, ffn_hidden_size=256)), ParallelismSection())
+    with pytest.raises(UserError, match="needs an MoE model"):
+        replay_for_micro_batch(dense, "r3", rollouts["routes"], batch.lengths, batch.seq_len)
+    assert replay_for_micro_batch(dense, "off", None, batch.lengths, batch.seq_len) is None

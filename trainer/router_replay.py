@@ -185,12 +185,15 @@ def replay_for_micro_batch(model, mode: str, routes: list[np.ndarray] | None, le
     from megatron.core import parallel_state
 
     config = unwrap(model).config
+    layers = [layer for layer, _ in moe_routers(model)]
+    if not layers:
+        raise UserError("rl.router_replay=r3 needs an MoE model; this one has no MoE layers (set rl.router_replay: off)")
     return replay_tensors(
         routes,
         lengths,
         seq_len,
         config.num_moe_experts,
-        [layer for layer, _ in moe_routers(model)],
+        layers,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         tp_size=config.tensor_model_parallel_size,
         sequence_parallel=config.sequence_parallel,
