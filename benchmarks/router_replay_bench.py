@@ -129,11 +129,11 @@ def main() -> None:
     print(f"model: {m.num_layers} layers, {m.num_experts} experts top-{m.moe_top_k}, router x{args.router_scale}, "
           f"expert outputs x{args.expert_scale}; engine bf16 vLLM, learner fp32 Megatron")
     print(f"samples: {len(segs)} sequences, {total_tokens} routed tokens, {int(generated)} generated tokens")
-    print(f"{'layer':>5} {'disagree free':>14} {'disagree r3':>12}")
+    print("routing disagreement with the engine (fraction of tokens whose expert set differs):")
+    print(f"{'layer':>5} {'free run':>9} {'own top-k, r3 inputs':>21} {'r3':>7}")
     for layer in range(m.num_layers):
-        free = sums[f"routing_disagreement_free/layer{layer}"] / total_tokens
-        replay = sums[f"routing_disagreement_replay/layer{layer}"] / total_tokens
-        print(f"{layer:>5} {free:>14.4f} {replay:>12.4f}")
+        free, own, replay = (sums[f"routing_disagreement_{kind}/layer{layer}"] / total_tokens for kind in ("free", "own", "replay"))
+        print(f"{layer:>5} {free:>9.4f} {own:>21.4f} {replay:>7.4f}")
     mean_free = sums["logprob_abs_diff_free"] / generated
     mean_replay = sums["logprob_abs_diff_replay"] / generated
     max_free, max_replay = maxima["logprob_abs_diff_free_max"], maxima["logprob_abs_diff_replay_max"]

@@ -1,7 +1,7 @@
 """torchrun worker for tests/test_router_replay.py: router replay of engine routes under tp=2 (sequence parallel)
 and ep=2, on 2 gloo processes.
 
-Per layout: the learner (routers perturbed, so free routing differs from the engine's) runs once routing freely and
+tp=2 with ep=2 over the same two ranks too. Per layout: the learner (routers perturbed, so free routing differs from the engine's) runs once routing freely and
 once replaying the engine's routes, then backward under replay. Each rank saves what its routers used, the
 disagreement rates, its logprobs and its router-weight gradient norms.
 Usage: router_replay_worker.py OUT_DIR CHECKPOINT ROLLOUTS_PT; each rank saves OUT_DIR/rank{r}.pt.
@@ -21,6 +21,7 @@ from trainer.weights import load_hf_into
 LAYOUTS = {
     "tp2_sp": ParallelismSection(tp=2, sequence_parallel=True),
     "ep2": ParallelismSection(ep=2),
+    "tp2_sp_ep2": ParallelismSection(tp=2, ep=2, sequence_parallel=True),
 }
 
 
@@ -55,6 +56,7 @@ def run_layout(m, p, checkpoint, rollouts):
         out[name] = {
             "routes": used.routes(),
             "disagreement": routing_disagreement(used.routes(), used.layers, routes, batch.lengths),
+            "own_disagreement": routing_disagreement(used.preferred(), used.layers, routes, batch.lengths),
             "logprobs": logprobs.detach(),
             "router_grad_norms": [router.weight.grad.norm().item() for _, router in moe_routers(model)],
         }

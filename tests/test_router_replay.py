@@ -1,8 +1,8 @@
 """Router replay (R3) with real engines: a bf16 vLLM engine samples, an fp32 Megatron learner replays its routes.
 
 The learner's routers are perturbed, so its free routing surely differs from the engine's; replay must make the
-routes it uses equal to the engine's on every layer, for tp=1 here and for tp=2 (sequence parallel) and ep=2 under
-torchrun. Batches hold 4 sequences of different lengths, so a sequence-major/batch-major mix-up or a padding
+routes it uses equal to the engine's on every layer, for tp=1 here and for tp=2 (sequence parallel), ep=2 and both
+under torchrun. Batches hold 4 sequences of different lengths, so a sequence-major/batch-major mix-up or a padding
 error shows.
 """
 
@@ -106,8 +106,14 @@ def test_replay_uses_the_engine_routes_and_trains_the_router(checkpoint, megatro
     assert max(free.values()) > 0, "the perturbed learner must route differently, or replay is not tested"
 
     replay = replay_for_micro_batch(model, "r3", routes, batch.lengths, batch.seq_len)
-    used, _, grads = replay_and_backward(model, batch, replay)
+    model.zero_grad()
+    with routing(model, replay) as replayed:
+        token_logprobs(model, batch.tokens).sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    used = replayed.routes()
     assert routing_disagreement(used, list(range(m.num_layers)), routes, batch.lengths) == {layer: 0.0 for layer in range(m.num_layers)}
+    own = routing_disagreement(replayed.preferred(), list(range(m.num_layers)), routes, batch.lengths)
+    assert max(own.values()) > 0, "the routers' own choice on the replayed inputs still differs from the engine's"
     for layer in range(m.num_layers):
         assert grads[f"decoder.layers.{layer}.mlp.router.weight"].abs().sum() > 0, "gate probabilities must stay differentiable"
     assert router_state_is_clear(model), "no replay state may outlive the micro-batch"
@@ -115,6 +121,7 @@ def test_replay_uses_the_engine_routes_and_trains_the_router(checkpoint, megatro
     metrics = replay_metrics(model, batch, routes, rollouts["logprobs"], rollouts["masks"])
     assert all(metrics[f"routing_disagreement_replay/layer{layer}"] == 0.0 for layer in range(m.num_layers))
     assert [metrics[f"routing_disagreement_free/layer{layer}"] for layer in range(m.num_layers)] == list(free.values())
+    assert [metrics[f"routing_disagreement_own/layer{layer}"] for layer in range(m.num_layers)] == list(own.values())
     assert metrics["logprob_abs_diff_replay"] < metrics["logprob_abs_diff_free"]
 
 
@@ -128,6 +135,9 @@ def test_replaying_recorded_routes_is_bitwise_equal_also_with_recompute(checkpoi
     with routing(model, own) as replayed:
         assert torch.equal(forward_logits(model, batch.tokens), logits)
     assert torch.equal(replayed.routes(), recorded.routes())
+    # the routers' own choice, recomputed beside the replay, is exactly what they chose when routing freely
+    assert torch.equal(replayed.preferred(), recorded.routes())
+    assert torch.equal(recorded.preferred(), recorded.routes())
 
     # recompute re-runs the routers in backward: they must replay the forward's routes (engine routes here)
     engine = replay_for_micro_batch(model, "r3", rollouts["routes"], batch.lengths, batch.seq_len)
@@ -157,6 +167,8 @@ def test_tensor_and_expert_parallel_replay(checkpoint, megatron_ready, rollouts,
             where = f"rank {rank} {layout}"
             assert max(got["free"]["disagreement"].values()) > 0, where
             assert set(got["replay"]["disagreement"].values()) == {0.0}, where
+            assert got["free"]["own_disagreement"] == got["free"]["disagreement"], where
+            assert max(got["replay"]["own_disagreement"].values()) > 0, where
             assert all(norm > 0 for norm in got["replay"]["router_grad_norms"]), where
             for row, i in enumerate(got["picked"]):
                 n = len(rollouts["tokens"][i])

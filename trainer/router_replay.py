@@ -80,20 +80,33 @@ def check_replay_tensors(tensors: list[torch.Tensor], num_layers: int, num_token
 
 
 class UsedRoutes:
-    """The experts each router used in the forward pass of a `routing` block (replayed or chosen freely)."""
+    """The experts each router used in the forward pass of a `routing` block, and the ones it would have chosen.
+
+    Under replay the two differ where the learner disagrees with the engine given the same layer input, which
+    measures the train/inference routing mismatch during training at no extra forward pass.
+    """
 
     def __init__(self, layers: list[int], sequence_parallel: bool):
         self.layers = layers
         """Global indices of the MoE layers this rank holds, the third axis of `routes()`."""
         self._sequence_parallel = sequence_parallel
-        self._by_layer: dict[int, torch.Tensor] = {}
+        self._used: dict[int, torch.Tensor] = {}
+        self._preferred: dict[int, torch.Tensor] = {}
         self._batch_size: int | None = None
 
     def routes(self) -> torch.Tensor:
-        """int64 [B, S, len(layers), top_k], expert ids sorted within each row; full sequences under sequence parallelism."""
+        """int64 [B, S, len(layers), top_k] experts used, sorted within each row; full sequences under sequence
+        parallelism (a collective over the tensor-parallel group: call it on every rank)."""
+        return self._engine_layout(self._used)
+
+    def preferred(self) -> torch.Tensor:
+        """Like `routes()`: the experts each router's own top-k picked from the same layer input."""
+        return self._engine_layout(self._preferred)
+
+    def _engine_layout(self, by_layer: dict[int, torch.Tensor]) -> torch.Tensor:
         if self._batch_size is None:
             raise RuntimeError("no forward pass ran inside the routing block")
-        per_layer = torch.stack([self._by_layer[layer] for layer in self.layers], dim=1)  # [S_local*B, L, K]
+        per_layer = torch.stack([by_layer[layer] for layer in self.layers], dim=1)  # [S_local*B, L, K]
         if self._sequence_parallel:
             from megatron.core import parallel_state
 
@@ -148,14 +161,15 @@ def routing(model, replay: list[torch.Tensor] | None = None) -> Iterator[UsedRou
             router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
 
     def capture(layer: int):
-        def hook(_router, _args, output):
+        def hook(router, args, output):
             if not state["capturing"]:
                 return  # the recompute in backward replays what was captured
-            _, routing_map = output
-            chosen = routing_map.nonzero()[:, 1]
-            if chosen.numel() != routing_map.shape[0] * top_k:
-                raise RuntimeError(f"layer {layer}: the router chose other than {top_k} experts per token")
-            used._by_layer[layer] = chosen.view(-1, top_k)  # nonzero() lists each row's experts in ascending order
+            used._used[layer] = experts_of(output[1], top_k, layer)
+            if replay is None:
+                used._preferred[layer] = used._used[layer]
+            else:
+                with torch.no_grad():
+                    used._preferred[layer] = experts_of(free_routing_map(router, args[0]), top_k, layer)
 
         return hook
 
@@ -169,6 +183,33 @@ def routing(model, replay: list[torch.Tensor] | None = None) -> Iterator[UsedRou
         for _, router in routers:
             router.router_replay.clear_indices()
             router.router_replay.clear_router_replay_action()
+
+
+def experts_of(routing_map: torch.Tensor, top_k: int, layer: int) -> torch.Tensor:
+    """[tokens, experts] bool -> int64 [tokens, top_k] expert ids in ascending order (as nonzero() lists them)."""
+    chosen = routing_map.nonzero()[:, 1]
+    if chosen.numel() != routing_map.shape[0] * top_k:
+        raise RuntimeError(f"layer {layer}: the router chose other than {top_k} experts per token")
+    return chosen.view(-1, top_k)
+
+
+def free_routing_map(router, hidden: torch.Tensor) -> torch.Tensor:
+    """The routing map `router` computes for `hidden` on its own: Megatron's top-k without the replay hook."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    config = router.config
+    logits = router.gating(hidden).view(-1, config.num_moe_experts)
+    _, routing_map = topk_routing_with_score_function(
+        logits,
+        config.moe_router_topk,
+        use_pre_softmax=config.moe_router_pre_softmax,
+        num_groups=config.moe_router_num_groups,
+        group_topk=config.moe_router_group_topk,
+        scaling_factor=config.moe_router_topk_scaling_factor,
+        score_function=config.moe_router_score_function,
+        expert_bias=router.expert_bias,
+    )
+    return routing_map
 
 
 def replay_for_micro_batch(model, mode: str, routes: list[np.ndarray] | None, lengths: list[int], seq_len: int) -> list[torch.Tensor] | None:
@@ -217,8 +258,9 @@ def replay_metrics(model, batch, routes: list[np.ndarray], engine_logprobs: list
     """Train/inference mismatch on one micro-batch (`trainer.logprobs.MicroBatch`), with and without replay.
 
     Two no-grad forwards: free routing and replay of the engine's `routes`. Gives, per local MoE layer, the
-    fraction of tokens whose experts differ from the engine's (free, and replayed: 0 unless replay is broken),
-    and mean/max |learner - engine| logprob of the generated tokens both ways.
+    fraction of tokens whose experts differ from the engine's: `free` (differences compound over layers),
+    `own` (the router's own top-k on the replayed pass's layer input, what training logs for free) and `replay`
+    (0 unless replay is broken); and mean/max |learner - engine| logprob of the generated tokens both ways.
     """
     from trainer.logprobs import logprob_mismatch, token_logprobs
 
@@ -229,6 +271,9 @@ def replay_metrics(model, batch, routes: list[np.ndarray], engine_logprobs: list
             learner = token_logprobs(model, batch.tokens, with_grad=False)
         for layer, rate in routing_disagreement(used.routes(), used.layers, routes, batch.lengths).items():
             metrics[f"routing_disagreement_{name}/layer{layer}"] = rate
+        if name == "replay":
+            for layer, rate in routing_disagreement(used.preferred(), used.layers, routes, batch.lengths).items():
+                metrics[f"routing_disagreement_own/layer{layer}"] = rate
         mismatch = logprob_mismatch(learner, batch, engine_logprobs, loss_masks)
         metrics[f"logprob_abs_diff_{name}"] = mismatch["mean"]
         metrics[f"logprob_abs_diff_{name}_max"] = mismatch["max"]
