@@ -185,7 +185,8 @@ def test_bad_routes_and_settings_are_clear_errors(checkpoint, megatron_ready, ro
     rows = batch.seq_len * len(batch.lengths)
     bad = {
         "1 replay tensors for 2 local MoE layers": good[:1],
-        rf"expected torch.int64 \({rows}, 2\)": [good[0][:-2], good[1]],
+        rf"replay tensors of \[{rows - 2}, {rows}\] rows for a micro-batch of {rows} router tokens": [good[0][:-2], good[1]],
+        r"expected torch.int64 \(tokens, 2\)": [good[0], good[1][:, :1]],
         "outside": [good[0], good[1] + m.num_experts],
         "same expert twice": [good[0], good[1][:, :1].repeat(1, 2)],
         "torch.int32": [good[0].int(), good[1]],
@@ -195,6 +196,11 @@ def test_bad_routes_and_settings_are_clear_errors(checkpoint, megatron_ready, ro
             with routing(model, tensors):
                 token_logprobs(model, batch.tokens, with_grad=False)
         assert router_state_is_clear(model), match
+    with pytest.raises(RuntimeError, match="one forward pass per routing block"):
+        with routing(model, good):
+            token_logprobs(model, batch.tokens, with_grad=False)
+            token_logprobs(model, batch.tokens, with_grad=False)
+    assert router_state_is_clear(model)
     # engine routes that do not fit the model
     short = [r[:, :1] for r in rollouts["routes"]]
     with pytest.raises(ReplayLayoutError, match="routes cover 1 layers, the model needs layers up to 1"):

@@ -64,13 +64,13 @@ def check_replay_supported(config) -> None:
         raise UserError("router replay cannot be used with this model: " + "; ".join(problems))
 
 
-def check_replay_tensors(tensors: list[torch.Tensor], num_layers: int, num_tokens: int, top_k: int, num_experts: int) -> None:
-    """Per local MoE layer one int64 [num_tokens, top_k] tensor of distinct expert ids in [0, num_experts)."""
+def check_replay_tensors(tensors: list[torch.Tensor], num_layers: int, top_k: int, num_experts: int) -> None:
+    """Per local MoE layer one int64 [tokens, top_k] tensor of distinct expert ids in [0, num_experts)."""
     if len(tensors) != num_layers:
         raise ReplayLayoutError(f"{len(tensors)} replay tensors for {num_layers} local MoE layers")
     for i, t in enumerate(tensors):
-        if t.dtype != torch.int64 or t.shape != (num_tokens, top_k):
-            raise ReplayLayoutError(f"replay tensor {i}: {t.dtype} {tuple(t.shape)}, expected torch.int64 ({num_tokens}, {top_k})")
+        if t.dtype != torch.int64 or t.ndim != 2 or t.shape[1] != top_k:
+            raise ReplayLayoutError(f"replay tensor {i}: {t.dtype} {tuple(t.shape)}, expected torch.int64 (tokens, {top_k})")
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_experts):
             raise ReplayLayoutError(f"replay tensor {i}: expert ids outside [0, {num_experts})")
         ordered = t.sort(dim=1).values
@@ -93,6 +93,14 @@ class UsedRoutes:
         self._used: dict[int, torch.Tensor] = {}
         self._preferred: dict[int, torch.Tensor] = {}
         self._batch_size: int | None = None
+
+    def begin(self, batch_size: int) -> None:
+        self._batch_size = batch_size
+
+    def add(self, layer: int, used: torch.Tensor, preferred: torch.Tensor) -> None:
+        """One router's [S_local*B, top_k] expert ids, in Megatron's sequence-major row order."""
+        self._used[layer] = used
+        self._preferred[layer] = preferred
 
     def routes(self) -> torch.Tensor:
         """int64 [B, S, len(layers), top_k] experts used, sorted within each row; full sequences under sequence
@@ -130,7 +138,9 @@ def routing(model, replay: list[torch.Tensor] | None = None) -> Iterator[UsedRou
     routers = moe_routers(gpt)
     if not routers:
         raise UserError("router replay needs an MoE model; this one has no MoE layers")
-    top_k, num_experts = config.moe_router_topk, config.num_moe_experts
+    top_k = config.moe_router_topk
+    if replay is not None:
+        check_replay_tensors(replay, len(routers), top_k, config.num_moe_experts)
     used = UsedRoutes([layer for layer, _ in routers], config.sequence_parallel)
     state = {"forwards": 0, "capturing": False}
 
@@ -140,14 +150,16 @@ def routing(model, replay: list[torch.Tensor] | None = None) -> Iterator[UsedRou
         state["forwards"] += 1
         tokens = args[0] if args else kwargs["input_ids"]
         batch, seq = tokens.shape
-        used._batch_size = batch
-        shards = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        used.begin(batch)
+        if replay is not None:
+            # each rank's routers see its sequence shard under sequence parallelism
+            rows = batch * seq // (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+            if any(t.shape[0] != rows for t in replay):
+                raise ReplayLayoutError(f"replay tensors of {[t.shape[0] for t in replay]} rows for a micro-batch of {rows} router tokens ({batch} x {seq})")
         for i, (_, router) in enumerate(routers):
             if replay is None:
                 router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
             else:
-                if i == 0:
-                    check_replay_tensors(replay, len(routers), batch * seq // shards, top_k, num_experts)
                 router.router_replay.set_target_indices(replay[i])
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         state["capturing"] = True
@@ -164,12 +176,12 @@ def routing(model, replay: list[torch.Tensor] | None = None) -> Iterator[UsedRou
         def hook(router, args, output):
             if not state["capturing"]:
                 return  # the recompute in backward replays what was captured
-            used._used[layer] = experts_of(output[1], top_k, layer)
+            chosen = experts_of(output[1], top_k, layer)
             if replay is None:
-                used._preferred[layer] = used._used[layer]
+                used.add(layer, chosen, chosen)
             else:
                 with torch.no_grad():
-                    used._preferred[layer] = experts_of(free_routing_map(router, args[0]), top_k, layer)
+                    used.add(layer, chosen, experts_of(free_routing_map(router, args[0]), top_k, layer))
 
         return hook
 
