@@ -38,6 +38,7 @@ def test_sequence_parallel_shards():
     [
         (lambda r, n: ([r[0][:-1], r[1]], n), "routed positions for 5 tokens"),
         (lambda r, n: ([r[0] + 8, r[1]], n), "out of range for 8 experts"),
+        (lambda r, n: ([r[0].astype(np.int64) - 8, r[1]], n), "expert id -8 out of range"),
         (lambda r, n: ([r[0], r[1][:, :2]], n), "expected"),
         (lambda r, n: (r, [5]), "route arrays for 1 sequences"),
     ],
@@ -47,3 +48,14 @@ def test_mismatches_are_errors(mutate, match):
     routes, lens = mutate(routes_for(lengths), lengths)
     with pytest.raises(ReplayLayoutError, match=match):
         replay_tensors(routes, lens, 6, 8, range(3))
+
+
+def test_a_subset_of_layers():
+    """A rank holding only some MoE layers (pipeline stages) gets exactly those, in its order."""
+    lengths = [4, 4]
+    routes = routes_for(lengths)
+    full = replay_tensors(routes, lengths, 4, 8, range(3))
+    subset = replay_tensors(routes, lengths, 4, 8, [0, 2])
+    assert [t.tolist() for t in subset] == [full[0].tolist(), full[2].tolist()]
+    with pytest.raises(ReplayLayoutError, match="routes cover 3 layers, the model needs layers up to 3"):
+        replay_tensors(routes, lengths, 4, 8, [1, 3])

@@ -185,7 +185,7 @@ def check_supported(m: ModelSection, p: ParallelismSection) -> None:
         raise UserError("model cannot be built: " + "; ".join(problems))
 
 
-def transformer_config(m: ModelSection, p: ParallelismSection):
+def transformer_config(m: ModelSection, p: ParallelismSection, recompute_activations: bool = False):
     from megatron.core.transformer import TransformerConfig
 
     dtype = getattr(torch, m.dtype)
@@ -207,6 +207,8 @@ def transformer_config(m: ModelSection, p: ParallelismSection):
         if m.is_moe
         else {}
     )
+    # full recompute of every layer in backward (train.recompute_activations); routers then run twice per step
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute_activations else {}
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -237,6 +239,7 @@ def transformer_config(m: ModelSection, p: ParallelismSection):
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
         **moe,
+        **recompute,
     )
 
 
@@ -279,7 +282,7 @@ def layer_block_spec(m: ModelSection):
     return TransformerBlockSubmodules(layer_specs=[spec] * m.num_layers, layer_norm=RMSNorm)
 
 
-def build_model(m: ModelSection, p: ParallelismSection):
+def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: bool = False):
     """A GPTModel for this rank; torch.distributed and Megatron's parallel state must be initialised.
 
     MoE routers have replay enabled (megatron.core.transformer.moe.router_replay); the newest MoE model built
@@ -297,7 +300,7 @@ def build_model(m: ModelSection, p: ParallelismSection):
         # Router-replay instances are process-global: the newest MoE model becomes the one recorded and replayed.
         RouterReplay.clear_global_router_replay_instances()
     model = GPTModel(
-        config=transformer_config(m, p),
+        config=transformer_config(m, p, recompute_activations),
         transformer_layer_spec=layer_block_spec(m),
         vocab_size=m.vocab_size,
         max_sequence_length=m.max_position_embeddings,

@@ -8,12 +8,16 @@ contiguous block of S/tp positions. Nothing downstream validates this, so everyt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
+from recipes.errors import UserError
 
-class ReplayLayoutError(ValueError):
-    pass
+
+class ReplayLayoutError(UserError):
+    """Engine routes that do not fit the model or the micro-batch (wrong model, truncated or corrupt trajectory)."""
 
 
 def replay_tensors(
@@ -21,7 +25,7 @@ def replay_tensors(
     lengths: list[int],
     seq_len: int,
     num_experts: int,
-    layers: range,
+    layers: Sequence[int],
     tp_rank: int = 0,
     tp_size: int = 1,
     sequence_parallel: bool = False,
@@ -37,8 +41,8 @@ def replay_tensors(
         raise ReplayLayoutError("empty micro-batch")
     top_k = routes[0].shape[-1]
     total_layers = routes[0].shape[1]
-    if layers.stop > total_layers:
-        raise ReplayLayoutError(f"routes cover {total_layers} layers, the model needs layers up to {layers.stop - 1}")
+    if max(layers, default=-1) >= total_layers:
+        raise ReplayLayoutError(f"routes cover {total_layers} layers, the model needs layers up to {max(layers)}")
     filler = np.arange(top_k, dtype=np.int64)
     batch = np.broadcast_to(filler, (len(routes), seq_len, total_layers, top_k)).copy()
     for b, (r, n) in enumerate(zip(routes, lengths)):
@@ -48,8 +52,9 @@ def replay_tensors(
             raise ReplayLayoutError(f"sequence {b}: {r.shape[0]} routed positions for {n} tokens (expected {n - 1})")
         if n > seq_len:
             raise ReplayLayoutError(f"sequence {b}: {n} tokens exceed the micro-batch length {seq_len}")
-        if r.size and int(r.max()) >= num_experts:
-            raise ReplayLayoutError(f"sequence {b}: expert id {int(r.max())} out of range for {num_experts} experts")
+        if r.size and (int(r.max()) >= num_experts or int(r.min()) < 0):
+            bad = int(r.max()) if int(r.max()) >= num_experts else int(r.min())
+            raise ReplayLayoutError(f"sequence {b}: expert id {bad} out of range for {num_experts} experts")
         batch[b, : n - 1] = r
         if n >= 2:
             batch[b, n - 1] = r[-1]
