@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from cli import data as data_cmd
-from cli import model as model_cmd
 from cli import env as env_cmd
+from cli import model as model_cmd
 from cli import recipe as recipe_cmd
 from cli import report as report_cmd
 from cli import sync as sync_cmd
