@@ -285,8 +285,9 @@ def layer_block_spec(m: ModelSection):
 def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: bool = False):
     """A GPTModel for this rank; torch.distributed and Megatron's parallel state must be initialised.
 
-    MoE routers have replay enabled (megatron.core.transformer.moe.router_replay); the newest MoE model built
-    in a process is the one RouterReplay records and replays.
+    MoE routers have replay enabled (megatron.core.transformer.moe.router_replay): `trainer.router_replay.routing`
+    drives this model's own routers; Megatron's static RouterReplay API acts on the newest MoE model built.
+    `recompute_activations` recomputes every layer in backward (train.recompute_activations).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay

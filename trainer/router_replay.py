@@ -14,6 +14,10 @@ It drives the routers of `model` only (never Megatron's process-wide instance li
 backward, and leaves every router with no action and no tensors when the block ends, also on error. With activation
 recompute (train.recompute_activations) the routers run again during backward: they then replay the routes of the
 forward pass (REPLAY_BACKWARD), whether those were replayed or freely chosen.
+
+One block per micro-batch, forward and backward inside it: a pipeline schedule with several micro-batches in flight
+would need one replay queue per micro-batch (pipeline parallelism is refused by trainer.model anyway). Megatron's
+load-balancing loss keeps using the router's own top-k, which is what it should balance.
 """
 
 from __future__ import annotations
