@@ -15,6 +15,7 @@ from cli import model as model_cmd
 from cli import recipe as recipe_cmd
 from cli import report as report_cmd
 from cli import sync as sync_cmd
+from cli import train as train_cmd
 from recipes.errors import UserError
 
 app = typer.Typer(
@@ -30,6 +31,7 @@ app.add_typer(data_cmd.app, name="data")
 app.add_typer(report_cmd.app, name="report")
 app.add_typer(sync_cmd.app, name="sync")
 app.add_typer(env_cmd.app, name="env")
+app.add_typer(train_cmd.app, name="train")
 
 err_console = Console(stderr=True, soft_wrap=True)
 _debug = False

@@ -116,36 +116,46 @@ def decode_group(data: bytes, source: str = "trajectory file") -> list[Trajector
 
 
 class TrajectoryStore:
-    """Groups waiting for the learner (`ready/`) and groups it has consumed (`consumed/`).
+    """Groups by stage, each stage a directory; a group moves between them by atomic rename.
 
-    A group becomes visible only once completely written, and moves to `consumed/` only after the learner
-    step that used it is checkpointed, so a crash at any point neither loses nor duplicates a trajectory.
+    ready/     written whole by rollouts, waiting for the learner
+    trained/   used by a learner step that no checkpoint covers yet (requeued to ready/ on resume)
+    consumed/  used by a checkpointed learner step
+    dropped/   too stale to train on
+    A crash at any point neither loses nor duplicates a trajectory.
     """
 
+    STAGES = ("ready", "trained", "consumed", "dropped")
+
     def __init__(self, root: Path):
-        self.ready = root / "ready"
-        self.consumed = root / "consumed"
-        self.ready.mkdir(parents=True, exist_ok=True)
-        self.consumed.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        for stage in self.STAGES:
+            (root / stage).mkdir(parents=True, exist_ok=True)
+
+    def _path(self, stage: str, group_id: str) -> Path:
+        return self.root / stage / f"{group_id}.traj"
 
     def put(self, group_id: str, trajectories: list[Trajectory]) -> Path:
-        path = self.ready / f"{group_id}.traj"
+        path = self._path("ready", group_id)
         atomic_write_bytes(path, encode_group(trajectories))
         return path
 
-    def ready_groups(self) -> list[str]:
-        return sorted(p.stem for p in self.ready.glob("*.traj"))
+    def groups(self, stage: str) -> list[str]:
+        return sorted(p.stem for p in (self.root / stage).glob("*.traj"))
 
-    def load(self, group_id: str) -> list[Trajectory]:
-        path = self.ready / f"{group_id}.traj"
+    def ready_groups(self) -> list[str]:
+        return self.groups("ready")
+
+    def load(self, group_id: str, stage: str = "ready") -> list[Trajectory]:
+        path = self._path(stage, group_id)
         return decode_group(path.read_bytes(), str(path))
 
-    def mark_consumed(self, group_ids: list[str]) -> None:
+    def move(self, group_ids: list[str], source: str, dest: str) -> None:
         for group_id in group_ids:
-            os.replace(self.ready / f"{group_id}.traj", self.consumed / f"{group_id}.traj")
-        fsync_dir(self.ready)
-        fsync_dir(self.consumed)
+            os.replace(self._path(source, group_id), self._path(dest, group_id))
+        fsync_dir(self.root / source)
+        fsync_dir(self.root / dest)
 
     def known_groups(self) -> set[str]:
-        """Every group written, consumed or not (a resumed run must not generate these again)."""
-        return {p.stem for d in (self.ready, self.consumed) for p in d.glob("*.traj")}
+        """Every group ever written, whatever its stage (a resumed run must not generate these again)."""
+        return {g for stage in self.STAGES for g in self.groups(stage)}

@@ -57,8 +57,10 @@ def test_store_hands_off_without_loss_or_duplicates(tmp_path):
     store.put("g1", [make_trajectory(1)])
     assert store.ready_groups() == ["g0", "g1"]
     assert store.load("g1")[0].id == "g0-1"
-    store.mark_consumed(["g0"])
+    store.move(["g0", "g1"], "ready", "trained")
+    store.move(["g0"], "trained", "consumed")
     reopened = TrajectoryStore(tmp_path)  # as after a restart
-    assert reopened.ready_groups() == ["g1"]
+    assert reopened.ready_groups() == [] and reopened.groups("trained") == ["g1"]
     assert reopened.known_groups() == {"g0", "g1"}
+    assert reopened.load("g0", "consumed")[0].id == "g0-0"
     assert not list(tmp_path.rglob("*.tmp"))

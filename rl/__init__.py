@@ -1,0 +1,1 @@
+"""The RL driver: where rollout (vLLM, environments), the learner (Megatron) and sync meet."""

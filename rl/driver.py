@@ -1,0 +1,83 @@
+"""`composer train rl`: start the learner (torchrun), run rollouts here, until the learner's last step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from recipes.checks import refuse_unhonoured
+from recipes.errors import UserError
+from recipes.loader import recipe_to_yaml
+from recipes.runs import RunDir
+from recipes.schema import Recipe
+from rl.layout import Policy, RLRunFiles, sync_section
+from rl.rollout_worker import RolloutWorker
+from sync.pusher import push_version
+
+UNHONOURED = {
+    "rollout.engine": "rollout engines run embedded in the driver process; the server fleet is not wired to the driver yet",
+    "rollout.hosts": "rollouts run on this host",
+    "rollout.engines_per_host": "one embedded engine",
+    "cluster.hosts": "the learner runs on this host",
+}
+
+
+def check_rl_recipe(recipe: Recipe) -> None:
+    if recipe.rl is None:
+        raise UserError("train rl: the recipe has no rl section (with rollout and env)")
+    if not recipe.model.checkpoint:
+        raise UserError("train rl: model.checkpoint must name the HF checkpoint the policy starts from")
+    refuse_unhonoured(recipe, "train rl", UNHONOURED)
+
+
+def start_learner(recipe: Recipe, files: RLRunFiles, log: Path) -> subprocess.Popen:
+    from trainer.distributed import free_port
+
+    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(recipe.cluster.procs_per_host),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "rl.learner_main", str(files.root)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    with log.open("ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def run_rl(recipe: Recipe, resume: bool, console: Console) -> Path:
+    check_rl_recipe(recipe)
+    run = RunDir.of(recipe)
+    run.prepare(recipe_to_yaml(recipe), resume)
+    files = RLRunFiles(run.root)
+    if files.policy() is None:
+        console.print(f"publishing the initial policy from {recipe.model.checkpoint}")
+        info = push_version(recipe.model.checkpoint, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
+        files.publish_policy(Policy(0, info.id))
+    files.learner_error.unlink(missing_ok=True)
+    learner = start_learner(recipe, files, run.logs / "learner.log")
+    try:
+        worker = RolloutWorker(recipe, files, on_group=lambda gid, s: console.print(
+            f"[dim]{gid}[/] policy v{s['policy_version']}  reward {s['reward_mean']:.3f}  {s['generated_tokens_per_s']:.0f} tok/s"))
+        try:
+            worker.run(should_stop=lambda: learner.poll() is not None)
+        finally:
+            worker.close()
+        learner.wait()
+    finally:
+        stop(learner)
+    if learner.returncode != 0:
+        if files.learner_error.is_file():
+            raise UserError(files.learner_error.read_text())
+        raise UserError(f"the learner exited with code {learner.returncode}; see {run.logs / 'learner.log'}")
+    return run.root

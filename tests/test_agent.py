@@ -1,0 +1,79 @@
+"""The agent loop with real vLLM and the real sandbox: multi-turn episodes, self-summarization past the context."""
+
+import numpy as np
+import pytest
+
+from recipes.loader import load_recipe
+from recipes.schema import EnvSection, RolloutSection, SamplingSection, TaskSet
+from tests.conftest import RECIPES
+
+pytestmark = pytest.mark.engines
+
+MAX_CONTEXT = 512
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from trainer.checkpoint_init import init_hf_checkpoint
+
+    model = load_recipe(RECIPES / "smoke-midtrain.yaml").model
+    return init_hf_checkpoint(model, tmp_path_factory.mktemp("agent") / "tiny", tokenizer_bytes=2**20)
+
+
+@pytest.fixture(scope="module")
+def episodes(tiny_model, tmp_path_factory):
+    from rollout.agent import EpisodeRunner, Tokenizer
+    from rollout.engine import EmbeddedEngine
+    from rollout.environment import CodingEnvironment
+
+    rollout = RolloutSection(max_context=MAX_CONTEXT, max_turns=30, summarize_at=0.6, max_summaries=30,
+                             kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=48))
+    env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="smoke")]), seed=0, sandbox_root=tmp_path_factory.mktemp("sandbox"))
+    engine = EmbeddedEngine(tiny_model, rollout, seed=0, routed_experts=True)
+    tokenizer = Tokenizer(str(tiny_model))
+    runner = EpisodeRunner(engine, tokenizer, env, rollout)
+    task = env.pool.task(0, 0)
+    return runner.run_group(task, "g0", group_size=2, policy_version=3, seed=1), tokenizer, task
+
+
+def test_long_episodes_run_to_their_end_within_the_context(episodes):
+    trajectories, _, _ = episodes
+    for t in trajectories:
+        assert t.info["end_reason"] in ("max_turns", "solved")
+        assert t.num_tokens >= 5 * MAX_CONTEXT
+        assert t.info["summaries"] >= 3 and len(t.segments) == t.info["summaries"] + 1
+        assert all(len(s.token_ids) <= MAX_CONTEXT for s in t.segments)
+        assert t.policy_version == 3 and t.group_id == "g0"
+
+
+def test_segment_structure_and_masks(episodes):
+    from rollout.agent import SUMMARY_HEADER, SUMMARY_REQUEST
+
+    trajectories, tok, task = episodes
+    prompt = tok.encode(task.prompt)
+    request = tok.encode(SUMMARY_REQUEST)
+    for t in trajectories:
+        for i, s in enumerate(t.segments):
+            tokens = s.token_ids.tolist()
+            assert tokens[: len(prompt)] == prompt and not s.loss_mask[: len(prompt)].any()
+            assert (s.logprobs[~s.loss_mask] == 0).all() and (s.logprobs[s.loss_mask] <= 0).all() and s.loss_mask.any()
+            assert s.routed_experts.shape == (len(tokens) - 1, 2, 2)
+            if i + 1 < len(t.segments):
+                # a segment that was summarized ends with: the request (not trained), then the summary (trained) ...
+                summary_start = len(tokens) - int(np.argmin(s.loss_mask[::-1]))
+                assert tokens[summary_start - len(request): summary_start] == request
+                summary = tokens[summary_start:]
+                # ... and the next segment restarts from the task, the summary and the latest test results
+                restart = t.segments[i + 1].token_ids.tolist()
+                header = tok.encode(SUMMARY_HEADER)
+                assert restart[len(prompt): len(prompt) + len(header) + len(summary)] == header + summary
+
+
+def test_segments_share_the_episode_advantage(episodes):
+    from rl.learner_main import learner_sequences
+
+    trajectories, _, _ = episodes
+    trajectories[0].reward, trajectories[1].reward = 1.0, 0.0
+    sequences = learner_sequences([trajectories], "group_mean")
+    n0 = len(trajectories[0].segments)
+    assert [s.advantage for s in sequences] == [0.5] * n0 + [-0.5] * len(trajectories[1].segments)
