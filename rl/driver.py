@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -41,18 +40,24 @@ def start_learner(recipe: Recipe, files: RLRunFiles, log: Path) -> subprocess.Po
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(recipe.cluster.procs_per_host),
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "rl.learner_main", str(files.root)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # Same process group as the driver: killing the run kills its learner too.
     with log.open("ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
+        process.terminate()  # torchrun forwards it to the ranks
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            process.kill()
             process.wait()
+
+
+def learner_done(learner: subprocess.Popen, files: RLRunFiles) -> bool:
+    files.beat()  # the learner gives up waiting for rollouts if the driver goes quiet
+    return learner.poll() is not None
 
 
 def run_rl(recipe: Recipe, resume: bool, console: Console) -> Path:
@@ -70,7 +75,7 @@ def run_rl(recipe: Recipe, resume: bool, console: Console) -> Path:
         worker = RolloutWorker(recipe, files, on_group=lambda gid, s: console.print(
             f"[dim]{gid}[/] policy v{s['policy_version']}  reward {s['reward_mean']:.3f}  {s['generated_tokens_per_s']:.0f} tok/s"))
         try:
-            worker.run(should_stop=lambda: learner.poll() is not None)
+            worker.run(should_stop=lambda: learner_done(learner, files))
         finally:
             worker.close()
         learner.wait()

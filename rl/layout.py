@@ -1,6 +1,7 @@
 """Files an RL run hands between its roles (all under the run directory, all written atomically).
 
     trajectories/           groups of episodes by stage (rollout.trajectories.TrajectoryStore)
+    driver.heartbeat        touched by the driver while it runs rollouts
     policy.json             the newest policy: {"version": learner steps, "store_version": id in the sync store}
     receiver/               the rollout host's copy of the newest policy, pulled from the store
     export/                 the learner's HF export being pushed
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,13 @@ class RLRunFiles:
         self.export = root / "export"
         self.checkpoints = root / "checkpoints"
         self.learner_error = root / "learner-error.txt"
+        self.heartbeat = root / "driver.heartbeat"
+
+    def beat(self) -> None:
+        self.heartbeat.touch()
+
+    def driver_silent_for(self) -> float:
+        return time.time() - self.heartbeat.stat().st_mtime if self.heartbeat.exists() else 0.0
 
     def policy(self) -> Policy | None:
         if not self.policy_file.is_file():

@@ -27,9 +27,10 @@ from trainer.rl_learner import LearnerSequence, RLLearner
 from trainer.rl_objective import group_advantages
 
 POLL_SECONDS = 0.2
+DRIVER_TIMEOUT_SECONDS = 120
 
 
-def take_groups(store: TrajectoryStore, step: int, recipe: Recipe) -> tuple[list[str], int]:
+def take_groups(store: TrajectoryStore, files: RLRunFiles, step: int, recipe: Recipe) -> tuple[list[str], int]:
     """Rank 0: wait for enough fresh groups; drop the stale ones. Returns (group ids, groups dropped)."""
     need, oldest = recipe.rl.prompts_per_step, step - recipe.rl.max_staleness
     dropped = 0
@@ -43,6 +44,8 @@ def take_groups(store: TrajectoryStore, step: int, recipe: Recipe) -> tuple[list
                 fresh.append(group_id)
             if len(fresh) == need:
                 return fresh, dropped
+        if files.driver_silent_for() > DRIVER_TIMEOUT_SECONDS:
+            raise UserError(f"no rollouts: the driver has been silent for over {DRIVER_TIMEOUT_SECONDS} s")
         time.sleep(POLL_SECONDS)
 
 
@@ -107,7 +110,7 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
     unsaved: list[str] = []
     for step in range(start, recipe.train.steps):
         started = time.monotonic()
-        picked = [take_groups(store, step, recipe) if rank0 else None]
+        picked = [take_groups(store, files, step, recipe) if rank0 else None]
         dist.broadcast_object_list(picked, src=0)
         group_ids, dropped = picked[0]
         groups = [store.load(g) for g in group_ids]

@@ -22,7 +22,7 @@ from trainer.logprobs import pad_micro_batch, token_logprobs
 from trainer.model import build_model
 from trainer.optimizer import TrainOptimizer, wrap_data_parallel
 from trainer.rl_objective import PolicyLossStats, policy_gradient_loss
-from trainer.router_replay import replay_for_micro_batch, routing
+from trainer.router_replay import replay_for_micro_batch, routing, routing_disagreement
 from trainer.weights import export_hf, load_hf_into
 
 
@@ -78,7 +78,7 @@ class RLLearner:
         normaliser = max(_all_reduce_sum(sum(float(s.loss_mask[1:].sum()) for s in sequences) / dp_size), 1.0)
         self.ddp.train()
         self.optimizer.zero_grad()
-        stats, loss_sum = PolicyLossStats(), 0.0
+        stats, loss_sum, disagreement = PolicyLossStats(), 0.0, {}
         for i in range(num_micro):
             chunk = mine[i * mbs : (i + 1) * mbs] or [_padding_like(sequences[0])]
             batch = pad_micro_batch([s.tokens for s in chunk], multiple=p.tp if p.sequence_parallel else 1)
@@ -86,17 +86,21 @@ class RLLearner:
             if self.recipe.model.is_moe and rl.router_replay == "r3":
                 replay = replay_for_micro_batch(self.ddp, "r3", [s.routes for s in chunk], batch.lengths, batch.seq_len)
             scope = routing(self.ddp, replay) if replay is not None else contextlib.nullcontext()
-            with scope:
+            with scope as used:
                 logprobs = token_logprobs(self.ddp, batch.tokens)
                 rollout, mask = _aligned(chunk, batch.seq_len)
                 advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
                 loss, micro_stats = policy_gradient_loss(logprobs, rollout, advantages, mask, rl, normaliser)
                 loss.backward()
+                if replay is not None and i == 0:
+                    # what the learner's own routers would have chosen vs the engine's routes, on this rank's first micro-batch
+                    per_layer = routing_disagreement(used.preferred(), used.layers, [s.routes for s in chunk], batch.lengths)
+                    disagreement = {f"routing_disagreement_layer{layer}": rate for layer, rate in per_layer.items()}
             stats.add(micro_stats)
             loss_sum += float(loss.detach())
         update = self.optimizer.step()
         totals = _all_reduce_stats(stats, loss_sum)
-        return {**totals, **update, "learner_seconds": time.monotonic() - started,
+        return {**totals, **update, **disagreement, "learner_seconds": time.monotonic() - started,
                 "trained_tokens_per_s": totals["trained_tokens"] / max(time.monotonic() - started, 1e-9)}
 
 
