@@ -59,7 +59,7 @@ def check(
     console.print(table)
     for r in reports:
         if r.skipped:
-            console.print(f"[dim]{r.task_set}: {r.skipped} task(s) skipped: their reference program fails on its own inputs[/]")
+            console.print(f"[dim]{r.task_set}: {r.skipped} task(s) skipped: their reference program fails on its own inputs or does not reproduce its outputs[/]")
         for task_id, result in r.failures:
             console.print(f"[red]✗[/] {escape(task_id)}: {result.status} {escape(result.detail)}, {result.passed}/{result.total} tests", highlight=False)
     failed = sum(len(r.failures) for r in reports)
