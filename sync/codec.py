@@ -61,15 +61,24 @@ class EncodedPiece:
 
 
 def _to_planes(values: np.ndarray) -> np.ndarray:
-    if values.itemsize == 1:
+    """Byte j of every element, for j = 0..itemsize-1, one plane after the other."""
+    k, n = values.itemsize, values.size
+    if k == 1:
         return values.view(np.uint8)
-    return np.ascontiguousarray(values.view(np.uint8).reshape(-1, values.itemsize).T).reshape(-1)
+    interleaved, planes = values.view(np.uint8), np.empty(n * k, np.uint8)
+    for j in range(k):
+        planes[j * n: (j + 1) * n] = interleaved[j::k]
+    return planes
 
 
 def _from_planes(buf: np.ndarray, dtype: np.dtype, count: int) -> np.ndarray:
     if dtype.itemsize == 1:
         return buf.view(dtype)
-    return np.ascontiguousarray(buf.reshape(dtype.itemsize, count).T).view(dtype).reshape(count)
+    k, values = dtype.itemsize, np.empty(count, dtype)
+    interleaved = values.view(np.uint8)
+    for j in range(k):
+        interleaved[j::k] = buf[j * count: (j + 1) * count]
+    return values
 
 
 def _gap_dtype(max_gap: int) -> np.dtype:
