@@ -17,7 +17,7 @@ from recipes.errors import UserError
 from recipes.schema import SSHSection, SyncSection
 
 app = typer.Typer(help="Distribute weights as lossless compressed deltas to stores and SSH hosts.", no_args_is_help=True)
-console = Console()
+console = Console(soft_wrap=True)  # result lines hold paths and ids: never break them
 
 StoreOption = typer.Option(None, "--store", help="Store: a directory or ssh://[user@]host[:port]/path (default: the recipe's sync.store).")
 RecipeOption = typer.Option(None, "--recipe", "-r", help="Recipe whose `sync` and `cluster.ssh` sections to use.")
