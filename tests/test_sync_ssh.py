@@ -90,17 +90,20 @@ def test_push_pull_verify_gc_relay_over_ssh(sshd, tmp_path):
     assert (tmp_path / "remote" / "manifests" / "v00000002.json").is_file()  # really on the "remote" host
     again = push_version(run.root / "step0001", section, ssh, cache_dir=tmp_path / "cache")
     assert again.is_anchor and again.chunks_skipped > 0  # chunks already on the host are not re-sent
+    # another trainer machine (empty base cache) pushes next: it fetches the head over SSH to diff against
+    other = push_version(run.next_checkpoint(), section, ssh, cache_dir=tmp_path / "other-cache")
+    assert (other.id, other.is_anchor) == ("v00000004", False)
     with Store.open(section.store, ssh) as store:
         pulled = pull(store, tmp_path / "recv", "v00000002")
         assert pulled.fetched_bytes > 0
         assert checkpoint_files(tmp_path / "recv" / "current") == checkpoint_files(run.root / "step0001")
         assert not (tmp_path / "recv" / ".incoming").exists()
-        assert verify(store).versions == ["v00000001", "v00000002", "v00000003"]
+        assert verify(store).versions == ["v00000001", "v00000002", "v00000003", "v00000004"]
         assert store.gc(keep_anchors=1, min_age_s=0).deleted_versions == ["v00000001", "v00000002"]
         with Store.open(str(tmp_path / "local"), create=True) as local:
-            assert relay(store, local).versions == ["v00000003"]
+            assert relay(store, local).versions == ["v00000003", "v00000004"]
             pull(local, tmp_path / "recv2")
-    assert checkpoint_files(tmp_path / "recv2" / "current") == checkpoint_files(run.root / "step0001")
+    assert checkpoint_files(tmp_path / "recv2" / "current") == checkpoint_files(run.root / "step0002")
 
 
 def test_publish_over_sftp_is_exclusive(sshd, tmp_path):
