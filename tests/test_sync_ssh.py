@@ -175,3 +175,28 @@ def test_many_parallel_transfers_share_one_connection(sshd, tmp_path):
                 ids = list(pool.map(lambda i: store.put_chunk(f"{round_}-{i}".encode() * 100)[0], range(24)))
             with ThreadPoolExecutor(8) as pool:
                 assert list(pool.map(store.get_chunk, ids)) == [f"{round_}-{i}".encode() * 100 for i in range(24)]
+
+
+def test_pull_over_ssh_resumes_and_refuses_damaged_chunks(sshd, tmp_path):
+    ssh = _ssh(sshd)
+    run = TrainingRun(tmp_path / "train")
+    remote = tmp_path / "remote"
+    section = sync_section(_url(sshd, remote), codec={"chunk_mb": 1, "threads": 2})
+    push_version(run.save(), section, ssh, cache_dir=tmp_path / "cache")
+    chunks = sorted((remote / "chunks").iterdir(), key=lambda p: p.stat().st_size)
+    incoming = tmp_path / "recv" / ".incoming"
+    incoming.mkdir(parents=True)
+    (incoming / chunks[-1].name).write_bytes(chunks[-1].read_bytes())  # left by an interrupted pull
+    (incoming / chunks[0].name).write_bytes(b"torn")  # a partial download is fetched again
+    with Store.open(section.store, ssh) as store:
+        info = pull(store, tmp_path / "recv")
+    assert info.fetched_bytes == sum(p.stat().st_size for p in chunks[:-1])
+    assert checkpoint_files(tmp_path / "recv" / "current") == checkpoint_files(run.root / "step0000")
+
+    push_version(run.next_checkpoint(), section, ssh, cache_dir=tmp_path / "cache")
+    with Store.open(section.store, ssh) as store:
+        victim = remote / "chunks" / sorted(store.manifest("v00000002").chunk_ids() - store.manifest("v00000001").chunk_ids())[0]
+        victim.write_bytes(victim.read_bytes()[::-1])
+        with pytest.raises(UserError, match="damaged"):
+            pull(store, tmp_path / "recv")
+    assert os.readlink(tmp_path / "recv" / "current") == "versions/v00000001"
