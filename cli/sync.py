@@ -17,9 +17,9 @@ from recipes.errors import UserError
 from recipes.schema import SSHSection, SyncSection
 
 app = typer.Typer(help="Distribute weights as lossless compressed deltas to stores and SSH hosts.", no_args_is_help=True)
-console = Console()
+console = Console(soft_wrap=True)  # result lines hold paths and ids: never break them
 
-StoreOption = typer.Option(None, "--store", help="Store: a directory or ssh://[user@]host[:port]/path (default: the recipe's sync.store).")
+StoreOption = typer.Option(None, "--store", help="Store: a directory, or ssh://user@host:port/path (user and port optional); default: the recipe's sync.store.")
 RecipeOption = typer.Option(None, "--recipe", "-r", help="Recipe whose `sync` and `cluster.ssh` sections to use.")
 SetOption = typer.Option([], "--set", "-s", help="Override a recipe key, e.g. --set sync.codec.chunk_mb=128. Repeatable.")
 KeyOption = typer.Option(None, "--ssh-key", help="Private key for ssh:// stores (overrides cluster.ssh.key_file).")

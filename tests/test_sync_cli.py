@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from sync_testing import TrainingRun, checkpoint_files, run_cli
@@ -55,12 +57,18 @@ def test_pull_and_verify(pushed, tmp_path):
     (["status", "--store", "ssh://host-without-path"], "expected ssh://"),
     (["push", "{tmp}", "--store", "{tmp}/s", "--set", "sync.anchor_every=2"], "--set needs --recipe"),
 ])
-def test_user_errors_exit_2_without_traceback(pushed, tmp_path, args, message):
+def test_user_errors_exit_2_without_traceback(pushed, tmp_path, args, message, monkeypatch, capsys):
+    # main() in this process (the same path the `composer` script takes; the subprocess tests cover startup)
+    from cli.main import main
+
     _, _, store = pushed
-    result = run_cli("sync", *[a.format(tmp=tmp_path, store=store) for a in args])
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+    monkeypatch.setattr(sys, "argv", ["composer", "sync", *[a.format(tmp=tmp_path, store=store) for a in args]])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    assert message in err
+    assert "Traceback" not in err
 
 
 def test_damaged_store_fails_verify_with_exit_2(pushed, tmp_path):

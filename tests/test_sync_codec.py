@@ -170,6 +170,8 @@ def test_apply_version_yields_only_changed_tensors_and_refuses_a_wrong_base(tmp_
 
     v1, v2 = arrays(run.root / "step0000"), arrays(run.root / "step0001")
     with Store.open(section.store) as store:
+        full = dict(apply_version(store, "v00000001", {}))  # an anchor needs no base and yields everything
+        assert set(full) == set(v1) and all(np.array_equal(full[n].view(v1[n].dtype), v1[n]) for n in v1)
         updated = dict(apply_version(store, "v00000002", v1))
         assert set(updated) == {"model.embed.weight", "model.layers.0.mlp.weight", "model.step"}
         for name, array in updated.items():

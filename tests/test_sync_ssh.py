@@ -90,17 +90,20 @@ def test_push_pull_verify_gc_relay_over_ssh(sshd, tmp_path):
     assert (tmp_path / "remote" / "manifests" / "v00000002.json").is_file()  # really on the "remote" host
     again = push_version(run.root / "step0001", section, ssh, cache_dir=tmp_path / "cache")
     assert again.is_anchor and again.chunks_skipped > 0  # chunks already on the host are not re-sent
+    # another trainer machine (empty base cache) pushes next: it fetches the head over SSH to diff against
+    other = push_version(run.next_checkpoint(), section, ssh, cache_dir=tmp_path / "other-cache")
+    assert (other.id, other.is_anchor) == ("v00000004", False)
     with Store.open(section.store, ssh) as store:
         pulled = pull(store, tmp_path / "recv", "v00000002")
         assert pulled.fetched_bytes > 0
         assert checkpoint_files(tmp_path / "recv" / "current") == checkpoint_files(run.root / "step0001")
         assert not (tmp_path / "recv" / ".incoming").exists()
-        assert verify(store).versions == ["v00000001", "v00000002", "v00000003"]
+        assert verify(store).versions == ["v00000001", "v00000002", "v00000003", "v00000004"]
         assert store.gc(keep_anchors=1, min_age_s=0).deleted_versions == ["v00000001", "v00000002"]
         with Store.open(str(tmp_path / "local"), create=True) as local:
-            assert relay(store, local).versions == ["v00000003"]
+            assert relay(store, local).versions == ["v00000003", "v00000004"]
             pull(local, tmp_path / "recv2")
-    assert checkpoint_files(tmp_path / "recv2" / "current") == checkpoint_files(run.root / "step0001")
+    assert checkpoint_files(tmp_path / "recv2" / "current") == checkpoint_files(run.root / "step0002")
 
 
 def test_publish_over_sftp_is_exclusive(sshd, tmp_path):
@@ -172,3 +175,28 @@ def test_many_parallel_transfers_share_one_connection(sshd, tmp_path):
                 ids = list(pool.map(lambda i: store.put_chunk(f"{round_}-{i}".encode() * 100)[0], range(24)))
             with ThreadPoolExecutor(8) as pool:
                 assert list(pool.map(store.get_chunk, ids)) == [f"{round_}-{i}".encode() * 100 for i in range(24)]
+
+
+def test_pull_over_ssh_resumes_and_refuses_damaged_chunks(sshd, tmp_path):
+    ssh = _ssh(sshd)
+    run = TrainingRun(tmp_path / "train")
+    remote = tmp_path / "remote"
+    section = sync_section(_url(sshd, remote), codec={"chunk_mb": 1, "threads": 2})
+    push_version(run.save(), section, ssh, cache_dir=tmp_path / "cache")
+    chunks = sorted((remote / "chunks").iterdir(), key=lambda p: p.stat().st_size)
+    incoming = tmp_path / "recv" / ".incoming"
+    incoming.mkdir(parents=True)
+    (incoming / chunks[-1].name).write_bytes(chunks[-1].read_bytes())  # left by an interrupted pull
+    (incoming / chunks[0].name).write_bytes(b"torn")  # a partial download is fetched again
+    with Store.open(section.store, ssh) as store:
+        info = pull(store, tmp_path / "recv")
+    assert info.fetched_bytes == sum(p.stat().st_size for p in chunks[:-1])
+    assert checkpoint_files(tmp_path / "recv" / "current") == checkpoint_files(run.root / "step0000")
+
+    push_version(run.next_checkpoint(), section, ssh, cache_dir=tmp_path / "cache")
+    with Store.open(section.store, ssh) as store:
+        victim = remote / "chunks" / sorted(store.manifest("v00000002").chunk_ids() - store.manifest("v00000001").chunk_ids())[0]
+        victim.write_bytes(victim.read_bytes()[::-1])
+        with pytest.raises(UserError, match="damaged"):
+            pull(store, tmp_path / "recv")
+    assert os.readlink(tmp_path / "recv" / "current") == "versions/v00000001"
