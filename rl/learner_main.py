@@ -23,6 +23,7 @@ from recipes.schema import Recipe
 from rl.layout import Policy, RLRunFiles, sync_section
 from rollout.trajectories import Trajectory, TrajectoryStore
 from sync.pusher import push_version
+from trainer.distributed import die_with_parent
 from trainer.rl_learner import LearnerSequence, RLLearner
 from trainer.rl_objective import group_advantages
 
@@ -131,6 +132,7 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
 
 
 def main() -> None:
+    die_with_parent()
     files = RLRunFiles(Path(sys.argv[1]))
     recipe = load_recipe(files.root / "recipe.yaml")
     try:

@@ -85,3 +85,16 @@ def run_torchrun(nproc: int, args: list[str], env: dict[str, str] | None = None,
     ]
     full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
     return subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def die_with_parent() -> None:
+    """End this rank when its launcher dies (torchrun starts ranks in sessions of their own, so a kill of the run's
+    process group would otherwise leave them training, and writing checkpoints, beside a resumed run)."""
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the request took effect
+        os._exit(1)
