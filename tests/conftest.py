@@ -1,6 +1,10 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+# One intra-op thread per process: measured faster for these tiny models on 2 cores, and tests start several processes.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
