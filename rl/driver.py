@@ -23,6 +23,11 @@ UNHONOURED = {
     "rollout.hosts": "rollouts run on this host",
     "rollout.engines_per_host": "one embedded engine",
     "cluster.hosts": "the learner runs on this host",
+    "data": "RL trains on rollouts, not on a corpus",
+    "train.eval_every": "RL reports rewards every step instead of a held-out evaluation",
+    "train.eval_batches": "RL reports rewards every step instead of a held-out evaluation",
+    "train.log_every": "the learner records every step",
+    "rl.kl_coeff": "no reference policy is kept yet",
 }
 
 

@@ -84,3 +84,10 @@ def test_policies_flow_through_sync(killed_and_resumed):
     assert last["sync_bytes"] > 0 and last["staleness_max"] <= 1
     versions = [json.loads(line)["policy_version"] for line in (run / "rollout_metrics.jsonl").read_text().splitlines()]
     assert max(versions) >= 2  # rollouts followed the learner's pushed policies
+
+
+def test_keys_the_rl_driver_cannot_honour_are_refused(composer):
+    result = composer("train", "rl", str(RECIPES / "kimi-k2-rl.yaml"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "rollout.engine: train rl does not support 'server' here" in result.stderr
+    assert "cluster.hosts: train rl does not support" in result.stderr

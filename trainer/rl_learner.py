@@ -44,7 +44,7 @@ class RLLearner:
         self.recipe = recipe
         p = recipe.parallelism
         init_distributed(p, seed=recipe.train.seed)
-        self.model = build_model(recipe.model, p)
+        self.model = build_model(recipe.model, p, recompute_activations=recipe.train.recompute_activations)
         if recipe.model.checkpoint:
             load_hf_into(self.model, recipe.model, recipe.model.checkpoint)
         self.ddp = wrap_data_parallel(self.model, p)
