@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from data_helpers import train_tokenizer, write_jsonl
+from tests.data_helpers import train_tokenizer, write_jsonl
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from recipes.errors import UserError

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from data_helpers import EOS, STDLIB, train_tokenizer, write_jsonl, write_recipe
+from tests.data_helpers import EOS, STDLIB, train_tokenizer, write_jsonl, write_recipe
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer
 

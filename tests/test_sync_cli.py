@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from sync_testing import TrainingRun, checkpoint_files, run_cli
+from tests.sync_testing import TrainingRun, checkpoint_files, run_cli
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from sync.codec import RAW, SAME, SPARSE, XOR, apply_piece, encode_piece
 from sync.pusher import push_version
 from sync.receiver import apply_version, pull
 from sync.store import Store
-from sync_testing import TrainingRun, checkpoint_files, sync_section
+from tests.sync_testing import TrainingRun, checkpoint_files, sync_section
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

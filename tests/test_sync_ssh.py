@@ -18,7 +18,7 @@ from sync.pusher import push_version
 from sync.rebuild import verify
 from sync.receiver import pull, relay
 from sync.store import Store, VersionTakenError
-from sync_testing import TrainingRun, checkpoint_files, run_cli, sync_section
+from tests.sync_testing import TrainingRun, checkpoint_files, run_cli, sync_section
 
 pytestmark = pytest.mark.ssh
 

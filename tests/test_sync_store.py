@@ -20,7 +20,7 @@ from sync.pusher import push_version
 from sync.rebuild import WrongBaseError, verify
 from sync.receiver import pull, relay
 from sync.store import CHUNKS, MANIFESTS, Store, VersionTakenError
-from sync_testing import REPO, TrainingRun, checkpoint_files, sync_section, to_bf16
+from tests.sync_testing import REPO, TrainingRun, checkpoint_files, sync_section, to_bf16
 
 
 @pytest.fixture
