@@ -1,3 +1,4 @@
+import contextlib
 import os
 import subprocess
 import sys
@@ -34,3 +35,33 @@ def write_recipe(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_process_groups():
+    """Engines set process-wide state (torch.distributed, Megatron and vLLM parallel groups); each test module
+    starts without the previous module's."""
+    yield
+    if "torch" not in sys.modules:
+        return
+    import gc
+
+    import torch.distributed as dist
+
+    if "vllm" in sys.modules:
+        from vllm.distributed import parallel_state as vllm_groups
+
+        # vLLM keeps its groups in module globals; one may sit on a world group a test already destroyed.
+        for name, value in vars(vllm_groups).items():
+            if isinstance(value, vllm_groups.GroupCoordinator):
+                with contextlib.suppress(ValueError):
+                    value.destroy()
+                setattr(vllm_groups, name, None)
+    if "megatron.core" in sys.modules:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
