@@ -50,6 +50,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def publish_dir(staged: Path, final: Path) -> None:
+    """Make a fully written directory visible under its final name: fsync its files, rename, fsync the parent."""
+    for path in staged.iterdir():
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    staged.rename(final)
+    fsync_dir(final.parent)
+
+
 class MetricsWriter:
     """Appends one JSON line per record and flushes it, so a killed run keeps every record written."""
 

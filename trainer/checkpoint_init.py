@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from recipes.errors import UserError
-from recipes.runs import fsync_dir
+from recipes.runs import publish_dir
 from recipes.schema import ModelSection, ParallelismSection
 
 EOS_TOKEN = "<|endoftext|>"
@@ -122,11 +122,7 @@ def _save_atomically(out: Path, model, tokenizer) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        for path in tmp.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        tmp.rename(out)
-        fsync_dir(out.parent)
+        publish_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import torch
 
 from recipes.errors import UserError
-from recipes.runs import atomic_write_text, fsync_dir
+from recipes.runs import atomic_write_text, publish_dir
 from recipes.schema import ModelSection
 from trainer.model import check_matches_checkpoint, hf_config_from_model_section
 
@@ -346,11 +346,7 @@ def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | 
         if writing:
             writer.finish()
             _write_config_and_tokenizer(tmp, m, dtype, tokenizer_dir)
-            for path in tmp.iterdir():
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
-            tmp.rename(out)
-            fsync_dir(out.parent)
+            publish_dir(tmp, out)
     finally:
         if writing and tmp.exists():
             shutil.rmtree(tmp)
