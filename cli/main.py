@@ -10,9 +10,11 @@ from rich.console import Console
 from rich.markup import escape
 
 from cli import data as data_cmd
+from cli import export as export_cmd
 from cli import model as model_cmd
 from cli import recipe as recipe_cmd
 from cli import report as report_cmd
+from cli import train as train_cmd
 from recipes.errors import UserError
 
 app = typer.Typer(
@@ -26,6 +28,8 @@ app.add_typer(recipe_cmd.app, name="recipe")
 app.add_typer(model_cmd.app, name="model")
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(report_cmd.app, name="report")
+app.add_typer(train_cmd.app, name="train")
+app.add_typer(export_cmd.app, name="export")
 
 err_console = Console(stderr=True, soft_wrap=True)
 _debug = False
