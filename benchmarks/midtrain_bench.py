@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,39 +67,45 @@ def bare_loop(run_dir: Path, steps: int) -> None:
 # --- the driver ----------------------------------------------------------------------------------
 
 
-def descendants(pid: int) -> list[int]:
-    found, frontier = [], [pid]
-    while frontier:
-        parent = frontier.pop()
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def record_rank_peak_rss(pid: int, peaks: dict[int, float]) -> None:
+    """VmHWM (peak RSS, MiB) of the ranks: the direct children of the torchrun process below `pid`."""
+    frontier, torchrun = [pid], None
+    while frontier and torchrun is None:
+        current = frontier.pop()
+        if "torch.distributed.run" in cmdline(current):
+            torchrun = current
+        frontier += children(current)
+    for rank in children(torchrun) if torchrun else []:
         try:
-            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+            status = Path(f"/proc/{rank}/status").read_text()
         except OSError:
             continue
-        found += [int(c) for c in children]
-        frontier += [int(c) for c in children]
-    return found
+        hwm = next((line for line in status.splitlines() if line.startswith("VmHWM")), None)
+        if hwm:
+            peaks[rank] = max(peaks.get(rank, 0.0), int(hwm.split()[1]) / 1024)
 
 
-def rank_peak_rss(pid: int, marker: str, peaks: dict[int, float]) -> None:
-    """Record VmHWM (peak RSS, MiB) of every live descendant whose command line contains `marker`."""
-    for child in descendants(pid):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            status = Path(f"/proc/{child}/status").read_text()
-        except OSError:
-            continue
-        if marker in cmdline and "torch.distributed.run" not in cmdline:
-            hwm = next(line for line in status.splitlines() if line.startswith("VmHWM"))
-            peaks[child] = max(peaks.get(child, 0.0), int(hwm.split()[1]) / 1024)
-
-
-def run_watched(cmd: list[str], marker: str) -> tuple[subprocess.CompletedProcess, list[float], float]:
+def run_watched(cmd: list[str]) -> tuple[subprocess.CompletedProcess, list[float], float]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
     process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peaks: dict[int, float] = {}
     while process.poll() is None:
-        rank_peak_rss(process.pid, marker, peaks)
+        record_rank_peak_rss(process.pid, peaks)
         time.sleep(0.1)
     out, err = process.communicate()
     wall = time.perf_counter() - started
@@ -123,9 +130,18 @@ def main() -> None:
     if args.bare:
         bare_loop(Path(args.bare[0]), int(args.bare[1]))
         return
+    work = Path(tempfile.mkdtemp(prefix="midtrain-bench-"))
+    try:
+        measure(args, work)
+    finally:
+        shutil.rmtree(work)
+
+
+def measure(args: argparse.Namespace, work: Path) -> None:
+    from recipes.runs import read_metrics
+    from trainer.distributed import free_port
 
     python = sys.executable
-    work = Path(tempfile.mkdtemp(prefix="midtrain-bench-"))
     subprocess.run([python, "-m", "cli", "model", "init", str(work / "init")], cwd=REPO, check=True, capture_output=True)
     recipe = str(REPO / "recipes" / "smoke-midtrain.yaml")
     common = [f"model.checkpoint={work / 'init'}", f"data.cache_dir={work / 'cache'}", f"run.dir={work / 'runs'}",
@@ -135,22 +151,19 @@ def main() -> None:
     for repeat in range(args.repeats):
         name = f"bench-{repeat}"
         cmd = [python, "-m", "cli", "train", "midtrain", recipe, *[a for s in [*common, f"run.name={name}"] for a in ("--set", s)]]
-        _, rss, wall = run_watched(cmd, "trainer.midtrain")
-        from recipes.runs import read_metrics
-
+        _, rss, wall = run_watched(cmd)
         rows = [r for r in read_metrics(work / "runs" / name / "metrics.jsonl") if r["step"] > 0]
         tokens_per_step = int(rows[0]["tokens"])
         results["composer"].append((steady_tokens_per_s([r["time"] for r in rows], tokens_per_step, args.skip), rss, wall))
 
-        nproc = "2"
-        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", nproc, "--master-addr", "127.0.0.1",
-               "--master-port", str(29700 + repeat), __file__, "--bare", str(work / "runs" / name), str(args.steps)]
-        done, rss, wall = run_watched(cmd, "--bare")
+        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), __file__, "--bare", str(work / "runs" / name), str(args.steps)]
+        done, rss, wall = run_watched(cmd)
         times = json.loads(done.stdout.strip().splitlines()[-1])["times"]
         results["bare"].append((steady_tokens_per_s(times, tokens_per_step, args.skip), rss, wall))
 
     best = {k: max(v, key=lambda r: r[0]) for k, v in results.items()}
-    print(f"smoke model, seq 256, global batch {tokens_per_step // 256}, 2 ranks EP 2, steps {args.steps} (window: steps {args.skip + 1}..{args.steps - 1})")
+    print(f"smoke model, seq 256, global batch {tokens_per_step // 256}, 2 ranks EP 2, steps {args.steps} (window: steps {args.skip + 2}..{args.steps - 1})")
     for kind, (tps, rss, wall) in best.items():
         runs = ", ".join(f"{r[0]:.0f}" for r in results[kind])
         print(f"  {kind:8s} {tps:8.0f} tokens/s (runs: {runs})  peak RSS per rank: {', '.join(f'{x:.0f}' for x in rss)} MiB  command wall {wall:.1f} s")

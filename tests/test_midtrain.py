@@ -106,6 +106,7 @@ def test_killed_run_resumes_with_the_same_data_and_losses(workspace, reference):
         process.wait()
     killed_at = records(run_dir)[-1]["step"]
     assert killed_at < STEPS
+    assert (run_dir / "checkpoints" / "latest").read_text() in ("step-00000004", "step-00000008")
 
     result = run_composer(*midtrain_args(workspace, "killed"), "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -125,6 +126,13 @@ def test_resume_with_another_expert_parallel_layout_is_refused(workspace, refere
     assert "cannot resume with another model-parallel layout (ep=2 in the checkpoint, 1 now)" in result.stderr
     assert "Traceback" not in result.stderr
     assert (reference / "recipe.yaml").read_text() == before  # the run's recipe still describes its checkpoints
+
+
+def test_resume_that_would_change_the_data_order_is_refused(workspace, reference):
+    result = run_composer(*midtrain_args(workspace, "reference", "train.steps=20"), "--resume")
+    assert result.returncode == 2
+    assert "--resume: the recipe changes what the run's checkpoints and data order depend on (train.steps: 12 -> 20)" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.fixture

@@ -60,6 +60,33 @@ def check_midtrain_recipe(recipe: Recipe) -> None:
         )
 
 
+RESUME_FIXED = ("data", "train.steps", "train.global_batch_size", "train.eval_batches", "train.seed")
+"""What decides the sample order (Megatron's shuffle depends on the number of samples) and the evaluation set."""
+
+
+def check_resume_matches(saved: Recipe, new: Recipe, saved_path: Path) -> None:
+    """A resumed run reads exactly the data an uninterrupted one would, into the same architecture."""
+    from trainer.model import ARCHITECTURE_FIELDS
+
+    changed = []
+    for path in (*RESUME_FIXED, *(f"model.{key}" for key in ARCHITECTURE_FIELDS)):
+        before, after = _value_at(saved, path), _value_at(new, path)
+        if before != after:
+            changed.append(f"{path} (section changed)" if hasattr(before, "model_dump") else f"{path}: {before!r} -> {after!r}")
+    if changed:
+        raise UserError(
+            f"--resume: the recipe changes what the run's checkpoints and data order depend on ({'; '.join(changed)}) "
+            f"compared to {saved_path}; resume with the run's values, or start a new run"
+        )
+
+
+def _value_at(recipe: Recipe, path: str) -> object:
+    node: object = recipe
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
+
+
 # --- data ----------------------------------------------------------------------------------------
 
 
@@ -192,25 +219,24 @@ def evaluate(ddp, source: BatchSource, num_batches: int) -> float:
     return total_loss / total_tokens
 
 
-def peak_rss_mb_per_rank() -> list[float]:
-    """Peak resident memory of every rank (collective)."""
-    mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [round(float(t[0]), 1) for t in every]
+def peak_rss_mb() -> float:
+    """The largest peak resident memory of any rank, MiB (collective)."""
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return round(float(peak[0]), 1)
 
 
 # --- the loop ------------------------------------------------------------------------------------
 
 
 @dataclass
-class Prepared:
+class MidtrainData:
     train: BatchSource
     valid: BatchSource
     tokenizer_dir: Path
 
 
-def prepare_batches(recipe: Recipe, run: RunDir, console: Console | None) -> Prepared:
+def prepare_batches(recipe: Recipe, run: RunDir, console: Console | None) -> MidtrainData:
     """Tokenize on rank 0 (others wait), then build the blended datasets sized for the whole run on every rank."""
     from megatron.core import parallel_state
 
@@ -233,7 +259,7 @@ def prepare_batches(recipe: Recipe, run: RunDir, console: Console | None) -> Pre
         raise UserError(f"data.split {list(data.split)} gives no validation share; evaluation needs one, e.g. [98, 2, 0]")
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     batch = (train.global_batch_size, train.micro_batch_size, dp_rank, dp_size)
-    return Prepared(BatchSource(datasets.train, *batch), BatchSource(datasets.valid, *batch), prepared.tokenizer.directory)
+    return MidtrainData(BatchSource(datasets.train, *batch), BatchSource(datasets.valid, *batch), prepared.tokenizer.directory)
 
 
 class Midtrainer:
@@ -279,20 +305,24 @@ class Midtrainer:
                 for step in range(first_step + 1, t.steps + 1):
                     record = train_step(self.ddp, self.optimizer, self.data.train.micro_batches(step - 1))
                     record["tokens_per_s"] = record["tokens"] / record["step_seconds"]
-                    if self.expert_load is not None and (step % t.log_every == 0 or step == t.steps):
-                        record.update(self.expert_load.take())
-                    if step % t.eval_every == 0 or step == t.steps:
+                    if self._due(step, t.eval_every):
                         record["eval_loss"] = evaluate(self.ddp, self.data.valid, t.eval_batches)
-                    if step % t.checkpoint_every == 0 or step == t.steps:
-                        self.save(step)
-                    if step % t.log_every == 0 or step == t.steps or "eval_loss" in record:
-                        record["peak_rss_mb"] = max(peak_rss_mb_per_rank())
+                    if self._due(step, t.log_every) or "eval_loss" in record:
+                        if self.expert_load is not None:
+                            record.update(self.expert_load.take())
+                        record["peak_rss_mb"] = peak_rss_mb()
+                        # logged before the checkpoint: a run killed in between redoes this step and rewrites its record
                         self._log(metrics, board, step, record, progress)
+                    if self._due(step, t.checkpoint_every):
+                        self.save(step)
         finally:
             if metrics:
                 metrics.close()
             if board:
                 board.close()
+
+    def _due(self, step: int, every: int) -> bool:
+        return step % every == 0 or step == self.recipe.train.steps
 
     def _log(self, metrics, board, step: int, record: dict, progress: Progress) -> None:
         if metrics is None:
