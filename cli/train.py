@@ -27,18 +27,13 @@ def midtrain(
     """Continued pre-training: tokenize the corpus, train, checkpoint, evaluate, export an HF checkpoint."""
     recipe = load_recipe(recipe_file, overrides)
     # torch is imported from here on; `composer --help` stays fast
-    from trainer.checkpointing import LAYOUT_KEYS, Checkpointer, check_layout
     from trainer.launch import RanksFailed, launch_ranks
-    from trainer.midtrain import check_midtrain_recipe, check_resume_matches
+    from trainer.midtrain import check_midtrain_recipe, check_resume
 
     check_midtrain_recipe(recipe)
     run = RunDir.of(recipe)
-    if resume and run.recipe_path.is_file():
-        # refused here, before the run's recipe is replaced by one its checkpoints and data order do not fit
-        check_resume_matches(load_recipe(run.recipe_path), recipe, run.recipe_path)
-        latest = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints).latest()
-        if latest is not None:
-            check_layout(latest, {k: getattr(recipe.parallelism, k) for k in LAYOUT_KEYS})
+    if resume:
+        check_resume(run, recipe)  # before the run's recipe.yaml is replaced
     run.prepare(recipe_to_yaml(recipe), resume)
     args = ["train", str(run.root), *(["--resume"] if resume else [])]
     try:

@@ -30,10 +30,10 @@ from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.runs import RunDir, drop_records_after
 from recipes.schema import Recipe
-from trainer.checkpointing import LAYOUT_KEYS, Checkpointer
+from trainer.checkpointing import LAYOUT_KEYS, Checkpointer, check_layout
 from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.launch import record_rank_error, redirect_rank_output
-from trainer.model import build_model, causal_mask
+from trainer.model import ARCHITECTURE_FIELDS, build_model, causal_mask
 from trainer.optimizer import TrainOptimizer, wrap_data_parallel
 from trainer.weights import export_hf, load_hf_into
 
@@ -60,19 +60,27 @@ def check_midtrain_recipe(recipe: Recipe) -> None:
         )
 
 
-RESUME_FIXED = ("data", "train.steps", "train.global_batch_size", "train.eval_batches", "train.seed")
+RESUME_FIXED = ("data.sources", "data.tokenizer", "data.seq_length", "data.split", "train.steps", "train.global_batch_size", "train.eval_batches", "train.seed")
 """What decides the sample order (Megatron's shuffle depends on the number of samples) and the evaluation set."""
+
+
+def check_resume(run: RunDir, recipe: Recipe) -> None:
+    """Refuse a resume whose recipe does not fit the run's checkpoints or would change its data order."""
+    if not run.recipe_path.is_file():
+        return  # RunDir.prepare reports the missing run
+    check_resume_matches(load_recipe(run.recipe_path), recipe, run.recipe_path)
+    latest = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints).latest()
+    if latest is not None:
+        check_layout(latest, {k: getattr(recipe.parallelism, k) for k in LAYOUT_KEYS})
 
 
 def check_resume_matches(saved: Recipe, new: Recipe, saved_path: Path) -> None:
     """A resumed run reads exactly the data an uninterrupted one would, into the same architecture."""
-    from trainer.model import ARCHITECTURE_FIELDS
-
     changed = []
     for path in (*RESUME_FIXED, *(f"model.{key}" for key in ARCHITECTURE_FIELDS)):
         before, after = _value_at(saved, path), _value_at(new, path)
         if before != after:
-            changed.append(f"{path} (section changed)" if hasattr(before, "model_dump") else f"{path}: {before!r} -> {after!r}")
+            changed.append(f"{path} changed" if isinstance(before, list) else f"{path}: {before!r} -> {after!r}")
     if changed:
         raise UserError(
             f"--resume: the recipe changes what the run's checkpoints and data order depend on ({'; '.join(changed)}) "
@@ -134,17 +142,11 @@ class ExpertLoad:
 
         return count
 
-    def take(self) -> dict[str, float]:
-        """Per layer, over all ranks since the last call: max/mean and coefficient of variation of tokens per expert."""
+    def take(self) -> torch.Tensor:
+        """This rank's counts [layers, experts] since the last call."""
         counts = self.counts.clone()
         self.counts.zero_()
-        dist.all_reduce(counts)  # pp == 1: every rank routes its own tokens through every layer
-        mean = counts.mean(dim=1).clamp_min(1e-12)
-        metrics = {}
-        for layer in range(counts.shape[0]):
-            metrics[f"moe_max_over_mean_l{layer}"] = float(counts[layer].max() / mean[layer])
-            metrics[f"moe_cv_l{layer}"] = float(counts[layer].std(unbiased=False) / mean[layer])
-        return metrics
+        return counts
 
 
 def _token_losses(ddp, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -152,32 +154,48 @@ def _token_losses(ddp, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return ddp(batch["tokens"], batch["position_ids"], causal_mask(seq), labels=batch["labels"])
 
 
-def _dp_sum(values: list[float]) -> list[float]:
-    from megatron.core import parallel_state
-
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-    return t.tolist()
-
-
-def _moe_aux_loss(num_micro_batches: int) -> float | None:
-    """Megatron's load-balancing loss of the last step (mean over layers, micro-batches and data-parallel ranks)."""
-    from megatron.core import parallel_state
+def _take_aux_losses() -> torch.Tensor:
+    """This rank's part of Megatron's load-balancing loss per layer, summed over the step's micro-batches."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
     if entry is None:
-        return None
+        return torch.zeros(0, dtype=torch.float64)
     values = entry["values"].clone().to(torch.float64)
     clear_aux_losses_tracker()
-    # The tensor/context-parallel peers each hold part of a layer's loss; data-parallel ranks hold separate samples.
-    dist.all_reduce(values, group=parallel_state.get_tensor_and_context_parallel_group())
-    dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
-    values /= parallel_state.get_data_parallel_world_size() * num_micro_batches
-    return float(values.mean())
+    return values
 
 
-def train_step(ddp, optimizer: TrainOptimizer, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+def _reduce_step(loss_sum: float, tokens: float, aux: torch.Tensor, counts: torch.Tensor, num_micro_batches: int) -> dict[str, float]:
+    """Every per-step metric in one all-reduce over all ranks: on a busy machine each collective is a wait."""
+    from megatron.core import parallel_state
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rss = torch.zeros(world, dtype=torch.float64)
+    rss[rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    packed = torch.cat([torch.tensor([loss_sum, tokens], dtype=torch.float64), aux, counts.flatten(), rss])
+    dist.all_reduce(packed)
+    # pp == cp == 1: tensor-parallel peers hold the same samples (so the same loss sums) but their own tokens' routes
+    # and their own part of each layer's load-balancing loss; data-parallel ranks hold separate samples.
+    loss_sum, tokens = (packed[:2] / parallel_state.get_tensor_model_parallel_world_size()).tolist()
+    at = 2
+    metrics = {"loss": loss_sum / tokens, "tokens": tokens}
+    if len(aux):
+        per_layer = packed[at : at + len(aux)] / (parallel_state.get_data_parallel_world_size() * num_micro_batches)
+        metrics["moe_aux_loss"] = float(per_layer.mean())  # as Megatron reports it: 1.0 when balanced
+        at += len(aux)
+    if counts.numel():
+        per_expert = packed[at : at + counts.numel()].view(counts.shape)
+        mean = per_expert.mean(dim=1).clamp_min(1e-12)
+        for layer in range(per_expert.shape[0]):
+            metrics[f"moe_max_over_mean_l{layer}"] = float(per_expert[layer].max() / mean[layer])
+            metrics[f"moe_cv_l{layer}"] = float(per_expert[layer].std(unbiased=False) / mean[layer])
+        at += counts.numel()
+    metrics["peak_rss_mb"] = round(float(packed[at:].max()), 1)
+    return metrics
+
+
+def train_step(ddp, optimizer: TrainOptimizer, micro_batches: list[dict[str, torch.Tensor]], expert_load: ExpertLoad | None) -> dict[str, float]:
     """One optimizer step on this rank's micro-batches (collective); the loss is the global batch's token mean.
 
     Gradients accumulate over the micro-batches; Megatron's DDP averages them over data parallelism. Megatron's
@@ -197,33 +215,26 @@ def train_step(ddp, optimizer: TrainOptimizer, micro_batches: list[dict[str, tor
         (summed / local_tokens).backward()
         loss_sum += float(summed.detach())
     update = optimizer.step()
-    total_loss, total_tokens = _dp_sum([loss_sum, local_tokens])
+    counts = expert_load.take() if expert_load is not None else torch.zeros(0, dtype=torch.float64)
+    metrics = _reduce_step(loss_sum, local_tokens, _take_aux_losses(), counts, len(micro_batches))
     seconds = time.perf_counter() - started
-    metrics = {"loss": total_loss / total_tokens, **update, "tokens": total_tokens, "step_seconds": seconds}
-    aux = _moe_aux_loss(len(micro_batches))
-    if aux is not None:
-        metrics["moe_aux_loss"] = aux
-    return metrics
+    return {**metrics, **update, "step_seconds": seconds, "tokens_per_s": metrics["tokens"] / seconds}
 
 
 @torch.no_grad()
 def evaluate(ddp, source: BatchSource, num_batches: int) -> float:
     """Mean token loss over the first `num_batches` global batches of the held-out split (collective)."""
+    from megatron.core import parallel_state
+
     ddp.eval()
     loss_sum = tokens = 0.0
     for index in range(num_batches):
         for batch in source.micro_batches(index):
             loss_sum += float((_token_losses(ddp, batch) * batch["loss_mask"]).sum())
             tokens += float(batch["loss_mask"].sum())
-    total_loss, total_tokens = _dp_sum([loss_sum, tokens])
-    return total_loss / total_tokens
-
-
-def peak_rss_mb() -> float:
-    """The largest peak resident memory of any rank, MiB (collective)."""
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return round(float(peak[0]), 1)
+    sums = torch.tensor([loss_sum, tokens], dtype=torch.float64)
+    dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+    return float(sums[0] / sums[1])
 
 
 # --- the loop ------------------------------------------------------------------------------------
@@ -303,14 +314,10 @@ class Midtrainer:
                 if first_step == 0:
                     self._log(metrics, board, 0, {"eval_loss": evaluate(self.ddp, self.data.valid, t.eval_batches)}, progress)
                 for step in range(first_step + 1, t.steps + 1):
-                    record = train_step(self.ddp, self.optimizer, self.data.train.micro_batches(step - 1))
-                    record["tokens_per_s"] = record["tokens"] / record["step_seconds"]
+                    record = train_step(self.ddp, self.optimizer, self.data.train.micro_batches(step - 1), self.expert_load)
                     if self._due(step, t.eval_every):
                         record["eval_loss"] = evaluate(self.ddp, self.data.valid, t.eval_batches)
                     if self._due(step, t.log_every) or "eval_loss" in record:
-                        if self.expert_load is not None:
-                            record.update(self.expert_load.take())
-                        record["peak_rss_mb"] = peak_rss_mb()
                         # logged before the checkpoint: a run killed in between redoes this step and rewrites its record
                         self._log(metrics, board, step, record, progress)
                     if self._due(step, t.checkpoint_every):
