@@ -21,9 +21,10 @@ ERROR_PREFIX = "error-rank-"
 class RanksFailed(Exception):
     """The ranks stopped on something that is not a user error (a bug or a crash); the logs tell more."""
 
-    def __init__(self, exit_code: int, log: Path, tail: str):
-        self.exit_code, self.log, self.tail = exit_code, log, tail
-        super().__init__(f"the ranks failed (torchrun exit code {exit_code}); see {log}")
+    def __init__(self, exit_code: int, logs: Path, with_traceback: list[str], tail: str):
+        self.exit_code, self.tail = exit_code, tail
+        tracebacks = f"; tracebacks in {', '.join(with_traceback)}" if with_traceback else ""
+        super().__init__(f"the ranks failed (torchrun exit code {exit_code}); logs in {logs}/{tracebacks}")
 
 
 def redirect_rank_output(run: RunDir, rank: int) -> None:
@@ -74,8 +75,10 @@ def launch_ranks(run: RunDir, nproc: int, module: str, args: list[str]) -> None:
     if errors:
         raise UserError(errors[0].read_text())
     written = {p: _read_from(p, offsets[p]) for p in logs}
-    worst = next((p for p in logs[1:] if "Traceback" in written[p]), launcher_log)
-    raise RanksFailed(code, worst, "\n".join(written[worst].splitlines()[-15:]))
+    summary = written[launcher_log]
+    # torchrun's own report names the rank that failed first, and how (exit code or signal)
+    cause = summary[summary.rfind("Root Cause") :] if "Root Cause" in summary else "\n".join(summary.splitlines()[-15:])
+    raise RanksFailed(code, run.logs, [p.name for p in logs[1:] if "Traceback" in written[p]], cause.strip())
 
 
 def _read_from(path: Path, offset: int) -> str:
