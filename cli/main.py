@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from cli import data as data_cmd
 from cli import env as env_cmd
+from cli import export as export_cmd
 from cli import model as model_cmd
 from cli import recipe as recipe_cmd
 from cli import report as report_cmd
@@ -29,9 +30,10 @@ app.add_typer(recipe_cmd.app, name="recipe")
 app.add_typer(model_cmd.app, name="model")
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(report_cmd.app, name="report")
+app.add_typer(train_cmd.app, name="train")
+app.add_typer(export_cmd.app, name="export")
 app.add_typer(sync_cmd.app, name="sync")
 app.add_typer(env_cmd.app, name="env")
-app.add_typer(train_cmd.app, name="train")
 
 err_console = Console(stderr=True, soft_wrap=True)
 _debug = False

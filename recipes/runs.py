@@ -108,6 +108,21 @@ def read_metrics(path: Path) -> Iterator[dict]:
                 continue
 
 
+def drop_records_after(path: Path, step: int) -> None:
+    """Remove the records past `step` (written by a killed run after the checkpoint it resumes from)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True) if _step_of(line) is not None and _step_of(line) <= step]
+    atomic_write_text(path, "".join(kept))
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None  # a torn line
+
+
 class RunDir:
     """`<run.dir>/<run.name>/` of a recipe."""
 

@@ -17,6 +17,7 @@ from recipes.schema import Recipe
 from rl.layout import Policy, RLRunFiles, sync_section
 from rl.rollout_worker import RolloutWorker
 from sync.pusher import push_version
+from trainer.launch import clear_rank_errors, first_rank_error
 
 UNHONOURED = {
     "rollout.engine": "rollout engines run embedded in the driver process; the server fleet is not wired to the driver yet",
@@ -74,8 +75,8 @@ def run_rl(recipe: Recipe, resume: bool, console: Console) -> Path:
         console.print(f"publishing the initial policy from {recipe.model.checkpoint}")
         info = push_version(recipe.model.checkpoint, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
         files.publish_policy(Policy(0, info.id))
-    files.learner_error.unlink(missing_ok=True)
-    learner = start_learner(recipe, files, run.logs / "learner.log")
+    clear_rank_errors(run)
+    learner = start_learner(recipe, files, run.logs / "torchrun.log")
     try:
         worker = RolloutWorker(recipe, files, on_group=lambda gid, s: console.print(
             f"[dim]{gid}[/] policy v{s['policy_version']}  reward {s['reward_mean']:.3f}  {s['generated_tokens_per_s']:.0f} tok/s"))
@@ -87,7 +88,5 @@ def run_rl(recipe: Recipe, resume: bool, console: Console) -> Path:
     finally:
         stop(learner)
     if learner.returncode != 0:
-        if files.learner_error.is_file():
-            raise UserError(files.learner_error.read_text())
-        raise UserError(f"the learner exited with code {learner.returncode}; see {run.logs / 'learner.log'}")
+        raise UserError(first_rank_error(run) or f"the learner exited with code {learner.returncode}; logs in {run.logs}/")
     return run.root

@@ -33,7 +33,6 @@ class RLRunFiles:
         self.receiver = root / "receiver"
         self.export = root / "export"
         self.checkpoints = root / "checkpoints"
-        self.learner_error = root / "learner-error.txt"
         self.heartbeat = root / "driver.heartbeat"
 
     def beat(self) -> None:

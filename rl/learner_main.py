@@ -8,6 +8,7 @@ retrains, never skips, what the checkpoint had not seen.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -18,12 +19,13 @@ import torch.distributed as dist
 
 from recipes.errors import UserError
 from recipes.loader import load_recipe
-from recipes.runs import MetricsWriter, atomic_write_text
+from recipes.runs import MetricsWriter, RunDir
 from recipes.schema import Recipe
 from rl.layout import Policy, RLRunFiles, sync_section
 from rollout.trajectories import Trajectory, TrajectoryStore
 from sync.pusher import push_version
 from trainer.distributed import die_with_parent
+from trainer.launch import record_rank_error, redirect_rank_output
 from trainer.rl_learner import LearnerSequence, RLLearner
 from trainer.rl_objective import group_advantages
 
@@ -134,13 +136,13 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
 def main() -> None:
     die_with_parent()
     files = RLRunFiles(Path(sys.argv[1]))
-    recipe = load_recipe(files.root / "recipe.yaml")
+    run, rank = RunDir(files.root), int(os.environ.get("RANK", "0"))
+    redirect_rank_output(run, rank)
     try:
-        run_learner(recipe, files)
+        run_learner(load_recipe(run.recipe_path), files)
     except UserError as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            atomic_write_text(files.learner_error, str(e))
-        sys.exit(2)
+        record_rank_error(run, rank, str(e))
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":

@@ -68,15 +68,7 @@ class Checkpointer:
         """Collective. Restores model, optimizer, schedule and RNG; returns the saved trainer state."""
         from megatron.core import dist_checkpointing
 
-        state = json.loads((path / "trainer_state.json").read_text())
-        saved = state.get("layout", {})
-        changed = {k: (saved.get(k), layout[k]) for k in LAYOUT_KEYS if saved.get(k) != layout[k]}
-        if changed:
-            what = ", ".join(f"{k}={a} in the checkpoint, {b} now" for k, (a, b) in changed.items())
-            raise UserError(
-                f"{path}: cannot resume with another model-parallel layout ({what}); optimizer state is resharded across "
-                f"data parallelism only: resume with the checkpoint's parallelism, or start a new run from an exported HF checkpoint"
-            )
+        state = check_layout(path, layout)
         model_state = model.sharded_state_dict(prefix="")
         sharded = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)}
         with cuda_calls_on_cpu():
@@ -85,7 +77,30 @@ class Checkpointer:
         optimizer.load_state_dict(loaded["optimizer"], state["scheduler"], state["adam_steps"])
         return state
 
+    def load_model(self, path: Path, model, layout: dict) -> None:
+        """Collective. Restores the model weights only (for export)."""
+        from megatron.core import dist_checkpointing
+
+        check_layout(path, layout)
+        with cuda_calls_on_cpu():
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix="")}, str(path))
+        model.load_state_dict(loaded["model"])
+
     def _prune(self) -> None:
         complete = sorted(p for p in self.directory.glob("step-*") if (p / "trainer_state.json").is_file())
         for old in complete[: -self.keep]:
             shutil.rmtree(old)
+
+
+def check_layout(path: Path, layout: dict) -> dict:
+    """The checkpoint's trainer state; refuses a model-parallel layout other than the one it was saved with."""
+    state = json.loads((path / "trainer_state.json").read_text())
+    saved = state.get("layout", {})
+    changed = {k: (saved.get(k), layout[k]) for k in LAYOUT_KEYS if saved.get(k) != layout[k]}
+    if changed:
+        what = ", ".join(f"{k}={a} in the checkpoint, {b} now" for k, (a, b) in changed.items())
+        raise UserError(
+            f"{path}: cannot resume with another model-parallel layout ({what}); optimizer state is resharded across "
+            f"data parallelism only: resume with the checkpoint's parallelism, or start a new run from an exported HF checkpoint"
+        )
+    return state
