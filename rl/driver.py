@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -17,7 +15,7 @@ from recipes.schema import Recipe
 from rl.layout import Policy, RLRunFiles, sync_section
 from rl.rollout_worker import RolloutWorker
 from sync.pusher import push_version
-from trainer.launch import clear_rank_errors, first_rank_error
+from trainer.launch import clear_rank_errors, first_rank_error, rank_environment, torchrun_command
 
 UNHONOURED = {
     "rollout.engine": "rollout engines run embedded in the driver process; the server fleet is not wired to the driver yet",
@@ -41,14 +39,10 @@ def check_rl_recipe(recipe: Recipe) -> None:
 
 
 def start_learner(recipe: Recipe, files: RLRunFiles, log: Path) -> subprocess.Popen:
-    from trainer.distributed import free_port
-
-    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(recipe.cluster.procs_per_host),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "rl.learner_main", str(files.root)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    # Same process group as the driver: killing the run kills its learner too.
+    """The learner ranks, in the background (the rollouts run meanwhile), in this process group."""
+    cmd = torchrun_command(recipe.cluster.procs_per_host, "rl.learner_main", [str(files.root)])
     with log.open("ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=rank_environment())
 
 
 def stop(process: subprocess.Popen) -> None:

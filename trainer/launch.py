@@ -54,21 +54,30 @@ def clear_rank_errors(run: RunDir) -> None:
         stale.unlink()
 
 
+def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
+    """`python -m module args...` as `nproc` ranks on this host."""
+    from trainer.distributed import free_port
+
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", module, *args,
+    ]
+
+
+def rank_environment() -> dict[str, str]:
+    env = {"OMP_NUM_THREADS": "1", **os.environ}  # one thread per rank is faster than ranks sharing cores
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def launch_ranks(run: RunDir, nproc: int, module: str, args: list[str]) -> None:
     """Run `python -m module args...` as `nproc` ranks on this host; returns when all succeeded.
 
     Raises UserError with a rank's message, or RanksFailed for anything else.
     """
-    from trainer.distributed import free_port
-
     run.logs.mkdir(parents=True, exist_ok=True)
     clear_rank_errors(run)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", module, *args,
-    ]
-    env = {"OMP_NUM_THREADS": "1", **os.environ}  # one thread per rank is faster than ranks sharing cores
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")) if p)
+    cmd, env = torchrun_command(nproc, module, args), rank_environment()
     launcher_log = run.logs / "torchrun.log"
     logs = [launcher_log, *(run.logs / f"rank-{r}.log" for r in range(nproc))]
     offsets = {p: p.stat().st_size if p.exists() else 0 for p in logs}  # logs are appended to across resumes
