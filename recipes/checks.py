@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recipes.errors import UserError
-from recipes.schema import Recipe
+from recipes.schema import ModelSection, ParallelismSection, Recipe
 
 
 @dataclass(frozen=True)
@@ -51,20 +51,32 @@ def _check_model(r: Recipe) -> list[Problem]:
 
 
 def _check_parallelism(r: Recipe) -> list[Problem]:
-    p, m, out = r.parallelism, r.model, []
+    p, out = r.parallelism, []
     world = r.cluster.world_size
     model_parallel = p.tp * p.pp * p.cp
     where = f"cluster: {len(r.cluster.hosts)} host(s) x procs_per_host={r.cluster.procs_per_host} = world size {world}"
     if world % model_parallel:
         out.append(Problem("parallelism", f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_parallel} does not divide the {where}"))
-        return out
+        return out + split_problems(r.model, p)
     dp = world // model_parallel
     if p.dp is not None and p.dp != dp:
         out.append(Problem("parallelism.dp", f"world size must equal tp*pp*cp*dp: {p.tp}*{p.pp}*{p.cp}*{p.dp} != {world} ({where}); dp would be {dp}"))
+    if r.model.is_moe and (world // p.pp) % (p.ep * p.etp):
+        out.append(Problem("parallelism.ep", f"ep*etp = {p.ep}*{p.etp} does not divide world_size/pp = {world // p.pp}"))
+    return out + split_problems(r.model, p)
+
+
+def split_problems(m: ModelSection, p: ParallelismSection) -> list[Problem]:
+    """Whether the model can be split by these parallel sizes (whatever the world size)."""
+    out = []
     if m.num_attention_heads % p.tp:
         out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.num_attention_heads={m.num_attention_heads}"))
     if m.num_kv_heads % p.tp:
         out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.num_kv_heads={m.num_kv_heads} (each tensor-parallel rank needs whole KV heads)"))
+    if m.vocab_size % p.tp:
+        out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.vocab_size={m.vocab_size}"))
+    if not m.is_moe and m.ffn_hidden_size % p.tp:
+        out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}"))
     if m.num_layers % p.pp:
         out.append(Problem("parallelism.pp", f"{p.pp} does not divide model.num_layers={m.num_layers}"))
     if p.sequence_parallel and p.tp == 1:
@@ -72,13 +84,12 @@ def _check_parallelism(r: Recipe) -> list[Problem]:
     if m.is_moe:
         if m.num_experts % p.ep:
             out.append(Problem("parallelism.ep", f"{p.ep} does not divide model.num_experts={m.num_experts}"))
-        if (world // p.pp) % (p.ep * p.etp):
-            out.append(Problem("parallelism.ep", f"ep*etp = {p.ep}*{p.etp} does not divide world_size/pp = {world // p.pp}"))
+        if m.moe_ffn_hidden_size % p.etp:
+            out.append(Problem("parallelism.etp", f"{p.etp} does not divide model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}"))
         if p.tp > 1 and not p.sequence_parallel:
             out.append(Problem("parallelism.sequence_parallel", f"must be true for an MoE model with tp={p.tp} (Megatron requires it)"))
-    else:
-        if p.ep > 1 or p.etp > 1:
-            out.append(Problem("parallelism.ep", "expert parallelism needs an MoE model (model.num_experts > 0)"))
+    elif p.ep > 1 or p.etp > 1:
+        out.append(Problem("parallelism.ep", "expert parallelism needs an MoE model (model.num_experts > 0)"))
     return out
 
 

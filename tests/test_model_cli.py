@@ -92,9 +92,9 @@ def test_config_without_required_keys(tmp_path):
 @pytest.mark.parametrize(
     ("parallelism", "message"),
     [
-        (ParallelismSection(ep=3), "ep=3 does not divide model.num_experts=8"),
-        (ParallelismSection(tp=4, sequence_parallel=True), "tp=4 does not divide model.num_kv_heads=2"),
-        (ParallelismSection(tp=2), "sequence_parallel must be true"),
+        (ParallelismSection(ep=3), "parallelism.ep: 3 does not divide model.num_experts=8"),
+        (ParallelismSection(tp=4, sequence_parallel=True), "parallelism.tp: 4 does not divide model.num_kv_heads=2"),
+        (ParallelismSection(tp=2), "parallelism.sequence_parallel: must be true"),
         (ParallelismSection(pp=2), "pipeline parallelism is not wired"),
         (ParallelismSection(cp=2), "context parallelism is not wired"),
     ],

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from recipes.checks import split_problems
 from recipes.errors import UserError
 from recipes.schema import ModelSection, ParallelismSection
 
@@ -166,21 +167,7 @@ def check_supported(m: ModelSection, p: ParallelismSection) -> None:
         problems.append(f"parallelism.cp={p.cp}: context parallelism is not wired; use cp=1")
     if m.num_attention_heads % m.num_kv_heads:
         problems.append(f"model.num_kv_heads={m.num_kv_heads} does not divide model.num_attention_heads={m.num_attention_heads}")
-    if m.num_kv_heads % p.tp:
-        problems.append(f"parallelism.tp={p.tp} does not divide model.num_kv_heads={m.num_kv_heads}")
-    if m.vocab_size % p.tp:
-        problems.append(f"parallelism.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
-    if m.family == "llama" and m.ffn_hidden_size % p.tp:
-        problems.append(f"parallelism.tp={p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}")
-    if m.is_moe:
-        if m.num_experts % p.ep:
-            problems.append(f"parallelism.ep={p.ep} does not divide model.num_experts={m.num_experts}")
-        if m.moe_ffn_hidden_size % p.etp:
-            problems.append(f"parallelism.etp={p.etp} does not divide model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}")
-        if p.tp > 1 and not p.sequence_parallel:
-            problems.append(f"parallelism.sequence_parallel must be true for an MoE model with tp={p.tp}")
-    elif p.ep > 1 or p.etp > 1:
-        problems.append("parallelism.ep/etp > 1 need an MoE model (model.num_experts > 0)")
+    problems += [str(problem) for problem in split_problems(m, p)]
     if problems:
         raise UserError("model cannot be built: " + "; ".join(problems))
 
