@@ -22,7 +22,7 @@ from recipes.loader import load_recipe
 from recipes.runs import MetricsWriter, RunDir
 from recipes.schema import Recipe
 from rl.layout import Policy, RLRunFiles, sync_section
-from rollout.trajectories import Trajectory, TrajectoryStore
+from rollout.trajectories import Trajectory, TrajectoryStore, episode_stats
 from sync.pusher import push_version
 from trainer.distributed import die_with_parent
 from trainer.launch import record_rank_error, redirect_rank_output
@@ -63,7 +63,7 @@ def learner_sequences(groups: list[list[Trajectory]], advantage_mode: str) -> li
     return sequences
 
 
-def rollout_stats(groups: list[list[Trajectory]], step: int) -> dict[str, float]:
+def rollout_stats(groups: list[list[Trajectory]], step: int, max_context: int) -> dict[str, float]:
     trajectories = [t for g in groups for t in g]
     rewards = np.array([t.reward for t in trajectories])
     staleness = np.array([step - t.policy_version for t in trajectories])
@@ -72,8 +72,7 @@ def rollout_stats(groups: list[list[Trajectory]], step: int) -> dict[str, float]
         "pass_rate": float((rewards == 1.0).mean()),
         "staleness_mean": float(staleness.mean()),
         "staleness_max": float(staleness.max()),
-        "episode_tokens_mean": float(np.mean([t.num_tokens for t in trajectories])),
-        "summaries_per_episode": float(np.mean([t.info.get("summaries", 0) for t in trajectories])),
+        **episode_stats(trajectories, max_context),
     }
 
 
@@ -129,7 +128,7 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
                 store.move(unsaved, "trained", "consumed")
             unsaved = []
         if metrics:
-            metrics.write(step + 1, **record, **rollout_stats(groups, step), groups=",".join(group_ids),
+            metrics.write(step + 1, **record, **rollout_stats(groups, step, recipe.rollout.max_context), groups=",".join(group_ids),
                           dropped_stale=dropped, wait_seconds=waited, step_seconds=time.monotonic() - started)
 
 

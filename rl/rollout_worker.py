@@ -17,7 +17,7 @@ from rollout.agent import EpisodeRunner, Tokenizer
 from rollout.engine import EmbeddedEngine
 from rollout.environment import CodingEnvironment
 from rollout.tasks import Task
-from rollout.trajectories import TrajectoryStore
+from rollout.trajectories import TrajectoryStore, episode_stats
 from sync.receiver import pull
 from sync.store import Store
 
@@ -96,7 +96,7 @@ class RolloutWorker:
             "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
             "generated_tokens_per_s": generated / max(seconds, 1e-9),
             "group_seconds": seconds,
-            "summaries_per_episode": sum(t.info["summaries"] for t in trajectories) / len(trajectories),
+            **episode_stats(trajectories, self.recipe.rollout.max_context),
         }
         self.metrics.write(index, group=gid, **stats)
         self.on_group(gid, stats)

@@ -86,6 +86,7 @@ class _Episode:
     result: SandboxResult | None = None
     turns: int = 0
     summaries: int = 0
+    summary_tokens: list[int] = field(default_factory=list)
     done: bool = False
     end_reason: str = ""
     last_observation: list[int] = field(default_factory=list)
@@ -158,6 +159,7 @@ class EpisodeRunner:
 
     def _restart_from_summary(self, e: _Episode, summary: Completion) -> None:
         e.summaries += 1
+        e.summary_tokens.append(len(summary.token_ids))
         e.summarizing = False
         fresh = _SegmentBuilder()
         fresh.observe(e.prompt_ids + self.tok.encode(SUMMARY_HEADER) + summary.token_ids + e.last_observation)
@@ -183,6 +185,7 @@ class EpisodeRunner:
                 "end_reason": e.end_reason,
                 "turns": e.turns,
                 "summaries": e.summaries,
+                "summary_tokens": e.summary_tokens,
                 "tests_passed": result.passed if result else 0,
                 "tests_total": result.total if result else 0,
                 "sandbox_status": result.status if result else "none",

@@ -115,6 +115,23 @@ def decode_group(data: bytes, source: str = "trajectory file") -> list[Trajector
     return trajectories
 
 
+def episode_stats(trajectories: list[Trajectory], max_context: int) -> dict[str, float]:
+    """Self-summarization health: how often, how long, how far past the context, and the reward with and without."""
+    summaries = [t.info["summaries"] for t in trajectories]
+    lengths = [n for t in trajectories for n in t.info["summary_tokens"]]
+    stats = {
+        "summaries_per_episode": sum(summaries) / len(trajectories),
+        "episode_tokens_over_context": sum(t.num_tokens for t in trajectories) / len(trajectories) / max_context,
+    }
+    if lengths:
+        stats["summary_tokens_mean"] = sum(lengths) / len(lengths)
+    for label, chosen in (("reward_with_summaries", [t for t in trajectories if t.info["summaries"]]),
+                          ("reward_without_summaries", [t for t in trajectories if not t.info["summaries"]])):
+        if chosen:
+            stats[label] = sum(t.reward for t in chosen) / len(chosen)
+    return stats
+
+
 class TrajectoryStore:
     """Groups by stage, each stage a directory; a group moves between them by atomic rename.
 

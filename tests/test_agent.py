@@ -77,3 +77,14 @@ def test_segments_share_the_episode_advantage(episodes):
     sequences = learner_sequences([trajectories], "group_mean")
     n0 = len(trajectories[0].segments)
     assert [s.advantage for s in sequences] == [0.5] * n0 + [-0.5] * len(trajectories[1].segments)
+
+
+def test_summarization_metrics(episodes):
+    from rollout.trajectories import episode_stats
+
+    trajectories, _, _ = episodes
+    stats = episode_stats(trajectories, MAX_CONTEXT)
+    assert stats["summaries_per_episode"] >= 3
+    assert stats["episode_tokens_over_context"] >= 5
+    assert 0 < stats["summary_tokens_mean"] <= 48
+    assert "reward_with_summaries" in stats and "reward_without_summaries" not in stats
