@@ -131,7 +131,8 @@ class RunDir:
 
     @classmethod
     def of(cls, recipe: Recipe) -> RunDir:
-        return cls(Path(recipe.run.dir) / recipe.run.name)
+        # absolute, so every process of the run (ranks, sandboxes) finds it whatever its working directory
+        return cls(Path(recipe.run.dir).resolve() / recipe.run.name)
 
     @property
     def recipe_path(self) -> Path:

@@ -299,7 +299,8 @@ class Sandbox:
 
     def __init__(self, config: SandboxSection, root: Path | None = None, isolation: Isolation | None = None):
         self.config = config
-        self.root = root or Path(tempfile.gettempdir()) / "composer-sandbox"
+        # absolute: sandboxed processes start in other working directories
+        self.root = (root or Path(tempfile.gettempdir()) / "composer-sandbox").resolve()
         self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
         os.chmod(self.root, 0o711)
         self.isolation = isolation or detect_isolation(self.root)
