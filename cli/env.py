@@ -17,10 +17,6 @@ app = typer.Typer(help="Coding environments: tasks, sandbox, rewards.", no_args_
 console = Console()
 
 
-class ReferenceFailures(UserError):
-    pass
-
-
 @app.command()
 def check(
     file: Path = typer.Argument(..., help="Recipe file with an `env` section."),
@@ -64,4 +60,4 @@ def check(
             console.print(f"[red]✗[/] {escape(task_id)}: {result.status} {escape(result.detail)}, {result.passed}/{result.total} tests", highlight=False)
     failed = sum(len(r.failures) for r in reports)
     if failed:
-        raise ReferenceFailures(f"{failed} reference solution(s) failed their own tests")
+        raise UserError(f"{failed} reference solution(s) failed their own tests")

@@ -19,10 +19,6 @@ console = Console(soft_wrap=True)
 SetOption = typer.Option([], "--set", "-s", help="Override a key: --set train.steps=10 (value parsed as YAML). Repeatable.")
 
 
-class ValidationFailed(UserError):
-    pass
-
-
 @app.command()
 def validate(
     files: list[Path] = typer.Argument(..., help="Recipe files."),
@@ -40,7 +36,7 @@ def validate(
         kind = "rl" if recipe.rl else "midtrain" if recipe.data else "model"
         console.print(f"[green]✓[/] {escape(str(file))} [dim]({kind}, world size {recipe.cluster.world_size})[/]", highlight=False)
     if failed:
-        raise ValidationFailed(f"{failed} of {len(files)} recipe(s) invalid")
+        raise UserError(f"{failed} of {len(files)} recipe(s) invalid")
 
 
 @app.command()
