@@ -7,6 +7,7 @@ crash the smallest indices never written are generated first, so no group is los
 from __future__ import annotations
 
 import random
+from collections import Counter
 import time
 from collections.abc import Callable
 
@@ -39,6 +40,7 @@ class RolloutWorker:
                                      routed_experts=recipe.model.is_moe and recipe.rl.router_replay == "r3")
         self.runner = EpisodeRunner(self.engine, Tokenizer(str(weights)), self.env, recipe.rollout)
         self.done = {int(g[1:]) for g in self.store.known_groups()}
+        self.made_with = Counter(self.store.load(g)[0].policy_version for g in self.store.ready_groups())
         self.metrics = MetricsWriter(files.root / "rollout_metrics.jsonl")
 
     def _pull_newest(self) -> int:
@@ -70,14 +72,17 @@ class RolloutWorker:
             if task is not None:
                 return task
 
-    def queue_full(self) -> bool:
+    def should_wait(self) -> bool:
+        """Enough groups wait for the learner; with max_staleness 0 (synchronous RL) one step's worth per policy."""
         rl = self.recipe.rl
+        if rl.max_staleness == 0 and self.made_with[self.version] >= rl.prompts_per_step:
+            return True  # anything more made with this policy would be too stale to train on
         return len(self.store.ready_groups()) >= rl.prompts_per_step * (rl.max_staleness + 1)
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         while not should_stop():
             self.follow_policy()
-            if self.queue_full():
+            if self.should_wait():
                 time.sleep(0.2)
                 continue
             self.run_one(self.next_index())
@@ -89,6 +94,7 @@ class RolloutWorker:
                                              seed=self.recipe.train.seed * 1_000_003 + index)
         self.store.put(gid, trajectories)
         self.done.add(index)
+        self.made_with[self.version] += 1
         seconds = time.monotonic() - started
         generated = sum(int(s.loss_mask.sum()) for t in trajectories for s in t.segments)
         stats = {
