@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from recipes.errors import UserError
 from recipes.loader import load_recipe
-from recipes.runs import MetricsWriter, RunDir
+from recipes.runs import MetricsWriter, RunDir, drop_records_after
 from recipes.schema import Recipe
 from rl.layout import Policy, RLRunFiles, sync_section
 from rollout.trajectories import Trajectory, TrajectoryStore, episode_stats
@@ -108,6 +108,7 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
         trained = store.groups("trained")
         store.move([g for g in trained if g in checkpointed], "trained", "consumed")
         store.move([g for g in trained if g not in checkpointed], "trained", "ready")
+        drop_records_after(files.root / "metrics.jsonl", start)  # those steps are trained again
     metrics = MetricsWriter(files.root / "metrics.jsonl") if rank0 else None
     unsaved: list[str] = []
     for step in range(start, recipe.train.steps):
