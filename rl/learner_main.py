@@ -37,10 +37,13 @@ def take_groups(store: TrajectoryStore, files: RLRunFiles, step: int, recipe: Re
     """Rank 0: wait for enough fresh groups; drop the stale ones. Returns (group ids, groups dropped)."""
     need, oldest = recipe.rl.prompts_per_step, step - recipe.rl.max_staleness
     dropped = 0
+    versions: dict[str, int] = {}  # each group file is read once, not on every poll
     while True:
         fresh = []
         for group_id in store.ready_groups():
-            if store.load(group_id)[0].policy_version < oldest:
+            if group_id not in versions:
+                versions[group_id] = store.load(group_id)[0].policy_version
+            if versions[group_id] < oldest:
                 store.move([group_id], "ready", "dropped")
                 dropped += 1
             else:

@@ -105,6 +105,9 @@ class EpisodeRunner:
         self.tok = tokenizer
         self.env = env
         self.cfg = rollout
+        self._next_turn = tokenizer.encode(NEXT_TURN)
+        self._summary_request = tokenizer.encode(SUMMARY_REQUEST)
+        self._summary_header = tokenizer.encode(SUMMARY_HEADER)
 
     def run_group(self, task: Task, group_id: str, group_size: int, policy_version: int, seed: int) -> list[Trajectory]:
         prompt_ids = self.tok.encode(task.prompt)
@@ -133,12 +136,12 @@ class EpisodeRunner:
         if e.turns >= self.cfg.max_turns:
             return self._end(e, "max_turns")
         feedback = self.tok.encode(OBSERVATION_HEADER + _feedback(e.result))[: self._observation_cap]
-        e.last_observation = feedback + self.tok.encode(NEXT_TURN)
+        e.last_observation = feedback + self._next_turn
         e.current.observe(e.last_observation)
         if self._needs_summary(e):
             if e.summaries >= self.cfg.max_summaries:
                 return self._end(e, "max_summaries")
-            e.current.observe(self.tok.encode(SUMMARY_REQUEST))
+            e.current.observe(self._summary_request)
             e.summarizing = True
         if len(e.current.tokens) + self.cfg.sampling.max_tokens > self.cfg.max_context:
             self._end(e, "context_full")
@@ -152,8 +155,8 @@ class EpisodeRunner:
         if self.cfg.summarize_at is None:
             return False
         reply = self.cfg.sampling.max_tokens
-        another_turn = reply + self._observation_cap + len(self.tok.encode(NEXT_TURN))
-        summary = len(self.tok.encode(SUMMARY_REQUEST)) + reply
+        another_turn = reply + self._observation_cap + len(self._next_turn)
+        summary = len(self._summary_request) + reply
         used = len(e.current.tokens)
         return used >= self.cfg.summarize_at * self.cfg.max_context or used + another_turn + summary > self.cfg.max_context
 
@@ -162,7 +165,7 @@ class EpisodeRunner:
         e.summary_tokens.append(len(summary.token_ids))
         e.summarizing = False
         fresh = _SegmentBuilder()
-        fresh.observe(e.prompt_ids + self.tok.encode(SUMMARY_HEADER) + summary.token_ids + e.last_observation)
+        fresh.observe(e.prompt_ids + self._summary_header + summary.token_ids + e.last_observation)
         e.segments.append(fresh)
         if len(fresh.tokens) + self.cfg.sampling.max_tokens > self.cfg.max_context:
             self._end(e, "summary_too_long")

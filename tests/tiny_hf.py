@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.checkpoint_init import randomize_for_parity
+
 
 def make_tiny_qwen3_moe(out: Path, *, seed: int = 0, tie: bool = True, vocab: int = 512) -> Path:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -30,12 +32,7 @@ def make_tiny_qwen3_moe(out: Path, *, seed: int = 0, tie: bool = True, vocab: in
         torch_dtype="float32",
     )
     model = Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            elif "gate.weight" in name and "proj" not in name:
-                param.normal_(0.0, 1.0)
+    randomize_for_parity(model, router_std=1.0, seed=seed)
     model.save_pretrained(out)
     return out
 
