@@ -97,7 +97,6 @@ def megatron_tokens_per_s(m: ModelSection, tokens: torch.Tensor, steps: int) -> 
         optimizer.step()
 
     rate = time_steps(step, batch * seq, steps)
-    del model, optimizer
     return rate
 
 
@@ -114,7 +113,6 @@ def transformers_tokens_per_s(m: ModelSection, tokens: torch.Tensor, steps: int)
         optimizer.step()
 
     rate = time_steps(step, tokens.shape[0] * (tokens.shape[1] - 1), steps)
-    del model, optimizer
     return rate
 
 

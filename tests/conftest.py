@@ -13,11 +13,13 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 
 
+COMPOSER = [sys.executable, "-m", "cli"]
+
+
 def run_composer(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the real `composer` CLI in a fresh interpreter, as a user would."""
-    return subprocess.run(
-        [sys.executable, "-m", "cli", *args], cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout
-    )
+    """Run the real `composer` CLI in a fresh interpreter, as a user would (wide enough that rich wraps nothing)."""
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([*COMPOSER, *args], cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture

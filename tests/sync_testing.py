@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from recipes.schema import SyncSection
 from sync.checkpoint import write_safetensors
+from tests.conftest import run_composer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,8 +66,4 @@ def checkpoint_files(directory: Path) -> dict[str, bytes]:
     return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """The real `composer` entry point in a fresh interpreter."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+run_cli = run_composer

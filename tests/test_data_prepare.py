@@ -6,23 +6,22 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.data_helpers import EOS, STDLIB, train_tokenizer, write_jsonl, write_recipe
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer
 
 from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.schema import DataSource
+from tests.conftest import COMPOSER, run_composer
+from tests.data_helpers import EOS, STDLIB, train_tokenizer, write_jsonl, write_recipe
 from trainer.data import expand_paths, prepare_data
 
 REPO = Path(__file__).resolve().parents[1]
-COMPOSER = [sys.executable, "-c", "from cli.main import main; main()"]
 JSON_FILES = sorted((STDLIB / "json").glob("*.py"))
 
 
@@ -167,11 +166,6 @@ def test_bad_inputs_are_user_errors(tmp_path, tokenizer_dir):
     with pytest.raises(UserError, match=r"data.tokenizer and model.checkpoint are both unset"):
         prepare(tmp_path, no_tokenizer)
     assert cache_entries(tmp_path / "cache") == []
-
-
-def run_composer(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    return subprocess.run([*COMPOSER, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_cli_prepares_then_reports_a_cache_hit_and_shows_errors_without_traceback(tmp_path, tokenizer_dir):

@@ -11,14 +11,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from recipes.runs import read_metrics
-from tests.conftest import REPO, RECIPES, run_composer
+from tests.conftest import COMPOSER, RECIPES, REPO, run_composer
 
 pytestmark = pytest.mark.engines
 
@@ -95,7 +94,7 @@ def test_export_command_writes_the_newest_checkpoint(reference, tmp_path):
 def test_killed_run_resumes_with_the_same_data_and_losses(workspace, reference):
     kill_after = random.randint(5, 10)  # past the step-4 checkpoint; sometimes mid-save of step 8
     run_dir = workspace / "runs" / "killed"
-    cmd = [sys.executable, "-m", "cli", *midtrain_args(workspace, "killed")]
+    cmd = [*COMPOSER, *midtrain_args(workspace, "killed")]
     process = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         while not (run_dir / "metrics.jsonl").exists() or max([r["step"] for r in records(run_dir)], default=-1) < kill_after:

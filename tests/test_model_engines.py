@@ -7,7 +7,6 @@ mix-up in the routing shows (notes/model-parity.md lists how weaker setups hide 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

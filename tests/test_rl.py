@@ -4,13 +4,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 
 import pytest
 
-from tests.conftest import RECIPES, REPO
+from tests.conftest import COMPOSER, RECIPES, REPO
 
 pytestmark = pytest.mark.engines
 
@@ -18,7 +17,7 @@ STEPS, PROMPTS = 5, 2
 
 
 def start(run_dir, checkpoint, *extra):
-    args = [sys.executable, "-m", "cli", "train", "rl", str(RECIPES / "smoke-rl.yaml"), "--set", f"model.checkpoint={checkpoint}",
+    args = [*COMPOSER, "train", "rl", str(RECIPES / "smoke-rl.yaml"), "--set", f"model.checkpoint={checkpoint}",
             "--set", f"run.dir={run_dir}", "--set", f"sync.store={run_dir}/weights", "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
             "--set", f"rl.prompts_per_step={PROMPTS}", "--set", "rl.group_size=4", "--set", "train.global_batch_size=8", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 from recipes.schema import RolloutSection, SamplingSection
 from tests.tiny_hf import hf_logprobs_and_routes, make_tiny_qwen3_moe, perturb_checkpoint
