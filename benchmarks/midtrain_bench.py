@@ -147,7 +147,7 @@ def main() -> None:
 
 def measure(args: argparse.Namespace, work: Path) -> None:
     from recipes.runs import read_metrics
-    from trainer.distributed import free_port
+    from recipes.processes import free_port
 
     python = sys.executable
     subprocess.run([python, "-m", "cli", "model", "init", str(work / "init")], cwd=REPO, check=True, capture_output=True)

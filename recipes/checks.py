@@ -130,6 +130,8 @@ def _check_rl(r: Recipe) -> list[Problem]:
     if present and len(present) < 3:
         missing = [k for k in rl_parts if k not in present]
         out.append(Problem(missing[0], f"an RL recipe needs rollout, env and rl together; missing: {', '.join(missing)}"))
+    if r.rollout and r.rollout.engine == "embedded" and r.rollout.engines_per_host > 1:
+        out.append(Problem("rollout.engines_per_host", "more than one engine per host needs rollout.engine: server (one embedded engine per process)"))
     if r.rl and r.rl.router_replay == "r3" and not r.model.is_moe:
         out.append(Problem("rl.router_replay", "`r3` needs an MoE model (model.num_experts > 0); set it to `off`"))
     if r.rollout and r.rollout.summarize_at is not None and r.rollout.max_turns == 1:
@@ -149,6 +151,27 @@ def refuse_unhonoured(recipe: Recipe, command: str, unhonoured: dict[str, str]) 
             problems.append(f"  {path}: {command} does not support {value!r} here ({reason}); leave it at {default!r}")
     if problems:
         raise UserError(f"{command}: the recipe sets keys this command cannot honour:\n" + "\n".join(problems))
+
+
+def refuse_resume_changes(saved: Recipe, new: Recipe, paths: list[str], saved_from: str, depends: str) -> None:
+    """--resume: refuse a recipe that changes any of `paths` (what the run's saved state `depends` on)."""
+    changed = []
+    for path in paths:
+        before, after = _value_at(saved, path), _value_at(new, path)
+        if before != after:
+            changed.append(f"{path} changed" if isinstance(before, list) else f"{path}: {before!r} -> {after!r}")
+    if changed:
+        raise UserError(
+            f"--resume: the recipe changes what {depends} depend on ({'; '.join(changed)}) compared to {saved_from}; "
+            f"resume with the run's values, or start a new run"
+        )
+
+
+def _value_at(recipe: Recipe, path: str) -> object:
+    node: object = recipe
+    for part in path.split("."):
+        node = getattr(node, part) if node is not None else None
+    return node
 
 
 def _value_and_default(recipe: Recipe, path: str) -> tuple[object, object]:

@@ -19,12 +19,12 @@ import torch.distributed as dist
 
 from recipes.errors import UserError
 from recipes.loader import load_recipe
+from recipes.processes import die_with_parent
 from recipes.runs import MetricsWriter, RunDir, drop_records_after
 from recipes.schema import Recipe
 from rl.layout import Policy, RLRunFiles, sync_section
 from rollout.trajectories import Trajectory, TrajectoryStore, episode_stats
 from sync.pusher import push_version
-from trainer.distributed import die_with_parent
 from trainer.launch import record_rank_error, redirect_rank_output
 from trainer.rl_learner import LearnerSequence, RLLearner
 from trainer.rl_objective import group_advantages

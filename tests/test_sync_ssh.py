@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from recipes.errors import UserError
+from recipes.processes import free_port
 from recipes.schema import SSHSection
 from sync.manifest import Manifest
 from sync.pusher import push_version
@@ -23,12 +24,6 @@ from tests.sync_testing import TrainingRun, checkpoint_files, run_cli, sync_sect
 pytestmark = pytest.mark.ssh
 
 SSHD = "/usr/sbin/sshd"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _keygen(path: Path) -> str:
@@ -45,7 +40,7 @@ def sshd(tmp_path_factory):
     host_pub = _keygen(d / "host_key")
     client_pub = _keygen(d / "client_key")
     (d / "authorized_keys").write_text(client_pub + "\n")
-    port = _free_port()
+    port = free_port()
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
     proc = subprocess.Popen([SSHD, "-D", "-e", "-f", "/dev/null", "-p", str(port), "-h", str(d / "host_key"),
                              "-o", "ListenAddress=127.0.0.1", "-o", f"AuthorizedKeysFile={d / 'authorized_keys'}",
@@ -157,7 +152,7 @@ def test_changed_host_key_is_refused(sshd, tmp_path):
 
 
 def test_unreachable_port_is_a_clear_error(sshd, tmp_path):
-    url = f"ssh://root@127.0.0.1:{_free_port()}{tmp_path}/remote"
+    url = f"ssh://root@127.0.0.1:{free_port()}{tmp_path}/remote"
     with pytest.raises(UserError, match="cannot connect"):
         Store.open(url, _ssh(sshd))
     result = run_cli("sync", "status", "--store", url, "--ssh-key", str(sshd[1]), "--known-hosts", str(sshd[2]))

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from recipes.errors import UserError
+from recipes.processes import die_with_parent
 from recipes.runs import atomic_write_text, fsync_dir
 from trainer.cpu_compat import cuda_calls_on_cpu
-from trainer.distributed import die_with_parent
 from trainer.optimizer import TrainOptimizer
 
 LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "cp")

@@ -7,7 +7,6 @@ one. `run_torchrun` starts any `-m module` under torchrun on this host (tests, m
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +14,8 @@ from pathlib import Path
 import torch
 
 from recipes.errors import UserError
+from recipes.processes import free_port
 from recipes.schema import ParallelismSection
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(p: ParallelismSection, seed: int = 1234) -> None:
@@ -85,16 +79,3 @@ def run_torchrun(nproc: int, args: list[str], env: dict[str, str] | None = None,
     ]
     full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
     return subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
-def die_with_parent() -> None:
-    """End this rank when its launcher dies (torchrun starts ranks in sessions of their own, so a kill of the run's
-    process group would otherwise leave them training, and writing checkpoints, beside a resumed run)."""
-    import ctypes
-    import signal
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the launcher died before the request took effect
-        os._exit(1)

@@ -56,7 +56,7 @@ def clear_rank_errors(run: RunDir) -> None:
 
 def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
     """`python -m module args...` as `nproc` ranks on this host."""
-    from trainer.distributed import free_port
+    from recipes.processes import free_port
 
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

@@ -25,13 +25,14 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from recipes.checks import refuse_unhonoured
+from recipes.checks import refuse_resume_changes, refuse_unhonoured
 from recipes.errors import UserError
 from recipes.loader import load_recipe
+from recipes.processes import die_with_parent
 from recipes.runs import RunDir, drop_records_after
 from recipes.schema import Recipe
 from trainer.checkpointing import LAYOUT_KEYS, Checkpointer, check_layout
-from trainer.distributed import die_with_parent, init_distributed, shutdown_distributed
+from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.launch import record_rank_error, redirect_rank_output
 from trainer.model import ARCHITECTURE_FIELDS, build_model, causal_mask
 from trainer.optimizer import TrainOptimizer, wrap_data_parallel
@@ -68,31 +69,11 @@ def check_resume(run: RunDir, recipe: Recipe) -> None:
     """Refuse a resume whose recipe does not fit the run's checkpoints or would change its data order."""
     if not run.recipe_path.is_file():
         return  # RunDir.prepare reports the missing run
-    check_resume_matches(load_recipe(run.recipe_path), recipe, run.recipe_path)
+    refuse_resume_changes(load_recipe(run.recipe_path), recipe, [*RESUME_FIXED, *(f"model.{key}" for key in ARCHITECTURE_FIELDS)],
+                          str(run.recipe_path), "the run's checkpoints and data order")
     latest = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints).latest()
     if latest is not None:
         check_layout(latest, {k: getattr(recipe.parallelism, k) for k in LAYOUT_KEYS})
-
-
-def check_resume_matches(saved: Recipe, new: Recipe, saved_path: Path) -> None:
-    """A resumed run reads exactly the data an uninterrupted one would, into the same architecture."""
-    changed = []
-    for path in (*RESUME_FIXED, *(f"model.{key}" for key in ARCHITECTURE_FIELDS)):
-        before, after = _value_at(saved, path), _value_at(new, path)
-        if before != after:
-            changed.append(f"{path} changed" if isinstance(before, list) else f"{path}: {before!r} -> {after!r}")
-    if changed:
-        raise UserError(
-            f"--resume: the recipe changes what the run's checkpoints and data order depend on ({'; '.join(changed)}) "
-            f"compared to {saved_path}; resume with the run's values, or start a new run"
-        )
-
-
-def _value_at(recipe: Recipe, path: str) -> object:
-    node: object = recipe
-    for part in path.split("."):
-        node = getattr(node, part)
-    return node
 
 
 # --- data ----------------------------------------------------------------------------------------
