@@ -210,6 +210,8 @@ class SamplingSection(Section):
     """Top-k sampling; -1 disables."""
     max_tokens: int = Field(default=512, gt=0)
     """Tokens generated per model turn."""
+    stop: list[str] = Field(default_factory=list)
+    """Strings that end a model turn (the token completing one is kept and trained)."""
 
 
 class RolloutSection(Section):
