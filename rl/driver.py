@@ -7,20 +7,20 @@ from pathlib import Path
 
 from rich.console import Console
 
-from recipes.checks import refuse_unhonoured
+from recipes.checks import refuse_resume_changes, refuse_unhonoured
 from recipes.errors import UserError
-from recipes.loader import recipe_to_yaml
+from recipes.loader import load_recipe, recipe_to_yaml
 from recipes.runs import RunDir
 from recipes.schema import Recipe
 from rl.layout import Policy, RLRunFiles, sync_section
 from rl.rollout_worker import RolloutWorker
 from sync.pusher import push_version
+from trainer.checkpointing import LAYOUT_KEYS
 from trainer.launch import clear_rank_errors, first_rank_error, rank_environment, torchrun_command
+from trainer.model import ARCHITECTURE_FIELDS
 
 UNHONOURED = {
-    "rollout.engine": "rollout engines run embedded in the driver process; the server fleet is not wired to the driver yet",
-    "rollout.hosts": "rollouts run on this host",
-    "rollout.engines_per_host": "one embedded engine",
+    "rollout.hosts": "rollout engines start on this host; servers on other hosts are not started over SSH yet",
     "cluster.hosts": "the learner runs on this host",
     "data": "RL trains on rollouts, not on a corpus",
     "train.eval_every": "RL reports rewards every step instead of a held-out evaluation",
@@ -28,6 +28,13 @@ UNHONOURED = {
     "train.log_every": "the learner records every step",
     "rl.kl_coeff": "no reference policy is kept yet",
 }
+
+
+RESUME_FIXED = [
+    "train.seed", "train.global_batch_size", "env.tasks", "env.reward", "rl.group_size", "rl.prompts_per_step",
+    *(f"parallelism.{key}" for key in LAYOUT_KEYS), *(f"model.{key}" for key in ARCHITECTURE_FIELDS),
+]
+"""What the tasks of group n, the rewards already stored and the learner's checkpoints depend on."""
 
 
 def check_rl_recipe(recipe: Recipe) -> None:
@@ -63,6 +70,9 @@ def learner_done(learner: subprocess.Popen, files: RLRunFiles) -> bool:
 def run_rl(recipe: Recipe, resume: bool, console: Console) -> Path:
     check_rl_recipe(recipe)
     run = RunDir.of(recipe)
+    if resume and run.recipe_path.is_file():
+        refuse_resume_changes(load_recipe(run.recipe_path), recipe, RESUME_FIXED, str(run.recipe_path),
+                              "the run's trajectories and checkpoints")
     run.prepare(recipe_to_yaml(recipe), resume)
     files = RLRunFiles(run.root)
     if files.policy() is None:
@@ -73,7 +83,7 @@ def run_rl(recipe: Recipe, resume: bool, console: Console) -> Path:
     learner = start_learner(recipe, files, run.logs / "torchrun.log")
     try:
         worker = RolloutWorker(recipe, files, on_group=lambda gid, s: console.print(
-            f"[dim]{gid}[/] policy v{s['policy_version']}  reward {s['reward_mean']:.3f}  {s['generated_tokens_per_s']:.0f} tok/s"))
+            f"[dim]{gid}[/] engine {s['engine']}  policy v{s['policy_version']}  reward {s['reward_mean']:.3f}  {s['generated_tokens_per_s']:.0f} tok/s"))
         try:
             worker.run(should_stop=lambda: learner_done(learner, files))
         finally:

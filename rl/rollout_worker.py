@@ -1,21 +1,25 @@
 """The rollout role of an RL run: follow the newest policy, run groups of episodes, hand them to the learner.
 
 Group n always plays the same task (drawn from a generator seeded by n) and is written once, whole; after a
-crash the smallest indices never written are generated first, so no group is lost or made twice.
+crash the smallest indices never written are generated first, so no group is lost or made twice. With a
+server fleet each engine runs its own groups on its own thread and takes a new policy only between groups,
+so every trajectory is made by one policy version.
 """
 
 from __future__ import annotations
 
 import random
-from collections import Counter
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from recipes.runs import MetricsWriter
 from recipes.schema import Recipe
 from rl.layout import RLRunFiles, sync_section
 from rollout.agent import EpisodeRunner, Tokenizer
-from rollout.engine import EmbeddedEngine
+from rollout.engine import EmbeddedEngine, Engine, ServerEngine, VllmServer
 from rollout.environment import CodingEnvironment
 from rollout.tasks import Task
 from rollout.trajectories import TrajectoryStore, episode_stats
@@ -27,6 +31,16 @@ def group_id(index: int) -> str:
     return f"g{index:07d}"
 
 
+@dataclass
+class EngineSlot:
+    """One inference engine, its agent loop, and the policy version its weights hold."""
+
+    number: int
+    engine: Engine
+    runner: EpisodeRunner
+    version: int
+
+
 class RolloutWorker:
     def __init__(self, recipe: Recipe, files: RLRunFiles, on_group: Callable[[str, dict], None] = lambda gid, stats: None):
         self.recipe = recipe
@@ -35,13 +49,38 @@ class RolloutWorker:
         self.store = TrajectoryStore(files.trajectories)
         self.env = CodingEnvironment(recipe.env, seed=recipe.train.seed, sandbox_root=files.root / "sandbox")
         self.version = self._pull_newest()
-        weights = files.receiver / "current"
-        self.engine = EmbeddedEngine(weights, recipe.rollout, seed=recipe.train.seed,
-                                     routed_experts=recipe.model.is_moe and recipe.rl.router_replay == "r3")
-        self.runner = EpisodeRunner(self.engine, Tokenizer(str(weights)), self.env, recipe.rollout)
         self.done = {int(g[1:]) for g in self.store.known_groups()}
+        self.in_flight: dict[int, int] = {}
+        """Group index -> the policy version making it."""
         self.made_with = Counter(self.store.load(g)[0].policy_version for g in self.store.ready_groups())
         self.metrics = MetricsWriter(files.root / "rollout_metrics.jsonl")
+        self._groups_lock = threading.Lock()
+        self._policy_lock = threading.Lock()
+        self.servers: list[VllmServer] = []
+        self.slots = self._start_engines()
+
+    def _start_engines(self) -> list[EngineSlot]:
+        rollout = self.recipe.rollout
+        weights = str((self.files.receiver / "current").resolve())
+        routed = self.recipe.model.is_moe and self.recipe.rl.router_replay == "r3"
+        seed = self.recipe.train.seed
+        if rollout.engine == "embedded":
+            engines: list[Engine] = [EmbeddedEngine(weights, rollout, seed=seed, routed_experts=routed)]
+        else:
+            # Started from this (the main) thread: each server is told to end when the thread that started it does.
+            try:
+                for number in range(rollout.engines_per_host):
+                    self.servers.append(VllmServer(weights, rollout, seed=seed + number, routed_experts=routed,
+                                                   log_path=self.files.root / "logs" / f"vllm-{number}.log"))
+                for server in self.servers:
+                    server.wait_ready()
+            except BaseException:
+                self.close()
+                raise
+            engines = [ServerEngine(server.url, rollout, model=weights) for server in self.servers]
+        # A tokenizer each: HF fast tokenizers are not safe to share between threads.
+        return [EngineSlot(number, engine, EpisodeRunner(engine, Tokenizer(weights), self.env, rollout), self.version)
+                for number, engine in enumerate(engines)]
 
     def _pull_newest(self) -> int:
         policy = self.files.policy()
@@ -49,18 +88,33 @@ class RolloutWorker:
             pull(store, self.files.receiver, policy.store_version)
         return policy.version
 
-    def follow_policy(self) -> None:
-        policy = self.files.policy()
-        if policy.version > self.version:
-            self._pull_newest()
-            self.engine.load_weights(self.files.receiver / "current")
-            self.version = policy.version
+    def follow_policy(self, slot: EngineSlot) -> None:
+        """Bring this engine to the newest policy. Pull and load share a lock, so the receiver never drops
+        a version while an engine reads it."""
+        with self._policy_lock:
+            policy = self.files.policy()
+            if policy.version > self.version:
+                self._pull_newest()
+                self.version = policy.version
+            if slot.version < self.version:
+                slot.engine.load_weights((self.files.receiver / "current").resolve())
+                slot.version = self.version
 
-    def next_index(self) -> int:
-        index = 0
-        while index in self.done:
-            index += 1
-        return index
+    def claim(self, version: int) -> int | None:
+        """The smallest group index nobody made or is making, or None while enough groups wait for the learner
+        (with max_staleness 0, synchronous RL, one step's worth per policy)."""
+        rl = self.recipe.rl
+        with self._groups_lock:
+            if rl.max_staleness == 0:
+                if self.made_with[version] + Counter(self.in_flight.values())[version] >= rl.prompts_per_step:
+                    return None  # anything more made with this policy would be too stale to train on
+            elif len(self.store.ready_groups()) + len(self.in_flight) >= rl.prompts_per_step * (rl.max_staleness + 1):
+                return None
+            index = 0
+            while index in self.done or index in self.in_flight:
+                index += 1
+            self.in_flight[index] = version
+            return index
 
     def task_for(self, index: int) -> Task:
         pool = self.env.pool
@@ -72,41 +126,73 @@ class RolloutWorker:
             if task is not None:
                 return task
 
-    def should_wait(self) -> bool:
-        """Enough groups wait for the learner; with max_staleness 0 (synchronous RL) one step's worth per policy."""
-        rl = self.recipe.rl
-        if rl.max_staleness == 0 and self.made_with[self.version] >= rl.prompts_per_step:
-            return True  # anything more made with this policy would be too stale to train on
-        return len(self.store.ready_groups()) >= rl.prompts_per_step * (rl.max_staleness + 1)
-
     def run(self, should_stop: Callable[[], bool]) -> None:
+        """Run groups on every engine until `should_stop` (polled on this thread); the first error of any
+        engine stops them all and is raised here."""
+        if len(self.slots) == 1:
+            return self._engine_loop(self.slots[0], should_stop)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def loop(slot: EngineSlot) -> None:
+            try:
+                self._engine_loop(slot, stop.is_set)
+            except BaseException as e:
+                errors.append(e)
+                stop.set()
+
+        threads = [threading.Thread(target=loop, args=(slot,), name=f"engine-{slot.number}") for slot in self.slots]
+        for thread in threads:
+            thread.start()
+        try:
+            while not stop.is_set():
+                if should_stop():
+                    stop.set()
+                stop.wait(0.2)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        if errors:
+            raise errors[0]
+
+    def _engine_loop(self, slot: EngineSlot, should_stop: Callable[[], bool]) -> None:
         while not should_stop():
-            self.follow_policy()
-            if self.should_wait():
+            self.follow_policy(slot)
+            index = self.claim(slot.version)
+            if index is None:
                 time.sleep(0.2)
                 continue
-            self.run_one(self.next_index())
+            try:
+                self.run_one(slot, index)
+            finally:
+                with self._groups_lock:
+                    del self.in_flight[index]
 
-    def run_one(self, index: int) -> None:
+    def run_one(self, slot: EngineSlot, index: int) -> None:
         started = time.monotonic()
         gid = group_id(index)
-        trajectories = self.runner.run_group(self.task_for(index), gid, self.recipe.rl.group_size, self.version,
+        trajectories = slot.runner.run_group(self.task_for(index), gid, self.recipe.rl.group_size, slot.version,
                                              seed=self.recipe.train.seed * 1_000_003 + index)
         self.store.put(gid, trajectories)
-        self.done.add(index)
-        self.made_with[self.version] += 1
+        with self._groups_lock:
+            self.done.add(index)
+            self.made_with[slot.version] += 1
         seconds = time.monotonic() - started
         generated = sum(int(s.loss_mask.sum()) for t in trajectories for s in t.segments)
         stats = {
-            "policy_version": self.version,
+            "policy_version": slot.version,
+            "engine": slot.number,
             "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
             "generated_tokens_per_s": generated / max(seconds, 1e-9),
             "group_seconds": seconds,
             **episode_stats(trajectories, self.recipe.rollout.max_context),
         }
-        self.metrics.write(index, group=gid, **stats)
+        with self._groups_lock:
+            self.metrics.write(index, group=gid, **stats)
         self.on_group(gid, stats)
 
     def close(self) -> None:
         self.metrics.close()
-
+        for server in self.servers:
+            server.stop()

@@ -7,12 +7,12 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from recipes.errors import UserError
+from recipes.processes import die_with_parent, free_port
 from recipes.schema import RolloutSection
 
 
@@ -82,6 +83,7 @@ class EmbeddedEngine:
                 top_p=s.top_p,
                 top_k=s.top_k,
                 max_tokens=max_tokens or s.max_tokens,
+                stop=s.stop or None,
                 logprobs=0,  # the sampled token's own logprob
                 seed=seed,
             )
@@ -117,13 +119,14 @@ def _completion(prompt_ids: list[int], output) -> Completion:
 
 
 class VllmServer:
-    """An OpenAI-compatible vLLM server started by composer on this host, stopped with it."""
+    """An OpenAI-compatible vLLM server started by composer on this host, stopped with it (starting
+    returns at once, so several servers load together; `wait_ready` before use)."""
 
-    def __init__(self, model_dir: str | Path, rollout: RolloutSection, *, seed: int, routed_experts: bool, log_path: Path, startup_timeout: float = 300):
+    def __init__(self, model_dir: str | Path, rollout: RolloutSection, *, seed: int, routed_experts: bool, log_path: Path):
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise UserError(f"rollout: {model_dir} is not an HF checkpoint (no config.json)")
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -142,9 +145,14 @@ class VllmServer:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         with log_path.open("ab") as log:
-            self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            # SIGTERM when this process ends, kill -9 included, so the server stops its own engine process too.
+            self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                          preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        """Return once the server answers; stop it and raise a user error if it exits or never does."""
         try:
-            self._wait_healthy(startup_timeout)
+            self._wait_healthy(timeout)
         except BaseException:
             self.stop()
             raise
@@ -173,6 +181,7 @@ class VllmServer:
                 self._proc.wait()
 
     def __enter__(self) -> VllmServer:
+        self.wait_ready()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -189,16 +198,19 @@ class ServerEngine:
 
     def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None) -> list[list[Completion]]:
         s = self._sampling
-        results = []
-        for prompt, seed in zip(prompts, seeds or [None] * len(prompts)):
+
+        def complete(prompt: list[int], seed: int | None) -> list[Completion]:
             body = {
                 "model": self.model, "prompt": prompt, "n": n, "temperature": s.temperature, "top_p": s.top_p,
-                "top_k": s.top_k, "max_tokens": max_tokens or s.max_tokens, "logprobs": 0,
+                "top_k": s.top_k, "max_tokens": max_tokens or s.max_tokens, "stop": s.stop, "logprobs": 0,
                 "return_token_ids": True, "return_tokens_as_token_ids": True, "seed": seed,
             }
             choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
-            results.append([_server_completion(prompt, c) for c in choices])
-        return results
+            return [_server_completion(prompt, c) for c in choices]
+
+        # All requests at once, so the server batches them as the embedded engine would.
+        with ThreadPoolExecutor(max_workers=max(len(prompts), 1)) as pool:
+            return list(pool.map(complete, prompts, seeds or [None] * len(prompts)))
 
     def load_weights(self, weights_dir: str | Path) -> None:
         self._post("/collective_rpc", {"method": "load_weights_from_dir", "args": [str(weights_dir)]})
@@ -226,9 +238,3 @@ def _server_completion(prompt: list[int], choice: dict) -> Completion:
         routed_experts=np.load(io.BytesIO(base64.b64decode(routes))) if routes else None,
         finish_reason=choice.get("finish_reason") or "length",
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

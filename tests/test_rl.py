@@ -6,6 +6,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,7 +38,8 @@ def killed_and_resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, root / "init", tokenizer_bytes=2**20)
     run = root / "runs" / "smoke-rl"
-    first = start(root / "runs", checkpoint)
+    # The first run rolls out on a fleet of two vLLM servers, so the kill catches groups in flight on both.
+    first = start(root / "runs", checkpoint, "--set", "rollout.engine=server", "--set", "rollout.engines_per_host=2")
     deadline = time.monotonic() + 600
     while len(metrics(run)) < 3:  # step 3 is trained but no checkpoint covers it yet
         assert first.poll() is None, first.stdout.read()[-3000:]
@@ -45,14 +47,29 @@ def killed_and_resumed(tmp_path_factory):
         time.sleep(0.2)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
+    fleet_groups = [json.loads(line) for line in (run / "rollout_metrics.jsonl").read_text().splitlines()]
+    deadline = time.monotonic() + 60
+    while (servers := _processes_mentioning(run)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     resumed = start(root / "runs", checkpoint, "--resume")
     output, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, output[-3000:]
-    return run
+    return SimpleNamespace(run=run, fleet_groups=fleet_groups, servers_left=servers)
+
+
+def _processes_mentioning(path) -> list[str]:
+    found = subprocess.run(["pgrep", "-af", str(path)], capture_output=True, text=True).stdout
+    return [line for line in found.splitlines() if "pgrep" not in line]
+
+
+def test_fleet_servers_share_the_work_and_die_with_the_driver(killed_and_resumed):
+    engines = Counter(g["engine"] for g in killed_and_resumed.fleet_groups)
+    assert set(engines) == {0, 1}  # both servers made groups
+    assert killed_and_resumed.servers_left == []  # kill -9 of the driver stopped its vLLM servers
 
 
 def test_no_trajectory_lost_or_duplicated(killed_and_resumed):
-    run = killed_and_resumed
+    run = killed_and_resumed.run
     stages = {stage: sorted(p.stem for p in (run / "trajectories" / stage).glob("*.traj")) for stage in ("ready", "trained", "consumed", "dropped")}
     every = [g for groups in stages.values() for g in groups]
     assert len(every) == len(set(every))  # each group is in exactly one stage
@@ -68,14 +85,14 @@ def test_no_trajectory_lost_or_duplicated(killed_and_resumed):
 
 
 def test_first_step_learner_matches_engine(killed_and_resumed):
-    first = metrics(killed_and_resumed)[0]
+    first = metrics(killed_and_resumed.run)[0]
     assert first["step"] == 1 and first["staleness_max"] == 0
     assert first["logprob_abs_diff"] < 1e-5  # same weights, fp32: only numerical noise
     assert abs(first["prob_ratio_max"] - 1) < 1e-4
 
 
 def test_policies_flow_through_sync(killed_and_resumed):
-    run = killed_and_resumed
+    run = killed_and_resumed.run
     policy = json.loads((run / "policy.json").read_text())
     assert policy["version"] == STEPS
     last = metrics(run)[-1]
@@ -87,5 +104,15 @@ def test_policies_flow_through_sync(killed_and_resumed):
 def test_keys_the_rl_driver_cannot_honour_are_refused(composer):
     result = composer("train", "rl", str(RECIPES / "kimi-k2-rl.yaml"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "rollout.engine: train rl does not support 'server' here" in result.stderr
+    assert "rollout.hosts: train rl does not support" in result.stderr
     assert "cluster.hosts: train rl does not support" in result.stderr
+
+
+def test_resume_refuses_a_recipe_that_changes_what_the_run_depends_on(killed_and_resumed, composer):
+    run = killed_and_resumed.run
+    saved = (run / "recipe.yaml").read_text()
+    result = composer("train", "rl", str(RECIPES / "smoke-rl.yaml"), "--resume", "--set", f"run.dir={run.parent}",
+                      "--set", "model.checkpoint=unused", "--set", "rl.group_size=2", "--set", "rollout.engine=server")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "rl.group_size: 4 -> 2" in result.stderr and "rollout.engine" not in result.stderr  # engines may change
+    assert (run / "recipe.yaml").read_text() == saved
