@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -88,16 +89,25 @@ def main() -> None:
     parser.add_argument("--num-experts", type=int, default=32, help="more experts: closer top-k margins, more fragile routing")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--router-scale", type=float, default=0.3, help="1 = the smoke checkpoint's router as initialised")
-    parser.add_argument("--expert-scale", type=float, default=8.0, help="1 = the smoke checkpoint's experts as initialised")
+    parser.add_argument("--router-scale", type=float, default=None, help="1 = the router as initialised (default 0.3 for a random model)")
+    parser.add_argument("--expert-scale", type=float, default=None, help="1 = the experts as initialised (default 8 for a random model)")
+    parser.add_argument("--checkpoint", type=Path, help="an HF MoE checkpoint to use as it is (e.g. the smoke mid-training export) "
+                                                         "instead of a random one; the architecture options are then ignored")
     args = parser.parse_args()
+    default_scale = 1.0 if args.checkpoint else None
+    args.router_scale = args.router_scale or default_scale or 0.3
+    args.expert_scale = args.expert_scale or default_scale or 8.0
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     base = load_recipe(REPO / "recipes/smoke-midtrain.yaml", []).model
     arch = base.model_copy(update=dict(num_experts=args.num_experts, moe_top_k=args.top_k, num_layers=args.num_layers))
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = init_hf_checkpoint(arch, Path(tmp) / "moe", tokenizer_bytes=2**20)
-        sharpen_moe(checkpoint, args.router_scale, args.expert_scale)
+        if args.checkpoint:
+            checkpoint = Path(shutil.copytree(args.checkpoint, Path(tmp) / "moe"))
+        else:
+            checkpoint = init_hf_checkpoint(arch, Path(tmp) / "moe", tokenizer_bytes=2**20)
+        if (args.router_scale, args.expert_scale) != (1.0, 1.0):
+            sharpen_moe(checkpoint, args.router_scale, args.expert_scale)
         m = model_section_from_hf(checkpoint)
         init_distributed(ParallelismSection())
         completions = sample(checkpoint, args.prompts, args.tokens, seed=0)
