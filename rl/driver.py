@@ -26,7 +26,6 @@ UNHONOURED = {
     "train.eval_every": "RL reports rewards every step instead of a held-out evaluation",
     "train.eval_batches": "RL reports rewards every step instead of a held-out evaluation",
     "train.log_every": "the learner records every step",
-    "rl.kl_coeff": "no reference policy is kept yet",
 }
 
 

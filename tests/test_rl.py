@@ -20,7 +20,8 @@ STEPS, PROMPTS = 5, 2
 def start(run_dir, checkpoint, *extra):
     args = [*COMPOSER, "train", "rl", str(RECIPES / "smoke-rl.yaml"), "--set", f"model.checkpoint={checkpoint}",
             "--set", f"run.dir={run_dir}", "--set", f"sync.store={run_dir}/weights", "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
-            "--set", f"rl.prompts_per_step={PROMPTS}", "--set", "rl.group_size=4", "--set", "train.global_batch_size=8", *extra]
+            "--set", f"rl.prompts_per_step={PROMPTS}", "--set", "rl.group_size=4", "--set", "train.global_batch_size=8",
+            "--set", "rl.kl_coeff=0.05", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
@@ -89,6 +90,12 @@ def test_first_step_learner_matches_engine(killed_and_resumed):
     assert first["step"] == 1 and first["staleness_max"] == 0
     assert first["logprob_abs_diff"] < 1e-5  # same weights, fp32: only numerical noise
     assert abs(first["prob_ratio_max"] - 1) < 1e-4
+
+
+def test_kl_is_measured_against_the_starting_policy_across_the_resume(killed_and_resumed):
+    kl = [r["kl_ref"] for r in metrics(killed_and_resumed.run)]
+    assert kl[0] < 1e-9  # step 1 trains the starting weights themselves
+    assert all(value > 0 for value in kl[1:])  # later policies moved away from the reference, resumed steps too
 
 
 def test_policies_flow_through_sync(killed_and_resumed):

@@ -47,10 +47,27 @@ class RLLearner:
         self.model = build_model(recipe.model, p, recompute_activations=recipe.train.recompute_activations)
         if recipe.model.checkpoint:
             load_hf_into(self.model, recipe.model, recipe.model.checkpoint)
+        self.reference = self._frozen_reference() if recipe.rl.kl_coeff > 0 else None
         self.ddp = wrap_data_parallel(self.model, p)
         self.optimizer = TrainOptimizer(self.ddp, recipe.optim, p, recipe.train.steps, getattr(torch, recipe.model.dtype))
         self.checkpointer = Checkpointer(checkpoints, recipe.train.keep_checkpoints)
         self.layout = {k: getattr(p, k) for k in LAYOUT_KEYS}
+
+    def _frozen_reference(self):
+        """The starting policy (model.checkpoint), kept for the KL penalty; the same on every resume."""
+        reference = build_model(self.recipe.model, self.recipe.parallelism)
+        load_hf_into(reference, self.recipe.model, self.recipe.model.checkpoint)
+        reference.eval()
+        for param in reference.parameters():
+            param.requires_grad_(False)
+        return reference
+
+    def _reference_logprobs(self, tokens: torch.Tensor, replay: list[torch.Tensor] | None) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        # The reference replays the engine's routes too: the KL compares the two policies on the same experts.
+        with routing(self.reference, replay) if replay is not None else contextlib.nullcontext():
+            return token_logprobs(self.reference, tokens, with_grad=False)
 
     def resume(self) -> dict | None:
         """Restore the newest checkpoint; returns its saved state (None on a fresh start)."""
@@ -85,12 +102,13 @@ class RLLearner:
             replay = None
             if self.recipe.model.is_moe and rl.router_replay == "r3":
                 replay = replay_for_micro_batch(self.ddp, "r3", [s.routes for s in chunk], batch.lengths, batch.seq_len)
+            reference = self._reference_logprobs(batch.tokens, replay)
             scope = routing(self.ddp, replay) if replay is not None else contextlib.nullcontext()
             with scope as used:
                 logprobs = token_logprobs(self.ddp, batch.tokens)
                 rollout, mask = _aligned(chunk, batch.seq_len)
                 advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
-                loss, micro_stats = policy_gradient_loss(logprobs, rollout, advantages, mask, rl, normaliser)
+                loss, micro_stats = policy_gradient_loss(logprobs, rollout, advantages, mask, rl, normaliser, reference)
                 loss.backward()
                 if replay is not None and i == 0:
                     # what the learner's own routers would have chosen vs the engine's routes, on this rank's first micro-batch
@@ -134,6 +152,6 @@ def _all_reduce_stats(stats: PolicyLossStats, loss_sum: float) -> dict[str, floa
     dist.all_reduce(sums, group=group)
     peak = torch.tensor([stats.ratio_max], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    total = PolicyLossStats(*sums[:5].tolist())
-    total.ratio_max = float(peak[0])
-    return {"loss": float(sums[5]), **total.finalize()}
+    tokens, abs_diff, ratio, clipped, kl, loss = sums.tolist()
+    total = PolicyLossStats(tokens=tokens, abs_logprob_diff=abs_diff, ratio=ratio, ratio_max=float(peak[0]), clipped=clipped, kl=kl)
+    return {"loss": loss, **total.finalize()}
