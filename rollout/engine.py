@@ -67,6 +67,9 @@ class EmbeddedEngine:
             skip_tokenizer_init=not (model_dir / "tokenizer.json").is_file(),
             enable_return_routed_experts=routed_experts,
             enable_prefix_caching=True,
+            # Whole prompts per step: vLLM rewinds a seeded request's generator when a step cuts its prompt,
+            # and CPU generators cannot rewind ("CPU Generator does not use offset").
+            enable_chunked_prefill=False,
             worker_extension_cls="rollout.vllm_worker.WeightUpdateExtension",
         )
         self._sampling = rollout.sampling
@@ -133,7 +136,7 @@ class VllmServer:
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", rollout.dtype, "--max-model-len", str(rollout.max_context),
             "--kv-cache-memory-bytes", str(int(rollout.kv_cache_gib * 2**30)),
-            "--enforce-eager", "--seed", str(seed), "--enable-prefix-caching",
+            "--enforce-eager", "--seed", str(seed), "--enable-prefix-caching", "--no-enable-chunked-prefill",
             "--worker-extension-cls", "rollout.vllm_worker.WeightUpdateExtension",
         ]
         if routed_experts:

