@@ -4,6 +4,10 @@ A turn: the policy writes a reply; if it holds code, the environment writes it a
 hidden tests and returns their output as the next observation (tokens the learner does not train on).
 The episode ends when every test passes, the turns run out, or the context cannot hold another turn.
 
+With tools (`rollout.tools`) the policy works on a file, solution.py: a ```python block in a reply replaces
+it, and the reply's last line chooses the tool: RUN runs solution.py in the sandbox and shows its output,
+TEST (the default) runs the hidden tests. The episode's reward is the hidden tests' score of the last solution.
+
 Self-summarization: when the context reaches `summarize_at * max_context` at a turn boundary, the policy is
 asked to summarize its work; the context restarts as [task, summary, latest observation] in a new segment.
 The summary is generated (and trained) in the segment that ends with it, under the episode's reward.
@@ -12,6 +16,7 @@ The summary is generated (and trained) in the segment that ends with it, under t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -19,13 +24,17 @@ from recipes.schema import RolloutSection
 from rollout.engine import Completion, Engine
 from rollout.environment import CodingEnvironment
 from rollout.sandbox import SandboxResult
-from rollout.tasks import Task
+from rollout.tasks import Task, fenced_code
 from rollout.trajectories import Segment, Trajectory
 
 SUMMARY_REQUEST = "\n\n[The context is nearly full. Summarize the task, what you tried and what the tests said, so you can continue from the summary alone.]\nSummary:"
 SUMMARY_HEADER = "\n\n[Summary of your earlier work]\n"
 OBSERVATION_HEADER = "\n\n[Test results]\n"
 NEXT_TURN = "\n\n[Fix the code and reply with the complete solution.]\n"
+TOOLS_GUIDE = ("\n\n[Tools: a ```python block in your reply replaces solution.py. End the reply with a line RUN to run "
+               "solution.py and read its output, or TEST to run the hidden tests on it; every reply ends with TEST unless "
+               "it says RUN.]\n")
+RUN_HEADER = "\n\n[Output of solution.py]\n"
 
 
 class Tokenizer:
@@ -91,6 +100,10 @@ class _Episode:
     end_reason: str = ""
     last_observation: list[int] = field(default_factory=list)
     summarizing: bool = False
+    solution: str = ""
+    """The code the hidden tests score (with tools: solution.py as the policy last wrote it)."""
+    graded: str | None = None
+    """The solution `result` belongs to."""
 
     @property
     def current(self) -> _SegmentBuilder:
@@ -110,7 +123,7 @@ class EpisodeRunner:
         self._summary_header = tokenizer.encode(SUMMARY_HEADER)
 
     def run_group(self, task: Task, group_id: str, group_size: int, policy_version: int, seed: int) -> list[Trajectory]:
-        prompt_ids = self.tok.encode(task.prompt)
+        prompt_ids = self.tok.encode(task.prompt + (TOOLS_GUIDE if self.cfg.tools else ""))
         if len(prompt_ids) + self.cfg.sampling.max_tokens > self.cfg.max_context:
             raise ValueError(f"task {task.id}: prompt of {len(prompt_ids)} tokens leaves no room in max_context={self.cfg.max_context}")
         episodes = [_Episode(f"{group_id}-{i}", seed * 1000 + i, prompt_ids, [_SegmentBuilder()]) for i in range(group_size)]
@@ -130,13 +143,35 @@ class EpisodeRunner:
 
     def _after_turn(self, task: Task, e: _Episode, completion: Completion) -> None:
         e.turns += 1
-        e.result = self.env.grade(task, self.tok.decode(completion.token_ids))
+        reply = self.tok.decode(completion.token_ids)
+        if not self.cfg.tools:
+            e.solution = reply
+        elif (code := fenced_code(reply, task.entry_point)) is not None:
+            e.solution = code
+        if self.cfg.tools and reply_tool(reply) == "run" and e.turns < self.cfg.max_turns:
+            return self._observe(e, self._run_output(self.env.run(task, e.solution)))
+        self._test(task, e)
         if e.result.reward == 1.0:
             return self._end(e, "solved")
         if e.turns >= self.cfg.max_turns:
             return self._end(e, "max_turns")
-        feedback = self.tok.encode(OBSERVATION_HEADER + _feedback(e.result))[: self._observation_cap]
-        e.last_observation = feedback + self._next_turn
+        self._observe(e, self.tok.encode(OBSERVATION_HEADER + _feedback(e.result))[: self._observation_cap])
+
+    def _test(self, task: Task, e: _Episode) -> None:
+        e.result = self.env.grade(task, e.solution)
+        e.graded = e.solution
+
+    def _run_output(self, result: SandboxResult) -> list[int]:
+        """The status, then as much of the end of the program's output as fits (where its error is)."""
+        status = "exit 0" if result.status == "ok" else f"{result.status}: {result.detail}"
+        head = self.tok.encode(f"{RUN_HEADER}[{status}]\n")
+        room = max(self._observation_cap - len(head), 0)
+        output = self.tok.encode(result.stdout_tail + result.stderr_tail)
+        return head + (output[-room:] if room else [])
+
+    def _observe(self, e: _Episode, observation: list[int]) -> None:
+        """Show the policy `observation` and open its next turn (summarizing first when the context asks for it)."""
+        e.last_observation = observation + self._next_turn
         e.current.observe(e.last_observation)
         if self._needs_summary(e):
             if e.summaries >= self.cfg.max_summaries:
@@ -176,6 +211,8 @@ class EpisodeRunner:
         e.end_reason = reason
 
     def _trajectory(self, task: Task, group_id: str, e: _Episode, policy_version: int) -> Trajectory:
+        if e.graded != e.solution:
+            self._test(task, e)  # the episode ended on a RUN or a summary: score the solution it left
         result = e.result
         return Trajectory(
             id=e.id,
@@ -194,6 +231,12 @@ class EpisodeRunner:
                 "sandbox_status": result.status if result else "none",
             },
         )
+
+
+def reply_tool(reply: str) -> Literal["run", "test"]:
+    """The tool a reply asks for on its last non-empty line: RUN, else TEST."""
+    lines = [line.strip() for line in reply.strip().splitlines() if line.strip()]
+    return "run" if lines and lines[-1] == "RUN" else "test"
 
 
 def _feedback(result: SandboxResult) -> str:

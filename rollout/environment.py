@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recipes.schema import EnvSection
-from rollout.sandbox import Sandbox, SandboxResult
+from rollout.sandbox import Sandbox, SandboxResult, ScriptRun
 from rollout.tasks import Task, TaskPool
 
 
@@ -25,6 +25,10 @@ class CodingEnvironment:
 
     def grade(self, task: Task, completion: str) -> SandboxResult:
         return self.sandbox.run(task.program(completion), task.tests, self.reward)
+
+    def run(self, task: Task, completion: str) -> SandboxResult:
+        """Run the program a completion makes for `task` as a script, no tests (the policy's RUN tool)."""
+        return self.sandbox.run(task.program(completion), ScriptRun())
 
 
 @dataclass

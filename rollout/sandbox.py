@@ -88,12 +88,21 @@ class GeneratedCalls:
     seed: int
 
 
-Tests = AssertionTests | CallTests | GeneratedCalls
+@dataclass(frozen=True)
+class ScriptRun:
+    """No tests: run the program as a script (`__name__ == "__main__"`); what it prints is the result."""
+
+    seed: int = 0
+
+
+Tests = AssertionTests | CallTests | GeneratedCalls | ScriptRun
 
 
 def _tests_document(tests: Tests) -> dict:
     if isinstance(tests, AssertionTests):
         return {"kind": "assertions", "entry_point": tests.entry_point, "setup": tests.setup, "cases": list(tests.cases)}
+    if isinstance(tests, ScriptRun):
+        return {"kind": "script", "seed": tests.seed}
     if isinstance(tests, CallTests):
         # The expected outputs stay here: the program never sees them.
         return {"kind": "calls", "entry_point": tests.entry_point, "inputs": list(tests.inputs), "seed": tests.seed}
@@ -101,6 +110,8 @@ def _tests_document(tests: Tests) -> dict:
 
 
 def _num_cases(tests: Tests) -> int:
+    if isinstance(tests, ScriptRun):
+        return 0
     if isinstance(tests, AssertionTests):
         return len(tests.cases)
     if isinstance(tests, CallTests):

@@ -14,6 +14,7 @@ Test kinds (tests.json):
               report its output (JSON); the parent judges it.
   generate    {"entry_point", "generator", "count", "seed"}: draw `count` inputs from the program's
               generator with a seeded Random, call the entry point on each, report input and output.
+  script      {"seed"}: run the program as `__main__`, no cases; its output is what the caller reads.
 
 Protocol on the result pipe: JSON lines, one per case ({"ok", "error", "input", "output"}), then
 {"done": true}. A run that dies early has reported the cases it finished.
@@ -107,7 +108,26 @@ def _run_generate(tests: dict, candidate, namespace: dict, report: _Reporter) ->
         _call(candidate, tests["seed"] + i, input_json, report)
 
 
+def _run_script(program: str, report: _Reporter) -> None:
+    """Like `python program.py`: a traceback goes to stderr and the exit status is 1."""
+    try:
+        exec(compile(program, "solution.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as e:
+        report.leave_if_forked()
+        report.done()
+        raise SystemExit(e.code) from None
+    except BaseException as e:
+        report.leave_if_forked()
+        traceback.print_exception(e.with_traceback(e.__traceback__.tb_next))  # from the program's own frames
+        report.done()
+        sys.exit(1)
+    report.leave_if_forked()
+    report.done()
+
+
 def _num_cases(tests: dict) -> int:
+    if tests["kind"] == "script":
+        return 0
     if tests["kind"] == "assertions":
         return len(tests["cases"])
     return len(tests["inputs"]) if tests["kind"] == "calls" else tests["count"]
@@ -120,8 +140,10 @@ def main() -> None:
     with open(os.path.join(harness, "program.py")) as f:
         program = f.read()
     report = _Reporter(result_fd)
-    namespace = {"__name__": "__solution__", "__builtins__": __builtins__}
     _seed_everything(tests.get("seed", 0))
+    if tests["kind"] == "script":
+        return _run_script(program, report)
+    namespace = {"__name__": "__solution__", "__builtins__": __builtins__}
     try:
         exec(compile(program, "program.py", "exec"), namespace)
         candidate = namespace[tests["entry_point"]]

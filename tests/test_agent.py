@@ -20,18 +20,28 @@ def tiny_model(tmp_path_factory):
     return init_hf_checkpoint(model, tmp_path_factory.mktemp("agent") / "tiny", tokenizer_bytes=2**20)
 
 
+ROLLOUT = RolloutSection(max_context=MAX_CONTEXT, max_turns=30, summarize_at=0.6, max_summaries=30,
+                         kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=48))
+
+
 @pytest.fixture(scope="module")
-def episodes(tiny_model, tmp_path_factory):
-    from rollout.agent import EpisodeRunner, Tokenizer
+def parts(tiny_model, tmp_path_factory):
+    """A real engine, tokenizer and coding environment (smoke and HumanEval tasks)."""
+    from rollout.agent import Tokenizer
     from rollout.engine import EmbeddedEngine
     from rollout.environment import CodingEnvironment
 
-    rollout = RolloutSection(max_context=MAX_CONTEXT, max_turns=30, summarize_at=0.6, max_summaries=30,
-                             kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=48))
-    env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="smoke")]), seed=0, sandbox_root=tmp_path_factory.mktemp("sandbox"))
-    engine = EmbeddedEngine(tiny_model, rollout, seed=0, routed_experts=True)
-    tokenizer = Tokenizer(str(tiny_model))
-    runner = EpisodeRunner(engine, tokenizer, env, rollout)
+    env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="smoke"), TaskSet(name="humaneval")]), seed=0,
+                            sandbox_root=tmp_path_factory.mktemp("sandbox"))
+    return EmbeddedEngine(tiny_model, ROLLOUT, seed=0, routed_experts=True), Tokenizer(str(tiny_model)), env
+
+
+@pytest.fixture(scope="module")
+def episodes(parts):
+    from rollout.agent import EpisodeRunner
+
+    engine, tokenizer, env = parts
+    runner = EpisodeRunner(engine, tokenizer, env, ROLLOUT)
     task = env.pool.task(0, 0)
     return runner.run_group(task, "g0", group_size=2, policy_version=3, seed=1), tokenizer, task
 
@@ -88,3 +98,42 @@ def test_summarization_metrics(episodes):
     assert stats["episode_tokens_over_context"] >= 5
     assert 0 < stats["summary_tokens_mean"] <= 48
     assert "reward_with_summaries" in stats and "reward_without_summaries" not in stats
+
+
+def test_tools_run_the_solution_and_test_the_last_one(parts):
+    from rollout.agent import RUN_HEADER, TOOLS_GUIDE, EpisodeRunner, _Episode, _SegmentBuilder
+    from rollout.engine import Completion
+
+    engine, tok, env = parts
+    runner = EpisodeRunner(engine, tok, env, ROLLOUT.model_copy(update={"tools": True, "summarize_at": None}))
+    task = env.pool.task(1, 0)  # HumanEval/0: has_close_elements
+    episode = _Episode("e", 0, tok.encode(task.prompt + TOOLS_GUIDE), [_SegmentBuilder()])
+
+    def reply(text: str) -> str:
+        ids = tok.encode(text)
+        runner._after_turn(task, episode, Completion([], ids, [0.0] * len(ids), None, "stop"))
+        return tok.decode(episode.last_observation)
+
+    seen = reply("```python\ndef has_close_elements(numbers, threshold):\n    return False\nprint(6 * 7)\n```\nRUN")
+    assert seen.startswith(RUN_HEADER) and "42" in seen and "[exit 0]" in seen
+    assert episode.result is None and not episode.done  # RUN shows output; the hidden tests did not run
+    seen = reply("```python\nraise ValueError('boom')\n```\nRUN")
+    assert "ValueError: boom" in seen and "crash" in seen
+    seen = reply("Back to the first idea.\n```python\ndef has_close_elements(numbers, threshold):\n    return False\n```")
+    assert "tests passed" in seen and 0 < episode.result.reward < 1  # no tool named: TEST
+    solved = "def has_close_elements(numbers, threshold):\n    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])"
+    reply(f"```python\n{solved}\n```\nTEST")
+    assert episode.done and episode.end_reason == "solved" and episode.result.reward == 1.0
+
+
+def test_tool_episodes_with_the_real_engine(parts):
+    from rollout.agent import TOOLS_GUIDE, EpisodeRunner
+
+    engine, tok, env = parts
+    runner = EpisodeRunner(engine, tok, env, ROLLOUT.model_copy(update={"tools": True, "max_turns": 3, "summarize_at": None}))
+    task = env.pool.task(1, 0)
+    for t in runner.run_group(task, "g1", group_size=2, policy_version=0, seed=2):
+        tokens = t.segments[0].token_ids.tolist()
+        assert tok.decode(tokens).startswith(task.prompt + TOOLS_GUIDE)
+        assert t.info["end_reason"] in ("solved", "max_turns", "context_full") and t.info["turns"] <= 3
+        assert t.info["tests_total"] > 0  # the last solution was scored, whatever the last tool was

@@ -159,6 +159,13 @@ def test_router_replay_needs_moe(write_recipe):
     assert "needs an MoE model" in problems_of(write_recipe(dense + rl))["rl.router_replay"]
 
 
+def test_rollout_settings_that_need_each_other(write_recipe):
+    rl = "env: {tasks: [{name: smoke}]}\nrl: {router_replay: r3}\n"
+    problems = problems_of(write_recipe(MINIMAL + rl + "rollout: {max_context: 200, sampling: {max_tokens: 64}, tools: true, engines_per_host: 2}\n"))
+    assert "max_turns > 1" in problems["rollout.tools"]
+    assert "rollout.engine: server" in problems["rollout.engines_per_host"]
+
+
 def test_hosts_times_procs_is_the_world_size(write_recipe):
     recipe = load_recipe(write_recipe(MINIMAL), ["cluster.hosts=[a, b, c]", "cluster.procs_per_host=4", "train.global_batch_size=24"])
     assert recipe.cluster.world_size == 12

@@ -131,7 +131,8 @@ def test_smoke_task_rewards_steps_toward_the_answer(sandbox):
     near = (k + 1) if k < 9 else (k - 1)
     far = k + 50
     answers = {str(k): 1.0, f" {k}  trailing words are ignored": 1.0, str(near): 0.75, str(far): 0.5,
-               "'text'": 0.25, "": 0.0, "undefined_name": 0.0, "3+": 0.0}
+               "'text'": 0.25, "": 0.0, "undefined_name": 0.0, "3+": 0.0,
+               "False": 0.5 + 0.25 * (k <= 2) + 0.25 * (k == 0)}  # bools are ints: a step toward numbers
     results = grade_all(sandbox, [(task.program(a), task.tests) for a in answers])
     assert {a: r.reward for a, r in zip(answers, results)} == answers
 
