@@ -130,6 +130,8 @@ def _check_rl(r: Recipe) -> list[Problem]:
     if present and len(present) < 3:
         missing = [k for k in rl_parts if k not in present]
         out.append(Problem(missing[0], f"an RL recipe needs rollout, env and rl together; missing: {', '.join(missing)}"))
+    if r.rollout and r.rollout.engine == "embedded" and r.rollout.hosts != ["localhost"]:
+        out.append(Problem("rollout.hosts", "engines on other hosts are vLLM servers; set rollout.engine: server (or hosts: [localhost])"))
     if r.rollout and r.rollout.engine == "embedded" and r.rollout.engines_per_host > 1:
         out.append(Problem("rollout.engines_per_host", "more than one engine per host needs rollout.engine: server (one embedded engine per process)"))
     if r.rl and r.rl.router_replay == "r3" and not r.model.is_moe:

@@ -218,9 +218,14 @@ class RolloutSection(Section):
     engine: Literal["embedded", "server"] = "embedded"
     """`embedded`: vLLM in this process; `server`: one OpenAI-compatible vLLM server per rollout host."""
     hosts: list[str] = Field(default_factory=lambda: ["localhost"], min_length=1)
-    """Rollout hosts (servers are started there over SSH, or locally for localhost)."""
+    """Rollout hosts: `localhost` runs engines here; any other host is reached over SSH (cluster.ssh), pulls
+    each policy from the sync store itself and serves it with vLLM servers reached through SSH port forwards."""
     engines_per_host: int = Field(default=1, gt=0)
     """vLLM engines per rollout host."""
+    remote_python: str | None = None
+    """Python of the composer installation on remote rollout hosts; the driver's own interpreter path when unset."""
+    remote_dir: str = "/tmp/composer-rollout"
+    """Working directory on remote rollout hosts (policy receiver and server logs under <remote_dir>/<run name>)."""
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     """Sampling parameters."""
     max_context: int = Field(default=4096, gt=0)

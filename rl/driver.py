@@ -20,7 +20,6 @@ from trainer.launch import clear_rank_errors, first_rank_error, rank_environment
 from trainer.model import ARCHITECTURE_FIELDS
 
 UNHONOURED = {
-    "rollout.hosts": "rollout engines start on this host; servers on other hosts are not started over SSH yet",
     "cluster.hosts": "the learner runs on this host",
     "data": "RL trains on rollouts, not on a corpus",
     "train.eval_every": "RL reports rewards every step instead of a held-out evaluation",

@@ -17,14 +17,13 @@ from dataclasses import dataclass
 
 from recipes.runs import MetricsWriter
 from recipes.schema import Recipe
-from rl.layout import RLRunFiles, sync_section
+from rl.layout import RLRunFiles
+from rl.rollout_hosts import LocalHost, RemoteHost, open_hosts
 from rollout.agent import EpisodeRunner, Tokenizer
-from rollout.engine import EmbeddedEngine, Engine, ServerEngine, VllmServer
+from rollout.engine import Engine
 from rollout.environment import CodingEnvironment
 from rollout.tasks import Task
 from rollout.trajectories import TrajectoryStore, episode_stats
-from sync.receiver import pull
-from sync.store import Store
 
 
 def group_id(index: int) -> str:
@@ -33,9 +32,10 @@ def group_id(index: int) -> str:
 
 @dataclass
 class EngineSlot:
-    """One inference engine, its agent loop, and the policy version its weights hold."""
+    """One inference engine, the host it runs on, its agent loop, and the policy version its weights hold."""
 
     number: int
+    host: LocalHost | RemoteHost
     engine: Engine
     runner: EpisodeRunner
     version: int
@@ -48,7 +48,6 @@ class RolloutWorker:
         self.on_group = on_group
         self.store = TrajectoryStore(files.trajectories)
         self.env = CodingEnvironment(recipe.env, seed=recipe.train.seed, sandbox_root=files.root / "sandbox")
-        self.version = self._pull_newest()
         self.done = {int(g[1:]) for g in self.store.known_groups()}
         self.in_flight: dict[int, int] = {}
         """Group index -> the policy version making it."""
@@ -56,49 +55,37 @@ class RolloutWorker:
         self.metrics = MetricsWriter(files.root / "rollout_metrics.jsonl")
         self._groups_lock = threading.Lock()
         self._policy_lock = threading.Lock()
-        self.servers: list[VllmServer] = []
-        self.slots = self._start_engines()
+        self.hosts: list[LocalHost | RemoteHost] = []
+        try:
+            self.slots = self._start_engines()
+        except BaseException:
+            self.close()
+            raise
 
     def _start_engines(self) -> list[EngineSlot]:
-        rollout = self.recipe.rollout
-        weights = str((self.files.receiver / "current").resolve())
-        routed = self.recipe.model.is_moe and self.recipe.rl.router_replay == "r3"
-        seed = self.recipe.train.seed
-        if rollout.engine == "embedded":
-            engines: list[Engine] = [EmbeddedEngine(weights, rollout, seed=seed, routed_experts=routed)]
-        else:
-            # Started from this (the main) thread: each server is told to end when the thread that started it does.
-            try:
-                for number in range(rollout.engines_per_host):
-                    self.servers.append(VllmServer(weights, rollout, seed=seed + number, routed_experts=routed,
-                                                   log_path=self.files.root / "logs" / f"vllm-{number}.log"))
-                for server in self.servers:
-                    server.wait_ready()
-            except BaseException:
-                self.close()
-                raise
-            engines = [ServerEngine(server.url, rollout, model=weights) for server in self.servers]
-        # A tokenizer each: HF fast tokenizers are not safe to share between threads.
-        return [EngineSlot(number, engine, EpisodeRunner(engine, Tokenizer(weights), self.env, rollout), self.version)
-                for number, engine in enumerate(engines)]
-
-    def _pull_newest(self) -> int:
         policy = self.files.policy()
-        with Store.open(sync_section(self.recipe, self.files).store, self.recipe.cluster.ssh) as store:
-            pull(store, self.files.receiver, policy.store_version)
-        return policy.version
+        # The policy's tokenizer, here, for the agent loop (engines on other hosts read their own copy).
+        tokenizer_dir = LocalHost(self.recipe, self.files).pull(policy.store_version)
+        routed = self.recipe.model.is_moe and self.recipe.rl.router_replay == "r3"
+        self.hosts = open_hosts(self.recipe, self.files)
+        slots = []
+        for host in self.hosts:
+            weights = host.pull(policy.store_version)
+            for engine in host.start_engines(weights, seed=self.recipe.train.seed + len(slots), routed_experts=routed):
+                # A tokenizer each: HF fast tokenizers are not safe to share between threads.
+                runner = EpisodeRunner(engine, Tokenizer(tokenizer_dir), self.env, self.recipe.rollout)
+                slots.append(EngineSlot(len(slots), host, engine, runner, policy.version))
+        return slots
 
     def follow_policy(self, slot: EngineSlot) -> None:
-        """Bring this engine to the newest policy. Pull and load share a lock, so the receiver never drops
-        a version while an engine reads it."""
+        """Bring this engine to the newest policy, between its groups. Pulls and loads share a lock, so a
+        receiver never drops a version while an engine reads it."""
+        policy = self.files.policy()
+        if policy.version <= slot.version:
+            return
         with self._policy_lock:
-            policy = self.files.policy()
-            if policy.version > self.version:
-                self._pull_newest()
-                self.version = policy.version
-            if slot.version < self.version:
-                slot.engine.load_weights((self.files.receiver / "current").resolve())
-                slot.version = self.version
+            slot.engine.load_weights(slot.host.pull(policy.store_version))
+            slot.version = policy.version
 
     def claim(self, version: int) -> int | None:
         """The smallest group index nobody made or is making, or None while enough groups wait for the learner
@@ -194,5 +181,5 @@ class RolloutWorker:
 
     def close(self) -> None:
         self.metrics.close()
-        for server in self.servers:
-            server.stop()
+        for host in self.hosts:
+            host.close()

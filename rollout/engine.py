@@ -15,7 +15,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -121,6 +121,40 @@ def _completion(prompt_ids: list[int], output) -> Completion:
     )
 
 
+def server_args(model_dir: str, rollout: RolloutSection, *, seed: int, routed_experts: bool, port: int, tokenizer: bool) -> list[str]:
+    """Arguments after `python` that start an OpenAI-compatible vLLM server on 127.0.0.1:`port` with in-place
+    weight updates (run it with VLLM_SERVER_DEV_MODE=1, which exposes /collective_rpc and /reset_prefix_cache)."""
+    args = [
+        "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", rollout.dtype, "--max-model-len", str(rollout.max_context),
+        "--kv-cache-memory-bytes", str(int(rollout.kv_cache_gib * 2**30)),
+        "--enforce-eager", "--seed", str(seed), "--enable-prefix-caching", "--no-enable-chunked-prefill",
+        "--worker-extension-cls", "rollout.vllm_worker.WeightUpdateExtension",
+    ]
+    if routed_experts:
+        args.append("--enable-return-routed-experts")
+    if not tokenizer:
+        args.append("--skip-tokenizer-init")
+    return args
+
+
+def wait_healthy(url: str, alive: Callable[[], bool], timeout: float, log: str) -> None:
+    """Return once the server at `url` answers /health; a user error if it exits (`alive` false) or never does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise UserError(f"vLLM server exited during start-up; see {log}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise UserError(f"vLLM server not healthy after {timeout:.0f} s; see {log}")
+
+
 class VllmServer:
     """An OpenAI-compatible vLLM server started by composer on this host, stopped with it (starting
     returns at once, so several servers load together; `wait_ready` before use)."""
@@ -131,19 +165,8 @@ class VllmServer:
             raise UserError(f"rollout: {model_dir} is not an HF checkpoint (no config.json)")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", rollout.dtype, "--max-model-len", str(rollout.max_context),
-            "--kv-cache-memory-bytes", str(int(rollout.kv_cache_gib * 2**30)),
-            "--enforce-eager", "--seed", str(seed), "--enable-prefix-caching", "--no-enable-chunked-prefill",
-            "--worker-extension-cls", "rollout.vllm_worker.WeightUpdateExtension",
-        ]
-        if routed_experts:
-            args.append("--enable-return-routed-experts")
-        if not (model_dir / "tokenizer.json").is_file():
-            args.append("--skip-tokenizer-init")
-        # Dev mode exposes /collective_rpc and /reset_prefix_cache, used for in-place weight updates.
+        args = [sys.executable, *server_args(str(model_dir), rollout, seed=seed, routed_experts=routed_experts,
+                                             port=self.port, tokenizer=(model_dir / "tokenizer.json").is_file())]
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
@@ -155,24 +178,10 @@ class VllmServer:
     def wait_ready(self, timeout: float = 300) -> None:
         """Return once the server answers; stop it and raise a user error if it exits or never does."""
         try:
-            self._wait_healthy(timeout)
+            wait_healthy(self.url, lambda: self._proc.poll() is None, timeout, str(self.log_path))
         except BaseException:
             self.stop()
             raise
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise UserError(f"vLLM server exited with code {self._proc.returncode} during start-up; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise UserError(f"vLLM server not healthy after {timeout:.0f} s; see {self.log_path}")
 
     def stop(self) -> None:
         if self._proc.poll() is None:

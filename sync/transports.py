@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import getpass
 import os
 import posixpath
 import secrets
-import socket
 import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -23,6 +21,7 @@ from urllib.parse import urlsplit
 from recipes.errors import UserError
 from recipes.runs import fsync_dir
 from recipes.schema import SSHSection
+from sync.ssh import SSHHost
 
 
 class Transport(ABC):
@@ -145,66 +144,18 @@ class SSHTransport(Transport):
     parallelism = 4
 
     def __init__(self, location: str, ssh: SSHSection):
-        import fabric
-        import paramiko
-
         parts = urlsplit(location)
         if not parts.hostname or not parts.path or parts.path == "/":
             raise UserError(f"store {location!r}: expected ssh://[user@]host[:port]/path")
         self.location = location
-        self.host = parts.hostname
-        self.port = parts.port or ssh.port
-        self.user = parts.username or ssh.user or getpass.getuser()
         self.root = parts.path
-        key_file = os.path.expanduser(ssh.key_file) if ssh.key_file else None
-        if key_file and not os.path.isfile(key_file):
-            raise UserError(f"cluster.ssh.key_file: {key_file} does not exist")
-        self.where = f"{self.user}@{self.host}:{self.port}"
-        self._conn = fabric.Connection(
-            self.host, user=self.user, port=self.port, connect_timeout=15,
-            connect_kwargs={"key_filename": key_file, "look_for_keys": key_file is None,
-                            "allow_agent": key_file is None},
-        )
-        client = self._conn.client
-        self._known_hosts: str | None = None
-        if ssh.verify_host_key:
-            known_hosts = os.path.expanduser(ssh.known_hosts or "~/.ssh/known_hosts")
-            if not os.path.isfile(known_hosts):
-                raise UserError(f"{self.where}: known_hosts file {known_hosts} does not exist; add the host's key "
-                                f"(ssh-keyscan -p {self.port} {self.host} >> {known_hosts}) or set cluster.ssh.known_hosts")
-            client.load_host_keys(known_hosts)
-            client.set_missing_host_key_policy(paramiko.RejectPolicy())
-            self._known_hosts = known_hosts
-        else:
-            client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+        self._host = SSHHost(parts.hostname, ssh, user=parts.username, port=parts.port)
+        self.where = self._host.where
+        self._conn = self._host.conn
+        self._explain = self._host.explain
         self._idle: list = []
         self._opened: list = []
         self._lock = threading.Lock()
-        try:
-            self._conn.open()
-        except Exception as e:
-            self._conn.close()
-            raise self._explain(e) from None
-
-    def _explain(self, error: Exception) -> Exception:
-        """A connection failure as the UserError that says what to fix (anything unexpected stays as is)."""
-        import paramiko
-
-        if isinstance(error, paramiko.BadHostKeyException):
-            return UserError(f"{self.where}: host key does NOT match the one in {self._known_hosts} "
-                             "(the host was reinstalled, or someone is intercepting the connection)")
-        if isinstance(error, paramiko.AuthenticationException):
-            return UserError(f"{self.where}: authentication failed ({error}); check cluster.ssh.user and key_file")
-        if isinstance(error, paramiko.SSHException) and "known_hosts" in str(error):
-            return UserError(f"{self.where}: host key is not in {self._known_hosts}; add it "
-                             f"(ssh-keyscan -p {self.port} {self.host} >> {self._known_hosts}) "
-                             "or set cluster.ssh.known_hosts")
-        if isinstance(error, paramiko.SSHException):
-            return UserError(f"{self.where}: SSH failed ({error})")
-        if isinstance(error, (OSError, socket.timeout)):
-            reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
-            return UserError(f"{self.where}: cannot connect ({reason})")
-        return error
 
     @contextlib.contextmanager
     def _sftp(self) -> Iterator:

@@ -1,13 +1,18 @@
 import contextlib
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # One intra-op thread per process: measured faster for these tiny models on 2 cores, and tests start several processes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
+
+from recipes.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -67,3 +72,46 @@ def _release_process_groups():
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+
+
+SSHD = "/usr/sbin/sshd"
+
+
+def keygen(path: Path) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    return path.with_suffix(".pub").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    """An OpenSSH server on 127.0.0.1 with its own host key; yields (port, client key, known_hosts, workdir)."""
+    if not os.path.exists(SSHD) or not shutil.which("ssh-keygen"):
+        pytest.skip("OpenSSH server not installed (apt-get install openssh-server)")
+    d = tmp_path_factory.mktemp("sshd")
+    host_pub = keygen(d / "host_key")
+    client_pub = keygen(d / "client_key")
+    (d / "authorized_keys").write_text(client_pub + "\n")
+    port = free_port()
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", "/dev/null", "-p", str(port), "-h", str(d / "host_key"),
+                             "-o", "ListenAddress=127.0.0.1", "-o", f"AuthorizedKeysFile={d / 'authorized_keys'}",
+                             "-o", f"PidFile={d / 'sshd.pid'}", "-o", "StrictModes=no",
+                             "-o", "Subsystem sftp internal-sftp", "-o", "PermitRootLogin=prohibit-password"],
+                            stderr=open(d / "sshd.log", "wb"))
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail(f"sshd did not start: {(d / 'sshd.log').read_text()}")
+            time.sleep(0.05)
+    known_hosts = d / "known_hosts"
+    known_hosts.write_text(f"[127.0.0.1]:{port} {' '.join(host_pub.split()[:2])}\n")
+    try:
+        yield port, d / "client_key", known_hosts, d
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -19,52 +15,10 @@ from sync.pusher import push_version
 from sync.rebuild import verify
 from sync.receiver import pull, relay
 from sync.store import Store, VersionTakenError
+from tests.conftest import keygen
 from tests.sync_testing import TrainingRun, checkpoint_files, run_cli, sync_section
 
 pytestmark = pytest.mark.ssh
-
-SSHD = "/usr/sbin/sshd"
-
-
-def _keygen(path: Path) -> str:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
-    return path.with_suffix(".pub").read_text().strip()
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    """An OpenSSH server on 127.0.0.1 with its own host key; yields (port, client key, known_hosts, workdir)."""
-    if not os.path.exists(SSHD) or not shutil.which("ssh-keygen"):
-        pytest.skip("OpenSSH server not installed (apt-get install openssh-server)")
-    d = tmp_path_factory.mktemp("sshd")
-    host_pub = _keygen(d / "host_key")
-    client_pub = _keygen(d / "client_key")
-    (d / "authorized_keys").write_text(client_pub + "\n")
-    port = free_port()
-    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
-    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", "/dev/null", "-p", str(port), "-h", str(d / "host_key"),
-                             "-o", "ListenAddress=127.0.0.1", "-o", f"AuthorizedKeysFile={d / 'authorized_keys'}",
-                             "-o", f"PidFile={d / 'sshd.pid'}", "-o", "StrictModes=no",
-                             "-o", "Subsystem sftp internal-sftp", "-o", "PermitRootLogin=prohibit-password"],
-                            stderr=open(d / "sshd.log", "wb"))
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail(f"sshd did not start: {(d / 'sshd.log').read_text()}")
-            time.sleep(0.05)
-    known_hosts = d / "known_hosts"
-    known_hosts.write_text(f"[127.0.0.1]:{port} {' '.join(host_pub.split()[:2])}\n")
-    try:
-        yield port, d / "client_key", known_hosts, d
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
 
 def _ssh(sshd, **kw) -> SSHSection:
     _, key, known_hosts, _ = sshd
@@ -135,7 +89,7 @@ def test_cli_over_ssh(sshd, tmp_path):
 
 def test_unknown_host_key_is_refused(sshd, tmp_path):
     other = tmp_path / "known_hosts"
-    other.write_text("[127.0.0.1]:1 " + " ".join(_keygen(tmp_path / "k").split()[:2]) + "\n")
+    other.write_text("[127.0.0.1]:1 " + " ".join(keygen(tmp_path / "k").split()[:2]) + "\n")
     ssh = _ssh(sshd).model_copy(update={"known_hosts": str(other)})
     with pytest.raises(UserError, match=f"host key is not in {other}"):
         Store.open(_url(sshd, tmp_path / "remote"), ssh, create=True)
@@ -145,7 +99,7 @@ def test_unknown_host_key_is_refused(sshd, tmp_path):
 def test_changed_host_key_is_refused(sshd, tmp_path):
     port = sshd[0]
     changed = tmp_path / "known_hosts"
-    changed.write_text(f"[127.0.0.1]:{port} " + " ".join(_keygen(tmp_path / "k").split()[:2]) + "\n")
+    changed.write_text(f"[127.0.0.1]:{port} " + " ".join(keygen(tmp_path / "k").split()[:2]) + "\n")
     ssh = _ssh(sshd).model_copy(update={"known_hosts": str(changed)})
     with pytest.raises(UserError, match="host key does NOT match"):
         Store.open(_url(sshd, tmp_path / "remote"), ssh, create=True)

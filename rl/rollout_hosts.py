@@ -1,0 +1,131 @@
+"""Where rollout engines run: this host, or remote hosts reached over SSH.
+
+A host turns a policy version in the sync store into a weights directory its engines can load, and starts its
+engines. A remote host runs the composer installed there (`rollout.remote_python`) to pull from the store, and
+vLLM servers bound to its loopback, reached through SSH port forwards, so their weight-update endpoints are never
+exposed on the network. What a remote host starts ends when the SSH connection does: a driver killed with -9
+leaves nothing running there.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+import sys
+
+from recipes.errors import UserError
+from recipes.schema import Recipe
+from rl.layout import RLRunFiles, sync_section
+from rollout.engine import EmbeddedEngine, Engine, ServerEngine, VllmServer, server_args, wait_healthy
+from sync.receiver import pull
+from sync.ssh import SSHHost
+from sync.store import Store
+
+SERVER_START_SECONDS = 300
+_FREE_PORT = "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
+
+
+class LocalHost:
+    """This host: the run directory's receiver, an embedded engine or local vLLM servers."""
+
+    name = "localhost"
+
+    def __init__(self, recipe: Recipe, files: RLRunFiles):
+        self.recipe = recipe
+        self.files = files
+        self.servers: list[VllmServer] = []
+
+    def pull(self, store_version: str) -> str:
+        with Store.open(sync_section(self.recipe, self.files).store, self.recipe.cluster.ssh) as store:
+            pull(store, self.files.receiver, store_version)
+        return str((self.files.receiver / "current").resolve())
+
+    def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
+        rollout = self.recipe.rollout
+        if rollout.engine == "embedded":
+            return [EmbeddedEngine(weights, rollout, seed=seed, routed_experts=routed_experts)]
+        # Started from the main thread: each server is told to end when the thread that started it does.
+        for number in range(rollout.engines_per_host):
+            self.servers.append(VllmServer(weights, rollout, seed=seed + number, routed_experts=routed_experts,
+                                           log_path=self.files.root / "logs" / f"vllm-{number}.log"))
+        for server in self.servers:
+            server.wait_ready(SERVER_START_SECONDS)
+        return [ServerEngine(server.url, rollout, model=weights) for server in self.servers]
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+class RemoteHost:
+    """A rollout host over SSH (cluster.ssh): its own receiver under rollout.remote_dir, its own vLLM servers."""
+
+    def __init__(self, name: str, recipe: Recipe, files: RLRunFiles):
+        self.name = name
+        self.recipe = recipe
+        self.files = files
+        self.ssh = SSHHost(name, recipe.cluster.ssh)
+        self.python = recipe.rollout.remote_python or sys.executable
+        self.dir = posixpath.join(recipe.rollout.remote_dir, recipe.run.name)
+        self.receiver = posixpath.join(self.dir, "receiver")
+        self._pulled: tuple[str, str] | None = None
+        """(store version, weights directory) of the newest pull."""
+        self._sessions: list = []
+        self._run(f"mkdir -p {shlex.quote(self.dir)}")
+
+    def _run(self, command: str) -> str:
+        try:
+            result = self.ssh.conn.run(command, hide=True, warn=True, in_stream=False)
+        except Exception as e:
+            raise self.ssh.explain(e) from None
+        if result.exited != 0:
+            said = (result.stderr.strip() or result.stdout.strip()).splitlines()[-3:]
+            raise UserError(f"rollout host {self.ssh.where}: `{command[:120]}` failed (exit {result.exited}): {' '.join(said)}")
+        return result.stdout
+
+    def _composer(self, *args: str) -> str:
+        return self._run(shlex.join([self.python, "-m", "cli", *args]))
+
+    def pull(self, store_version: str) -> str:
+        if self._pulled is None or self._pulled[0] != store_version:
+            sync = sync_section(self.recipe, self.files)
+            self._composer("sync", "pull", "--store", sync.store, "--to", self.receiver, "--version", store_version)
+            self._pulled = (store_version, self._run(f"readlink -f {shlex.quote(self.receiver + '/current')}").strip())
+        return self._pulled[1]
+
+    def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
+        rollout = self.recipe.rollout
+        tokenizer = self._run(f"test -f {shlex.quote(weights + '/tokenizer.json')} && echo yes || echo no").strip() == "yes"
+        starting = []
+        for number in range(rollout.engines_per_host):
+            port = int(self._run(shlex.join([self.python, "-c", _FREE_PORT])))
+            args = server_args(weights, rollout, seed=seed + number, routed_experts=routed_experts, port=port, tokenizer=tokenizer)
+            log = posixpath.join(self.dir, f"vllm-{number}.log")
+            # The server runs until this session's stdin closes: when the driver stops or dies.
+            command = (f"cd {shlex.quote(self.dir)} && {{ VLLM_SERVER_DEV_MODE=1 {shlex.join([self.python, *args])} "
+                       f"> {shlex.quote(log)} 2>&1 & server=$!; cat > /dev/null; kill $server; wait $server; }}")
+            session = self.ssh.conn.client.get_transport().open_session()
+            session.exec_command(command)
+            self._sessions.append(session)
+            starting.append((session, f"http://127.0.0.1:{self.ssh.forward(port)}", log))
+        for session, url, log in starting:
+            wait_healthy(url, lambda s=session: not s.exit_status_ready(), SERVER_START_SECONDS, f"{self.ssh.where}:{log}")
+        return [ServerEngine(url, rollout, model=weights) for _, url, _ in starting]
+
+    def close(self) -> None:
+        for session in self._sessions:
+            session.close()
+        self.ssh.close()
+
+
+def open_hosts(recipe: Recipe, files: RLRunFiles) -> list[LocalHost | RemoteHost]:
+    """The recipe's rollout hosts, connected (remote ones over SSH); closed again if one cannot be reached."""
+    hosts: list[LocalHost | RemoteHost] = []
+    try:
+        for name in recipe.rollout.hosts:
+            hosts.append(LocalHost(recipe, files) if name == "localhost" else RemoteHost(name, recipe, files))
+    except BaseException:
+        for host in hosts:
+            host.close()
+        raise
+    return hosts
