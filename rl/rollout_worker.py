@@ -80,10 +80,10 @@ class RolloutWorker:
     def follow_policy(self, slot: EngineSlot) -> None:
         """Bring this engine to the newest policy, between its groups. Pulls and loads share a lock, so a
         receiver never drops a version while an engine reads it."""
-        policy = self.files.policy()
-        if policy.version <= slot.version:
+        if self.files.policy().version <= slot.version:
             return
         with self._policy_lock:
+            policy = self.files.policy()  # read again: another engine may have brought its host further meanwhile
             slot.engine.load_weights(slot.host.pull(policy.store_version))
             slot.version = policy.version
 
