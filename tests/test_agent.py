@@ -36,14 +36,15 @@ def parts(tiny_model, tmp_path_factory):
     return EmbeddedEngine(tiny_model, ROLLOUT, seed=0, routed_experts=True), Tokenizer(str(tiny_model)), env
 
 
-@pytest.fixture(scope="module")
-def episodes(parts):
-    from rollout.agent import EpisodeRunner
+@pytest.fixture(scope="module", params=[False, True], ids=["replies", "tools"])
+def episodes(parts, request):
+    from rollout.agent import TOOLS_GUIDE, EpisodeRunner
 
     engine, tokenizer, env = parts
-    runner = EpisodeRunner(engine, tokenizer, env, ROLLOUT)
+    runner = EpisodeRunner(engine, tokenizer, env, ROLLOUT.model_copy(update={"tools": request.param}))
     task = env.pool.task(0, 0)
-    return runner.run_group(task, "g0", group_size=2, policy_version=3, seed=1), tokenizer, task
+    prompt = task.prompt + (TOOLS_GUIDE if request.param else "")
+    return runner.run_group(task, "g0", group_size=2, policy_version=3, seed=1), tokenizer, prompt
 
 
 def test_long_episodes_run_to_their_end_within_the_context(episodes):
@@ -59,8 +60,8 @@ def test_long_episodes_run_to_their_end_within_the_context(episodes):
 def test_segment_structure_and_masks(episodes):
     from rollout.agent import SUMMARY_HEADER, SUMMARY_REQUEST
 
-    trajectories, tok, task = episodes
-    prompt = tok.encode(task.prompt)
+    trajectories, tok, prompt_text = episodes
+    prompt = tok.encode(prompt_text)
     request = tok.encode(SUMMARY_REQUEST)
     for t in trajectories:
         for i, s in enumerate(t.segments):
