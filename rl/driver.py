@@ -81,7 +81,7 @@ def run_rl(recipe: Recipe, resume: bool, console: Console) -> Path:
     learner = start_learner(recipe, files, run.logs / "torchrun.log")
     try:
         worker = RolloutWorker(recipe, files, on_group=lambda gid, s: console.print(
-            f"[dim]{gid}[/] engine {s['engine']}  policy v{s['policy_version']}  reward {s['reward_mean']:.3f}  {s['generated_tokens_per_s']:.0f} tok/s"))
+            f"[dim]{gid}[/] engine {s['engine']} ({s['host']})  policy v{s['policy_version']}  reward {s['reward_mean']:.3f}  {s['generated_tokens_per_s']:.0f} tok/s"))
         try:
             worker.run(should_stop=lambda: learner_done(learner, files))
         finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import posixpath
 import shlex
 import sys
+import threading
 
 from recipes.errors import UserError
 from recipes.schema import Recipe
@@ -33,6 +34,8 @@ class LocalHost:
     def __init__(self, recipe: Recipe, files: RLRunFiles):
         self.recipe = recipe
         self.files = files
+        self.lock = threading.Lock()
+        """Held by an engine of this host while it pulls and loads a policy."""
         self.servers: list[VllmServer] = []
 
     def pull(self, store_version: str) -> str:
@@ -64,6 +67,7 @@ class RemoteHost:
         self.name = name
         self.recipe = recipe
         self.files = files
+        self.lock = threading.Lock()
         self.ssh = SSHHost(name, recipe.cluster.ssh)
         self.python = recipe.rollout.remote_python or sys.executable
         self.dir = posixpath.join(recipe.rollout.remote_dir, recipe.run.name)

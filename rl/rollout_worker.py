@@ -54,7 +54,6 @@ class RolloutWorker:
         self.made_with = Counter(self.store.load(g)[0].policy_version for g in self.store.ready_groups())
         self.metrics = MetricsWriter(files.root / "rollout_metrics.jsonl")
         self._groups_lock = threading.Lock()
-        self._policy_lock = threading.Lock()
         self.hosts: list[LocalHost | RemoteHost] = []
         try:
             self.slots = self._start_engines()
@@ -78,11 +77,11 @@ class RolloutWorker:
         return slots
 
     def follow_policy(self, slot: EngineSlot) -> None:
-        """Bring this engine to the newest policy, between its groups. Pulls and loads share a lock, so a
-        receiver never drops a version while an engine reads it."""
+        """Bring this engine to the newest policy, between its groups. Pulls and loads on one host share its lock,
+        so its receiver never drops a version while an engine there reads it; hosts update in parallel."""
         if self.files.policy().version <= slot.version:
             return
-        with self._policy_lock:
+        with slot.host.lock:
             policy = self.files.policy()  # read again: another engine may have brought its host further meanwhile
             slot.engine.load_weights(slot.host.pull(policy.store_version))
             slot.version = policy.version
@@ -170,6 +169,7 @@ class RolloutWorker:
         stats = {
             "policy_version": slot.version,
             "engine": slot.number,
+            "host": slot.host.name,
             "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
             "generated_tokens_per_s": generated / max(seconds, 1e-9),
             "group_seconds": seconds,

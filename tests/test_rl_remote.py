@@ -43,6 +43,7 @@ def test_a_remote_rollout_host_serves_every_policy_and_dies_with_the_driver(sshd
     assert resumed.returncode == 0, output[-3000:]
     assert [r["step"] for r in metrics(run)] == list(range(1, STEPS + 1))
     groups = [json.loads(line) for line in (run / "rollout_metrics.jsonl").read_text().splitlines()]
+    assert {g["host"] for g in groups} == {"127.0.0.1"}
     assert max(g["policy_version"] for g in groups) >= 2  # the remote engine loaded the policies its host pulled
     pulled = sorted(p.name for p in (remote / "smoke-rl" / "receiver" / "versions").iterdir())
     assert pulled and (remote / "smoke-rl" / "vllm-0.log").is_file()
