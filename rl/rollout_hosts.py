@@ -23,7 +23,7 @@ from sync.ssh import SSHHost
 from sync.store import Store
 
 SERVER_START_SECONDS = 300
-_FREE_PORT = "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
+_FREE_PORT = "from recipes.processes import free_port; print(free_port())"  # run by the host's composer
 
 
 class LocalHost:
