@@ -179,12 +179,10 @@ def _value_at(recipe: Recipe, path: str) -> object:
 
 
 def _value_and_default(recipe: Recipe, path: str) -> tuple[object, object]:
-    node: object = recipe
-    parts = path.split(".")
-    for part in parts[:-1]:
-        node = getattr(node, part)
-        if node is None:
-            return None, None  # the section is absent, so the key is not set
-    field = type(node).model_fields[parts[-1]]
+    section, _, key = path.rpartition(".")
+    node = _value_at(recipe, section) if section else recipe
+    if node is None:
+        return None, None  # the section is absent, so the key is not set
+    field = type(node).model_fields[key]
     default = field.default_factory() if field.default_factory else field.default
-    return getattr(node, parts[-1]), default
+    return getattr(node, key), default

@@ -92,8 +92,6 @@ class GeneratedCalls:
 class ScriptRun:
     """No tests: run the program as a script (`__name__ == "__main__"`); what it prints is the result."""
 
-    seed: int = 0
-
 
 Tests = AssertionTests | CallTests | GeneratedCalls | ScriptRun
 
@@ -102,7 +100,7 @@ def _tests_document(tests: Tests) -> dict:
     if isinstance(tests, AssertionTests):
         return {"kind": "assertions", "entry_point": tests.entry_point, "setup": tests.setup, "cases": list(tests.cases)}
     if isinstance(tests, ScriptRun):
-        return {"kind": "script", "seed": tests.seed}
+        return {"kind": "script"}
     if isinstance(tests, CallTests):
         # The expected outputs stay here: the program never sees them.
         return {"kind": "calls", "entry_point": tests.entry_point, "inputs": list(tests.inputs), "seed": tests.seed}

@@ -14,7 +14,7 @@ Test kinds (tests.json):
               report its output (JSON); the parent judges it.
   generate    {"entry_point", "generator", "count", "seed"}: draw `count` inputs from the program's
               generator with a seeded Random, call the entry point on each, report input and output.
-  script      {"seed"}: run the program as `__main__`, no cases; its output is what the caller reads.
+  script      {}: run the program as `__main__`, no cases; its output is what the caller reads.
 
 Protocol on the result pipe: JSON lines, one per case ({"ok", "error", "input", "output"}), then
 {"done": true}. A run that dies early has reported the cases it finished.
@@ -110,19 +110,17 @@ def _run_generate(tests: dict, candidate, namespace: dict, report: _Reporter) ->
 
 def _run_script(program: str, report: _Reporter) -> None:
     """Like `python program.py`: a traceback goes to stderr and the exit status is 1."""
+    status = 0
     try:
         exec(compile(program, "solution.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     except SystemExit as e:
-        report.leave_if_forked()
-        report.done()
-        raise SystemExit(e.code) from None
+        status = e.code
     except BaseException as e:
-        report.leave_if_forked()
         traceback.print_exception(e.with_traceback(e.__traceback__.tb_next))  # from the program's own frames
-        report.done()
-        sys.exit(1)
+        status = 1
     report.leave_if_forked()
     report.done()
+    sys.exit(status)
 
 
 def _num_cases(tests: dict) -> int:

@@ -150,9 +150,6 @@ class SSHTransport(Transport):
         self.location = location
         self.root = parts.path
         self._host = SSHHost(parts.hostname, ssh, user=parts.username, port=parts.port)
-        self.where = self._host.where
-        self._conn = self._host.conn
-        self._explain = self._host.explain
         self._idle: list = []
         self._opened: list = []
         self._lock = threading.Lock()
@@ -164,7 +161,7 @@ class SSHTransport(Transport):
         with self._lock:
             sftp = self._idle.pop() if self._idle else None
         if sftp is None:
-            sftp = self._conn.client.open_sftp()
+            sftp = self._host.conn.client.open_sftp()
             with self._lock:
                 self._opened.append(sftp)
         try:
@@ -255,7 +252,7 @@ class SSHTransport(Transport):
     def close(self) -> None:
         for sftp in self._opened:
             sftp.close()
-        self._conn.close()
+        self._host.close()
 
 
 def build_transport(location: str, ssh: SSHSection) -> Transport:

@@ -47,16 +47,16 @@ class RLLearner:
         self.model = build_model(recipe.model, p, recompute_activations=recipe.train.recompute_activations)
         if recipe.model.checkpoint:
             load_hf_into(self.model, recipe.model, recipe.model.checkpoint)
-        self.reference = self._frozen_reference() if recipe.rl.kl_coeff > 0 else None
+        self.reference = self._frozen_reference() if recipe.rl.kl_coeff > 0 else None  # before any step or resume
         self.ddp = wrap_data_parallel(self.model, p)
         self.optimizer = TrainOptimizer(self.ddp, recipe.optim, p, recipe.train.steps, getattr(torch, recipe.model.dtype))
         self.checkpointer = Checkpointer(checkpoints, recipe.train.keep_checkpoints)
         self.layout = {k: getattr(p, k) for k in LAYOUT_KEYS}
 
     def _frozen_reference(self):
-        """The starting policy (model.checkpoint), kept for the KL penalty; the same on every resume."""
+        """The starting policy (model.checkpoint, as just loaded), kept for the KL penalty; the same on every resume."""
         reference = build_model(self.recipe.model, self.recipe.parallelism)
-        load_hf_into(reference, self.recipe.model, self.recipe.model.checkpoint)
+        reference.load_state_dict(self.model.state_dict())
         reference.eval()
         for param in reference.parameters():
             param.requires_grad_(False)
