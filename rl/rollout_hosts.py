@@ -13,6 +13,7 @@ import posixpath
 import shlex
 import sys
 import threading
+import time
 
 from recipes.errors import UserError
 from recipes.schema import Recipe
@@ -23,6 +24,7 @@ from sync.ssh import SSHHost
 from sync.store import Store
 
 SERVER_START_SECONDS = 300
+SERVER_STOP_SECONDS = 30
 _FREE_PORT = "from recipes.processes import free_port; print(free_port())"  # run by the host's composer
 
 
@@ -106,7 +108,7 @@ class RemoteHost:
             args = server_args(weights, rollout, seed=seed + number, routed_experts=routed_experts, port=port, tokenizer=tokenizer)
             log = posixpath.join(self.dir, f"vllm-{number}.log")
             # The server runs until this session's stdin closes: when the driver stops or dies.
-            command = (f"cd {shlex.quote(self.dir)} && {{ VLLM_SERVER_DEV_MODE=1 {shlex.join([self.python, *args])} "
+            command = (f"cd {shlex.quote(self.dir)} && {{ VLLM_SERVER_DEV_MODE=1 setsid {shlex.join([self.python, '-m', 'rollout.server_guard', *args])} "
                        f"> {shlex.quote(log)} 2>&1 & server=$!; cat > /dev/null; kill $server; wait $server; }}")
             session = self.ssh.conn.client.get_transport().open_session()
             session.exec_command(command)
@@ -117,7 +119,13 @@ class RemoteHost:
         return [ServerEngine(url, rollout, model=weights) for _, url, _ in starting]
 
     def close(self) -> None:
+        """Stop the servers (end of their sessions' input) and wait for them, then hang up."""
         for session in self._sessions:
+            session.shutdown_write()
+        deadline = time.monotonic() + SERVER_STOP_SECONDS
+        for session in self._sessions:
+            while not session.exit_status_ready() and time.monotonic() < deadline:
+                time.sleep(0.2)
             session.close()
         self.ssh.close()
 

@@ -20,7 +20,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from recipes.errors import UserError
-from recipes.processes import die_with_parent, free_port
+from recipes.processes import free_port
 from recipes.schema import RolloutSection
 
 
@@ -165,15 +165,15 @@ class VllmServer:
             raise UserError(f"rollout: {model_dir} is not an HF checkpoint (no config.json)")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, *server_args(str(model_dir), rollout, seed=seed, routed_experts=routed_experts,
-                                             port=self.port, tokenizer=(model_dir / "tokenizer.json").is_file())]
+        args = [sys.executable, "-m", "rollout.server_guard",
+                *server_args(str(model_dir), rollout, seed=seed, routed_experts=routed_experts, port=self.port,
+                             tokenizer=(model_dir / "tokenizer.json").is_file())]
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         with log_path.open("ab") as log:
-            # SIGTERM when this process ends, kill -9 included, so the server stops its own engine process too.
-            self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                          preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+            # A session of its own, whose guard ends it all when this process ends, kill -9 included.
+            self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait_ready(self, timeout: float = 300) -> None:
         """Return once the server answers; stop it and raise a user error if it exits or never does."""
