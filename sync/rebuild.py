@@ -227,7 +227,7 @@ def verify(store: Store, version: str | None = None, threads: int = 0,
         continued = after is not None and after.parent == vid
         for name in manifest.tensors:
             record = after.tensors.get(name) if continued else None
-            if record is None or record.pieces[0].encoding == RAW:
+            if record is None or any(piece.encoding == RAW for piece in record.pieces):  # RAW is chosen per piece
                 jobs.append((vid, name))
     manifests: dict[str, Manifest] = {}
     for vid in selected:

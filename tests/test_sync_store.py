@@ -287,3 +287,29 @@ def test_pull_killed_midway_leaves_the_previous_version_current(tmp_path):
         pull(store, receiver)
     assert checkpoint_files(receiver / "current") == checkpoint_files(tmp_path / "ck1")
     assert not list((receiver / "versions").glob(".tmp-*"))
+
+
+def test_verify_checks_a_piece_whose_chain_ends_where_another_piece_goes_on(tmp_path):
+    """The next version stores piece 1 raw (densely changed) and piece 0 as a delta: piece 1 of this version
+    must still be rebuilt and checked by itself."""
+    from sync.manifest import Manifest
+
+    a = np.random.default_rng(0).integers(0, 65535, 1 << 20, dtype=np.uint16)  # two 1 MiB pieces as bf16
+    b = a.copy()
+    b[[5, 600000]] ^= 1
+    c = b.copy()
+    c[7] ^= 1
+    c[524288:] = 0
+    section = sync_section(tmp_path / "store")
+    for i, values in enumerate((a, b, c)):
+        (tmp_path / f"ck{i}").mkdir()
+        write_safetensors(tmp_path / f"ck{i}" / "m.safetensors", {"w": ("BF16", values)})
+        push_version(tmp_path / f"ck{i}", section, cache_dir=tmp_path / "cache")
+    path = tmp_path / "store" / MANIFESTS / "v00000002.json"
+    manifest = Manifest.from_bytes(path.read_bytes(), "test")
+    manifest.tensors["w"].pieces[1].hash = "0" * 32  # a wrong hash in a well-formed manifest
+    path.write_bytes(manifest.to_bytes())
+    with Store.open(str(tmp_path / "store")) as store:
+        assert [p.encoding for p in store.manifest("v00000003").tensors["w"].pieces][1] == "raw"
+        with pytest.raises(CorruptDataError):
+            verify(store)
