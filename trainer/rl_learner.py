@@ -92,7 +92,8 @@ class RLLearner:
         mbs = self.recipe.train.micro_batch_size
         num_micro = -(-len(sequences) // (dp_size * mbs))
         # Loss = sum over the global batch's trained tokens / their count: segments of one episode add up exactly.
-        normaliser = max(_all_reduce_sum(sum(float(s.loss_mask[1:].sum()) for s in sequences) / dp_size), 1.0)
+        # Every rank holds the whole batch, so it counts the tokens itself (a sum over the world would count them once per TP rank).
+        normaliser = max(sum(float(s.loss_mask[1:].sum()) for s in sequences), 1.0)
         self.ddp.train()
         self.optimizer.zero_grad()
         stats, loss_sum, disagreement = PolicyLossStats(), 0.0, {}
@@ -136,12 +137,6 @@ def _aligned(chunk: list[LearnerSequence], seq_len: int) -> tuple[torch.Tensor, 
         rollout[b, : n - 1] = torch.from_numpy(np.asarray(s.rollout_logprobs[1:], dtype=np.float32))
         mask[b, : n - 1] = torch.from_numpy(np.asarray(s.loss_mask[1:], dtype=bool))
     return rollout, mask
-
-
-def _all_reduce_sum(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t[0])
 
 
 def _all_reduce_stats(stats: PolicyLossStats, loss_sum: float) -> dict[str, float]:
