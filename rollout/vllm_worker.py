@@ -53,3 +53,7 @@ class WeightUpdateExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         runner.reload_weights(weights_iterator=weights)
         return refresh_prepacked_weights(runner.get_model())
+
+
+WORKER_EXTENSION = f"{__spec__.name}.{WeightUpdateExtension.__qualname__}"
+"""`worker_extension_cls` for vLLM, which imports it by this name inside its worker."""
