@@ -22,7 +22,8 @@ from typing import Literal, Protocol
 
 from recipes.errors import UserError
 from recipes.schema import TaskSet
-from rollout.sandbox import AssertionTests, CallTests, GeneratedCalls, Sandbox, Tests
+from rollout.graders import Call, CaseTests
+from rollout.sandbox import AssertionTests, CallTests, GeneratedCalls, Sandbox, Tests, case_tests
 
 CODEIO_CASES = 8
 SMOKE_TASKS = 100
@@ -73,6 +74,8 @@ class Task:
     reference: str | None = None
     """A complete correct program, when the source has one."""
     language: Literal["python"] = "python"
+    canary: bool = False
+    """Tests that contradict the statement: no honest program scores on it (see `canary_of`)."""
 
     def program(self, completion: str) -> str:
         """The program the sandbox tests for this completion."""
@@ -109,13 +112,16 @@ def _humaneval_task(problem: dict) -> Task:
     check_setup, cases = _statement_cases(check.body)
     prompt_module = ast.parse(problem["prompt"])
     preamble = "\n".join(ast.unparse(s) for s in prompt_module.body if not (isinstance(s, ast.FunctionDef) and s.name == entry))
+    # The trusted setup (run by the grader, never in the sandbox) has the prompt's helpers too: some
+    # tests call them (HumanEval/32 checks a root with the prompt's `poly`).
+    setup = "\n".join(part for part in (preamble, module_setup, check_setup) if part)
     return Task(
         id=problem["task_id"],
         family="humaneval",
         prompt=(f"Complete this Python function. Answer with the whole function in a ```python code block.\n\n"
                 f"```python\n{problem['prompt']}```\n"),
         entry_point=entry,
-        tests=AssertionTests(entry_point=entry, setup=f"{module_setup}\n{check_setup}", cases=tuple(cases)),
+        tests=AssertionTests(entry_point=entry, setup=setup, cases=tuple(cases)),
         continues=problem["prompt"],
         preamble=preamble,
         reference=problem["prompt"] + problem["canonical_solution"],
@@ -229,6 +235,40 @@ class SmokeSource:
         return smoke_task(index)
 
 
+# --- canaries ----------------------------------------------------------------------------------
+
+
+def _contradicting(value):
+    """A value unequal to `value` of the same kind, or None when there is no obvious one."""
+    kind = type(value)
+    if kind is bool:
+        return not value
+    if kind in (int, float):
+        return value + 1
+    if kind is str:
+        return value + "?"
+    if kind in (list, tuple):
+        return value + kind([None])
+    if kind is dict:
+        return {**value, "canary": None}
+    return None
+
+
+def canary_of(task: Task) -> Task | None:
+    """`task` with tests no honest program can pass: its first exact-output case asked twice, once
+    expecting its true output and once something else. Only a program that sees or forges the
+    expected outputs passes both; any reward on it is a cheating alarm. None when `task` has no such case."""
+    tests = case_tests(task.tests) if not isinstance(task.tests, GeneratedCalls) else None
+    first = next((c for c in tests.cases if isinstance(c, Call) and c.compare in ("==", "json")), None) if tests else None
+    other = _contradicting(first.expected) if first else None
+    if other is None:
+        return None
+    cases = (first, Call(args=first.args, kwargs=first.kwargs, expected=other, compare=first.compare, seed=first.seed))
+    return Task(id=f"canary/{task.id}", family=task.family, prompt=task.prompt, entry_point=task.entry_point,
+                tests=CaseTests(entry_point=tests.entry_point, cases=cases, setup=tests.setup, seed=tests.seed),
+                answer=task.answer, continues=task.continues, preamble=task.preamble, canary=True)
+
+
 # --- the pool ----------------------------------------------------------------------------------
 
 
@@ -253,12 +293,13 @@ def build_task_source(name: str) -> TaskSource:
 class TaskPool:
     """Draws tasks from the recipe's task sets by weight; the same seed draws the same tasks.
 
-    A set with `limit` uses its first `limit` tasks. Tasks are built once and cached; a CodeI/O row whose
+    A set with `limit` uses its first `limit` tasks; a share `canaries` of draws is a canary of the drawn task. Tasks are built once and cached; a CodeI/O row whose
     reference fails is dropped and counted in `skipped`. Safe to call from several threads.
     """
 
-    def __init__(self, task_sets: list[TaskSet], sandbox: Sandbox, seed: int):
+    def __init__(self, task_sets: list[TaskSet], sandbox: Sandbox, seed: int, canaries: float = 0.0):
         self._sandbox = sandbox
+        self._canaries = canaries
         self._rng = random.Random(seed)
         self._sets = [(ts, build_task_source(ts.name)) for ts in task_sets]
         self._indices = [list(range(min(len(src), ts.limit or len(src)))) for ts, src in self._sets]
@@ -302,5 +343,10 @@ class TaskPool:
                 set_index = self._rng.choices(live, weights=[self._sets[i][0].weight for i in live])[0]
                 index = self._rng.choice(self._indices[set_index])
             task = self.task(set_index, index)
+            if task is not None and self._canaries:
+                with self._lock:
+                    wants_canary = self._rng.random() < self._canaries
+                if wants_canary:
+                    return canary_of(task) or task
             if task is not None:
                 return task
