@@ -31,7 +31,10 @@ class CodingEnvironment:
         return self.pool.draw()
 
     def grade(self, task: Task, completion: str) -> SandboxResult:
-        result = self.sandbox.run(task.program(completion), task.tests, "all_or_nothing" if task.canary else self.reward)
+        return self.grade_program(task, task.program(completion))
+
+    def grade_program(self, task: Task, program: str) -> SandboxResult:
+        result = self.sandbox.run(program, task.tests, "all_or_nothing" if task.canary else self.reward)
         flags = result.flags
         if task.canary and result.reward > 0:
             log.warning("cheating alarm: canary %s scored %.2f (%d/%d); flags %s", task.id, result.reward,

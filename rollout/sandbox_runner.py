@@ -28,7 +28,7 @@ import traceback
 import plain_data
 
 # The harness's own references, taken before any program runs.
-_dumps, _loads, _write, _exit, _getpid = json.dumps, json.loads, os.write, os._exit, os.getpid
+_dumps, _loads, _write, _exit, _getpid, _vars = json.dumps, json.loads, os.write, os._exit, os.getpid, vars
 _WATCHED = {
     builtins: ("print", "open", "exec", "eval", "compile", "__import__", "isinstance", "type", "len", "repr",
                "str", "int", "float", "bool", "list", "dict", "tuple", "set", "getattr", "setattr", "hasattr", "id"),
@@ -61,69 +61,72 @@ class _Channel:
             data = data[_write(self._reply, data):]
 
 
-class _Guard:
+def _guard(send, plan: dict):
     """Notices (and reports once each) what honest programs do not do: files of the harness or the tests,
-    other processes' /proc entries, writes outside the work directory, patched harness functions."""
+    other processes' /proc entries, writes outside the work directory, patched harness functions.
+    Closures over references taken before the program runs, so patching a class or module here does not
+    silence them (a program that digs into closure cells can: flags are evidence, never the verdict).
+    Returns (flag, check_integrity)."""
+    writable = tuple(os.path.join(p, "") for p in plan["writable"]) + ("/dev/null", "/dev/shm/")
+    protected = tuple(os.path.join(p, "") for p in plan["protected"])
+    own_proc = (f"/proc/{_getpid()}/", "/proc/self/", "/proc/thread-self/")
+    reported = set()
+    snapshot = {(m, n): _vars(m)[n] for m, names in _WATCHED.items() for n in names}
+    module = sys.modules[__name__]
+    snapshot.update({(module, n): v for n, v in list(globals().items()) if callable(v)})
+    for cls in (_Channel, _Harness):
+        snapshot.update({(cls, n): v for n, v in _vars(cls).items() if callable(v)})
+    isabs, join, normpath, fsdecode, getcwd = os.path.isabs, os.path.join, os.path.normpath, os.fsdecode, os.getcwd
 
-    def __init__(self, channel: _Channel, plan: dict):
-        self._channel = channel
-        self._writable = tuple(os.path.join(p, "") for p in plan["writable"]) + ("/dev/null", "/dev/shm/")
-        self._protected = tuple(os.path.join(p, "") for p in plan["protected"])
-        self._reported = set()
-        self._snapshot = {(m, n): getattr(m, n) for m, names in _WATCHED.items() for n in names}
-        module = sys.modules[__name__]
-        self._snapshot.update({(module, n): v for n, v in list(globals().items()) if callable(v)})
-        for cls in (_Channel, _Guard, _Harness):
-            self._snapshot.update({(cls, n): v for n, v in vars(cls).items() if callable(v)})
-        self._own_proc = (f"/proc/{_getpid()}/", "/proc/self/", "/proc/thread-self/")
-        sys.addaudithook(self._audit)
+    def flag(name: str, detail: str) -> None:
+        if name not in reported:
+            reported.add(name)
+            send({"flag": name, "detail": detail[:300]})
 
-    def flag(self, name: str, detail: str) -> None:
-        if name not in self._reported:
-            self._reported.add(name)
-            self._channel.send({"flag": name, "detail": detail[:300]})
-
-    def check_integrity(self) -> None:
-        changed = [f"{getattr(m, '__name__', m)}.{n}" for (m, n), v in self._snapshot.items() if getattr(m, n, None) is not v]
+    def check_integrity() -> None:
+        changed = [f"{getattr(m, '__name__', m)}.{n}" for (m, n), v in snapshot.items() if _vars(m).get(n) is not v]
         if changed:
-            self.flag("harness_touched", "patched: " + ", ".join(changed[:8]))
+            flag("harness_touched", "patched: " + ", ".join(changed[:8]))
 
-    def _path(self, path) -> str | None:
+    def resolve(path) -> str | None:
         if isinstance(path, int) or path is None:
             return None
-        path = os.fsdecode(path)
-        return os.path.normpath(path if os.path.isabs(path) else os.path.join(os.getcwd(), path))
+        path = fsdecode(path)
+        return normpath(path if isabs(path) else join(getcwd(), path))
 
-    def _probe(self, path: str) -> None:
-        if path.startswith(self._protected) or path + "/" in self._protected:
-            self.flag("harness_touched", f"accessed {path}")
-        elif path.startswith("/proc/") and path[6:7].isdigit() and not path.startswith(self._own_proc):
-            self.flag("harness_touched", f"read another process: {path}")
-        elif path.startswith(("/proc/self/mem", "/proc/self/fd")) or path.startswith(tuple(p + "mem" for p in self._own_proc)):
-            self.flag("harness_touched", f"read {path}")
+    def probe(path: str) -> None:
+        if path.startswith(protected) or path + "/" in protected:
+            flag("harness_touched", f"accessed {path}")
+        elif path.startswith("/proc/") and path[6:7].isdigit() and not path.startswith(own_proc):
+            flag("harness_touched", f"read another process: {path}")
+        elif path.startswith(tuple(p + n for p in own_proc for n in ("mem", "fd"))):
+            flag("harness_touched", f"read {path}")
 
-    def _outside(self, path: str | None) -> bool:
-        return path is not None and not (path + "/").startswith(self._writable)
+    def outside(path: str | None) -> bool:
+        return path is not None and not (path + "/").startswith(writable)
 
-    def _audit(self, event: str, args: tuple) -> None:
+    def audit(event: str, args: tuple) -> None:
         if event == "open":
-            path = self._path(args[0])
+            path = resolve(args[0])
             if path is None:
                 return
             mode, flags = args[1], args[2]
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags > 0 and flags & _WRITE_FLAGS)
-            if writing and self._outside(path):
-                self.flag("writes_outside", f"opened {path} for writing")
-            self._probe(path)
+            if writing and outside(path):
+                flag("writes_outside", f"opened {path} for writing")
+            probe(path)
         elif event in ("os.listdir", "os.scandir"):
-            path = self._path(args[0] if args and args[0] is not None else ".")
+            path = resolve(args[0] if args and args[0] is not None else ".")
             if path:
-                self._probe(path)
+                probe(path)
         elif event in _PATH_EVENTS:
             for arg in args[:2]:
-                path = self._path(arg) if isinstance(arg, (str, bytes, os.PathLike)) else None
-                if self._outside(path):
-                    self.flag("writes_outside", f"{event} {path}")
+                path = resolve(arg) if isinstance(arg, (str, bytes, os.PathLike)) else None
+                if outside(path):
+                    flag("writes_outside", f"{event} {path}")
+
+    sys.addaudithook(audit)
+    return flag, check_integrity
 
 
 class _Harness:
@@ -131,7 +134,7 @@ class _Harness:
         self.channel = channel
         self.owner = _getpid()
         self.stdout, self.stderr = sys.stdout, sys.stderr
-        self.guard = _Guard(channel, plan)
+        self.flag, self.check_integrity = _guard(channel.send, plan)
         self.namespace: dict = {}
         self.entry = None
 
@@ -144,7 +147,7 @@ class _Harness:
                 stream.flush()
             except BaseException:
                 pass
-        self.guard.check_integrity()
+        self.check_integrity()
 
     @staticmethod
     def seed(seed) -> None:
@@ -230,14 +233,18 @@ def _live_children() -> int:
 def serve(cmd_fd: int, reply_fd: int, plan: dict) -> None:
     channel = _Channel(cmd_fd, reply_fd)
     harness = _Harness(channel, plan)
+    # Bound now, before any program code: patching the classes later changes none of these.
+    receive, send, check_integrity, live_children = channel.receive, channel.send, harness.check_integrity, _live_children
     handlers = {"load": harness.load, "call": harness.call, "inputs": harness.inputs}
     while True:
-        request = channel.receive()
+        request = receive()
         if request is None or request["op"] == "exit":
             try:
-                children = _live_children()
+                children = live_children()
             except OSError:
                 children = 0
-            channel.send({"op": "bye", "children": children})
+            send({"op": "bye", "children": children})
             _exit(0)
-        channel.send(handlers[request["op"]](request))
+        reply = handlers[request["op"]](request)
+        check_integrity()
+        send(reply)
