@@ -2,7 +2,8 @@
 
 Both sides grade the first N HumanEval canonical solutions one at a time, in the same process:
   baseline  `python -c <program + tests>` in a subprocess (what an unsandboxed grader would do);
-  sandbox   `Sandbox.run` (namespaces, masks, dedicated uid, limits, harness, re-hash, clean-up).
+  sandbox   `Sandbox.run` (a child forked by the fork server: namespaces, a root of its own, dedicated uid,
+            limits, outputs as plain data, the verdict in this process, flags, clean-up).
 Prints seconds per completion for each and their ratio. Run: python benchmarks/sandbox_overhead.py [N]
 """
 

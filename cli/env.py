@@ -59,8 +59,12 @@ def check(
             console.print(f"{r.task_set}: {r.all_calls}/{r.checked} task(s) fully protected (every case a (call, expected) "
                           f"pair judged outside the sandbox); {len(r.by_statements)} with cases judged by their own test "
                           "statements, also outside the sandbox", highlight=False)
+        by_reason: dict[str, list[str]] = {}
         for task_id, reason in r.by_statements:
-            console.print(f"[dim]  {escape(task_id)}: {escape(reason)}[/]", highlight=False)
+            by_reason.setdefault(reason, []).append(task_id)
+        for reason, ids in by_reason.items():
+            shown = ", ".join(ids[:12]) + (f" and {len(ids) - 12} more" if len(ids) > 12 else "")
+            console.print(f"[dim]  {escape(reason)}: {escape(shown)}[/]", highlight=False)
     for r in reports:
         if r.skipped:
             console.print(f"[dim]{r.task_set}: {r.skipped} task(s) skipped: their reference program fails on its own inputs or does not reproduce its outputs[/]")
