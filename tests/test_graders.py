@@ -199,6 +199,16 @@ def test_a_cheating_program_on_a_canary_raises_the_alarm(env, caplog):
     assert (stats["canary_passes"], stats["canary_pass_rate"], stats["flag_canary_passed_rate"]) == (1.0, 0.5, 0.5)
 
 
+def test_honest_references_never_pass_a_canary(env, tasks):
+    humaneval = HumanEvalSource()
+    honest = [humaneval.task(i, env.sandbox) for i in range(0, 164, 8)] + [smoke_task(i) for i in range(10)] + [tasks["codeio"]]
+    pairs = [(task, canary_of(task)) for task in honest]
+    assert sum(canary is None for _, canary in pairs) <= 2  # tasks with no exact-output case (HumanEval/32) have none
+    for task, canary in (pair for pair in pairs if pair[1] is not None):
+        result = env.grade_program(canary, task.reference)
+        assert (result.reward, result.passed, "canary_passed" in result.flags) == (0.0, 1, False), task.id
+
+
 def test_the_pool_mixes_in_canaries(tmp_path):
     env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="smoke")], canaries=0.25), seed=0, sandbox_root=tmp_path)
     drawn = [env.draw() for _ in range(200)]
