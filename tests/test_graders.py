@@ -203,7 +203,7 @@ def test_honest_references_never_pass_a_canary(env, tasks):
     humaneval = HumanEvalSource()
     honest = [humaneval.task(i, env.sandbox) for i in range(0, 164, 8)] + [smoke_task(i) for i in range(10)] + [tasks["codeio"]]
     pairs = [(task, canary_of(task)) for task in honest]
-    assert sum(canary is None for _, canary in pairs) <= 2  # tasks with no exact-output case (HumanEval/32) have none
+    assert sum(canary is None for _, canary in pairs) <= 1  # a task with no (call, expected) case (HumanEval/32) has none
     for task, canary in (pair for pair in pairs if pair[1] is not None):
         result = env.grade_program(canary, task.reference)
         assert (result.reward, result.passed, "canary_passed" in result.flags) == (0.0, 1, False), task.id
