@@ -45,7 +45,7 @@ from typing import Literal
 from recipes.errors import UserError
 from recipes.schema import SandboxSection
 from rollout import plain_data
-from rollout.graders import Call, CaseTests, Statement, judge_call, outputs_match, rewrite_assertions  # noqa: F401
+from rollout.graders import Call, CaseTests, judge_call, rewrite_assertions
 
 log = logging.getLogger("composer.sandbox")
 

@@ -19,7 +19,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import plain_data  # noqa: E402,F401
 import sandbox_entry  # noqa: E402
 import sandbox_runner  # noqa: E402
 
