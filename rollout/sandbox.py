@@ -441,6 +441,7 @@ class _Session:
         finally:
             for fd in child_fds:
                 os.close(fd)
+        os.set_blocking(self._cmd, False)
         self.started = time.monotonic()
         self.deadline = self.started + config.wall_seconds
         self._status_text = bytearray()
@@ -454,12 +455,7 @@ class _Session:
 
     def request(self, message: dict) -> dict | None:
         """The reply to `message`, or None when the run ended or was stopped first."""
-        if not self.live:
-            return None
-        try:
-            os.write(self._cmd, (json.dumps(message) + "\n").encode())
-        except OSError:  # the harness is gone
-            self._wait_end()
+        if not self.live or not self._send((json.dumps(message) + "\n").encode()):
             return None
         while self.live:
             while self._replies:
@@ -472,6 +468,25 @@ class _Session:
             if not self._pump():
                 break
         return None
+
+    def _send(self, data: bytes) -> bool:
+        """Write a request without ever blocking past the deadline (a program may stop reading)."""
+        view = memoryview(data)
+        while view:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                self.stop, self.live = "timeout", False
+                return False
+            if not select.select([], [self._cmd], [], min(remaining, 1.0))[1]:
+                continue
+            try:
+                view = view[os.write(self._cmd, view):]
+            except BlockingIOError:
+                continue
+            except OSError:  # the harness is gone
+                self._wait_end()
+                return False
+        return True
 
     def _pump(self) -> bool:
         """Read what is there (up to the deadline); False once the run is over or stopped."""
