@@ -278,15 +278,19 @@ def _kill_uid(uid: int) -> None:
         time.sleep(0.01)
 
 
-def _runqueue_wait_seconds(uid: int) -> float:
-    """Seconds the processes of `uid` spent runnable but waiting for a CPU (the host's doing, not theirs)."""
-    total = 0
-    for pid in _processes_of(uid):
-        try:
-            total += int(Path(f"/proc/{pid}/schedstat").read_text().split()[1])
-        except (FileNotFoundError, IndexError, ValueError):
-            continue
-    return total / 1e9
+def _starved_seconds(uid: int) -> float:
+    """Seconds the run's only process, single-threaded, spent runnable but waiting for a CPU: the host's
+    doing. 0 when the program started other processes or threads (then it competed with itself, and a
+    program must not be able to turn its own timeout into an infrastructure failure)."""
+    pids = _processes_of(uid)
+    if len(pids) != 1:
+        return 0.0
+    try:
+        if "\nThreads:\t1\n" not in Path(f"/proc/{pids[0]}/status").read_text():
+            return 0.0
+        return int(Path(f"/proc/{pids[0]}/schedstat").read_text().split()[1]) / 1e9
+    except (FileNotFoundError, IndexError, ValueError):
+        return 0.0
 
 
 class _InfraError(Exception):
@@ -817,7 +821,7 @@ class Sandbox:
             status, detail, infra = "infra", f"sandbox setup failed: {session.setup_error}", True
         elif stop == "timeout":
             status, detail = "timeout", "wall-clock limit"
-            if uid is not None and _runqueue_wait_seconds(uid) > 0.5 * self.config.wall_seconds:
+            if uid is not None and _starved_seconds(uid) > 0.5 * self.config.wall_seconds:
                 session.flag("host_timeout", "the run waited for a CPU most of its wall-clock limit")
                 status, detail, infra = "infra", "the host starved the run (waiting for a CPU) until its wall-clock limit", True
         elif limit_kill and not ran_all:

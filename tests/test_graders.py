@@ -262,3 +262,12 @@ def test_scripts_print_and_exit_as_python_would(env):
     result = env.sandbox.run("import sys\nprint('hello')\nsys.exit(3)\n", ScriptRun())
     assert (result.status, result.stdout_tail.strip(), result.flags) == ("crash", "hello", ())
     assert env.sandbox.run("print(1 + 1)\n", ScriptRun()).stdout_tail.strip() == "2"
+
+
+def test_a_program_cannot_pass_its_timeout_off_as_the_hosts(tmp_path):
+    # Busy processes of its own make the program wait for a CPU, as a busy host would: still its timeout.
+    sandbox = Sandbox(SandboxSection(cpu_seconds=30, wall_seconds=2, infra_retries=0), root=tmp_path)
+    hogs = "import os\ndef answer():\n    for _ in range(4):\n        os.fork()\n    while True:\n        pass\n"
+    result = sandbox.run(hogs, smoke_task(3).tests)
+    assert (result.status, result.infra_failure, result.reward) == ("timeout", False, 0.0)
+    assert "timeout" in result.flags and "host_timeout" not in result.flags
