@@ -192,6 +192,9 @@ def test_env_check_reports_reference_pass_rates(composer, write_recipe):
     rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 5}
     assert set(rows) >= {"smoke", "humaneval", "codeio"}
     assert "100.0%" in rows["smoke"] and "100.0%" in rows["humaneval"]
+    text = " ".join(result.stdout.split())
+    # HumanEval/2 compares with a tolerance: judged by its own statement (in the grader, not the sandbox).
+    assert "humaneval: 3/4 task(s) fully protected" in text and "HumanEval/2" in text and "codeio: 3/3 task(s) fully protected" in text
 
 
 def test_env_check_needs_an_env_section(composer):
