@@ -2,7 +2,7 @@
 
 The sandbox only runs the program's entry point on inputs and sends back plain data (`plain_data`); the
 verdict is computed here, in the grading process, which never runs the program's code. A case is either
-  Call       the entry point's inputs, the expected output and how to compare (==, is, truth, JSON values);
+  Call       the entry point's inputs, the expected output and how to compare (==, is, truth, a tolerance, JSON values);
   Statement  a statement of the test's own code, run here with `candidate` standing for the entry point:
              each call goes to the sandbox and comes back as plain data (the test code never meets an
              object of the program's). Used where the test computes inputs at run time (loops, random,
@@ -42,7 +42,7 @@ FLAGS = {
 DEFAULT_GUARDED = ("harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside",
                    "stray_processes", "canary_passed")
 
-Compare = Literal["==", "is", "truthy", "falsy", "json"]
+Compare = Literal["==", "is", "truthy", "falsy", "close", "json"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ class Call:
     kwargs: tuple[tuple[str, object], ...] = ()
     expected: object = None
     compare: Compare = "=="
+    tolerance: float = 0.0
+    """For "close": |output - expected| < tolerance."""
     seed: int | None = None
     """Reseed `random` (and numpy) before the call; None keeps the state the program left."""
 
@@ -103,6 +105,11 @@ def judge_call(call: Call, got) -> bool:
         return bool(got)
     if call.compare == "falsy":
         return not got
+    if call.compare == "close":
+        try:
+            return bool(abs(got - call.expected) < call.tolerance)
+        except TypeError:
+            return False
     try:
         return outputs_match(json.loads(json.dumps(got)), call.expected)
     except (TypeError, ValueError):
@@ -119,6 +126,23 @@ def _is_candidate_call(node: ast.AST) -> bool:
 
 def _uses_candidate(node: ast.AST) -> bool:
     return any(isinstance(n, ast.Name) and n.id == "candidate" for n in ast.walk(node))
+
+
+def _tolerance_test(test: ast.expr) -> tuple[ast.Call, ast.expr, ast.expr] | None:
+    """(call, expected, tolerance) of `abs(candidate(...) - E) < T` (or math.fabs, either order of the difference)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Lt)):
+        return None
+    outer = test.left
+    is_abs = isinstance(outer, ast.Call) and len(outer.args) == 1 and not outer.keywords and (
+        (isinstance(outer.func, ast.Name) and outer.func.id == "abs")
+        or (isinstance(outer.func, ast.Attribute) and outer.func.attr == "fabs" and isinstance(outer.func.value, ast.Name) and outer.func.value.id == "math"))
+    if not is_abs or not (isinstance(outer.args[0], ast.BinOp) and isinstance(outer.args[0].op, ast.Sub)):
+        return None
+    left, right = outer.args[0].left, outer.args[0].right
+    call, expected = (left, right) if _is_candidate_call(left) else (right, left)
+    if not _is_candidate_call(call) or _uses_candidate(expected) or _uses_candidate(test.comparators[0]):
+        return None
+    return call, expected, test.comparators[0]
 
 
 def _plain(value) -> bool:
@@ -138,6 +162,8 @@ def _as_call(statement: ast.stmt, namespace: dict) -> Call | str:
         call, expected, compare = test, None, "truthy"
     elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and _is_candidate_call(test.operand):
         call, expected, compare = test.operand, None, "falsy"
+    elif (close := _tolerance_test(test)) is not None:
+        call, expected, compare = close[0], close[1], "close"
     elif isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.Is)):
         left, right = test.left, test.comparators[0]
         call, other = (left, right) if _is_candidate_call(left) else (right, left)
@@ -146,7 +172,7 @@ def _as_call(statement: ast.stmt, namespace: dict) -> Call | str:
         compare = "==" if isinstance(test.ops[0], ast.Eq) else "is"
         expected = other
     else:
-        return "an assertion other than ==, is or truth of one call (tolerances, helpers)"
+        return "an assertion other than ==, is, a tolerance or truth of one call (helpers, type checks)"
     if any(_uses_candidate(a) for a in [*call.args, *call.keywords]):
         return "inputs computed from another call's output"
     try:
@@ -154,13 +180,16 @@ def _as_call(statement: ast.stmt, namespace: dict) -> Call | str:
         args = tuple(evaluate(a) for a in call.args)
         kwargs = tuple((k.arg, evaluate(k.value)) for k in call.keywords)
         expected_value = evaluate(expected) if expected is not None else None
+        tolerance = float(evaluate(close[2])) if compare == "close" else 0.0
     except Exception as e:
         return f"inputs cannot be computed before the run ({type(e).__name__})"
     if compare == "is" and expected_value not in (True, False, None):
         return "an identity test of a value other than True, False, None"
     if not all(map(_plain, (args, dict(kwargs), expected_value))):
         return "inputs or expected output are not plain data"
-    return Call(args=args, kwargs=kwargs, expected=expected_value, compare=compare)
+    if compare == "close" and not isinstance(expected_value, (int, float)):
+        return "a tolerance around something other than a number"
+    return Call(args=args, kwargs=kwargs, expected=expected_value, compare=compare, tolerance=tolerance)
 
 
 @lru_cache(maxsize=4096)

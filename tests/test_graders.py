@@ -9,7 +9,7 @@ import pytest
 from recipes.schema import EnvSection, SandboxSection, TaskSet
 from rollout import plain_data
 from rollout.environment import CodingEnvironment
-from rollout.graders import Call, Statement, rewrite_assertions
+from rollout.graders import Call, Statement, judge_call, rewrite_assertions
 from rollout.sandbox import Sandbox, ScriptRun
 from rollout.tasks import CodeIOSource, HumanEvalSource, canary_of, smoke_task
 from rollout.trajectories import Trajectory, episode_stats
@@ -162,6 +162,9 @@ def test_humaneval_assertions_become_calls_with_reasons_for_the_rest():
     first = rewrite_assertions(source._tasks[0].tests.entry_point, source._tasks[0].tests.setup, source._tasks[0].tests.cases)
     assert all(isinstance(c, Call) for c in first.cases)
     assert first.cases[0].args == ([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) and first.cases[0].expected is True
+    tolerance = source._tasks[2].tests  # assert abs(candidate(1.33) - 0.33) < 1e-6
+    close = [c for c in rewrite_assertions(tolerance.entry_point, tolerance.setup, tolerance.cases).cases if c.compare == "close"]
+    assert close and close[0].tolerance == 1e-6 and judge_call(close[0], close[0].expected) and not judge_call(close[0], "0.33")
     loops = source._tasks[53].tests
     cases = rewrite_assertions(loops.entry_point, loops.setup, loops.cases).cases
     assert any(isinstance(c, Statement) and "for statement" in c.reason for c in cases)
