@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from recipes.schema import SandboxSection
-from rollout.sandbox import AssertionTests, Sandbox
+from rollout.sandbox import AssertionTests, Isolation, Sandbox
 from tests.conftest import REPO
 
 LIMITS = dict(cpu_seconds=2, wall_seconds=4, memory_mb=512, max_processes=16, max_file_mb=2, max_output_kb=8)
@@ -181,3 +181,13 @@ def test_concurrent_runs_do_not_interfere(sandbox):
     assert [r.reward for r in results[1:]] == [1.0] * 8
     assert processes_of({r.uid for r in results}) == []
     assert [p.name for p in sandbox.root.glob("run-*")] == []
+
+
+@pytest.mark.parametrize("isolation", [Isolation(dedicated_uid=False, namespaces=True), Isolation(dedicated_uid=False, namespaces=False)],
+                         ids=["user-namespace", "no-namespaces"])
+def test_the_weaker_isolations_off_root_still_judge_outside(tmp_path, isolation):
+    # What a machine without root gets: no root of its own, but the verdict and the flags are the same.
+    weaker = Sandbox(SandboxSection(**LIMITS), root=tmp_path, isolation=isolation)
+    assert weaker.run("def f(x):\n    return x * x\n", SQUARE_TESTS).reward == 1.0
+    forged = weaker.run("import os\ndef f(x):\n    os.write(4, b'{\"id\": 1, \"value\": \"4\"}\\n')\n    os._exit(0)\n", SQUARE_TESTS)
+    assert forged.reward < 1.0 and "early_exit" in forged.flags
