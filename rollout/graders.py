@@ -42,7 +42,9 @@ FLAGS = {
 DEFAULT_GUARDED = ("harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside",
                    "stray_processes", "canary_passed")
 
-Compare = Literal["==", "is", "truthy", "falsy", "close", "json"]
+Compare = Literal["==", "is", "is not", "truthy", "falsy", "close", "within", "isinstance", "json"]
+# isinstance(output, T) for these T, named (a name is plain data, a type is not).
+_TYPES = {t.__name__: t for t in (bool, int, float, str, list, tuple, dict, set, frozenset, type(None))}
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class Call:
     expected: object = None
     compare: Compare = "=="
     tolerance: float = 0.0
-    """For "close": |output - expected| < tolerance."""
+    """For "close": |output - expected| < tolerance; for "within": <= tolerance."""
     seed: int | None = None
     """Reseed `random` (and numpy) before the call; None keeps the state the program left."""
 
@@ -101,13 +103,18 @@ def judge_call(call: Call, got) -> bool:
         return bool(got == call.expected)
     if call.compare == "is":
         return got is call.expected
+    if call.compare == "is not":
+        return got is not call.expected
+    if call.compare == "isinstance":
+        return isinstance(got, _TYPES[call.expected])
     if call.compare == "truthy":
         return bool(got)
     if call.compare == "falsy":
         return not got
-    if call.compare == "close":
+    if call.compare in ("close", "within"):
         try:
-            return bool(abs(got - call.expected) < call.tolerance)
+            distance = abs(got - call.expected)
+            return bool(distance < call.tolerance if call.compare == "close" else distance <= call.tolerance)
         except TypeError:
             return False
     try:
@@ -129,8 +136,8 @@ def _uses_candidate(node: ast.AST) -> bool:
 
 
 def _tolerance_test(test: ast.expr) -> tuple[ast.Call, ast.expr, ast.expr] | None:
-    """(call, expected, tolerance) of `abs(candidate(...) - E) < T` (or math.fabs, either order of the difference)."""
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Lt)):
+    """(call, expected, tolerance) of `abs(candidate(...) - E) < T` or `<= T` (or math.fabs, either order of the difference)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Lt, ast.LtE))):
         return None
     outer = test.left
     is_abs = isinstance(outer, ast.Call) and len(outer.args) == 1 and not outer.keywords and (
@@ -158,21 +165,25 @@ def _as_call(statement: ast.stmt, namespace: dict) -> Call | str:
     if not isinstance(statement, ast.Assert):
         return f"{type(statement).__name__.lower()} statement (inputs computed at run time)"
     test = statement.test
+    close = None
     if _is_candidate_call(test):
         call, expected, compare = test, None, "truthy"
     elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and _is_candidate_call(test.operand):
         call, expected, compare = test.operand, None, "falsy"
     elif (close := _tolerance_test(test)) is not None:
-        call, expected, compare = close[0], close[1], "close"
-    elif isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.Is)):
+        call, expected, compare = close[0], close[1], "close" if isinstance(test.ops[0], ast.Lt) else "within"
+    elif (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance" and len(test.args) == 2
+          and not test.keywords and _is_candidate_call(test.args[0]) and isinstance(test.args[1], ast.Name) and test.args[1].id in _TYPES):
+        call, expected, compare = test.args[0], ast.copy_location(ast.Constant(test.args[1].id), test), "isinstance"
+    elif isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.Is, ast.IsNot)):
         left, right = test.left, test.comparators[0]
         call, other = (left, right) if _is_candidate_call(left) else (right, left)
         if not _is_candidate_call(call) or _uses_candidate(other):
             return "compares something other than one call's output"
-        compare = "==" if isinstance(test.ops[0], ast.Eq) else "is"
+        compare = {ast.Eq: "==", ast.Is: "is", ast.IsNot: "is not"}[type(test.ops[0])]
         expected = other
     else:
-        return "an assertion other than ==, is, a tolerance or truth of one call (helpers, type checks)"
+        return "an assertion other than ==, is, a tolerance, a type or truth of one call (helpers)"
     if any(_uses_candidate(a) for a in [*call.args, *call.keywords]):
         return "inputs computed from another call's output"
     try:
@@ -180,14 +191,14 @@ def _as_call(statement: ast.stmt, namespace: dict) -> Call | str:
         args = tuple(evaluate(a) for a in call.args)
         kwargs = tuple((k.arg, evaluate(k.value)) for k in call.keywords)
         expected_value = evaluate(expected) if expected is not None else None
-        tolerance = float(evaluate(close[2])) if compare == "close" else 0.0
+        tolerance = float(evaluate(close[2])) if close is not None else 0.0
     except Exception as e:
         return f"inputs cannot be computed before the run ({type(e).__name__})"
-    if compare == "is" and expected_value not in (True, False, None):
+    if compare in ("is", "is not") and not any(expected_value is v for v in (True, False, None)):
         return "an identity test of a value other than True, False, None"
     if not all(map(_plain, (args, dict(kwargs), expected_value))):
         return "inputs or expected output are not plain data"
-    if compare == "close" and not isinstance(expected_value, (int, float)):
+    if close is not None and not isinstance(expected_value, (int, float)):
         return "a tolerance around something other than a number"
     return Call(args=args, kwargs=kwargs, expected=expected_value, compare=compare, tolerance=tolerance)
 

@@ -259,8 +259,13 @@ def _contradiction(case: Call) -> Call | None:
     """The same call expecting something else, when there is an obvious something else."""
     if case.compare in ("truthy", "falsy"):
         return dataclasses.replace(case, compare="falsy" if case.compare == "truthy" else "truthy")
-    if case.compare == "is":
-        return dataclasses.replace(case, expected=not case.expected) if isinstance(case.expected, bool) else None
+    if case.compare in ("is", "is not"):
+        return dataclasses.replace(case, compare="is not" if case.compare == "is" else "is")
+    if case.compare == "isinstance":
+        return None
+    if case.compare in ("close", "within"):
+        # Farther than twice the tolerance: no output is near both.
+        return dataclasses.replace(case, expected=case.expected + 2 * case.tolerance + 1)
     other = _contradicting(case.expected)
     return None if other is None else dataclasses.replace(case, expected=other)
 
@@ -272,8 +277,10 @@ def canary_of(task: Task) -> Task | None:
     if isinstance(task.tests, GeneratedCalls):
         return None
     tests = case_tests(task.tests)
-    for case in tests.cases:
-        if isinstance(case, Call) and (other := _contradiction(case)) is not None:
+    calls = [c for c in tests.cases if isinstance(c, Call)]
+    # Exact outputs first: the canary then contradicts what the statement asks for.
+    for case in sorted(calls, key=lambda c: 0 if c.compare in ("==", "json") else 1 if c.compare in ("close", "within") else 2):
+        if (other := _contradiction(case)) is not None:
             return Task(id=f"canary/{task.id}", family=task.family, prompt=task.prompt, entry_point=task.entry_point,
                         tests=CaseTests(entry_point=tests.entry_point, cases=(case, other), setup=tests.setup, seed=tests.seed),
                         answer=task.answer, continues=task.continues, preamble=task.preamble, canary=True)

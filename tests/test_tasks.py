@@ -193,9 +193,8 @@ def test_env_check_reports_reference_pass_rates(composer, write_recipe):
     assert set(rows) >= {"smoke", "humaneval", "codeio"}
     assert "100.0%" in rows["smoke"] and "100.0%" in rows["humaneval"]
     text = " ".join(result.stdout.split())
-    assert "humaneval: 4/4 task(s) fully protected" in text and "codeio: 3/3 task(s) fully protected" in text
-    # The smoke tests' type checks and ranges are judged by their own statements (in the grader, not the sandbox).
-    assert "smoke: 0/4 task(s) fully protected" in text and "smoke/0" in text
+    for protected in ("humaneval: 4/4", "codeio: 3/3", "smoke: 4/4"):
+        assert f"{protected} task(s) fully protected" in text
 
 
 def test_env_check_needs_an_env_section(composer):
