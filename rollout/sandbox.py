@@ -262,20 +262,18 @@ def _processes_of(uid: int) -> list[int]:
     return pids
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every live process of `uid`; repeat until none is left."""
-    for _ in range(100):
-        found = False
-        for pid in _processes_of(uid):
+def _kill_uid(uid: int, patience: float = 5.0) -> None:
+    """SIGKILL every process of `uid` and wait until none is left, zombies included (they still count
+    against RLIMIT_NPROC; a PID namespace's init reaps them as it dies)."""
+    deadline = time.monotonic() + patience
+    while (pids := _processes_of(uid)) and time.monotonic() < deadline:
+        for pid in pids:
             try:
                 if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                     os.kill(pid, signal.SIGKILL)
-                    found = True
             except (FileNotFoundError, ProcessLookupError):
                 continue
-        if not found:
-            return
-        time.sleep(0.01)
+        time.sleep(0.002)
 
 
 def _starved_seconds(uid: int) -> float:
