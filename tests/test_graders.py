@@ -16,7 +16,7 @@ from rollout.trajectories import Trajectory, episode_stats
 from trainer.rl_objective import group_advantages
 
 # A wall limit far away, so the CPU limit ends loops however busy this machine is.
-LIMITS = SandboxSection(cpu_seconds=1, wall_seconds=30, memory_mb=768, max_processes=16, max_file_mb=2, max_output_kb=8)
+LIMITS = SandboxSection(cpu_seconds=1, wall_seconds=120, memory_mb=768, max_processes=16, max_file_mb=2, max_output_kb=8)
 
 # Each cheat is a whole program; {f} is the task's entry point.
 CHEATS = {
