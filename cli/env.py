@@ -34,8 +34,9 @@ def check(
     iso, network = env.sandbox.isolation, recipe.env.sandbox.network
     kinds = (["mount", "PID"] if iso.dedicated_uid else ["user"]) + ([] if network else ["network"]) if iso.namespaces else []
     namespaces = f"{', '.join(kinds[:-1])} and {kinds[-1]} namespaces" if len(kinds) > 1 else "no namespaces"
+    own_root = ", a root of its own" if iso.dedicated_uid and iso.namespaces else ", the host's filesystem"
     console.print(
-        f"sandbox: {'a dedicated uid per run' if iso.dedicated_uid else 'the caller uid'}, {namespaces}"
+        f"sandbox: {'a dedicated uid per run' if iso.dedicated_uid else 'the caller uid'}, {namespaces}{own_root}"
         f"{', network allowed' if network else ''}",
         highlight=False,
     )
@@ -54,10 +55,22 @@ def check(
         table.add_row(r.task_set, str(r.checked), str(r.passed), str(len(r.failures)), str(r.skipped), rate, mean)
     console.print(table)
     for r in reports:
+        if r.checked:
+            console.print(f"{r.task_set}: {r.all_calls}/{r.checked} task(s) fully protected (every case a (call, expected) "
+                          f"pair judged outside the sandbox); {len(r.by_statements)} with cases judged by their own test "
+                          "statements, also outside the sandbox", highlight=False)
+        by_reason: dict[str, list[str]] = {}
+        for task_id, reason in r.by_statements:
+            by_reason.setdefault(reason, []).append(task_id)
+        for reason, ids in by_reason.items():
+            shown = ", ".join(ids[:12]) + (f" and {len(ids) - 12} more" if len(ids) > 12 else "")
+            console.print(f"[dim]  {escape(reason)}: {escape(shown)}[/]", highlight=False)
+    for r in reports:
         if r.skipped:
             console.print(f"[dim]{r.task_set}: {r.skipped} task(s) skipped: their reference program fails on its own inputs or does not reproduce its outputs[/]")
         for task_id, result in r.failures:
-            console.print(f"[red]✗[/] {escape(task_id)}: {result.status} {escape(result.detail)}, {result.passed}/{result.total} tests", highlight=False)
+            flags = f", flags: {escape('; '.join(result.flag_details))}" if result.flags else ""
+            console.print(f"[red]✗[/] {escape(task_id)}: {result.status} {escape(result.detail)}, {result.passed}/{result.total} tests{flags}", highlight=False)
     failed = sum(len(r.failures) for r in reports)
     if failed:
         raise UserError(f"{failed} reference solution(s) failed their own tests")

@@ -314,6 +314,17 @@ class SandboxSection(Section):
     """Captured stdout/stderr kept per execution."""
     network: bool = False
     """Allow network access (off: a fresh network namespace when root)."""
+    infra_retries: int = Field(default=2, ge=0)
+    """Retries of a run that failed because of the sandbox or the host, not the program."""
+
+
+class GuardsSection(Section):
+    flags: list[Literal["harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes",
+                        "timeout", "output_limit", "canary_passed"]] = Field(default_factory=lambda: [
+        "harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes", "canary_passed"])
+    """Grader flags that make an episode flagged (all flags are recorded either way)."""
+    reward: float | None = 0.0
+    """Reward of a flagged episode; null keeps the tests' score."""
 
 
 class EnvSection(Section):
@@ -323,6 +334,10 @@ class EnvSection(Section):
     """Limits for running model-written code."""
     reward: Literal["fraction", "all_or_nothing"] = "fraction"
     """Reward = fraction of tests passed, or 1 only when all pass."""
+    guards: GuardsSection = Field(default_factory=GuardsSection)
+    """What an episode flagged by the graders earns."""
+    canaries: float = Field(default=0.0, ge=0, lt=1)
+    """Share of drawn tasks that are canaries (tests contradicting the statement): any reward on one is a cheating alarm."""
 
 
 class RLSection(Section):

@@ -37,7 +37,9 @@ def learner_sequences(groups: list[list[Trajectory]], advantage_mode: str) -> li
     """Every segment of every trajectory becomes a sequence carrying its episode's group-relative advantage."""
     sequences = []
     for trajectories in groups:
-        advantages = group_advantages(np.array([t.reward for t in trajectories]), advantage_mode)
+        # An infrastructure failure's reward says nothing about the policy: out of the statistics, advantage 0.
+        valid = np.array([not t.info.get("infra_failure", False) for t in trajectories])
+        advantages = group_advantages(np.array([t.reward for t in trajectories]), advantage_mode, valid=valid)
         for trajectory, advantage in zip(trajectories, advantages):
             for s in trajectory.segments:
                 sequences.append(LearnerSequence(s.token_ids, s.loss_mask, s.logprobs, float(advantage), s.routed_experts))

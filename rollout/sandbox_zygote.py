@@ -1,0 +1,81 @@
+"""The sandbox's fork server: a Python started once, which forks a fresh, isolated child per run.
+
+Started by `rollout.sandbox` with a clean environment and a SOCK_SEQPACKET socket (fd in argv[1]); it
+imports the isolation code, the harness and the modules programs commonly import, then waits. Each
+message is a run's plan (JSON) with its pipes attached (SCM_RIGHTS): command, reply, stdout, stderr,
+status. It forks a holder (`sandbox_entry.run`) and answers {"pid": holder}. It never sees a program or a
+test: those go from the grader straight to the run over the pipes, so its memory (which every run
+inherits) holds nothing a program could use. It reaps its children, and when the grader's end of the
+socket closes it kills the runs still going and exits.
+"""
+
+import ctypes
+import json
+import os
+import select
+import signal
+import socket
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sandbox_entry  # noqa: E402
+import sandbox_runner  # noqa: E402
+
+sys.path.pop(0)
+# Imported once here instead of in every run.
+PRELOAD = ("collections", "itertools", "functools", "math", "re", "string", "heapq", "bisect", "typing", "fractions",
+           "decimal", "statistics", "datetime", "copy", "operator", "hashlib", "dataclasses", "numpy", "numpy.random")
+PR_SET_CHILD_SUBREAPER = 36
+FD_NAMES = ("cmd", "reply", "stdout", "stderr", "status")
+
+
+def _preload() -> None:
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except Exception:
+            pass
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _preload()
+    children: set[int] = set()
+    sock.send(b'{"ready": true}')
+    while True:
+        try:
+            while (pid := os.waitpid(-1, os.WNOHANG)[0]) > 0:
+                children.discard(pid)
+        except ChildProcessError:
+            pass
+        if not select.select([sock], [], [], 1.0)[0]:
+            continue
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 1 << 16, len(FD_NAMES))
+        except OSError:
+            break
+        if not message:
+            break
+        plan = json.loads(message)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                sock.close()
+                sandbox_entry.run(plan, dict(zip(FD_NAMES, fds)), sandbox_runner.serve)
+            finally:
+                os._exit(127)
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        sock.send(json.dumps({"pid": pid}).encode())
+    for pid in children:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+if __name__ == "__main__":
+    main()
