@@ -31,7 +31,7 @@ UNHONOURED = {
 
 ARCHITECTURE = [f"model.{key}" for key in ARCHITECTURE_FIELDS]
 RESUME_FIXED = [
-    "train.seed", "train.global_batch_size", "env.tasks", "env.reward", "rl.group_size", "rl.prompts_per_step",
+    "train.seed", "train.global_batch_size", "env.tasks", "env.reward", "env.guards", "env.canaries", "rl.group_size", "rl.prompts_per_step",
     *(f"parallelism.{key}" for key in LAYOUT_KEYS), *ARCHITECTURE,
 ]
 """What the tasks of group n, the rewards already stored and the learner's checkpoints depend on."""
