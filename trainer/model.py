@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from recipes.checks import split_problems
+from recipes.checks import model_problems, split_problems
 from recipes.errors import UserError
 from recipes.schema import ModelSection, ParallelismSection
 
-HF_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
+HF_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 # --- HF config <-> ModelSection ------------------------------------------------------------------
@@ -55,11 +55,17 @@ def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32") -> ModelSe
         "decoder_sparse_step": cfg.get("decoder_sparse_step", 1) != 1,
         "mlp_only_layers": bool(cfg.get("mlp_only_layers")),
     }
+    if family == "deepseek_v3":
+        refused.update(_deepseek_v3_refusals(cfg))
     bad = [k for k, is_bad in refused.items() if is_bad]
     if bad:
         raise UserError(f"{where}: unsupported setting(s) for the Megatron provider: {', '.join(bad)}")
     required = ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"]
-    required += ["num_experts_per_tok", "moe_intermediate_size"] if family == "qwen3_moe" else ["intermediate_size"]
+    required += {
+        "qwen3_moe": ["num_experts_per_tok", "moe_intermediate_size"],
+        "llama": ["intermediate_size"],
+        "deepseek_v3": list(DEEPSEEK_V3_REQUIRED),
+    }[family]
     absent = [key for key in required if key not in cfg]
     if family == "qwen3_moe" and "num_experts" not in cfg and "num_local_experts" not in cfg:
         absent.append("num_experts")
@@ -90,15 +96,57 @@ def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32") -> ModelSe
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             moe_aux_loss_coeff=cfg.get("router_aux_loss_coef", 1e-3),
         )
+    elif family == "deepseek_v3":
+        fields.update(
+            num_kv_heads=heads,
+            head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
+            ffn_hidden_size=cfg["intermediate_size"] if cfg["first_k_dense_replace"] else 0,
+            num_experts=cfg["n_routed_experts"],
+            moe_top_k=cfg["num_experts_per_tok"],
+            moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+            num_shared_experts=cfg["n_shared_experts"],
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            q_lora_rank=cfg.get("q_lora_rank"),
+            kv_lora_rank=cfg["kv_lora_rank"],
+            qk_nope_head_dim=cfg["qk_nope_head_dim"],
+            qk_rope_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"],
+            first_k_dense=cfg["first_k_dense_replace"],
+            moe_router_groups=cfg.get("n_group") or 1,
+            moe_router_group_top_k=cfg.get("topk_group") or 1,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        )
     else:
         fields.update(ffn_hidden_size=cfg["intermediate_size"])
-    return ModelSection(**fields)
+    try:
+        return ModelSection(**fields)
+    except ValueError as e:
+        raise UserError(f"{where}: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+
+
+DEEPSEEK_V3_REQUIRED = (
+    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "intermediate_size",
+)
+
+
+def _deepseek_v3_refusals(cfg: dict) -> dict[str, bool]:
+    """DeepseekV3 settings the provider would compute differently (real DeepSeek-V3 / Kimi-K2 configs pass)."""
+    return {
+        "scoring_func (only sigmoid)": cfg.get("scoring_func", "sigmoid") != "sigmoid",
+        "topk_method (only noaux_tc)": cfg.get("topk_method", "noaux_tc") != "noaux_tc",
+        "rope_interleave (only true: the layout vLLM and Megatron's MLA apply)": cfg.get("rope_interleave", True) is not True,
+        "moe_layer_freq (only 1)": cfg.get("moe_layer_freq", 1) != 1,
+        "num_nextn_predict_layers (multi-token prediction is not built)": bool(cfg.get("num_nextn_predict_layers", 0)),
+        "ep_size": cfg.get("ep_size", 1) != 1,
+    }
 
 
 ARCHITECTURE_FIELDS = (
     "family", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
     "num_experts", "moe_top_k", "moe_ffn_hidden_size", "num_shared_experts", "norm_topk_prob", "vocab_size",
-    "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+    "rope_theta", "rms_norm_eps", "tie_word_embeddings", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "first_k_dense", "moe_router_groups", "moe_router_group_top_k", "routed_scaling_factor",
 )
 """ModelSection fields that change the function the model computes; the rest are training settings."""
 
@@ -148,9 +196,35 @@ def hf_config_from_model_section(m: ModelSection, dtype: torch.dtype, bos_token_
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    elif m.family == "deepseek_v3":
+        fields.update(
+            num_key_value_heads=m.num_attention_heads,
+            intermediate_size=m.ffn_hidden_size or m.moe_ffn_hidden_size,
+            moe_intermediate_size=m.moe_ffn_hidden_size,
+            n_routed_experts=m.num_experts,
+            n_shared_experts=m.num_shared_experts,
+            num_experts_per_tok=m.moe_top_k,
+            norm_topk_prob=m.norm_topk_prob,
+            routed_scaling_factor=m.routed_scaling_factor,
+            n_group=m.moe_router_groups,
+            topk_group=m.moe_router_group_top_k,
+            first_k_dense_replace=m.first_k_dense,
+            q_lora_rank=m.q_lora_rank,
+            kv_lora_rank=m.kv_lora_rank,
+            qk_nope_head_dim=m.qk_nope_head_dim,
+            qk_rope_head_dim=m.qk_rope_head_dim,
+            v_head_dim=m.v_head_dim,
+            rope_interleave=True,
+            num_nextn_predict_layers=0,
+        )
+        del fields["head_dim"]  # DeepseekV3Config derives it (= qk_rope_head_dim)
     else:
         fields.update(intermediate_size=m.ffn_hidden_size, mlp_bias=False)
-    return AutoConfig.for_model(m.family, **fields).to_dict()
+    config = AutoConfig.for_model(m.family, **fields).to_dict()
+    if m.family == "deepseek_v3":
+        # transformers omits these; vLLM builds no expert bias without noaux_tc (real checkpoints carry both)
+        config.update(topk_method="noaux_tc", scoring_func="sigmoid")
+    return config
 
 
 # --- Megatron model ---------------------------------------------------------------------------------
@@ -159,8 +233,8 @@ def hf_config_from_model_section(m: ModelSection, dtype: torch.dtype, bos_token_
 def check_supported(m: ModelSection, p: ParallelismSection) -> None:
     """Refuse what this provider does not build, and sizes the model cannot be split by."""
     problems = []
-    if m.num_shared_experts:
-        problems.append("model.num_shared_experts > 0: shared experts are not mapped by the provider")
+    if m.num_shared_experts and m.family != "deepseek_v3":
+        problems.append(f"model.num_shared_experts > 0: shared experts are built for family deepseek_v3 only, not {m.family}")
     if p.pp > 1:
         problems.append(f"parallelism.pp={p.pp}: pipeline parallelism is not wired; use pp=1")
     if p.cp > 1:
@@ -168,12 +242,40 @@ def check_supported(m: ModelSection, p: ParallelismSection) -> None:
     if m.num_attention_heads % m.num_kv_heads:
         problems.append(f"model.num_kv_heads={m.num_kv_heads} does not divide model.num_attention_heads={m.num_attention_heads}")
     problems += [str(problem) for problem in split_problems(m, p)]
+    problems += [str(problem) for problem in model_problems(m)]
     if problems:
         raise UserError("model cannot be built: " + "; ".join(problems))
 
 
+def _deepseek_v3_config(m: ModelSection) -> dict:
+    """MLA with plain (interleaved-pair) RoPE, DeepSeek's sigmoid router with expert bias, shared experts."""
+    return dict(
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        kv_channels=m.v_head_dim,
+        rope_type="rope",
+        rotary_base=m.rope_theta,
+        rotary_scaling_factor=1.0,  # no YaRN: softmax scale 1/sqrt(qk head dim), as HF without rope scaling
+        mscale_all_dim=0.0,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_router_num_groups=m.moe_router_groups if m.moe_router_groups > 1 else None,
+        moe_router_group_topk=m.moe_router_group_top_k if m.moe_router_groups > 1 else None,
+        moe_router_topk_scaling_factor=m.routed_scaling_factor,
+        moe_router_pre_softmax=False,
+        moe_router_load_balancing_type="seq_aux_loss",
+        moe_router_dtype="fp32",  # HF and vLLM score DeepSeek routers in fp32
+        moe_shared_expert_intermediate_size=m.moe_ffn_hidden_size * m.num_shared_experts,
+        moe_layer_freq=[0] * m.first_k_dense + [1] * (m.num_layers - m.first_k_dense),
+    )
+
+
 def transformer_config(m: ModelSection, p: ParallelismSection, recompute_activations: bool = False):
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     dtype = getattr(torch, m.dtype)
     moe = (
@@ -196,13 +298,15 @@ def transformer_config(m: ModelSection, p: ParallelismSection, recompute_activat
     )
     # full recompute of every layer in backward (train.recompute_activations); routers then run twice per step
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute_activations else {}
-    return TransformerConfig(
+    if m.family == "deepseek_v3":
+        moe.update(_deepseek_v3_config(m))
+    config_class = MLATransformerConfig if m.family == "deepseek_v3" else TransformerConfig
+    return config_class(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_kv_heads,
-        kv_channels=m.head_dim,
-        ffn_hidden_size=m.moe_ffn_hidden_size if m.is_moe else m.ffn_hidden_size,
+        ffn_hidden_size=m.moe_ffn_hidden_size if m.is_moe and not m.first_k_dense else m.ffn_hidden_size,
         normalization="RMSNorm",
         layernorm_epsilon=m.rms_norm_eps,
         gated_linear_unit=True,
@@ -225,7 +329,7 @@ def transformer_config(m: ModelSection, p: ParallelismSection, recompute_activat
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
-        **moe,
+        **{"kv_channels": m.head_dim, **moe},
         **recompute,
     )
 
@@ -250,23 +354,58 @@ class RMSNorm(torch.nn.Module):
         return self.weight * x.to(dtype)
 
 
-def layer_block_spec(m: ModelSection):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+def _mla_core_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    class MLADotProductAttention(DotProductAttention):
+        """Megatron's local attention for MLA, whose keys (nope + rope) are wider than its values.
+
+        MLA passes `k_channels`/`v_channels`, which only Transformer Engine's attention takes in 0.16.1; the local
+        one computes the same from the shapes it gets, with MLA's softmax scale passed explicitly and the output
+        width from kv_channels (= v_head_dim here).
+        """
+
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return MLADotProductAttention
+
+
+def _layer_spec(m: ModelSection, moe: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    mla = m.family == "deepseek_v3"
     spec = get_gpt_layer_local_spec(
-        num_experts=m.num_experts if m.is_moe else None,
+        num_experts=m.num_experts if moe else None,
         moe_grouped_gemm=False,
         qk_layernorm=m.family == "qwen3_moe",
+        multi_latent_attention=mla,
         normalization="RMSNorm",
     )
     layer = spec.submodules
     layer.input_layernorm = RMSNorm
     layer.pre_mlp_layernorm = RMSNorm
+    attention = layer.self_attention.submodules
     if m.family == "qwen3_moe":
-        layer.self_attention.submodules.q_layernorm = RMSNorm
-        layer.self_attention.submodules.k_layernorm = RMSNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * m.num_layers, layer_norm=RMSNorm)
+        attention.q_layernorm = RMSNorm
+        attention.k_layernorm = RMSNorm
+    if mla:
+        # the norms of the compressed query and key/value latents (HF q_a_layernorm, kv_a_layernorm)
+        attention.q_layernorm = RMSNorm
+        attention.kv_layernorm = RMSNorm
+        attention.core_attention = _mla_core_attention()
+    return spec
+
+
+def layer_block_spec(m: ModelSection, config):
+    """The layers this pipeline stage builds: dense ones for the first first_k_dense layers, MoE after."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    specs = {moe: _layer_spec(m, moe) for moe in ({m.is_moe, False} if m.first_k_dense else {m.is_moe})}
+    everything = [specs[m.is_moe and layer >= m.first_k_dense] for layer in range(m.num_layers)]
+    offset = get_transformer_layer_offset(config)
+    return TransformerBlockSubmodules(layer_specs=everything[offset : offset + get_num_layers_to_build(config)], layer_norm=RMSNorm)
 
 
 def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: bool = False):
@@ -287,9 +426,10 @@ def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: b
     if m.is_moe:
         # Router-replay instances are process-global: the newest MoE model becomes the one recorded and replayed.
         RouterReplay.clear_global_router_replay_instances()
+    config = transformer_config(m, p, recompute_activations)
     model = GPTModel(
-        config=transformer_config(m, p, recompute_activations),
-        transformer_layer_spec=layer_block_spec(m),
+        config=config,
+        transformer_layer_spec=layer_block_spec(m, config),
         vocab_size=m.vocab_size,
         max_sequence_length=m.max_position_embeddings,
         position_embedding_type="rope",
