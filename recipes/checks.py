@@ -131,12 +131,8 @@ def split_problems(m: ModelSection, p: ParallelismSection) -> list[Problem]:
         out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.vocab_size={m.vocab_size}"))
     if (not m.is_moe or m.first_k_dense) and m.ffn_hidden_size % p.tp:
         out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}"))
-    if m.family == "deepseek_v3":
-        # Megatron's local MLA splits the down-projections' outputs over tensor parallelism too
-        for key, size in (("q_lora_rank", m.q_lora_rank or 0), ("kv_lora_rank + qk_rope_head_dim", m.kv_lora_rank + m.qk_rope_head_dim),
-                          ("moe_ffn_hidden_size * num_shared_experts", m.moe_ffn_hidden_size * m.num_shared_experts)):
-            if size % p.tp:
-                out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.{key}={size}"))
+    if m.num_shared_experts and (m.moe_ffn_hidden_size * m.num_shared_experts) % p.tp:
+        out.append(Problem("parallelism.tp", f"{p.tp} does not divide the shared experts' width model.moe_ffn_hidden_size * model.num_shared_experts = {m.moe_ffn_hidden_size * m.num_shared_experts}"))
     if m.num_layers % p.pp:
         out.append(Problem("parallelism.pp", f"{p.pp} does not divide model.num_layers={m.num_layers}"))
     if p.sequence_parallel and p.tp == 1:

@@ -139,7 +139,9 @@ def _take_aux_losses() -> torch.Tensor:
     """This rank's part of Megatron's load-balancing loss per layer, summed over the step's micro-batches."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
-    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    tracker = get_moe_layer_wise_logging_tracker()
+    # aux_loss (qwen3_moe) or seq_aux_loss (deepseek_v3) records under its own name
+    entry = tracker.get("load_balancing_loss") or tracker.get("seq_load_balancing_loss")
     if entry is None:
         return torch.zeros(0, dtype=torch.float64)
     values = entry["values"].clone().to(torch.float64)
@@ -163,7 +165,8 @@ def _reduce_step(loss_sum: float, tokens: float, aux: torch.Tensor, counts: torc
     metrics = {"loss": loss_sum / tokens, "tokens": tokens}
     if len(aux):
         per_layer = packed[at : at + len(aux)] / (parallel_state.get_data_parallel_world_size() * num_micro_batches)
-        metrics["moe_aux_loss"] = float(per_layer.mean())  # as Megatron reports it: 1.0 when balanced
+        # as Megatron reports it: 1.0 when balanced; dense layers (deepseek_v3's first_k_dense) record none
+        metrics["moe_aux_loss"] = float(per_layer[per_layer > 0].mean())
         at += len(aux)
     if counts.numel():
         per_expert = packed[at : at + counts.numel()].view(counts.shape)
