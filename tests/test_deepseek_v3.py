@@ -220,3 +220,69 @@ def test_layouts_and_shapes_the_provider_cannot_build_are_refused(checkpoint, me
     with pytest.raises(UserError, match="vLLM cannot serve on CPU: kv_lora_rank=256 \\(needs 512\\)"):
         attention_backend(changed, "float32")
     assert attention_backend(checkpoint, "float32") == "CPU_MLA" and attention_backend(checkpoint, "bfloat16") is None
+
+
+# --- the twin's whole chain: model init, midtrain, RL with router replay, sync --------------------------------
+
+
+def composer_ok(*args: str) -> str:
+    from tests.conftest import run_composer
+
+    result = run_composer(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    from recipes.runs import read_metrics
+
+    root = tmp_path_factory.mktemp("chain")
+    composer_ok("model", "init", str(root / "init"), "--recipe", str(TWIN))
+    composer_ok(
+        "train", "midtrain", str(TWIN), *sum((["--set", kv] for kv in (
+            f"run.dir={root / 'runs'}", f"model.checkpoint={root / 'init'}", f"data.cache_dir={root / 'cache'}",
+            "train.steps=12", "train.eval_every=6", "train.eval_batches=2", "train.checkpoint_every=12",
+            "train.global_batch_size=8", "optim.warmup_steps=2", "data.split=[90,10,0]", 'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
+        )), []),
+    )
+    midtrain = root / "runs/smoke-deepseek-v3-midtrain"
+    composer_ok(
+        "train", "rl", str(REPO / "recipes/smoke-deepseek-v3-rl.yaml"), *sum((["--set", kv] for kv in (
+            f"run.dir={root / 'runs'}", f"model.checkpoint={midtrain / 'export'}", f"sync.store={root / 'store'}",
+            "train.steps=3", "rl.prompts_per_step=2", "rl.group_size=4", "train.global_batch_size=8",
+        )), []),
+    )
+    composer_ok("sync", "pull", "--store", str(root / "store"), "--to", str(root / "receiver"))
+    rl = root / "runs/smoke-deepseek-v3-rl"
+    return {"root": root, "midtrain": list(read_metrics(midtrain / "metrics.jsonl")), "rl": list(read_metrics(rl / "metrics.jsonl")),
+            "midtrain_export": midtrain / "export", "pulled": root / "receiver/current"}
+
+
+def test_twin_midtrains_and_the_expert_bias_balances(chain):
+    evals = [r["eval_loss"] for r in chain["midtrain"] if "eval_loss" in r]
+    assert evals[-1] < evals[0] - 0.5, evals
+    assert all(r["moe_aux_loss"] > 0 for r in chain["midtrain"][1:])
+    from safetensors import safe_open
+
+    from trainer.weights import hf_weight_files
+
+    name = "model.layers.2.mlp.gate.e_score_correction_bias"
+    tensors = []
+    for ckpt in (chain["root"] / "init", chain["midtrain_export"]):
+        path = hf_weight_files(ckpt)[name]
+        with safe_open(path, "pt") as f:
+            tensors.append(f.get_tensor(name))
+    steps = (tensors[1] - tensors[0]) / 1e-3  # 12 optimizer steps of +-rate each
+    assert steps.abs().max() <= 12 + 1e-3 and torch.allclose(steps, steps.round(), atol=1e-2) and steps.abs().sum() > 0
+
+
+def test_twin_rl_replays_the_engine_routes_and_ships_its_policy(chain):
+    first = chain["rl"][0]
+    assert first["logprob_abs_diff"] < 1e-5  # same fp32 weights in vLLM (CPU_MLA) and Megatron
+    assert first["routing_disagreement_layer1"] == 0.0 and first["routing_disagreement_layer2"] == 0.0
+    assert "routing_disagreement_layer0" not in first  # the dense layer has no router
+    assert [r["step"] for r in chain["rl"]] == [1, 2, 3]
+    pulled = chain["pulled"]
+    assert model_section_from_hf(pulled).family == "deepseek_v3"
+    assert json.loads((pulled / "config.json").read_text())["topk_method"] == "noaux_tc"

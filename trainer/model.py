@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 
 from recipes.checks import model_problems, split_problems
 from recipes.errors import UserError
@@ -32,9 +33,14 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     if not config_file.is_file():
         raise UserError(f"{path}: not an HF checkpoint (no config.json)")
     try:
-        return json.loads(config_file.read_text())
+        config = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{config_file}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{config_file}: unreadable ({e})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32") -> ModelSection:
@@ -42,10 +48,12 @@ def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32") -> ModelSe
     cfg = read_hf_config(hf_dir)
     where = Path(hf_dir) / "config.json"
     family = cfg.get("model_type")
-    if family not in HF_ARCHITECTURES:
+    if not isinstance(family, str) or family not in HF_ARCHITECTURES:
         supported = ", ".join(f"{k} ({v})" for k, v in HF_ARCHITECTURES.items())
         raise UserError(f"{where}: model_type {family!r} is not supported; supported: {supported}")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{where}: rope_parameters: expected an object, got {type(rope).__name__}")
     refused = {
         "attention_bias": bool(cfg.get("attention_bias", False)),
         "mlp_bias": bool(cfg.get("mlp_bias", False)),
@@ -71,6 +79,16 @@ def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32") -> ModelSe
         absent.append("num_experts")
     if absent:
         raise UserError(f"{where}: missing key(s) for a {family} model: {', '.join(absent)}")
+    try:
+        return ModelSection(**_model_fields(cfg, family, rope, hf_dir, dtype))
+    except ValidationError as e:
+        error = e.errors()[0]
+        raise UserError(f"{where}: {'.'.join(map(str, error['loc']))}: {error['msg']}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{where}: a value has the wrong type ({e})") from None
+
+
+def _model_fields(cfg: dict, family: str, rope: dict, hf_dir, dtype: str) -> dict:
     rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     heads = cfg["num_attention_heads"]
     fields = dict(
@@ -118,10 +136,7 @@ def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32") -> ModelSe
         )
     else:
         fields.update(ffn_hidden_size=cfg["intermediate_size"])
-    try:
-        return ModelSection(**fields)
-    except ValueError as e:
-        raise UserError(f"{where}: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+    return fields
 
 
 DEEPSEEK_V3_REQUIRED = (
@@ -149,6 +164,27 @@ ARCHITECTURE_FIELDS = (
     "qk_rope_head_dim", "v_head_dim", "first_k_dense", "moe_router_groups", "moe_router_group_top_k", "routed_scaling_factor",
 )
 """ModelSection fields that change the function the model computes; the rest are training settings."""
+
+
+def parameter_counts(m: ModelSection) -> tuple[int, int]:
+    """(total, active per token) parameters of architecture `m`: embeddings and every layer; active counts only
+    moe_top_k of each MoE layer's routed experts (routers and shared experts always run)."""
+    h = m.hidden_size
+    if m.family == "deepseek_v3":
+        q_head = m.qk_nope_head_dim + m.qk_rope_head_dim
+        query = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.num_attention_heads * q_head if m.q_lora_rank else h * m.num_attention_heads * q_head
+        key_value = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        attention = query + key_value + m.num_attention_heads * m.v_head_dim * h
+    else:
+        attention = h * m.head_dim * (2 * m.num_attention_heads + 2 * m.num_kv_heads) + (2 * m.head_dim if m.family == "qwen3_moe" else 0)
+    per_layer = attention + 2 * h  # + input and pre-MLP norms
+    moe_layers = len(m.moe_layers)
+    dense = (m.num_layers - moe_layers) * 3 * h * m.ffn_hidden_size
+    router = m.num_experts * h + (m.num_experts if m.family == "deepseek_v3" else 0)  # + expert bias
+    always = moe_layers * (router + 3 * h * m.moe_ffn_hidden_size * m.num_shared_experts)
+    expert = 3 * h * m.moe_ffn_hidden_size
+    common = m.vocab_size * h * (1 if m.tie_word_embeddings else 2) + h + m.num_layers * per_layer + dense + always
+    return common + moe_layers * m.num_experts * expert, common + moe_layers * m.moe_top_k * expert
 
 
 def check_matches_checkpoint(m: ModelSection, hf_dir: str | Path) -> None:
