@@ -62,16 +62,16 @@ def fix_cpu_rotary_strides() -> None:
     if getattr(original, "composer_fixed", False):
         return
 
-    def flat(t):
-        return None if t is None else t.reshape(t.shape[0], -1).contiguous()
-
     def forward_cpu(self, positions, query, key=None):
         if query.dim() == 2 and query.is_contiguous() and (key is None or (key.dim() == 2 and key.is_contiguous())):
             return original(self, positions, query, key)
-        rotated_query, rotated_key = original(self, positions, flat(query), flat(key))
-        query.copy_(rotated_query.view(query.shape))
-        if key is not None:
-            key.copy_(rotated_key.view(key.shape))
+        # contiguous 2-D tensors: views of the originals where their layout allows, else copies written back
+        flat_query = query.reshape(query.shape[0], -1).contiguous()
+        flat_key = None if key is None else key.reshape(key.shape[0], -1).contiguous()
+        original(self, positions, flat_query, flat_key)
+        for tensor, rotated in ((query, flat_query), (key, flat_key)):
+            if tensor is not None and rotated.data_ptr() != tensor.data_ptr():
+                tensor.copy_(rotated.view(tensor.shape))
         return query, key
 
     forward_cpu.composer_fixed = True
