@@ -95,7 +95,7 @@ def test_config_without_required_keys(tmp_path):
         (ParallelismSection(ep=3), "parallelism.ep: 3 does not divide model.num_experts=8"),
         (ParallelismSection(tp=4, sequence_parallel=True), "parallelism.tp: 4 does not divide model.num_kv_heads=2"),
         (ParallelismSection(tp=2), "parallelism.sequence_parallel: must be true"),
-        (ParallelismSection(pp=2), "pipeline parallelism is not wired"),
+        (ParallelismSection(pp=4), "parallelism.pp: 4 does not divide model.num_layers=2"),
         (ParallelismSection(cp=2), "context parallelism is not wired"),
     ],
 )

@@ -271,8 +271,8 @@ def check_supported(m: ModelSection, p: ParallelismSection) -> None:
     problems = []
     if m.num_shared_experts and m.family != "deepseek_v3":
         problems.append(f"model.num_shared_experts > 0: shared experts are built for family deepseek_v3 only, not {m.family}")
-    if p.pp > 1:
-        problems.append(f"parallelism.pp={p.pp}: pipeline parallelism is not wired; use pp=1")
+    if p.pp > 1 and m.tie_word_embeddings:
+        problems.append(f"parallelism.pp={p.pp}: tied embeddings across pipeline stages are not built; use pp=1 or untied embeddings")
     if p.cp > 1:
         problems.append(f"parallelism.cp={p.cp}: context parallelism is not wired; use cp=1")
     if m.num_attention_heads % m.num_kv_heads:
@@ -358,6 +358,7 @@ def transformer_config(m: ModelSection, p: ParallelismSection, recompute_activat
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
+        pipeline_dtype=dtype,
         context_parallel_size=p.cp,
         expert_model_parallel_size=p.ep,
         expert_tensor_parallel_size=p.etp,
@@ -458,6 +459,7 @@ def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: b
     drives this model's own routers; Megatron's static RouterReplay API acts on the newest MoE model built.
     `recompute_activations` recomputes every layer in backward (train.recompute_activations).
     """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -479,8 +481,9 @@ def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: b
         rotary_percent=1.0,
         rotary_base=m.rope_theta,
         share_embeddings_and_output_weights=m.tie_word_embeddings,
-        pre_process=True,
-        post_process=True,
+        # pipeline stages: the first holds the embedding, the last the final norm and output layer
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
     if m.is_moe and p.ep == 1:
         # Megatron marks expert weights as expert-parallel only when ep > 1, so with ep=1 its DDP reduces them over

@@ -195,7 +195,11 @@ def plan_params(model, m: ModelSection) -> Iterator[tuple[torch.nn.Parameter, Pa
     """Every parameter of `model` with the HF tensors it is made of."""
     from megatron.core import parallel_state
 
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
     rules = [(rule, _compile(rule.megatron)) for rule in family_rules(m)]
+    # Megatron numbers a pipeline stage's layers from 0; HF names carry the global layer
+    layer_offset = get_transformer_layer_offset(model.config)
     experts_per_rank = m.num_experts // parallel_state.get_expert_model_parallel_world_size()
     expert_offset = parallel_state.get_expert_model_parallel_rank() * experts_per_rank
     # persistent per-expert buffers (the router's expert bias) are weights of the checkpoint too
@@ -208,7 +212,7 @@ def plan_params(model, m: ModelSection) -> Iterator[tuple[torch.nn.Parameter, Pa
         else:
             raise KeyError(f"no {m.family} weight rule for Megatron parameter {name}")
         parts = match.groupdict()
-        layer = int(parts["layer"]) if "layer" in parts else None
+        layer = int(parts["layer"]) + layer_offset if "layer" in parts else None
         local = int(parts["expert"]) if "expert" in parts else None
         fill = {"layer": layer, "expert": None if local is None else local + expert_offset}
         hf_names = tuple(n.format(**fill) for n in rule.hf)
@@ -338,12 +342,8 @@ def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
-def iter_hf_tensors(model, m: ModelSection) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every weight, gathered over tp and ep, one parameter at a time.
-
-    A collective: every rank must iterate it to the end. Tensors that needed no gather are views of the live
-    parameters; copy them if the model changes before they are used.
-    """
+def _stage_hf_tensors(model, m: ModelSection) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every weight of this pipeline stage, gathered over tp and ep."""
     from megatron.core import parallel_state
 
     ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
@@ -360,6 +360,37 @@ def iter_hf_tensors(model, m: ModelSection) -> Iterator[tuple[str, torch.Tensor]
                 yield from zip(names, plan.rule.transform.to_hf(tensor, m, size))
         else:
             yield from zip(plan.hf_names, plan.rule.transform.to_hf(full, m, size))
+
+
+def iter_hf_tensors(model, m: ModelSection) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every weight, gathered over tp and ep, and over pipeline stages (each stage's
+    tensors broadcast over its pipeline group, stage after stage), one parameter at a time.
+
+    A collective: every rank must iterate it to the end. Tensors that needed no gather are views of the live
+    parameters; copy them if the model changes before they are used.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if stages == 1:
+        yield from _stage_hf_tensors(model, m)
+        return
+    group = parallel_state.get_pipeline_model_parallel_group()
+    mine = parallel_state.get_pipeline_model_parallel_rank()
+    for stage in range(stages):
+        src = dist.get_global_rank(group, stage)
+        tensors = _stage_hf_tensors(model, m) if stage == mine else None
+        while True:
+            item = next(tensors, None) if tensors is not None else None
+            header = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]
+            dist.broadcast_object_list(header, src=src, group=group)
+            if header[0] is None:
+                break
+            name, shape, dtype = header[0]
+            tensor = item[1].contiguous() if item is not None else torch.empty(shape, dtype=dtype)
+            dist.broadcast(tensor, src=src, group=group)
+            yield name, tensor
 
 
 @torch.no_grad()
