@@ -21,6 +21,7 @@ from trainer.model import ARCHITECTURE_FIELDS
 
 UNHONOURED = {
     "cluster.hosts": "the learner runs on this host",
+    "parallelism.pp": "the RL learner's step does not run the pipeline schedule (trainer.pipeline) yet",
     "data": "RL trains on rollouts, not on a corpus",
     "train.eval_every": "RL reports rewards every step instead of a held-out evaluation",
     "train.eval_batches": "RL reports rewards every step instead of a held-out evaluation",
