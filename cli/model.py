@@ -63,7 +63,8 @@ def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (o
     """Architecture and size of an HF checkpoint from its config.json alone (no weights are loaded): check a download."""
     from trainer.model import model_section_from_hf, parameter_counts
 
-    m = model_section_from_hf(checkpoint)
+    unbuilt: list[str] = []
+    m = model_section_from_hf(checkpoint, unbuilt=unbuilt)
     total, active = parameter_counts(m)
     if m.family == "deepseek_v3":
         q = f"q_lora_rank {m.q_lora_rank}" if m.q_lora_rank else "full-rank queries"
@@ -85,6 +86,7 @@ def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (o
         ("experts", experts),
         ("parameters", f"{_billions(total)} total, {_billions(active)} active per token"),
         ("weights", f"{_bytes(2 * total)} in bf16, {_bytes(total)} in fp8 (without scales)"),
+        ("training", f"not built by composer's provider: {', '.join(unbuilt)}" if unbuilt else "composer's provider builds it"),
     ]
     for key, value in rows:
         console.print(f"[bold]{key:<11}[/] {escape(value)}", highlight=False)

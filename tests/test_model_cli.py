@@ -112,10 +112,14 @@ def test_model_info_of_a_config_alone(tmp_path):
     from trainer.model import hf_config_from_model_section
 
     model = load_recipe(REPO / "recipes/kimi-k2-rl.yaml", []).model
-    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_model_section(model, torch.bfloat16)))
+    config = hf_config_from_model_section(model, torch.bfloat16)
+    # as in Kimi-K2's own config.json: YaRN RoPE scaling, which the provider does not build (yet)
+    yarn = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": None, "rope_scaling": {**yarn, "rope_theta": 50000.0}}))
     result = composer("model", "info", str(tmp_path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())
+    assert "training not built by composer's provider: rope_parameters.rope_type" in out
     assert "family deepseek_v3" in out and "layers 61, hidden 7168, vocab 163840" in out
     assert "multi-head latent attention: 64 heads, kv_lora_rank 512, q_lora_rank 1536" in out
     assert "384 routed top-8 + 1 shared (60 MoE layers, first 1 dense)" in out

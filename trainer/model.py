@@ -43,8 +43,12 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     return config
 
 
-def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32") -> ModelSection:
-    """The ModelSection equal to the HF checkpoint at `hf_dir`; refuses what Megatron would build differently."""
+def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32", unbuilt: list[str] | None = None) -> ModelSection:
+    """The ModelSection equal to the HF checkpoint at `hf_dir`; refuses what Megatron would build differently.
+
+    With `unbuilt` (a list), settings the provider does not build are appended to it instead of refused: the
+    section then describes the checkpoint's shape (for `composer model info`), not a model the provider builds.
+    """
     cfg = read_hf_config(hf_dir)
     where = Path(hf_dir) / "config.json"
     family = cfg.get("model_type")
@@ -66,7 +70,9 @@ def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32") -> ModelSe
     if family == "deepseek_v3":
         refused.update(_deepseek_v3_refusals(cfg))
     bad = [k for k, is_bad in refused.items() if is_bad]
-    if bad:
+    if bad and unbuilt is not None:
+        unbuilt += bad
+    elif bad:
         raise UserError(f"{where}: unsupported setting(s) for the Megatron provider: {', '.join(bad)}")
     required = ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"]
     required += {
