@@ -56,7 +56,7 @@ def model_problems(m: ModelSection) -> list[Problem]:
 
 
 _DEEPSEEK_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense",
-                  "moe_router_groups", "moe_router_group_top_k", "routed_scaling_factor")
+                  "moe_router_groups", "moe_router_group_top_k", "routed_scaling_factor", "moe_router_bias_update_rate")
 
 
 def _no_deepseek_keys(m: ModelSection) -> list[Problem]:

@@ -24,7 +24,7 @@ from trainer.checkpoint_init import init_hf_checkpoint
 from trainer.distributed import init_distributed, run_torchrun, shutdown_distributed
 from trainer.logprobs import pad_micro_batch, token_logprobs
 from trainer.model import build_model, forward_logits, model_section_from_hf
-from trainer.router_replay import moe_routers, replay_for_micro_batch, routing, routing_disagreement
+from trainer.router_replay import replay_for_micro_batch, routing, routing_disagreement
 from trainer.weights import export_hf, load_hf_into
 
 pytestmark = pytest.mark.engines
@@ -127,25 +127,35 @@ def test_import_export_round_trip_is_bit_exact(checkpoint, megatron, tmp_path):
     assert model_section_from_hf(tmp_path / "export") == m.model_copy(update={"checkpoint": str(tmp_path / "export")})
 
 
-def test_vllm_serves_it_and_router_replay_of_its_routes_agrees(checkpoint, megatron, tokens):
-    """fp32 embedded engine (CPU_MLA backend): teacher-forced logprobs equal Megatron's; the experts it reports
-    per token are the learner's own bias-corrected, group-limited choices, and replaying them uses exactly them."""
+@pytest.fixture(scope="module")
+def served(checkpoint, megatron, tokens, tmp_path_factory) -> dict:
+    """The fp32 embedded engine (CPU_MLA backend): teacher-forced logprobs of `tokens` and 2 sampled continuations
+    with their routed experts (saved for the torchrun replay worker too)."""
     from rollout.engine import EmbeddedEngine
 
-    m, model = megatron
     rollout = RolloutSection(max_context=64, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=8))
     engine = EmbeddedEngine(checkpoint, rollout, seed=0, routed_experts=True)
     try:
-        served = engine.prompt_logprobs([row.tolist() for row in tokens])
+        logprobs = engine.prompt_logprobs([row.tolist() for row in tokens])
         samples = [group[0] for group in engine.generate([row[:10].tolist() for row in tokens], seeds=[1, 2])]
     finally:
         del engine
+    path = tmp_path_factory.mktemp("rollouts") / "rollouts.pt"
+    torch.save({"tokens": [np.array(s.prompt_ids + s.token_ids) for s in samples], "routes": [s.routed_experts for s in samples]}, path)
+    return {"logprobs": logprobs, "samples": samples, "path": path}
+
+
+def test_vllm_serves_it_and_router_replay_of_its_routes_agrees(megatron, tokens, served):
+    """Teacher-forced logprobs equal Megatron's; the experts vLLM reports per token are the learner's own
+    bias-corrected, group-limited choices, and replaying them uses exactly them."""
+    m, model = megatron
     with torch.no_grad():
         ours = torch.log_softmax(forward_logits(model, tokens).double(), -1)
     for b in range(BATCH):
         expected = ours[b, torch.arange(SEQ - 1), tokens[b, 1:]]
-        assert (torch.tensor(served[b], dtype=torch.float64) - expected).abs().max().item() <= 1e-4
+        assert (torch.tensor(served["logprobs"][b], dtype=torch.float64) - expected).abs().max().item() <= 1e-4
 
+    samples = served["samples"]
     sequences = [np.array(s.prompt_ids + s.token_ids) for s in samples]
     routes = [s.routed_experts for s in samples]
     for s, r in zip(samples, routes):
@@ -159,6 +169,19 @@ def test_vllm_serves_it_and_router_replay_of_its_routes_agrees(checkpoint, megat
         start = len(s.prompt_ids) - 1
         generated = learner[row, start : start + len(s.token_ids)]
         assert (generated - torch.tensor(s.logprobs)).abs().max().item() <= 1e-4
+
+
+def test_router_replay_under_tensor_and_expert_parallelism(checkpoint, served, tmp_path):
+    """tp=2 (sequence parallel), ep=2 and both: with the learner's routers perturbed, free routing departs from
+    vLLM's routes and replay restores them on every MoE layer (tests/router_replay_worker.py)."""
+    result = run_torchrun(2, [str(REPO / "tests/router_replay_worker.py"), str(tmp_path), str(checkpoint), str(served["path"])],
+                          env={"PYTHONPATH": str(REPO)}, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in (0, 1):
+        for layout, got in torch.load(tmp_path / f"rank{rank}.pt", weights_only=False).items():
+            assert max(got["free"]["disagreement"].values()) > 0, (rank, layout)
+            assert got["replay"]["disagreement"] == {1: 0.0, 2: 0.0}, (rank, layout)
+            assert all(norm > 0 for norm in got["replay"]["router_grad_norms"]), (rank, layout)
 
 
 def test_tensor_and_expert_parallel_match_single_process(checkpoint, tmp_path):
