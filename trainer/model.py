@@ -2,7 +2,9 @@
 
 `build_model(model_section, parallelism)` gives a GPTModel whose forward equals transformers' forward for
 the same HF checkpoint (Qwen3-MoE: RMSNorm, QK-norm, GQA, RoPE, SwiGLU experts behind a softmax top-k router;
-Llama: the dense counterpart). `model_section_from_hf(hf_dir)` reads an HF config.json into a ModelSection and
+Llama: the dense counterpart; DeepSeek-V3 / Kimi-K2: multi-head latent attention, dense first layers, routed and
+shared experts behind a sigmoid router with expert bias and group-limited top-k), or this pipeline stage's part.
+`model_section_from_hf(hf_dir)` reads an HF config.json into a ModelSection and
 `hf_config_from_model_section` writes one back. Anything the provider does not implement is refused.
 """
 
