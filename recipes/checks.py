@@ -31,7 +31,12 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
 
 
 def _check_model(r: Recipe) -> list[Problem]:
-    m, out = r.model, []
+    return model_problems(r.model)
+
+
+def model_problems(m: ModelSection) -> list[Problem]:
+    """Whether the model section describes an architecture the families define."""
+    out = []
     if m.num_attention_heads % m.num_kv_heads:
         out.append(Problem("model.num_kv_heads", f"{m.num_kv_heads} does not divide model.num_attention_heads={m.num_attention_heads}"))
     if m.is_moe:
@@ -47,6 +52,55 @@ def _check_model(r: Recipe) -> list[Problem]:
             out.append(Problem("model.ffn_hidden_size", "must be set for a dense model (model.num_experts is 0)"))
     if m.family == "llama" and m.is_moe:
         out.append(Problem("model.family", "`llama` is dense; use `qwen3_moe` for a model with experts"))
+    return out + (_deepseek_v3_problems(m) if m.family == "deepseek_v3" else _no_deepseek_keys(m))
+
+
+_DEEPSEEK_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense",
+                  "moe_router_groups", "moe_router_group_top_k", "routed_scaling_factor", "moe_router_bias_update_rate")
+
+
+def _no_deepseek_keys(m: ModelSection) -> list[Problem]:
+    defaults = ModelSection.model_fields
+    return [
+        Problem(f"model.{key}", f"is a deepseek_v3 setting; model.family is {m.family!r} (remove it)")
+        for key in _DEEPSEEK_ONLY
+        if getattr(m, key) != defaults[key].default
+    ]
+
+
+def _deepseek_v3_problems(m: ModelSection) -> list[Problem]:
+    """The shapes HF DeepseekV3 and Megatron's MLA + sigmoid router compute alike."""
+    out = []
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not getattr(m, key):
+            out.append(Problem(f"model.{key}", "must be set for model.family deepseek_v3 (multi-head latent attention)"))
+    if m.head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
+        out.append(Problem("model.head_dim", f"must be qk_nope_head_dim + qk_rope_head_dim = {m.qk_nope_head_dim + m.qk_rope_head_dim} for deepseek_v3, got {m.head_dim}"))
+    if m.qk_rope_head_dim % 2:
+        out.append(Problem("model.qk_rope_head_dim", f"must be even (RoPE rotates channel pairs), got {m.qk_rope_head_dim}"))
+    if m.num_kv_heads != m.num_attention_heads:
+        out.append(Problem("model.num_kv_heads", f"must equal model.num_attention_heads={m.num_attention_heads} for deepseek_v3 (MLA has no KV groups)"))
+    if not m.is_moe:
+        out.append(Problem("model.num_experts", "deepseek_v3 is an MoE; set num_experts, moe_top_k, moe_ffn_hidden_size"))
+        return out
+    if m.num_shared_experts < 1:
+        out.append(Problem("model.num_shared_experts", "deepseek_v3 layers always have shared experts; set it to at least 1"))
+    if m.first_k_dense >= m.num_layers:
+        out.append(Problem("model.first_k_dense", f"{m.first_k_dense} leaves no MoE layer in model.num_layers={m.num_layers}"))
+    if m.first_k_dense and not m.ffn_hidden_size:
+        out.append(Problem("model.ffn_hidden_size", "must be set: it is the width of the first_k_dense dense layers"))
+    if not m.norm_topk_prob:
+        out.append(Problem("model.norm_topk_prob", "must be true for deepseek_v3: Megatron's sigmoid router always renormalises the top-k"))
+    groups, picked = m.moe_router_groups, m.moe_router_group_top_k
+    if m.num_experts % groups:
+        out.append(Problem("model.moe_router_groups", f"{groups} does not divide model.num_experts={m.num_experts}"))
+    if picked > groups:
+        out.append(Problem("model.moe_router_group_top_k", f"{picked} is more than model.moe_router_groups={groups}"))
+    if groups > 1 and m.moe_top_k != 2 * picked:
+        # HF scores a group by its 2 best experts; Megatron by its top_k / group_top_k best
+        out.append(Problem("model.moe_router_group_top_k", f"must be model.moe_top_k / 2 = {m.moe_top_k / 2:g} with group-limited routing (groups are scored by their two best experts), got {picked}"))
+    if groups > 1 and m.num_experts // groups < 2:
+        out.append(Problem("model.moe_router_groups", f"each group needs at least 2 experts; {m.num_experts} experts in {groups} groups"))
     return out
 
 
@@ -81,8 +135,10 @@ def split_problems(m: ModelSection, p: ParallelismSection) -> list[Problem]:
         out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.num_kv_heads={m.num_kv_heads} (each tensor-parallel rank needs whole KV heads)"))
     if m.vocab_size % p.tp:
         out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.vocab_size={m.vocab_size}"))
-    if not m.is_moe and m.ffn_hidden_size % p.tp:
+    if (not m.is_moe or m.first_k_dense) and m.ffn_hidden_size % p.tp:
         out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}"))
+    if m.num_shared_experts and (m.moe_ffn_hidden_size * m.num_shared_experts) % p.tp:
+        out.append(Problem("parallelism.tp", f"{p.tp} does not divide the shared experts' width model.moe_ffn_hidden_size * model.num_shared_experts = {m.moe_ffn_hidden_size * m.num_shared_experts}"))
     if m.num_layers % p.pp:
         out.append(Problem("parallelism.pp", f"{p.pp} does not divide model.num_layers={m.num_layers}"))
     if p.sequence_parallel and p.tp == 1:

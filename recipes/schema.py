@@ -48,8 +48,9 @@ def _wants_number(annotation: object) -> bool:
 
 
 class ModelSection(Section):
-    family: Literal["qwen3_moe", "llama"] = "qwen3_moe"
-    """Architecture family: `qwen3_moe` (MoE, QK-norm) or `llama` (dense)."""
+    family: Literal["qwen3_moe", "llama", "deepseek_v3"] = "qwen3_moe"
+    """Architecture family: `qwen3_moe` (MoE, QK-norm), `llama` (dense) or `deepseek_v3` (DeepSeek-V3 / Kimi-K2:
+    multi-head latent attention, dense first layers, shared experts, sigmoid router with expert bias)."""
     checkpoint: str | None = None
     """HF checkpoint directory (safetensors + config.json) to start from; random initialisation when unset."""
     num_layers: int = Field(gt=0)
@@ -90,16 +91,43 @@ class ModelSection(Section):
     """Share the input embedding with the output layer."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Parameter and compute dtype for training (CPU runs use float32)."""
+    # deepseek_v3 only (HF DeepseekV3Config names in brackets); head_dim is then qk_nope_head_dim + qk_rope_head_dim
+    q_lora_rank: int | None = Field(default=None, gt=0)
+    """MLA: rank of the query down-projection [q_lora_rank]; unset projects queries directly."""
+    kv_lora_rank: int = Field(default=0, ge=0)
+    """MLA: rank of the compressed key/value latent [kv_lora_rank] (vLLM's CPU MLA kernels need 512)."""
+    qk_nope_head_dim: int = Field(default=0, ge=0)
+    """MLA: query/key channels per head without RoPE [qk_nope_head_dim]."""
+    qk_rope_head_dim: int = Field(default=0, ge=0)
+    """MLA: decoupled RoPE channels per head, shared by all heads for keys [qk_rope_head_dim] (vLLM CPU: 64)."""
+    v_head_dim: int = Field(default=0, ge=0)
+    """MLA: value channels per head [v_head_dim]."""
+    first_k_dense: int = Field(default=0, ge=0)
+    """Leading layers with a dense MLP of ffn_hidden_size instead of experts [first_k_dense_replace]."""
+    moe_router_groups: int = Field(default=1, gt=0)
+    """Expert groups for group-limited routing [n_group]; 1 routes over all experts."""
+    moe_router_group_top_k: int = Field(default=1, gt=0)
+    """Groups each token may use [topk_group], ranked by the sum of their two best expert scores."""
+    routed_scaling_factor: float = Field(default=1.0, gt=0)
+    """Factor on the routed experts' gate weights [routed_scaling_factor]."""
+    moe_router_bias_update_rate: float = Field(default=1e-3, ge=0)
+    """deepseek_v3 training: step of the aux-loss-free expert-bias update per optimizer step (Megatron's rule)."""
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def moe_layers(self) -> list[int]:
+        """0-based indices of the layers with experts (after the first_k_dense dense ones)."""
+        return list(range(self.first_k_dense, self.num_layers)) if self.is_moe else []
+
 
 ARCHITECTURE_FIELDS = (
     "family", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
     "num_experts", "moe_top_k", "moe_ffn_hidden_size", "num_shared_experts", "norm_topk_prob", "vocab_size",
-    "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+    "rope_theta", "rms_norm_eps", "tie_word_embeddings", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "first_k_dense", "moe_router_groups", "moe_router_group_top_k", "routed_scaling_factor",
 )
 """ModelSection fields that change the function the model computes; the rest are training settings."""
 

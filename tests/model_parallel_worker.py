@@ -2,7 +2,8 @@
 
 For each split: full logits of a fixed batch, an HF export of the loaded weights, then one SGD step through
 Megatron's DDP and finalize_model_grads: the loss before and after the step and the updated weights.
-Usage: model_parallel_worker.py OUT_DIR MOE_CHECKPOINT DENSE_CHECKPOINT; rank 0 saves OUT_DIR/results.pt.
+Usage: model_parallel_worker.py OUT_DIR CHECKPOINT...; MoE checkpoints run MOE_SPLITS, dense ones DENSE_SPLITS;
+rank 0 saves OUT_DIR/results.pt, keyed by family.
 """
 
 import sys
@@ -59,10 +60,11 @@ def run_split(m, p, checkpoint, tokens, export_dir):
 
 
 def main() -> None:
-    out, moe_checkpoint, dense_checkpoint = sys.argv[1:4]
+    out, checkpoints = sys.argv[1], sys.argv[2:]
     results = {}
-    for checkpoint, splits in ((moe_checkpoint, MOE_SPLITS), (dense_checkpoint, DENSE_SPLITS)):
+    for checkpoint in checkpoints:
         m = model_section_from_hf(checkpoint)
+        splits = MOE_SPLITS if m.is_moe else DENSE_SPLITS
         tokens = torch.randint(0, m.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
         results[m.family] = {
             name: run_split(m.model_copy(update={"moe_token_dispatcher": dispatcher}), p, checkpoint, tokens, f"{out}/export-{m.family}-{name}")

@@ -95,7 +95,7 @@ def test_config_without_required_keys(tmp_path):
         (ParallelismSection(ep=3), "parallelism.ep: 3 does not divide model.num_experts=8"),
         (ParallelismSection(tp=4, sequence_parallel=True), "parallelism.tp: 4 does not divide model.num_kv_heads=2"),
         (ParallelismSection(tp=2), "parallelism.sequence_parallel: must be true"),
-        (ParallelismSection(pp=2), "pipeline parallelism is not wired"),
+        (ParallelismSection(pp=4), "parallelism.pp: 4 does not divide model.num_layers=2"),
         (ParallelismSection(cp=2), "context parallelism is not wired"),
     ],
 )
@@ -103,3 +103,65 @@ def test_parallel_sizes_the_model_cannot_be_split_by(parallelism, message):
     model = load_recipe(REPO / "recipes/smoke-midtrain.yaml", []).model
     with pytest.raises(UserError, match=message):
         check_supported(model, parallelism)
+
+
+def test_model_info_of_a_config_alone(tmp_path):
+    """What a user checks a download with: no weights present, the published sizes (Kimi-K2: 1T total, 32B active)."""
+    import torch
+
+    from trainer.model import hf_config_from_model_section
+
+    model = load_recipe(REPO / "recipes/kimi-k2-rl.yaml", []).model
+    config = hf_config_from_model_section(model, torch.bfloat16)
+    # as in Kimi-K2's own config.json: YaRN RoPE scaling, which the provider does not build (yet)
+    yarn = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": None, "rope_scaling": {**yarn, "rope_theta": 50000.0}}))
+    result = composer("model", "info", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    assert "training not built by composer's provider: rope_parameters.rope_type" in out
+    assert "family deepseek_v3" in out and "layers 61, hidden 7168, vocab 163840" in out
+    assert "multi-head latent attention: 64 heads, kv_lora_rank 512, q_lora_rank 1536" in out
+    assert "384 routed top-8 + 1 shared (60 MoE layers, first 1 dense)" in out
+    assert "parameters 1026.41 B total, 32.86 B active per token" in out
+    assert "weights 1911.8 GiB in bf16, 955.9 GiB in fp8" in out
+
+
+def test_parameter_counts_match_published_sizes_and_stored_weights(tmp_path):
+    import math
+
+    from safetensors import safe_open
+
+    from trainer.checkpoint_init import init_hf_checkpoint
+    from trainer.model import parameter_counts
+
+    qwen = load_recipe(REPO / "recipes/qwen3-30b-a3b-midtrain.yaml", []).model
+    assert [round(n / 1e9, 1) for n in parameter_counts(qwen)] == [30.5, 3.4]  # Qwen3-30B-A3B: 30.5B, 3.3B active
+    for recipe in ("smoke-midtrain", "smoke-deepseek-v3-midtrain"):
+        m = load_recipe(REPO / f"recipes/{recipe}.yaml", ["model.vocab_size=512"]).model
+        out = init_hf_checkpoint(m, tmp_path / recipe, tokenizer_bytes=2**18)
+        with safe_open(out / "model.safetensors", "pt") as f:
+            stored = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+        assert parameter_counts(model_section_from_hf(out))[0] == stored, recipe
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("[1, 2]", "expected a JSON object, got list"),
+        (json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 3}), r"missing key\(s\) for a deepseek_v3 model"),
+        (json.dumps({"model_type": ["llama"]}), "model_type \\['llama'\\] is not supported"),
+    ],
+)
+def test_config_json_of_the_wrong_shape(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(UserError, match=message):
+        model_section_from_hf(tmp_path)
+
+
+def test_model_info_bad_input_is_one_line(initialised, tmp_path):
+    config = json.loads((initialised / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "many"}))
+    result = composer("model", "info", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "num_layers: Input should be a valid integer" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -59,13 +59,17 @@ def train_tokenizer(vocab_size: int, max_bytes: int = 4 * 2**20):
 
 @torch.no_grad()
 def randomize_for_parity(model, router_std: float = 0.3, seed: int = 0) -> None:
-    """Norm weights away from 1 (an unmapped norm then shows) and routers with clear top-k margins."""
+    """Norm weights away from 1 (an unmapped norm then shows), routers with clear top-k margins and, for sigmoid
+    routers, an expert bias that changes the top-k (an unmapped bias then shows)."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
         elif name.endswith("mlp.gate.weight"):
             param.copy_(torch.randn(param.shape, generator=generator) * router_std)
+    for name, buffer in model.named_buffers():
+        if name.endswith("mlp.gate.e_score_correction_bias"):
+            buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.2)
 
 
 def init_hf_checkpoint(m: ModelSection, out_dir: str | Path, seed: int = 0, tokenizer_bytes: int = 4 * 2**20) -> Path:

@@ -110,6 +110,12 @@ def define_missing_transformer_engine_names() -> None:
     """Idempotent; a no-op when Transformer Engine is installed."""
     from megatron.core.transformer.moe import moe_utils
 
+    from megatron.core.transformer import multi_latent_attention
+
     # replaces the te_general_gemm name that 0.16.1 leaves undefined without Transformer Engine (router GEMM).
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # replaces HAVE_TE in MLA: without Transformer Engine its TELinear is a MagicMock placeholder, and MLA's
+    # `isinstance(self.linear_proj, TELinear)` (an fp8 check) raises TypeError.
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False

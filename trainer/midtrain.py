@@ -37,12 +37,12 @@ from trainer.distributed import shutdown_distributed
 from trainer.launch import record_rank_error, redirect_rank_output
 from trainer.model import causal_mask
 from trainer.optimizer import TrainOptimizer
+from trainer.pipeline import forward_backward
 
 MODULE = __spec__.name
 """This entry point, as `python -m` names it (the CLI starts it under torchrun)."""
 
 UNHONOURED = {
-    "parallelism.pp": "pipeline parallelism is not wired into the loop",
     "parallelism.cp": "context parallelism is not wired into the loop",
     "train.recompute_activations": "activation recompute is not wired into the loop",
     "rollout": "a midtrain run has no rollout engines (an RL recipe?)",
@@ -111,12 +111,12 @@ class ExpertLoad:
     """Counts the tokens each router sends to each expert during training forwards (hooks on Megatron's routers)."""
 
     def __init__(self, model, num_experts: int):
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-        self.counts = torch.zeros(len(routers), num_experts, dtype=torch.float64)
-        for layer, router in enumerate(routers):
-            router.register_forward_hook(self._hook(layer))
+        # one row per global layer, so that ranks holding different layers (pipeline stages) reduce alike;
+        # dense layers' rows stay 0
+        self.counts = torch.zeros(model.config.num_layers, num_experts, dtype=torch.float64)
+        for layer in model.decoder.layers:
+            if hasattr(layer.mlp, "router"):
+                layer.mlp.router.register_forward_hook(self._hook(layer.layer_number - 1))
 
     def _hook(self, layer: int):
         def count(module, inputs, outputs):
@@ -138,11 +138,20 @@ def _token_losses(ddp, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return ddp(batch["tokens"], batch["position_ids"], causal_mask(seq), labels=batch["labels"])
 
 
+def _pipelined() -> bool:
+    """pp > 1: steps go through Megatron's pipeline schedule (trainer.pipeline); the loss exists on the last stage."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_world_size() > 1
+
+
 def _take_aux_losses() -> torch.Tensor:
     """This rank's part of Megatron's load-balancing loss per layer, summed over the step's micro-batches."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
-    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    tracker = get_moe_layer_wise_logging_tracker()
+    # aux_loss (qwen3_moe) or seq_aux_loss (deepseek_v3) records under its own name
+    entry = tracker.get("load_balancing_loss") or tracker.get("seq_load_balancing_loss")
     if entry is None:
         return torch.zeros(0, dtype=torch.float64)
     values = entry["values"].clone().to(torch.float64)
@@ -159,19 +168,22 @@ def _reduce_step(loss_sum: float, tokens: float, aux: torch.Tensor, counts: torc
     rss[rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     packed = torch.cat([torch.tensor([loss_sum, tokens], dtype=torch.float64), aux, counts.flatten(), rss])
     dist.all_reduce(packed)
-    # pp == cp == 1: tensor-parallel peers hold the same samples (so the same loss sums) but their own tokens' routes
-    # and their own part of each layer's load-balancing loss; data-parallel ranks hold separate samples.
-    loss_sum, tokens = (packed[:2] / parallel_state.get_tensor_model_parallel_world_size()).tolist()
+    # cp == 1: tensor-parallel peers and pipeline stages hold the same samples (so the same loss sums), tensor-parallel
+    # peers their own tokens' routes and their own part of each layer's load-balancing loss; data-parallel ranks
+    # hold separate samples.
+    copies = parallel_state.get_tensor_model_parallel_world_size() * parallel_state.get_pipeline_model_parallel_world_size()
+    loss_sum, tokens = (packed[:2] / copies).tolist()
     at = 2
     metrics = {"loss": loss_sum / tokens, "tokens": tokens}
     if len(aux):
         per_layer = packed[at : at + len(aux)] / (parallel_state.get_data_parallel_world_size() * num_micro_batches)
-        metrics["moe_aux_loss"] = float(per_layer.mean())  # as Megatron reports it: 1.0 when balanced
+        # as Megatron reports it: 1.0 when balanced; dense layers (deepseek_v3's first_k_dense) record none
+        metrics["moe_aux_loss"] = float(per_layer[per_layer > 0].mean())
         at += len(aux)
     if counts.numel():
         per_expert = packed[at : at + counts.numel()].view(counts.shape)
         mean = per_expert.mean(dim=1).clamp_min(1e-12)
-        for layer in range(per_expert.shape[0]):
+        for layer in per_expert.sum(dim=1).nonzero().flatten().tolist():  # the MoE layers
             metrics[f"moe_max_over_mean_l{layer}"] = float(per_expert[layer].max() / mean[layer])
             metrics[f"moe_cv_l{layer}"] = float(per_expert[layer].std(unbiased=False) / mean[layer])
         at += counts.numel()
@@ -192,12 +204,15 @@ def train_step(ddp, optimizer: TrainOptimizer, micro_batches: list[dict[str, tor
     optimizer.zero_grad()
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / len(micro_batches)))
     local_tokens = float(sum(b["loss_mask"].sum() for b in micro_batches))
-    loss_sum = 0.0
-    for batch in micro_batches:
-        token_losses = _token_losses(ddp, batch)
-        summed = (token_losses * batch["loss_mask"]).sum()
-        (summed / local_tokens).backward()
-        loss_sum += float(summed.detach())
+    if _pipelined():
+        loss_sum = forward_backward(ddp, micro_batches)  # the same loss and gradients, through the stages
+    else:
+        loss_sum = 0.0
+        for batch in micro_batches:
+            token_losses = _token_losses(ddp, batch)
+            summed = (token_losses * batch["loss_mask"]).sum()
+            (summed / local_tokens).backward()
+            loss_sum += float(summed.detach())
     update = optimizer.step()
     counts = expert_load.take() if expert_load is not None else torch.zeros(0, dtype=torch.float64)
     metrics = _reduce_step(loss_sum, local_tokens, _take_aux_losses(), counts, len(micro_batches))
@@ -213,9 +228,12 @@ def evaluate(ddp, source: BatchSource, num_batches: int) -> float:
     ddp.eval()
     loss_sum = tokens = 0.0
     for index in range(num_batches):
-        for batch in source.micro_batches(index):
-            loss_sum += float((_token_losses(ddp, batch) * batch["loss_mask"]).sum())
-            tokens += float(batch["loss_mask"].sum())
+        batches = source.micro_batches(index)
+        if _pipelined():
+            loss_sum += forward_backward(ddp, batches, forward_only=True)
+        else:
+            loss_sum += sum(float((_token_losses(ddp, batch) * batch["loss_mask"]).sum()) for batch in batches)
+        tokens += sum(float(batch["loss_mask"].sum()) for batch in batches)
     sums = torch.tensor([loss_sum, tokens], dtype=torch.float64)
     dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
     return float(sums[0] / sums[1])

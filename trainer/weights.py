@@ -12,6 +12,7 @@ directory renamed into place at the end.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -83,6 +84,8 @@ class Rule:
     hf: tuple[str, ...]
     """HF tensor names; `{expert}` is the global expert index."""
     transform: Transform = COPY
+    layers: str = "all"
+    """Which layers hold the tensor: `all`, `dense` (the first first_k_dense ones) or `moe`."""
 
     @property
     def is_expert(self) -> bool:
@@ -90,45 +93,85 @@ class Rule:
 
 
 _L, _ML = "model.layers.{layer}", "decoder.layers.{layer}"
-_COMMON = (
+_ATTENTION_OUT = (
     Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
     Rule(f"{_ML}.input_layernorm.weight", (f"{_L}.input_layernorm.weight",)),
-    Rule(
-        f"{_ML}.self_attention.linear_qkv.weight",
-        (f"{_L}.self_attn.q_proj.weight", f"{_L}.self_attn.k_proj.weight", f"{_L}.self_attn.v_proj.weight"),
-        QKV,
-    ),
     Rule(f"{_ML}.self_attention.linear_proj.weight", (f"{_L}.self_attn.o_proj.weight",)),
     Rule(f"{_ML}.pre_mlp_layernorm.weight", (f"{_L}.post_attention_layernorm.weight",)),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
     Rule("output_layer.weight", ("lm_head.weight",)),
 )
+_COMMON = _ATTENTION_OUT + (
+    Rule(
+        f"{_ML}.self_attention.linear_qkv.weight",
+        (f"{_L}.self_attn.q_proj.weight", f"{_L}.self_attn.k_proj.weight", f"{_L}.self_attn.v_proj.weight"),
+        QKV,
+    ),
+)
+_EXPERTS = (
+    Rule(f"{_ML}.mlp.router.weight", (f"{_L}.mlp.gate.weight",), layers="moe"),
+    Rule(
+        f"{_ML}.mlp.experts.local_experts.{{expert}}.linear_fc1.weight",
+        (f"{_L}.mlp.experts.{{expert}}.gate_proj.weight", f"{_L}.mlp.experts.{{expert}}.up_proj.weight"),
+        GLU,
+        layers="moe",
+    ),
+    Rule(f"{_ML}.mlp.experts.local_experts.{{expert}}.linear_fc2.weight", (f"{_L}.mlp.experts.{{expert}}.down_proj.weight",), layers="moe"),
+)
+_DENSE_MLP = (
+    Rule(f"{_ML}.mlp.linear_fc1.weight", (f"{_L}.mlp.gate_proj.weight", f"{_L}.mlp.up_proj.weight"), GLU, layers="dense"),
+    Rule(f"{_ML}.mlp.linear_fc2.weight", (f"{_L}.mlp.down_proj.weight",), layers="dense"),
+)
+_MLA = (
+    Rule(f"{_ML}.self_attention.linear_kv_down_proj.weight", (f"{_L}.self_attn.kv_a_proj_with_mqa.weight",)),
+    Rule(f"{_ML}.self_attention.kv_layernorm.weight", (f"{_L}.self_attn.kv_a_layernorm.weight",)),
+    Rule(f"{_ML}.self_attention.linear_kv_up_proj.weight", (f"{_L}.self_attn.kv_b_proj.weight",)),
+)
+_MLA_Q_LORA = (
+    Rule(f"{_ML}.self_attention.linear_q_down_proj.weight", (f"{_L}.self_attn.q_a_proj.weight",)),
+    Rule(f"{_ML}.self_attention.q_layernorm.weight", (f"{_L}.self_attn.q_a_layernorm.weight",)),
+    Rule(f"{_ML}.self_attention.linear_q_up_proj.weight", (f"{_L}.self_attn.q_b_proj.weight",)),
+)
+_MLA_Q = (Rule(f"{_ML}.self_attention.linear_q_proj.weight", (f"{_L}.self_attn.q_proj.weight",)),)
+_BIAS_AND_SHARED_EXPERTS = (
+    # a buffer in both: Megatron updates it aux-loss-free from the expert load, HF adds it to the scores for top-k
+    Rule(f"{_ML}.mlp.router.expert_bias", (f"{_L}.mlp.gate.e_score_correction_bias",), layers="moe"),
+    Rule(f"{_ML}.mlp.shared_experts.linear_fc1.weight", (f"{_L}.mlp.shared_experts.gate_proj.weight", f"{_L}.mlp.shared_experts.up_proj.weight"), GLU, layers="moe"),
+    Rule(f"{_ML}.mlp.shared_experts.linear_fc2.weight", (f"{_L}.mlp.shared_experts.down_proj.weight",), layers="moe"),
+)
 FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
     "qwen3_moe": _COMMON + (
         Rule(f"{_ML}.self_attention.q_layernorm.weight", (f"{_L}.self_attn.q_norm.weight",)),
         Rule(f"{_ML}.self_attention.k_layernorm.weight", (f"{_L}.self_attn.k_norm.weight",)),
-        Rule(f"{_ML}.mlp.router.weight", (f"{_L}.mlp.gate.weight",)),
-        Rule(
-            f"{_ML}.mlp.experts.local_experts.{{expert}}.linear_fc1.weight",
-            (f"{_L}.mlp.experts.{{expert}}.gate_proj.weight", f"{_L}.mlp.experts.{{expert}}.up_proj.weight"),
-            GLU,
-        ),
-        Rule(f"{_ML}.mlp.experts.local_experts.{{expert}}.linear_fc2.weight", (f"{_L}.mlp.experts.{{expert}}.down_proj.weight",)),
-    ),
-    "llama": _COMMON + (
-        Rule(f"{_ML}.mlp.linear_fc1.weight", (f"{_L}.mlp.gate_proj.weight", f"{_L}.mlp.up_proj.weight"), GLU),
-        Rule(f"{_ML}.mlp.linear_fc2.weight", (f"{_L}.mlp.down_proj.weight",)),
-    ),
+    ) + _EXPERTS,
+    "llama": _COMMON + _DENSE_MLP,
+    "deepseek_v3": _ATTENTION_OUT + _MLA + _DENSE_MLP + _EXPERTS + _BIAS_AND_SHARED_EXPERTS,
 }
+
+
+def family_rules(m: ModelSection) -> tuple[Rule, ...]:
+    """The rules of `m`'s family that apply to its shape."""
+    if m.family == "deepseek_v3":
+        return FAMILY_RULES["deepseek_v3"] + (_MLA_Q_LORA if m.q_lora_rank else _MLA_Q)
+    return FAMILY_RULES[m.family]
+
+
+def _rule_layers(rule: Rule, m: ModelSection) -> list[int]:
+    moe = set(m.moe_layers)
+    if rule.layers == "moe":
+        return sorted(moe)
+    if rule.layers == "dense" and m.is_moe:
+        return [layer for layer in range(m.num_layers) if layer not in moe]
+    return list(range(m.num_layers))
 
 
 def expected_hf_names(m: ModelSection) -> set[str]:
     """Every tensor name an HF checkpoint of architecture `m` holds."""
     names = set()
-    for rule in FAMILY_RULES[m.family]:
+    for rule in family_rules(m):
         if rule.megatron == "output_layer.weight" and m.tie_word_embeddings:
             continue
-        for layer in range(m.num_layers) if "{layer}" in rule.megatron else [None]:
+        for layer in _rule_layers(rule, m) if "{layer}" in rule.megatron else [None]:
             for expert in range(m.num_experts) if rule.is_expert else [None]:
                 names.update(name.format(layer=layer, expert=expert) for name in rule.hf)
     return names
@@ -152,10 +195,16 @@ def plan_params(model, m: ModelSection) -> Iterator[tuple[torch.nn.Parameter, Pa
     """Every parameter of `model` with the HF tensors it is made of."""
     from megatron.core import parallel_state
 
-    rules = [(rule, _compile(rule.megatron)) for rule in FAMILY_RULES[m.family]]
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    rules = [(rule, _compile(rule.megatron)) for rule in family_rules(m)]
+    # Megatron numbers a pipeline stage's layers from 0; HF names carry the global layer
+    layer_offset = get_transformer_layer_offset(model.config)
     experts_per_rank = m.num_experts // parallel_state.get_expert_model_parallel_world_size()
     expert_offset = parallel_state.get_expert_model_parallel_rank() * experts_per_rank
-    for name, param in model.named_parameters():
+    # persistent per-expert buffers (the router's expert bias) are weights of the checkpoint too
+    buffers = ((name, b) for name, b in model.named_buffers() if name.endswith(".router.expert_bias"))
+    for name, param in itertools.chain(model.named_parameters(), buffers):
         for rule, regex in rules:
             match = regex.match(name)
             if match:
@@ -163,7 +212,7 @@ def plan_params(model, m: ModelSection) -> Iterator[tuple[torch.nn.Parameter, Pa
         else:
             raise KeyError(f"no {m.family} weight rule for Megatron parameter {name}")
         parts = match.groupdict()
-        layer = int(parts["layer"]) if "layer" in parts else None
+        layer = int(parts["layer"]) + layer_offset if "layer" in parts else None
         local = int(parts["expert"]) if "expert" in parts else None
         fill = {"layer": layer, "expert": None if local is None else local + expert_offset}
         hf_names = tuple(n.format(**fill) for n in rule.hf)
@@ -293,12 +342,8 @@ def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
-def iter_hf_tensors(model, m: ModelSection) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every weight, gathered over tp and ep, one parameter at a time.
-
-    A collective: every rank must iterate it to the end. Tensors that needed no gather are views of the live
-    parameters; copy them if the model changes before they are used.
-    """
+def _stage_hf_tensors(model, m: ModelSection) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every weight of this pipeline stage, gathered over tp and ep."""
     from megatron.core import parallel_state
 
     ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
@@ -315,6 +360,37 @@ def iter_hf_tensors(model, m: ModelSection) -> Iterator[tuple[str, torch.Tensor]
                 yield from zip(names, plan.rule.transform.to_hf(tensor, m, size))
         else:
             yield from zip(plan.hf_names, plan.rule.transform.to_hf(full, m, size))
+
+
+def iter_hf_tensors(model, m: ModelSection) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every weight, gathered over tp and ep, and over pipeline stages (each stage's
+    tensors broadcast over its pipeline group, stage after stage), one parameter at a time.
+
+    A collective: every rank must iterate it to the end. Tensors that needed no gather are views of the live
+    parameters; copy them if the model changes before they are used.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if stages == 1:
+        yield from _stage_hf_tensors(model, m)
+        return
+    group = parallel_state.get_pipeline_model_parallel_group()
+    mine = parallel_state.get_pipeline_model_parallel_rank()
+    for stage in range(stages):
+        src = dist.get_global_rank(group, stage)
+        tensors = _stage_hf_tensors(model, m) if stage == mine else None
+        while True:
+            item = next(tensors, None) if tensors is not None else None
+            header = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]
+            dist.broadcast_object_list(header, src=src, group=group)
+            if header[0] is None:
+                break
+            name, shape, dtype = header[0]
+            tensor = item[1].contiguous() if item is not None else torch.empty(shape, dtype=dtype)
+            dist.broadcast(tensor, src=src, group=group)
+            yield name, tensor
 
 
 @torch.no_grad()
