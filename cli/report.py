@@ -9,13 +9,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-app = typer.Typer(help="Plot a run's metrics.jsonl into RUN_DIR/report/ and print a summary of every series.")
+app = typer.Typer(help="Plot a run's metrics.jsonl into RUN_DIR/report/, write RUN_DIR/report.html and print a summary of every series.")
 console = Console()
 
 
 @app.callback(invoke_without_command=True)
 def report(run_dir: Path = typer.Argument(..., help="Run directory (holds metrics.jsonl).")) -> None:
-    """Plot a run's metrics.jsonl into RUN_DIR/report/ and print a summary of every series."""
+    """Plot a run's metrics.jsonl into RUN_DIR/report/, write RUN_DIR/report.html (self-contained) and print a summary."""
     from trainer.report import render_report  # imports matplotlib: keep `composer --help` fast
 
     result = render_report(run_dir)
@@ -25,4 +25,4 @@ def report(run_dir: Path = typer.Argument(..., help="Run directory (holds metric
     for s in result.series:
         table.add_row(escape(s.name), str(len(s.values)), *(f"{v:.4g}" for v in (s.first, s.last, s.min, s.max)))
     console.print(table)
-    console.print(f"{len(result.images)} plot(s) in {escape(str(run_dir / 'report'))}/", highlight=False)
+    console.print(f"{len(result.images)} plot(s) in {escape(str(run_dir / 'report'))}/, all in {escape(str(result.html))}", highlight=False)
