@@ -13,16 +13,14 @@ from rich.table import Table
 from recipes.run_status import RunStatus, find_runs, run_status
 from trainer.progress import duration_text
 
-app = typer.Typer(help="Runs under a directory: kind, status, steps, last figures, age.")
 console = Console()
 
 STATUS_STYLE = {"running": "cyan", "finished": "green", "failed": "red", "resumable": "yellow", "unreadable": "red"}
 
 
-@app.callback(invoke_without_command=True)
 def runs(
-    target: str = typer.Argument("runs", metavar="[DIR | show RUN]", help="Directory to list (default: runs), or `show` followed by one run directory."),
-    run: Path | None = typer.Argument(None, metavar="", help="With `show`: the run directory."),
+    target: str = typer.Argument("runs", metavar="DIR|show", help="Directory to list (default: runs), or `show` followed by one run directory."),
+    run: Path | None = typer.Argument(None, metavar="RUN", help="With `show`: the run directory."),
 ) -> None:
     """List the runs under DIR (searched three levels deep), or `composer runs show RUN` for one run."""
     if target == "show":

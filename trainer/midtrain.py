@@ -345,7 +345,7 @@ class MidtrainProgress:
     def update(self, step: int, **fields: float) -> None:
         self.fields.update(fields)
         self.bar.update(self.task, completed=step, **fields)
-        if self.bar.disable and self.console is not None and self.clock.plain_due(step):
+        if self.bar.disable and self.console is not None and step > self.clock.start_step and self.clock.plain_due(step):
             f = self.fields
             self.console.print(f"midtrain step {step}/{self.total}  loss {f['loss']:.4f}  eval {f['eval_loss']:.4f}  "
                                f"{f['tokens_per_s']:.0f} tok/s  eta {self.clock.eta_text(step)}", highlight=False)
