@@ -52,5 +52,5 @@ def rl(
     """Asynchronous RL: vLLM rollouts in sandboxed coding tasks, Megatron learner, delta weight sync."""
     from rl.driver import run_rl
 
-    root = run_rl(load_recipe(recipe_file, overrides), resume, console, replay=replay, verbose=verbose)
+    root = run_rl(load_recipe(recipe_file, overrides), resume, replay=replay, verbose=verbose)
     console.print(f"[green]✓[/] run {escape(str(root))}: metrics.jsonl, rollout_metrics.jsonl, trajectories/, checkpoints/", highlight=False)

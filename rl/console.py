@@ -88,7 +88,9 @@ class RLConsole:
             self._take(record)
         self.clock = StepClock(self.steps, self.step)
         if self.live:
-            self._view = Live(get_renderable=self.render, console=self.console, refresh_per_second=2, transient=False)
+            # stdout and stderr stay the log's: Live would otherwise show what the libraries print above the view
+            self._view = Live(get_renderable=self.render, console=self.console, refresh_per_second=2, transient=False,
+                              redirect_stdout=False, redirect_stderr=False)
             self._view.start()
         return self
 

@@ -114,8 +114,9 @@ def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: subprocess.Popen, v
         worker.run(should_stop=learner_done)
 
 
-def run_rl(recipe: Recipe, resume: bool, console: Console, replay: Path | None = None, verbose: bool = False) -> Path:
-    """The run; library and engine output goes to logs/driver.log, `console` shows the live view."""
+def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bool = False) -> Path:
+    """The run. The terminal shows its live view (group lines too when `verbose`); what the libraries and the
+    embedded engine print goes to logs/driver.log."""
     check_rl_recipe(recipe)
     run = RunDir.of(recipe)
     files = RLRunFiles(run.root)
@@ -134,8 +135,7 @@ def run_rl(recipe: Recipe, resume: bool, console: Console, replay: Path | None =
         files.record_replay_source(replay)
     log = run.logs / "driver.log"
     with run.failures_recorded(), output_to_log(log) as terminal, Heartbeat(files.heartbeat):
-        view = RLConsole(Console(file=terminal, soft_wrap=True),
-                         recipe.run.name, recipe.train.steps, run.metrics_path, verbose)
+        view = RLConsole(Console(file=terminal, soft_wrap=True), recipe.run.name, recipe.train.steps, run.metrics_path, verbose)
         with view, crash_explained(log):
             drive(recipe, files, run, view, replay)
     return run.root

@@ -100,12 +100,14 @@ def test_live_view_on_a_terminal_and_group_lines_with_verbose(tmp_path):
         view.group("g0000003", {"engine": 1, "host": "localhost", "policy_version": 3, "reward_mean": 0.5,
                                 "generated_tokens_per_s": 100.0, "group_seconds": 2.0})
         write_steps(metrics, [4], eval_pass_at_1=0.4)
+        print("a library's line")  # stays on stdout (the log, in a run), never shown above the view
         text = Console(width=120, file=io.StringIO(), record=True)
         text.print(view.render())
         screen = text.export_text()
     assert "rl smoke-rl  step 4/10" in screen and "eta" in screen
     assert "held-out" in screen and "pass_at_1 0.400" in screen
     assert "g0000003\x1b[0m engine 1 (localhost)  policy v3" in out.getvalue()
+    assert "a library's line" not in out.getvalue()
 
 
 def test_alarms_name_what_needs_a_look():

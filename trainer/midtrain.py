@@ -332,6 +332,8 @@ class MidtrainProgress:
             TimeRemainingColumn(),
             console=console,
             disable=console is None or not console.is_terminal,
+            redirect_stdout=False,  # what libraries print stays in the rank's log
+            redirect_stderr=False,
         )
         self.task = self.bar.add_task("midtrain", total=total, completed=done, **self.fields)
 
