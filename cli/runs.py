@@ -15,6 +15,8 @@ from trainer.progress import duration_text
 
 console = Console()
 
+SHORT_NAMES = {"reward_mean": "reward", "pass_rate": "pass", "staleness_mean": "stale", "trained_tokens_per_s": "tok/s",
+               "eval_loss": "eval", "tokens_per_s": "tok/s"}
 STATUS_STYLE = {"running": "cyan", "finished": "green", "failed": "red", "resumable": "yellow", "unreadable": "red"}
 
 
@@ -30,15 +32,17 @@ def runs(
         return
     if run is not None:
         raise typer.BadParameter(f"unexpected argument {run} (did you mean `composer runs show {run}`?)")
-    statuses = [run_status(path) for path in find_runs(Path(target))]
+    directory = Path(target)
+    statuses = [run_status(path) for path in find_runs(directory)]
     if not statuses:
         console.print(f"no runs under {escape(target)}", highlight=False)
         return
-    table = Table()
+    table = Table(title=escape(str(directory)))
     for column in ("run", "kind", "status", "steps", "last figures", "age"):
         table.add_column(column, justify="right" if column in ("steps", "age") else "left")
     for s in statuses:
-        table.add_row(escape(str(s.root)), s.kind, status_text(s), f"{s.steps_done}/{s.steps}", escape(figures_text(s)), age_text(s))
+        name = str(s.root.relative_to(directory)) if s.root != directory else str(s.root)
+        table.add_row(escape(name), s.kind, status_text(s), f"{s.steps_done}/{s.steps}", escape(figures_text(s)), age_text(s))
     console.print(table)
 
 
@@ -63,7 +67,7 @@ def status_text(s: RunStatus) -> str:
 
 
 def figures_text(s: RunStatus) -> str:
-    return "  ".join(f"{key} {value:.4g}" for key, value in s.figures.items() if math.isfinite(value))
+    return "  ".join(f"{SHORT_NAMES.get(key, key)} {value:.4g}" for key, value in s.figures.items() if math.isfinite(value))
 
 
 def age_text(s: RunStatus) -> str:

@@ -52,11 +52,12 @@ def run_status(root: Path) -> RunStatus:
     kind = "rl" if recipe.rl is not None else "midtrain"
     records = list(read_metrics(run.metrics_path)) if run.metrics_path.is_file() else []
     done = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
-    figures: dict[str, float] = {}
+    newest: dict[str, float] = {}
     for record in records:
         for key, value in record.items():
             if (key in KEY_FIGURES[kind] or key.startswith("eval_")) and isinstance(value, (int, float)) and not isinstance(value, bool):
-                figures[key] = value
+                newest[key] = value
+    figures = {key: newest.pop(key) for key in KEY_FIGURES[kind] if key in newest} | newest
     status, reason = _status(run, kind, done, recipe.train.steps, holder)
     return RunStatus(root, kind, status, done, recipe.train.steps, _checkpoint_step(run), _age(run), figures, reason)
 

@@ -88,7 +88,7 @@ def test_runs_command_lists_and_shows(runs_dir, composer):
     rows = {line.split("│")[1].strip().rsplit("/", 1)[-1]: [c.strip() for c in line.split("│")[2:]]
             for line in result.stdout.splitlines() if line.startswith("│")}
     assert rows["mid-killed"][:3] == ["midtrain", "resumable", "7/10"]
-    assert rows["rl-failed"][:3] == ["rl", "failed", "2/5"] and "reward_mean 0.2" in rows["rl-failed"][3]
+    assert rows["rl-failed"][:3] == ["rl", "failed", "2/5"] and "reward 0.2" in rows["rl-failed"][3]
     shown = composer("runs", "show", str(runs_dir / "rl-failed"))
     assert shown.returncode == 0 and re.search(r"status +failed  the learner failed \(torchrun exit code 1\)", shown.stdout)
     assert re.search(r"checkpoint +none", shown.stdout)
