@@ -30,7 +30,7 @@ app = typer.Typer(
 app.add_typer(recipe_cmd.app, name="recipe")
 app.add_typer(model_cmd.app, name="model")
 app.add_typer(data_cmd.app, name="data")
-app.add_typer(report_cmd.app, name="report")
+app.command("report")(report_cmd.report)
 app.command("runs")(runs_cmd.runs)
 app.add_typer(train_cmd.app, name="train")
 app.add_typer(export_cmd.app, name="export")

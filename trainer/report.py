@@ -37,6 +37,15 @@ SERIES_GROUPS: list[tuple[str, Callable[[str], bool]]] = [
     ("reward", lambda key: "reward" in key),
 ]
 
+HEADLINE_SERIES = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "moe_aux_loss", "reward_mean", "pass_rate",
+                   "staleness_mean", "trained_tokens_per_s", "generated_tokens_per_s", "sync_ratio", "sync_seconds")
+"""What `composer report` summarises on the console (held-out `eval_*` series too); report.html has every series."""
+
+
+def is_headline(name: str) -> bool:
+    return name in HEADLINE_SERIES or name.startswith("eval_")
+
+
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # how MetricsWriter records them
 
 
