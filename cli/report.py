@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-console = Console()
+console = Console(soft_wrap=True)
 
 
 def report(

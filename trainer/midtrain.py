@@ -309,8 +309,6 @@ class Midtrainer:
         board.write(step, record)
         fields = {k: record[k] for k in ("loss", "eval_loss", "tokens_per_s") if k in record}
         progress.update(step, **fields)
-        if "eval_loss" in record and self.console is not None:
-            self.console.print(f"step {step}: eval loss {record['eval_loss']:.4f}", highlight=False)
 
     def export(self, out_dir: Path) -> None:
         self.core.export(out_dir, self.data.tokenizer_dir)
@@ -345,9 +343,16 @@ class MidtrainProgress:
         self.bar.stop()
 
     def update(self, step: int, **fields: float) -> None:
+        """The step's figures; an evaluation is also printed: above the bar, or as a plain line of its own."""
         self.fields.update(fields)
         self.bar.update(self.task, completed=step, **fields)
-        if self.bar.disable and self.console is not None and step > self.clock.start_step and self.clock.plain_due(step):
+        if self.console is None:
+            return
+        evaluated = "eval_loss" in fields
+        if not self.bar.disable:
+            if evaluated:
+                self.console.print(f"step {step}: eval loss {fields['eval_loss']:.4f}", highlight=False)
+        elif step > self.clock.start_step and self.clock.plain_due(step, now_anyway=evaluated):
             f = self.fields
             self.console.print(f"midtrain step {step}/{self.total}  loss {f['loss']:.4f}  eval {f['eval_loss']:.4f}  "
                                f"{f['tokens_per_s']:.0f} tok/s  eta {self.clock.eta_text(step)}", highlight=False)

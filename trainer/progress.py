@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PLAIN_EVERY_SECONDS = 30.0
+PLAIN_EVERY_SECONDS = 60.0
 """The least time between two plain progress lines (the first and the last step are always printed)."""
 
 
@@ -30,10 +30,11 @@ class StepClock:
     def eta_text(self, done: int) -> str:
         return duration_text(self.eta_seconds(done))
 
-    def plain_due(self, done: int) -> bool:
-        """Whether a plain line for step `done` is due (one every PLAIN_EVERY_SECONDS, plus the first and last)."""
+    def plain_due(self, done: int, now_anyway: bool = False) -> bool:
+        """Whether a plain line for step `done` is due: one every PLAIN_EVERY_SECONDS, the first, the last, and
+        when the caller has news (`now_anyway`: an evaluation)."""
         now = time.monotonic()
-        if self._last_plain is None or done >= self.total or now - self._last_plain >= PLAIN_EVERY_SECONDS:
+        if self._last_plain is None or done >= self.total or now_anyway or now - self._last_plain >= PLAIN_EVERY_SECONDS:
             self._last_plain = now
             return True
         return False
