@@ -147,17 +147,22 @@ class RLConsole:
 
     def figures(self) -> list[tuple[str, str]]:
         r = self.last
+
+        def value(key: str, spec: str) -> str:  # a figure the learner's record lacks shows as "-"
+            return format(_number(r[key]), spec) if key in r else "-"
+
         rows = []
         if r:
-            rows.append(("reward", f"{r['reward_mean']:.3f}   pass rate {r['pass_rate']:.3f}"))
+            rows.append(("reward", f"{value('reward_mean', '.3f')}   pass rate {value('pass_rate', '.3f')}"))
             if self.held_out:
                 rows.append(("held-out", "   ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in self.held_out.items())))
-            rows.append(("staleness", f"mean {r['staleness_mean']:.2f}   max {r['staleness_max']:.0f}"))
-        trained = f"   trained {r['trained_tokens_per_s']:.0f}" if r else ""
+            rows.append(("staleness", f"mean {value('staleness_mean', '.2f')}   max {value('staleness_max', '.0f')}"))
+        trained = f"   trained {value('trained_tokens_per_s', '.0f')}" if r else ""
         rows.append(("tokens/s", f"generated {self.generated_tokens_per_s():.0f}{trained}"))
         if "sync_ratio" in r:
-            rows.append(("last sync", f"v{self.step}   ratio {r['sync_ratio']:.1f}x   {r['sync_seconds']:.2f} s"))
-        rows.append(("groups", f"{self.groups} made here   waiting {r.get('wait_seconds', 0):.1f} s of the last step" if r else f"{self.groups} made here"))
+            rows.append(("last sync", f"v{self.step}   ratio {value('sync_ratio', '.1f')}x   {value('sync_seconds', '.2f')} s"))
+        waiting = f"   waiting {value('wait_seconds', '.1f')} s of the last step" if r else ""
+        rows.append(("groups", f"{self.groups} made here{waiting}"))
         found = alarms(r) if r else []
         rows.append(("alarms", ", ".join(found) if found else "none"))
         return rows
