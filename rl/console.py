@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -47,20 +48,34 @@ def _number(value: object) -> float:
 
 
 class MetricsTail:
-    """The records appended to a metrics.jsonl since the last read (a line still being written waits)."""
+    """The records appended to a metrics.jsonl since the last read (a line still being written waits). A file
+    replaced meanwhile (a resuming learner drops the records past its checkpoint) is read again from its start."""
 
     def __init__(self, path: Path):
-        self.path, self.offset = path, 0
+        self.path, self.offset, self.inode = path, 0, None
+        self.restarted = False
+        """Whether the last read started over on a replaced file."""
 
     def new_records(self) -> list[dict]:
-        if not self.path.is_file():
+        self.restarted = False
+        try:
+            with self.path.open("rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                if inode != self.inode or os.fstat(f.fileno()).st_size < self.offset:
+                    self.restarted, self.inode, self.offset = self.offset > 0, inode, 0
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
             return []
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            data = f.read()
         complete = data[: data.rfind(b"\n") + 1]
         self.offset += len(complete)
-        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+        records = []
+        for line in complete.splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # not a record: the learner writes whole lines, a crash may have left half of one
+        return records
 
 
 class RLConsole:
@@ -122,6 +137,8 @@ class RLConsole:
         """Take the learner's new steps; print a plain line when one is due (not on a terminal)."""
         with self._poll_lock:
             new = self.tail.new_records()
+            if self.tail.restarted:
+                self.step, self.last = 0, {}
             for record in new:
                 self._take(record)
         if new and not self.live and self.clock.plain_due(self.step):

@@ -157,3 +157,22 @@ def test_failed_ranks_are_explained_by_the_end_of_the_first_new_traceback(tmp_pa
     assert message[-1] == "  ZeroDivisionError: division by zero" and len(message) == 7 and "OldError" not in str(failure)
     (run.logs / "error-rank-1.txt").write_text("data.sources: no files")
     assert type(ranks_failure(run, 2, offsets, "the learner")) is UserError and str(ranks_failure(run, 2, offsets, "x")) == "data.sources: no files"
+
+
+def test_the_view_follows_a_metrics_file_the_resuming_learner_replaced(tmp_path):
+    from recipes.runs import drop_records_after
+    from rl.console import MetricsTail
+
+    metrics = tmp_path / "metrics.jsonl"
+    write_steps(metrics, [1, 2, 3])
+    tail = MetricsTail(metrics)
+    assert [r["step"] for r in tail.new_records()] == [1, 2, 3]
+    drop_records_after(metrics, 1)  # atomically replaced: steps 2 and 3 are trained again
+    write_steps(metrics, [2])
+    assert [r["step"] for r in tail.new_records()] == [1, 2] and tail.restarted
+    with metrics.open("a") as f:
+        f.write('{"step": 3, "loss"')  # being written
+    assert tail.new_records() == [] and not tail.restarted
+    with metrics.open("a") as f:
+        f.write(': 0.1}\n')
+    assert [r["step"] for r in tail.new_records()] == [3]
