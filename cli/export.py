@@ -14,7 +14,6 @@ from recipes.runs import RunDir
 
 app = typer.Typer(help="Export a run's newest checkpoint as an HF checkpoint (safetensors, config.json, tokenizer).")
 console = Console()
-err_console = Console(stderr=True)
 
 
 @app.callback(invoke_without_command=True, context_settings={"allow_interspersed_args": True})
@@ -29,7 +28,7 @@ def export(
     recipe = load_recipe(run.recipe_path)
     from trainer import midtrain
     from trainer.checkpointing import Checkpointer
-    from trainer.launch import RanksFailed, launch_ranks
+    from trainer.launch import launch_ranks
 
     latest = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints).latest()
     if latest is None:
@@ -37,9 +36,5 @@ def export(
     out = out or run.root / f"export-{latest.name}"
     if out.exists():
         raise UserError(f"{out}: already exists; export into a new directory")
-    try:
-        launch_ranks(run, recipe.cluster.procs_per_host, midtrain.MODULE, ["export", str(run.root), str(out.absolute())])
-    except RanksFailed as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}\n{escape(e.tail)}", highlight=False)
-        raise typer.Exit(1) from None
+    launch_ranks(run, recipe.cluster.procs_per_host, midtrain.MODULE, ["export", str(run.root), str(out.absolute())])
     console.print(f"[green]✓[/] {escape(str(out))} [dim](from {escape(latest.name)})[/]", highlight=False)

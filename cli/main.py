@@ -15,6 +15,7 @@ from cli import export as export_cmd
 from cli import model as model_cmd
 from cli import recipe as recipe_cmd
 from cli import report as report_cmd
+from cli import runs as runs_cmd
 from cli import sync as sync_cmd
 from cli import train as train_cmd
 from recipes.errors import UserError
@@ -29,7 +30,8 @@ app = typer.Typer(
 app.add_typer(recipe_cmd.app, name="recipe")
 app.add_typer(model_cmd.app, name="model")
 app.add_typer(data_cmd.app, name="data")
-app.add_typer(report_cmd.app, name="report")
+app.command("report")(report_cmd.report)
+app.command("runs")(runs_cmd.runs)
 app.add_typer(train_cmd.app, name="train")
 app.add_typer(export_cmd.app, name="export")
 app.add_typer(sync_cmd.app, name="sync")

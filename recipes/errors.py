@@ -9,3 +9,10 @@ class UserError(Exception):
     """A problem the user can fix; `str(error)` is the whole message shown to them."""
 
     exit_code = 2
+
+
+class RunFailed(UserError):
+    """A run stopped on something that is not the user's doing (a bug, a crashed process): the message is the few
+    lines that explain it and the log that holds the rest; `--debug` shows the traceback."""
+
+    exit_code = 1

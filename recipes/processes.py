@@ -1,14 +1,19 @@
-"""Helpers for the processes a run starts: a free local port, and children that end with their parent."""
+"""Helpers for the processes a run starts: a free local port, children that end with their parent, and library
+output kept in the run's logs instead of the terminal."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import os
 import random
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
+from typing import Iterator, TextIO
 
 
 _handed_out: set[int] = set()
@@ -56,3 +61,37 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     libc.prctl(pr_set_pdeathsig, sig)
     if os.getppid() == 1:  # the parent died before the request took effect
         os._exit(1)
+
+
+@contextlib.contextmanager
+def output_to_log(log: Path) -> Iterator[TextIO]:
+    """While inside, this process's stdout and stderr (file descriptors 1 and 2: Python loggers, C libraries and
+    the children it starts alike) append to `log`; yields a line-buffered stream on the terminal they had, for
+    composer's own lines. Leaving restores the terminal for composer's last words, and the interpreter's teardown
+    goes to `log` again: libraries report there at exit (triton's nanobind "leaked functions"), kept, not shown."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    send_output_to(log)
+    terminal = os.fdopen(os.dup(saved[0]), "w", buffering=1)
+    try:
+        yield terminal
+    finally:
+        terminal.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, original in zip((1, 2), saved):
+            os.dup2(original, fd)
+            os.close(original)
+        atexit.register(send_output_to, log)  # runs after composer's own exit message, before the teardown
+
+
+def send_output_to(log: Path) -> None:
+    """Point file descriptors 1 and 2 at `log` (appending)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)

@@ -3,12 +3,15 @@
 Layout of `runs/<name>/`:
     recipe.yaml      the fully resolved recipe of the run (rewritten on every start or resume)
     metrics.jsonl    one JSON object per record: {"step": .., "time": .., "<series>": value, ...}
-    logs/            per-process logs
+    logs/            per-process logs; failure.txt when the run last stopped on an error
     checkpoints/     training checkpoints
+    .lock            held (flock) by the process driving the run while it lives, kill -9 included
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -123,11 +126,15 @@ def _step_of(line: str) -> int | None:
         return None  # a torn line
 
 
+FAILURE_FILE = "failure.txt"
+
+
 class RunDir:
     """`<run.dir>/<run.name>/` of a recipe."""
 
     def __init__(self, root: Path):
         self.root = root
+        self._lock_fd: int | None = None
 
     @classmethod
     def of(cls, recipe: Recipe) -> RunDir:
@@ -160,7 +167,50 @@ class RunDir:
         if resume and not self.root.is_dir():
             raise UserError(f"--resume: no run at {self.root}")
         self.logs.mkdir(parents=True, exist_ok=True)
+        self._hold()
+        (self.logs / FAILURE_FILE).unlink(missing_ok=True)
         atomic_write_text(self.recipe_path, recipe_yaml)
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / ".lock"
+
+    def _hold(self) -> None:
+        """Take the run's lock for the life of this process (the kernel drops it when the process ends)."""
+        if self._lock_fd is not None:
+            return
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"{self.root} is in use by another composer process ({self.holder() or 'pid unknown'})") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def holder(self) -> str | None:
+        """'pid N' of the live process driving the run, or None when none holds it."""
+        if not self.lock_path.is_file():
+            return None
+        fd = os.open(self.lock_path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return self.lock_path.read_text().strip() or "pid unknown"
+        finally:
+            os.close(fd)  # also drops the shared lock taken just now
+        return None
+
+    @contextlib.contextmanager
+    def failures_recorded(self):
+        """Inside, an error that stops the run is kept in logs/failure.txt (for `composer runs`); an interrupt is not
+        a failure: the run stays resumable."""
+        try:
+            yield
+        except Exception as e:
+            atomic_write_text(self.logs / FAILURE_FILE, str(e) or type(e).__name__)
+            raise
 
     def metrics(self) -> MetricsWriter:
         return MetricsWriter(self.metrics_path)

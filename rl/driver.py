@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
 
 from recipes.checks import refuse_resume_changes, refuse_unhonoured
-from recipes.errors import UserError
+from recipes.errors import RunFailed, UserError
 from recipes.loader import load_recipe, recipe_to_yaml
+from recipes.processes import output_to_log
 from recipes.runs import RunDir
 from recipes.schema import ARCHITECTURE_FIELDS, LAYOUT_KEYS, Recipe
 from rl import learner_main
-from rl.protocol import Heartbeat, Policy, ReplayQueue, RLRunFiles, RolloutQueue, StalenessRule, sync_section
+from rl.console import RLConsole
+from rl.protocol import POLL_SECONDS, Heartbeat, Policy, ReplayQueue, RLRunFiles, RolloutQueue, StalenessRule, sync_section
 from rl.rollout_hosts import LocalHost, open_hosts
 from rl.rollout_worker import RolloutWorker
 from sync.pusher import push_version
-from trainer.launch import clear_rank_errors, first_rank_error, rank_environment, torchrun_command
+from trainer.launch import clear_rank_errors, log_offsets, rank_environment, ranks_failure, torchrun_command
 
 UNHONOURED = {
     "cluster.hosts": "the learner runs on this host",
@@ -63,6 +68,18 @@ def start_learner(recipe: Recipe, files: RLRunFiles, log: Path) -> subprocess.Po
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=rank_environment())
 
 
+@contextlib.contextmanager
+def crash_explained(log: Path) -> Iterator[None]:
+    """A crash of the driver (a bug, an engine that died) keeps its traceback in `log` and ends in a short message."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:
+        traceback.print_exc()  # into the log: stderr is redirected there
+        raise RunFailed(f"the driver failed: {type(e).__name__}: {e}\ntraceback in {log}") from e
+
+
 def stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.terminate()  # torchrun forwards it to the ranks
@@ -73,7 +90,7 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: subprocess.Popen, console: Console) -> None:
+def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: subprocess.Popen, view: RLConsole) -> None:
     """Engines on every rollout host make groups until the learner is done."""
     with contextlib.ExitStack() as stack:
         hosts = open_hosts(recipe, files)
@@ -82,17 +99,25 @@ def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: subprocess.Popen, c
         # The policy's tokenizer, here, for the agent loop (engines on other hosts read their own copy).
         tokenizer_dir = LocalHost(recipe, files).pull(files.policy().store_version)
         queue = RolloutQueue(files, StalenessRule.of(recipe.rl))
+        view.note(f"starting {recipe.rollout.engine} engines")
         worker = RolloutWorker(
             recipe.rollout, recipe.env, recipe.rl.group_size, recipe.train.seed,
             routed_experts=recipe.model.is_moe and recipe.rl.router_replay == "r3",
             hosts=hosts, tokenizer_dir=tokenizer_dir, queue=queue, files=files,
-            on_group=lambda gid, s: console.print(
-                f"[dim]{gid}[/] engine {s['engine']} ({s['host']})  policy v{s['policy_version']}  reward {s['reward_mean']:.3f}  {s['generated_tokens_per_s']:.0f} tok/s"))
+            on_group=view.group)
         stack.callback(worker.close)
-        worker.run(should_stop=lambda: learner.poll() is not None)
+        view.note(f"rolling out on {len(worker.slots)} engine(s)")
+
+        def learner_done() -> bool:
+            view.poll()
+            return learner.poll() is not None
+
+        worker.run(should_stop=learner_done)
 
 
-def run_rl(recipe: Recipe, resume: bool, console: Console, replay: Path | None = None) -> Path:
+def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bool = False) -> Path:
+    """The run. The terminal shows its live view (group lines too when `verbose`); what the libraries and the
+    embedded engine print goes to logs/driver.log."""
     check_rl_recipe(recipe)
     run = RunDir.of(recipe)
     files = RLRunFiles(run.root)
@@ -109,19 +134,33 @@ def run_rl(recipe: Recipe, resume: bool, console: Console, replay: Path | None =
     run.prepare(recipe_to_yaml(recipe), resume)
     if replay is not None:
         files.record_replay_source(replay)
-    with Heartbeat(files.heartbeat):
-        if files.policy() is None:
-            console.print(f"publishing the initial policy from {recipe.model.checkpoint}")
-            info = push_version(recipe.model.checkpoint, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
-            files.publish_policy(Policy(0, info.id))
-        clear_rank_errors(run)
-        learner = start_learner(recipe, files, run.logs / "torchrun.log")
-        try:
-            if replay is None:
-                run_rollouts(recipe, files, learner, console)
-            learner.wait()
-        finally:
-            stop(learner)
-    if learner.returncode != 0:
-        raise UserError(first_rank_error(run) or f"the learner exited with code {learner.returncode}; logs in {run.logs}/")
+    log = run.logs / "driver.log"
+    with run.failures_recorded(), output_to_log(log) as terminal, Heartbeat(files.heartbeat):
+        view = RLConsole(Console(file=terminal, soft_wrap=True), recipe.run.name, recipe.train.steps, run.metrics_path, verbose)
+        with view, crash_explained(log):
+            drive(recipe, files, run, view, replay)
     return run.root
+
+
+def drive(recipe: Recipe, files: RLRunFiles, run: RunDir, view: RLConsole, replay: Path | None) -> None:
+    if files.policy() is None:
+        view.note(f"publishing the initial policy from {recipe.model.checkpoint}")
+        info = push_version(recipe.model.checkpoint, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
+        files.publish_policy(Policy(0, info.id))
+    clear_rank_errors(run)
+    learner_log = run.logs / "torchrun.log"
+    offsets = log_offsets(run, recipe.cluster.procs_per_host, learner_log)
+    view.note("starting the learner")
+    learner = start_learner(recipe, files, learner_log)
+    try:
+        if replay is None:
+            run_rollouts(recipe, files, learner, view)
+        else:
+            view.note(f"replaying {replay}")
+        while learner.poll() is None:
+            view.poll()
+            time.sleep(POLL_SECONDS)
+    finally:
+        stop(learner)
+    if learner.returncode != 0:
+        raise ranks_failure(run, learner.returncode, offsets, "the learner")

@@ -26,6 +26,7 @@ from rollout.trajectories import Trajectory, episode_stats
 from sync.pusher import push_version
 from trainer.core import Every
 from trainer.launch import record_rank_error, redirect_rank_output
+from trainer.progress import TensorBoard
 from trainer.rl_learner import LearnerSequence, RLLearner
 from trainer.rl_objective import group_advantages
 
@@ -96,6 +97,7 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
         queue.repair(state.get("consumed", []))
         drop_records_after(files.root / "metrics.jsonl", start)  # those steps are trained again
     metrics = MetricsWriter(files.root / "metrics.jsonl") if rank0 else None
+    board = TensorBoard(files.root / "tensorboard", start) if rank0 else None
     save_due = Every(recipe.train.checkpoint_every, recipe.train.steps)
     unsaved: list[str] = []
     for step in range(start, recipe.train.steps):
@@ -114,8 +116,10 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
                 queue.consumed(unsaved)
             unsaved = []
         if metrics:
-            metrics.write(step + 1, **record, **rollout_stats(groups, step, recipe.rollout.max_context), groups=",".join(group_ids),
-                          dropped_stale=dropped, wait_seconds=waited, step_seconds=time.monotonic() - started)
+            record.update(rollout_stats(groups, step, recipe.rollout.max_context), dropped_stale=dropped, wait_seconds=waited,
+                          step_seconds=time.monotonic() - started)
+            metrics.write(step + 1, **record, groups=",".join(group_ids))
+            board.write(step + 1, record)
 
 
 def main() -> None:

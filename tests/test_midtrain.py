@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -56,7 +57,18 @@ def records(run_dir: Path) -> list[dict]:
 def reference(workspace) -> Path:
     result = run_composer(*midtrain_args(workspace, "reference"))
     assert result.returncode == 0, result.stderr[-3000:]
+    (workspace / "reference-console.txt").write_text(result.stdout + result.stderr)
     return workspace / "runs" / "reference"
+
+
+def test_the_console_shows_composer_lines_and_the_logs_keep_the_rest(workspace, reference):
+    console = (workspace / "reference-console.txt").read_text().splitlines()
+    assert len(console) < 15 and "\x1b" not in "".join(console)  # not a terminal: plain lines, no control codes
+    progress = [line for line in console if line.startswith("midtrain step")]
+    assert progress and progress[-1].startswith(f"midtrain step {STEPS}/{STEPS}  loss ") and "eta 0:00:00" in progress[-1]
+    assert not [line for line in console if "warn" in line.lower() or "megatron" in line.lower()]
+    logs = "".join(p.read_text() for p in (reference / "logs").glob("rank-*.log"))
+    assert "megatron" in logs.lower()  # what the libraries said is kept
 
 
 def test_held_out_loss_falls_and_every_step_is_recorded(reference):
@@ -106,6 +118,9 @@ def test_killed_run_resumes_with_the_same_data_and_losses(workspace, reference):
     killed_at = records(run_dir)[-1]["step"]
     assert killed_at < STEPS
     assert (run_dir / "checkpoints" / "latest").read_text() in ("step-00000004", "step-00000008")
+    shown = run_composer("runs", "show", str(run_dir))
+    assert shown.returncode == 0 and re.search(r"status +resumable", shown.stdout), shown.stdout
+    assert re.search(rf"steps +{killed_at}/{STEPS}", shown.stdout) and re.search(r"checkpoint +step [48]\b", shown.stdout)
 
     result = run_composer(*midtrain_args(workspace, "killed"), "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -169,3 +184,15 @@ def test_keys_the_loop_cannot_honour_are_refused_before_launch(workspace):
     assert result.returncode == 2
     assert "train.recompute_activations: train midtrain does not support True" in result.stderr
     assert not (workspace / "runs" / "refused").exists()
+
+
+def test_runs_lists_the_finished_the_failed_and_the_killed_then_resumed_runs(workspace, reference):
+    result = run_composer("runs", str(workspace / "runs"))
+    assert result.returncode == 0, result.stderr
+    status = {line.split("│")[1].strip().rsplit("/", 1)[-1]: line.split("│")[3].strip()
+              for line in result.stdout.splitlines() if line.startswith("│")}
+    assert status["reference"] == "finished"
+    if "killed" in status:  # resumed to the end by its test
+        assert status["killed"] == "finished"
+    failed = [name for name in status if name.startswith("bad-")]
+    assert failed and all(status[name] == "failed" for name in failed), status

@@ -85,5 +85,8 @@ def test_cli_prints_the_summary_and_errors_without_traceback(tmp_path):
     done = subprocess.run([*command, str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "eval_loss" in done.stdout and "7 plot(s)" in done.stdout
+    assert "episode_turns" not in done.stdout and "2 more series there" in done.stdout  # not a headline series
+    every = subprocess.run([*command, str(tmp_path / "run"), "--all"], env=env, capture_output=True, text=True, timeout=60)
+    assert "episode_turns" in every.stdout and "more series" not in every.stdout
     failed = subprocess.run([*command, str(tmp_path / "nothing")], env=env, capture_output=True, text=True, timeout=60)
     assert failed.returncode == 2 and "no such run directory" in failed.stderr and "Traceback" not in failed.stderr

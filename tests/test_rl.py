@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from recipes.run_status import run_status
 from tests.conftest import COMPOSER, RECIPES, REPO
 
 pytestmark = pytest.mark.engines
@@ -48,6 +50,7 @@ def killed_and_resumed(tmp_path_factory):
         time.sleep(0.2)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
+    killed_status = run_status(run).status
     fleet_groups = [json.loads(line) for line in (run / "rollout_metrics.jsonl").read_text().splitlines()]
     deadline = time.monotonic() + 60
     while (servers := processes_mentioning(run)) and time.monotonic() < deadline:
@@ -55,7 +58,7 @@ def killed_and_resumed(tmp_path_factory):
     resumed = start(root / "runs", checkpoint, "--resume")
     output, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, output[-3000:]
-    return SimpleNamespace(run=run, fleet_groups=fleet_groups, servers_left=servers)
+    return SimpleNamespace(run=run, fleet_groups=fleet_groups, servers_left=servers, killed_status=killed_status, console=output)
 
 
 def processes_mentioning(path) -> list[str]:
@@ -145,3 +148,33 @@ def test_replay_trains_the_recorded_groups_again_without_engines(killed_and_resu
     again = composer("train", "rl", str(run / "recipe.yaml"), "--replay", str(run), "--set", "run.name=replay2",
                      "--set", f"train.steps={STEPS + 1}")
     assert again.returncode == 2 and "recorded 5 learner steps" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_the_console_shows_progress_and_the_engine_logs_stay_in_files(killed_and_resumed):
+    """Off a terminal the driver prints plain progress lines; vLLM, torch and the ranks write to logs/ only."""
+    run, console = killed_and_resumed.run, killed_and_resumed.console.splitlines()
+    assert len(console) < 20 and "\x1b" not in killed_and_resumed.console, console
+    steps = [line for line in console if line.startswith("rl step ")]
+    assert steps and steps[-1].startswith(f"rl step {STEPS}/{STEPS}  eta 0:00:00  reward "), console
+    assert "last sync v5 ratio" in steps[-1] and "alarms" in steps[-1]
+    assert not [line for line in console if "INFO" in line or "WARNING" in line or "vllm" in line.lower()], console
+    driver_log = (run / "logs" / "driver.log").read_text()
+    assert "vLLM" in driver_log or "vllm" in driver_log  # the embedded engine of the resumed run logged there
+    for log in (run / "logs").glob("*.log"):  # the known-harmless reload warning at most once per process
+        assert log.read_text().count("Following weights were not loaded from checkpoint") <= 1, log
+
+
+def test_runs_shows_the_killed_run_resumable_and_the_resumed_one_finished(killed_and_resumed, composer):
+    assert killed_and_resumed.killed_status == "resumable"
+    shown = composer("runs", "show", str(killed_and_resumed.run))
+    assert shown.returncode == 0 and re.search(r"status +finished", shown.stdout), shown.stdout
+    assert re.search(rf"steps +{STEPS}/{STEPS}", shown.stdout) and "reward_mean" in shown.stdout
+    assert list((killed_and_resumed.run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_failed_run_says_why_and_is_listed_failed(tmp_path, composer):
+    result = composer("train", "rl", str(RECIPES / "smoke-rl.yaml"), "--set", f"run.dir={tmp_path}",
+                      "--set", f"model.checkpoint={tmp_path / 'no-such-checkpoint'}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
+    status = run_status(tmp_path / "smoke-rl")
+    assert status.status == "failed" and "no-such-checkpoint" in status.reason

@@ -47,6 +47,7 @@ def test_a_remote_rollout_host_serves_every_policy_and_dies_with_the_driver(sshd
     assert max(g["policy_version"] for g in groups) >= 2  # the remote engine loaded the policies its host pulled
     pulled = sorted(p.name for p in (remote / "smoke-rl" / "receiver" / "versions").iterdir())
     assert pulled and (remote / "smoke-rl" / "vllm-0.log").is_file()
+    assert "vLLM" in (run / "logs" / "127.0.0.1-vllm-0.log").read_text()  # the host's server log, copied into the run's logs/
     assert processes_mentioning(remote) == []  # a finished run stops its remote servers too
 
 

@@ -123,6 +123,9 @@ def import_smollm2(out_dir: str | Path, dtype: str = "float32") -> Path:
 def _save_atomically(out: Path, model, tokenizer) -> None:
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar for one shard; composer prints its own line when done
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ from trainer.launch import record_rank_error, redirect_rank_output
 from trainer.model import causal_mask
 from trainer.optimizer import TrainOptimizer
 from trainer.pipeline import forward_backward
+from trainer.progress import StepClock, TensorBoard
 
 MODULE = __spec__.name
 """This entry point, as `python -m` names it (the CLI starts it under torchrun)."""
@@ -296,11 +298,11 @@ class Midtrainer:
             # a killed run's records past its checkpoint (all of them without one: step 0's evaluation is redone)
             drop_records_after(self.run_dir.metrics_path, first_step if first_step else -1)
         metrics = self.run_dir.metrics() if is_writer else None
-        board = _tensorboard(self.run_dir, first_step) if is_writer else None
+        board = TensorBoard(self.run_dir.root / "tensorboard", first_step) if is_writer else None
         eval_due, log_due, save_due = (Every(n, t.steps) for n in (t.eval_every, t.log_every, t.checkpoint_every))
         ddp = self.core.ddp
         try:
-            with _progress(self.console, t.steps, first_step) as progress:
+            with MidtrainProgress(self.console, t.steps, first_step) as progress:
                 if first_step == 0:
                     self._log(metrics, board, 0, {"eval_loss": evaluate(ddp, self.data.valid, t.eval_batches)}, progress)
                 for step in range(first_step + 1, t.steps + 1):
@@ -318,50 +320,68 @@ class Midtrainer:
             if board:
                 board.close()
 
-    def _log(self, metrics, board, step: int, record: dict, progress: Progress) -> None:
+    def _log(self, metrics, board, step: int, record: dict, progress: MidtrainProgress) -> None:
         if metrics is None:
             return
         metrics.write(step, **record)
-        for key, value in record.items():
-            board.add_scalar(key, value, step)
-        board.flush()
+        board.write(step, record)
         fields = {k: record[k] for k in ("loss", "eval_loss", "tokens_per_s") if k in record}
-        progress.update(progress.task_ids[0], completed=step, **fields)
-        if "eval_loss" in record and self.console is not None:
-            self.console.print(f"step {step}: eval loss {record['eval_loss']:.4f}", highlight=False)
+        progress.update(step, **fields)
 
     def export(self, out_dir: Path) -> None:
         self.core.export(out_dir, self.data.tokenizer_dir)
 
 
-def _tensorboard(run: RunDir, first_step: int):
-    from torch.utils.tensorboard import SummaryWriter
+class MidtrainProgress:
+    """Rank 0's view of the run: a rich bar with ETA on a terminal, a plain line now and then elsewhere."""
 
-    # purge_step hides the events a killed run wrote past the checkpoint it resumes from
-    return SummaryWriter(str(run.root / "tensorboard"), purge_step=first_step + 1 if first_step else None)
+    def __init__(self, console: Console | None, total: int, done: int):
+        self.console, self.total, self.clock = console, total, StepClock(total, done)
+        self.fields = {"loss": math.nan, "eval_loss": math.nan, "tokens_per_s": 0.0}
+        self.bar = Progress(
+            TextColumn("[bold]midtrain"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}  eval {task.fields[eval_loss]:.4f}  {task.fields[tokens_per_s]:.0f} tok/s"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=console,
+            disable=console is None or not console.is_terminal,
+            redirect_stdout=False,  # what libraries print stays in the rank's log
+            redirect_stderr=False,
+        )
+        self.task = self.bar.add_task("midtrain", total=total, completed=done, **self.fields)
 
+    def __enter__(self) -> MidtrainProgress:
+        self.bar.start()
+        return self
 
-def _progress(console: Console | None, total: int, done: int) -> Progress:
-    progress = Progress(
-        TextColumn("[bold]midtrain"),
-        BarColumn(bar_width=24),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  eval {task.fields[eval_loss]:.4f}  {task.fields[tokens_per_s]:.0f} tok/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=console is None,
-    )
-    progress.add_task("midtrain", total=total, completed=done, loss=math.nan, eval_loss=math.nan, tokens_per_s=0.0)
-    return progress
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def update(self, step: int, **fields: float) -> None:
+        """The step's figures; an evaluation is also printed: above the bar, or as a plain line of its own."""
+        self.fields.update(fields)
+        self.bar.update(self.task, completed=step, **fields)
+        if self.console is None:
+            return
+        evaluated = "eval_loss" in fields
+        if not self.bar.disable:
+            if evaluated:
+                self.console.print(f"step {step}: eval loss {fields['eval_loss']:.4f}", highlight=False)
+        elif step > self.clock.start_step and self.clock.plain_due(step, now_anyway=evaluated):
+            f = self.fields
+            self.console.print(f"midtrain step {step}/{self.total}  loss {f['loss']:.4f}  eval {f['eval_loss']:.4f}  "
+                               f"{f['tokens_per_s']:.0f} tok/s  eta {self.clock.eta_text(step)}", highlight=False)
 
 
 # --- entry points ------------------------------------------------------------------------------
 
 
-def train(run: RunDir, resume: bool) -> None:
+def train(run: RunDir, resume: bool, terminal: TextIO | None) -> None:
     recipe = load_recipe(run.recipe_path)
-    console = Console() if dist_rank() == 0 else None
+    console = Console(file=terminal, highlight=False) if terminal else None
     trainer = Midtrainer(recipe, run, console)
     first_step = trainer.resume() if resume else 0
     trainer.run(first_step)
@@ -389,10 +409,10 @@ def dist_rank() -> int:
 def main(argv: list[str]) -> int:
     die_with_parent()
     command, run = argv[0], RunDir(Path(argv[1]))
-    redirect_rank_output(run, dist_rank())
+    terminal = redirect_rank_output(run, dist_rank())
     try:
         if command == "train":
-            train(run, resume="--resume" in argv[2:])
+            train(run, resume="--resume" in argv[2:], terminal=terminal)
         else:
             export(run, Path(argv[2]))
     except UserError as e:

@@ -1,4 +1,6 @@
-"""Plots of a run's metrics.jsonl: one PNG per group of related series, and first/last/min/max per series.
+"""Plots of a run's metrics.jsonl: one PNG per group of related series, first/last/min/max per series, and
+`report.html`: all of it in one self-contained page (plots inline, the run's status and resolved recipe) that
+opens offline.
 
 Generic on purpose: every numeric key of the records becomes a series plotted against `step`, so the
 metrics of any loop (mid-training, RL rewards, sync sizes) are plotted without registering them here.
@@ -7,9 +9,12 @@ Related series share a figure (loss with eval loss, every MoE balance series tog
 
 from __future__ import annotations
 
+import base64
+import html
 import io
 import math
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -17,7 +22,8 @@ from typing import Callable
 from matplotlib.figure import Figure
 
 from recipes.errors import UserError
-from recipes.runs import atomic_write_bytes, read_metrics
+from recipes.run_status import run_status
+from recipes.runs import atomic_write_bytes, atomic_write_text, read_metrics
 
 NOT_SERIES = ("step", "time")
 
@@ -30,6 +36,15 @@ SERIES_GROUPS: list[tuple[str, Callable[[str], bool]]] = [
     ("throughput", lambda key: key.endswith("_per_s") or "per_sec" in key or "throughput" in key),
     ("reward", lambda key: "reward" in key),
 ]
+
+HEADLINE_SERIES = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "moe_aux_loss", "reward_mean", "pass_rate",
+                   "staleness_mean", "trained_tokens_per_s", "generated_tokens_per_s", "sync_ratio", "sync_seconds")
+"""What `composer report` summarises on the console (held-out `eval_*` series too); report.html has every series."""
+
+
+def is_headline(name: str) -> bool:
+    return name in HEADLINE_SERIES or name.startswith("eval_")
+
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # how MetricsWriter records them
 
@@ -65,6 +80,7 @@ class Series:
 class Report:
     series: list[Series]
     images: list[Path]
+    html: Path
 
 
 def read_series(metrics_path: Path) -> list[Series]:
@@ -120,7 +136,37 @@ def render_report(run_dir: Path) -> Report:
         images.append(path)
     for stale in set(out_dir.glob("*.png")) - set(images):
         stale.unlink()
-    return Report(series, images)
+    page = run_dir / "report.html"
+    atomic_write_text(page, report_html(run_dir, series, images))
+    return Report(series, images, page)
+
+
+def report_html(run_dir: Path, series: list[Series], images: list[Path]) -> str:
+    """One page holding everything: no script, no link outside it (images are data URIs)."""
+    esc = html.escape
+    recipe_path = run_dir / "recipe.yaml"
+    if recipe_path.is_file():
+        s = run_status(run_dir)
+        status = (f"<p class=status><b>{esc(s.kind)}</b> run, <b class={esc(s.status)}>{esc(s.status)}</b>"
+                  f"{': ' + esc(s.reason) if s.reason else ''}; step {s.steps_done} of {s.steps}"
+                  f"{f'; newest checkpoint step {s.checkpoint_step}' if s.checkpoint_step is not None else ''}</p>")
+        recipe = f"<h2>Resolved recipe</h2><pre>{esc(recipe_path.read_text(errors='replace'))}</pre>"
+    else:
+        status, recipe = "<p class=status>no recipe.yaml: status unknown</p>", ""
+    rows = "".join(f"<tr><td>{esc(x.name)}</td><td>{len(x.values)}</td>" + "".join(f"<td>{v:.4g}</td>" for v in (x.first, x.last, x.min, x.max)) + "</tr>"
+                   for x in series)
+    plots = "".join(f'<figure><img alt="{esc(p.stem)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></figure>'
+                    for p in images)
+    return f"""<!DOCTYPE html>
+<html lang=en><head><meta charset=utf-8><title>{esc(run_dir.name)}: composer report</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:70em}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:.2em .6em;text-align:right}} td:first-child{{text-align:left}}
+img{{max-width:100%}} pre{{background:#f4f4f4;padding:1em;overflow:auto}}
+.finished{{color:#070}} .failed{{color:#b00}} .resumable{{color:#a60}} .running{{color:#06a}}</style></head>
+<body><h1>{esc(str(run_dir))}</h1>{status}<p>written {time.strftime("%Y-%m-%d %H:%M:%S")}</p>
+<h2>Summary</h2><table><tr><th>series</th><th>points</th><th>first</th><th>last</th><th>min</th><th>max</th></tr>{rows}</table>
+<h2>Plots</h2>{plots}{recipe}</body></html>
+"""
 
 
 def _file_name(group: str) -> str:
