@@ -108,6 +108,7 @@ def pull(
     store: Optional[str] = StoreOption,
     version: Optional[str] = VersionOption,
     relay_store: Optional[str] = typer.Option(None, "--relay-store", help="Also copy the chain into this store, to serve this cluster."),
+    in_place: bool = typer.Option(False, "--in-place", help="Patch the current version's files where the new one differs (one copy on disk, for a live engine that reloads only what changed); a full pull when that cannot be done."),
     recipe: Optional[Path] = RecipeOption,
     overrides: list[str] = SetOption,
     ssh_key: Optional[Path] = KeyOption,
@@ -115,7 +116,7 @@ def pull(
 ) -> None:
     """Rebuild a version from its chain, verify it, and make it current in --to atomically."""
     from sync.receiver import pull as pull_version
-    from sync.receiver import relay
+    from sync.receiver import relay, update_in_place
     from sync.store import Store
 
     sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
@@ -126,6 +127,14 @@ def pull(
                 copied = relay(source, dest, target)
             console.print(f"relayed {len(copied.versions)} version(s), {_gb(copied.bytes_copied)} into {escape(relay_store)}",
                           highlight=False)
+    if in_place:
+        with Store.open(relay_store or sync.store, ssh) as source:
+            patched = update_in_place(source, to, target, sync.codec.threads)
+        how = "full copy, no usable current version" if patched.full else \
+            f"{len(patched.changed)} tensor(s) patched in place from {patched.started_from}"
+        console.print(f"[green]pulled[/] {patched.version} into {escape(str(to / 'current'))} ({how}; "
+                      f"{_gb(patched.fetched_bytes)} downloaded, {patched.seconds:.1f} s)", highlight=False)
+        return
     with Store.open(relay_store or sync.store, ssh) as source:
         total = sum(t.nbytes for t in source.manifest(target).tensors.values()) if target else 0
         with _progress() as track:
