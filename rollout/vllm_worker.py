@@ -113,9 +113,15 @@ class WeightUpdateExtension:
         if missing:
             raise ValueError(f"weight update refused: {directory} or its manifest lacks {missing[:5]}")
         tensors, applied = [], xxhash.xxh3_128()
+        by_file: dict[str, list[str]] = {}
         for name in names:
-            with safe_open(index[name], framework="pt") as f:
-                tensor = f.get_tensor(name)
+            by_file.setdefault(index[name], []).append(name)
+        read = {}
+        for file, in_file in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                read.update((name, f.get_tensor(name)) for name in in_file)
+        for name in names:
+            tensor = read.pop(name)
             start = 0
             for stop, expected in pieces[name]:
                 got = tensor_digest(tensor, start, stop)
