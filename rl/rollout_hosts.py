@@ -67,7 +67,8 @@ class LocalHost:
         self._pulled: str | None = None
 
     def _store(self) -> Store:
-        return Store.open(sync_section(self.recipe, self.files).store, self.recipe.cluster.ssh)
+        sync = sync_section(self.recipe, self.files)
+        return Store.open(sync.store, self.recipe.cluster.ssh, endpoint=sync.endpoint)
 
     def pull(self, store_version: str) -> str:
         with self._store() as store:
@@ -136,7 +137,7 @@ class RemoteHost:
     def pull(self, store_version: str) -> str:
         if self._pulled is None or self._pulled[0] != store_version:
             sync = sync_section(self.recipe, self.files)
-            self._composer("sync", "pull", "--store", sync.store, "--to", self.receiver, "--version", store_version)
+            self._composer("sync", "pull", *_store_args(sync), "--to", self.receiver, "--version", store_version)
             self._pulled = (store_version, self._run(f"readlink -f {shlex.quote(self.receiver + '/current')}").strip())
         return self._pulled[1]
 
@@ -145,9 +146,9 @@ class RemoteHost:
         composer, the engine reloads what changed from it (call with `lock` held)."""
         sync = sync_section(self.recipe, self.files)
         if self._pulled is None or self._pulled[0] != store_version:
-            self._composer("sync", "pull", "--store", sync.store, "--to", self.receiver, "--version", store_version, "--in-place")
+            self._composer("sync", "pull", *_store_args(sync), "--to", self.receiver, "--version", store_version, "--in-place")
             self._pulled = (store_version, self._run(f"readlink -f {shlex.quote(self.receiver + '/current')}").strip())
-        with Store.open(sync.store, self.recipe.cluster.ssh) as store:
+        with Store.open(sync.store, self.recipe.cluster.ssh, endpoint=sync.endpoint) as store:
             self.engine_versions.move(engine, store, store_version, self._pulled[1])
 
     def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
@@ -181,6 +182,10 @@ class RemoteHost:
                 time.sleep(0.2)
             session.close()
         self.ssh.close()
+
+
+def _store_args(sync) -> list[str]:
+    return ["--store", sync.store] + (["--endpoint", sync.endpoint] if sync.endpoint else [])
 
 
 def open_hosts(recipe: Recipe, files: RLRunFiles) -> list[LocalHost | RemoteHost]:
