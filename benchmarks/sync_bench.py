@@ -8,6 +8,9 @@ fp8 mode (--fp8): the same optimizer step on fp32 master weights, served as Deep
 them: each matrix in float8 e4m3 plus a `weight_scale_inv` fp32 scale per 128x128 block (re-quantized every
 step, so a block whose max moved changes its scale and may shift all of its values).
 Real mode: --checkpoints DIR0 DIR1 ... pushes consecutive checkpoint directories in order.
+Device mode (--device cuda|cpu): encode throughput of weights already in (GPU) memory with the torch encoder
+(diff and gather on the device, pinned copies, compression overlapped), against the numpy host encoder on the
+same pieces in the same run; the payloads must be identical.
 
 Each push and pull runs in a fresh process so its peak RSS is its own. Files are read from the page
 cache (they were just written); other processes sharing the CPUs make throughput a lower bound.
@@ -16,6 +19,7 @@ disk's write speed; "apply" is a live receiver updating in-memory tensors with `
 
     PYTHONPATH=. python benchmarks/sync_bench.py --size-gb 1
     PYTHONPATH=. python benchmarks/sync_bench.py --fp8 --densities 2
+    PYTHONPATH=. python benchmarks/sync_bench.py --device cuda --size-gb 2
     PYTHONPATH=. python benchmarks/sync_bench.py --checkpoints ckpt/step1 ckpt/step2 ckpt/step3
 """
 
@@ -176,6 +180,58 @@ def fp8_synthetic(args: argparse.Namespace, work: Path) -> None:
               f"{gbps(model_bytes, dec_s)} {str(exact):>9} | {mib(xor_bytes)} {model_bytes / xor_bytes:6.1f}x", flush=True)
         for path in (new, store, cache, recv):
             shutil.rmtree(path)
+
+
+def device_encode(args: argparse.Namespace) -> None:
+    """GB/s of DeviceDeltaEncoder on --device vs the host encoder, both on the same in-memory bf16 pieces."""
+    import torch
+
+    from sync.codec import encode_piece
+    from sync.device import DeviceDeltaEncoder
+    from sync.pool import num_threads, ordered_map
+
+    threads = num_threads(args.threads)
+    num_matrices = max(1, round(args.size_gb * 1e9 / (SHAPE[0] * SHAPE[1] * 2)))
+    per_piece = (args.chunk_mb << 20) // 2
+    print(f"device {args.device}: {num_matrices} bf16 matrices of {SHAPE} ({num_matrices * SHAPE[0] * SHAPE[1] * 2 / 1e9:.2f} GB) "
+          f"in {args.chunk_mb} MiB pieces; host encoder on {threads} threads\n")
+    print(f"{'target':>6} | {'device encode':>14} | {'host encode':>12} | {'speed-up':>8} {'identical':>9}")
+    for density in args.densities:
+        relative_step = calibrate(density / 100)
+        old, new = [], []
+        for i in range(num_matrices):
+            master = _master(i)
+            old.append(torch.from_numpy(to_bf16(master).view(np.int16)).reshape(-1).to(args.device))
+            new.append(torch.from_numpy(to_bf16(_stepped(master, i, relative_step)).view(np.int16)).reshape(-1).to(args.device))
+        pieces = [(n[a: a + per_piece], o[a: a + per_piece]) for n, o in zip(new, old) for a in range(0, n.numel(), per_piece)]
+        encoder = DeviceDeltaEncoder(args.device, threads=threads)
+        list(encoder.encode(pieces[:1]))  # warm-up (CUDA context, allocator)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        on_device = list(encoder.encode(pieces))
+        device_s = time.perf_counter() - started
+        host_pieces = [(n.cpu().numpy().view(np.uint16), o.cpu().numpy().view(np.uint16)) for n, o in pieces]
+        cctx = threading_local_compressors()
+        started = time.perf_counter()
+        on_host = list(ordered_map(lambda pair: encode_piece(pair[0], pair[1], cctx()), host_pieces, threads))
+        host_s = time.perf_counter() - started
+        nbytes = sum(n.numel() * 2 for n, _ in pieces)
+        print(f"{density:5.1f}% | {gbps(nbytes, device_s):>14} | {gbps(nbytes, host_s):>12} | {host_s / device_s:7.2f}x "
+              f"{str(on_device == on_host):>9}", flush=True)
+
+
+def threading_local_compressors():
+    import threading
+
+    local = threading.local()
+
+    def get() -> zstandard.ZstdCompressor:
+        if not hasattr(local, "cctx"):
+            local.cctx = zstandard.ZstdCompressor(level=3, write_checksum=True)
+        return local.cctx
+
+    return get
 
 
 # --- measured operations (each in a fresh process) ---------------------------------------------
@@ -375,11 +431,15 @@ def main() -> None:
     parser.add_argument("--densities", type=float, nargs="+", default=[0.5, 1, 2, 5], help="percent of elements changed")
     parser.add_argument("--checkpoints", nargs="+", help="real consecutive checkpoint directories instead")
     parser.add_argument("--fp8", action="store_true", help="synthetic fp8 e4m3 model with 128x128 block scales")
+    parser.add_argument("--device", default=None, help="cuda or cpu: encode throughput of in-memory weights with the torch encoder")
     parser.add_argument("--anchor-every", type=int, default=20)
     parser.add_argument("--chunk-mb", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="0 = one per core")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch space (default: a temp dir)")
     args = parser.parse_args()
+    if args.device:
+        device_encode(args)
+        return
     with tempfile.TemporaryDirectory(prefix="sync-bench-", dir=args.workdir) as tmp:
         (real if args.checkpoints else fp8_synthetic if args.fp8 else synthetic)(args, Path(tmp))
 

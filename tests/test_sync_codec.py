@@ -213,3 +213,30 @@ def test_block_scaled_fp8_checkpoints_sync_bit_exactly_as_small_deltas(tmp_path)
         for step, ck in enumerate(checkpoints):
             pull(s, tmp_path / "recv", f"v{step + 1:08d}")
             assert checkpoint_files(tmp_path / "recv" / "current") == checkpoint_files(ck)
+
+
+@pytest.mark.parametrize("dtype,density", [("bfloat16", 0.01), ("bfloat16", 0.2), ("float32", 0.7),
+                                           ("float8_e4m3fn", 0.02), ("bfloat16", 0.0)])
+def test_device_encoder_writes_the_bytes_of_the_host_encoder(dtype, density):
+    """The torch path (on the GPU where there is one; here on CPU tensors) chooses and encodes pieces exactly as
+    the numpy path does, anchors included."""
+    torch = pytest.importorskip("torch")
+    from sync.device import DeviceDeltaEncoder
+
+    g = torch.Generator().manual_seed(0)
+    pairs = []
+    for n in (1, 1000, 70_001):
+        old = torch.randn(n, generator=g).to(getattr(torch, dtype))
+        new = old.clone()
+        changed = torch.rand(n, generator=g) < density
+        new[changed] = torch.randn(int(changed.sum()), generator=g).to(new.dtype)
+        pairs += [(new, old), (new, None)]
+    cctx = zstandard.ZstdCompressor(level=3, write_checksum=True)
+
+    def bits(t):
+        signed = {1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+        return t.view(signed).numpy().view({1: np.uint8, 2: np.uint16, 4: np.uint32}[t.element_size()])
+
+    expected = [encode_piece(bits(new), None if old is None else bits(old), cctx) for new, old in pairs]
+    got = list(DeviceDeltaEncoder("cpu", threads=2, in_flight=3).encode(pairs))
+    assert got == expected
