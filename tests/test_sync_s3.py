@@ -84,8 +84,10 @@ def test_push_pull_verify_gc_and_relay_through_s3(s3_emulator, tmp_path):
         assert len(verify(s3).versions) == 4
         with Store.open(str(tmp_path / "cluster"), create=True) as cluster:  # relay out of S3...
             assert relay(s3, cluster).versions == ["v00000003", "v00000004"]  # the head's chain
+        _client(s3_emulator).create_multipart_upload(Bucket=BUCKET, Key="runs/a/chunks/abandoned")  # a killed push's
         report = s3.gc(keep_anchors=1, min_age_s=0)
         assert report.deleted_versions == ["v00000001", "v00000002"] and report.deleted_chunks > 0
+        assert not _client(s3_emulator).list_multipart_uploads(Bucket=BUCKET, Prefix="runs/a/").get("Uploads")
         assert len(verify(s3).versions) == 2  # what gc kept is whole
     with Store.open(str(tmp_path / "cluster")) as cluster, \
             Store.open(f"s3://{BUCKET}/runs/b", create=True, endpoint=s3_emulator) as other:  # ...and into S3
