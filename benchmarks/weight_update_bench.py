@@ -130,7 +130,7 @@ def measure(label: str, m: ModelSection, work: Path, density: float, layers_touc
     return dict(label=label, model_bytes=model_bytes, changed=100 * delta.changed_elements / delta.total_elements,
                 delta_bytes=delta.stored_bytes, tensors=len(applied["tensors"]), layers=applied["layers"],
                 reloaded_bytes=applied["bytes"], patch_s=patch_s, in_place_s=in_place_s, pull_s=pull_s,
-                full_s=full_s, exact=exact, patched_bytes=patched.patched_bytes)
+                full_s=full_s, exact=exact, patched_bytes=patched.patched_bytes, worker=applied["seconds"])
 
 
 def main() -> None:
@@ -154,6 +154,9 @@ def main() -> None:
         print(f"{r['label']:<22} {r['model_bytes'] / 1e9:7.3f}GB {r['changed']:7.2f}% {r['delta_bytes'] / 1e6:8.2f}MB "
               f"{r['layers']:3d} layers {r['reloaded_bytes'] / r['model_bytes']:4.0%} | {r['patch_s']:6.2f}s {r['in_place_s']:8.2f}s | "
               f"{r['pull_s']:6.2f}s {r['full_s']:6.2f}s | {r['full_s'] / r['in_place_s']:7.1f}x {str(r['exact']):>9}", flush=True)
+        worker = ", ".join(f"{k} {v:.2f}s" for k, v in r["worker"].items())
+        print(f"{'':<22} in place, in the engine: {worker}; engine reload in the full path "
+              f"{r['full_s'] - r['pull_s']:.2f}s", flush=True)
     print(f"\npeak RSS {peak_rss() / 2**30:.2f} GiB")
 
 

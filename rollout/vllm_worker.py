@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -103,6 +104,7 @@ class WeightUpdateExtension:
         names, `pieces`: name -> [[stop, hash], ...] as the version's manifest records them). Every tensor read
         is checked against its piece hashes before anything is loaded, so a damaged or stale directory is
         refused with the model untouched. Returns what was loaded and a digest of it."""
+        started = time.perf_counter()
         spec = json.loads(request)
         directory, pieces = spec["directory"], spec["pieces"]
         index = _safetensors_index(directory)
@@ -120,6 +122,7 @@ class WeightUpdateExtension:
         for file, in_file in by_file.items():
             with safe_open(file, framework="pt") as f:
                 read.update((name, f.get_tensor(name)) for name in in_file)
+        read_at = time.perf_counter()
         for name in names:
             tensor = read.pop(name)
             start = 0
@@ -131,12 +134,14 @@ class WeightUpdateExtension:
                 applied.update(f"{name}:{got};".encode())
                 start = stop
             tensors.append((name, tensor))
+        verified_at = time.perf_counter()
         runner = self.model_runner  # type: ignore[attr-defined]
         with _quiet(_PARTIAL_RELOAD_LOGGERS):  # they warn about every layer left as it was, which is the point
             runner.reload_weights(weights_iterator=iter(tensors))
         refreshed = refresh_prepacked_weights(runner.get_model(), layers)
+        seconds = {"read": read_at - started, "verify": verified_at - read_at, "reload": time.perf_counter() - verified_at}
         return {"tensors": names, "layers": len(layers), "refreshed": refreshed, "digest": applied.hexdigest(),
-                "bytes": sum(t.numel() * t.element_size() for _, t in tensors)}
+                "bytes": sum(t.numel() * t.element_size() for _, t in tensors), "seconds": seconds}
 
     def _layer_of_checkpoint_tensors(self, index: dict[str, str]) -> dict[str, str]:
         """Checkpoint tensor name -> name of the model module whose parameter its weight loader fills, found
