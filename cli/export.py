@@ -27,6 +27,7 @@ def export(
     if not run.recipe_path.is_file():
         raise UserError(f"{run_dir}: not a run directory (no recipe.yaml)")
     recipe = load_recipe(run.recipe_path)
+    from trainer import midtrain
     from trainer.checkpointing import Checkpointer
     from trainer.launch import RanksFailed, launch_ranks
 
@@ -37,7 +38,7 @@ def export(
     if out.exists():
         raise UserError(f"{out}: already exists; export into a new directory")
     try:
-        launch_ranks(run, recipe.cluster.procs_per_host, "trainer.midtrain", ["export", str(run.root), str(out.absolute())])
+        launch_ranks(run, recipe.cluster.procs_per_host, midtrain.MODULE, ["export", str(run.root), str(out.absolute())])
     except RanksFailed as e:
         err_console.print(f"[bold red]error:[/] {escape(str(e))}\n{escape(e.tail)}", highlight=False)
         raise typer.Exit(1) from None

@@ -27,17 +27,17 @@ def midtrain(
     """Continued pre-training: tokenize the corpus, train, checkpoint, evaluate, export an HF checkpoint."""
     recipe = load_recipe(recipe_file, overrides)
     # torch is imported from here on; `composer --help` stays fast
+    from trainer import midtrain
     from trainer.launch import RanksFailed, launch_ranks
-    from trainer.midtrain import check_midtrain_recipe, check_resume
 
-    check_midtrain_recipe(recipe)
+    midtrain.check_midtrain_recipe(recipe)
     run = RunDir.of(recipe)
     if resume:
-        check_resume(run, recipe)  # before the run's recipe.yaml is replaced
+        midtrain.check_resume(run, recipe)  # before the run's recipe.yaml is replaced
     run.prepare(recipe_to_yaml(recipe), resume)
     args = ["train", str(run.root), *(["--resume"] if resume else [])]
     try:
-        launch_ranks(run, recipe.cluster.procs_per_host, "trainer.midtrain", args)
+        launch_ranks(run, recipe.cluster.procs_per_host, midtrain.MODULE, args)
     except RanksFailed as e:
         err_console.print(f"[bold red]error:[/] {escape(str(e))}\n{escape(e.tail)}", highlight=False)
         raise typer.Exit(1) from None
@@ -48,10 +48,12 @@ def midtrain(
 def rl(
     recipe_file: Path = typer.Argument(..., metavar="RECIPE", help="Recipe file with rollout, env and rl sections."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run after a stop or crash."),
+    replay: Path | None = typer.Option(None, "--replay", metavar="RUN_DIR",
+                                       help="Train the learner on RUN_DIR's recorded trajectory groups, step by step as that run did; no engines."),
     overrides: list[str] = SetOption,
 ) -> None:
     """Asynchronous RL: vLLM rollouts in sandboxed coding tasks, Megatron learner, delta weight sync."""
     from rl.driver import run_rl
 
-    root = run_rl(load_recipe(recipe_file, overrides), resume, console)
+    root = run_rl(load_recipe(recipe_file, overrides), resume, console, replay=replay)
     console.print(f"[green]✓[/] run {escape(str(root))}: metrics.jsonl, rollout_metrics.jsonl, trajectories/, checkpoints/", highlight=False)

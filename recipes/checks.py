@@ -51,19 +51,25 @@ def _check_model(r: Recipe) -> list[Problem]:
 
 
 def _check_parallelism(r: Recipe) -> list[Problem]:
-    p, out = r.parallelism, []
     world = r.cluster.world_size
-    model_parallel = p.tp * p.pp * p.cp
     where = f"cluster: {len(r.cluster.hosts)} host(s) x procs_per_host={r.cluster.procs_per_host} = world size {world}"
+    return world_problems(r.parallelism, world, where) + split_problems(r.model, r.parallelism)
+
+
+def world_problems(p: ParallelismSection, world: int, where: str) -> list[Problem]:
+    """Whether the parallel sizes fit a world of `world` processes (`where` says where that number comes from).
+
+    The one check of sizes against the world: recipes are checked with it before launch, ranks again at start.
+    """
+    model_parallel = p.tp * p.pp * p.cp
     if world % model_parallel:
-        out.append(Problem("parallelism", f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_parallel} does not divide the {where}"))
-        return out + split_problems(r.model, p)
-    dp = world // model_parallel
+        return [Problem("parallelism", f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_parallel} does not divide the {where}")]
+    out, dp = [], world // model_parallel
     if p.dp is not None and p.dp != dp:
         out.append(Problem("parallelism.dp", f"world size must equal tp*pp*cp*dp: {p.tp}*{p.pp}*{p.cp}*{p.dp} != {world} ({where}); dp would be {dp}"))
-    if r.model.is_moe and (world // p.pp) % (p.ep * p.etp):
+    if (world // p.pp) % (p.ep * p.etp):
         out.append(Problem("parallelism.ep", f"ep*etp = {p.ep}*{p.etp} does not divide world_size/pp = {world // p.pp}"))
-    return out + split_problems(r.model, p)
+    return out
 
 
 def split_problems(m: ModelSection, p: ParallelismSection) -> list[Problem]:
@@ -157,8 +163,8 @@ def refuse_unhonoured(recipe: Recipe, command: str, unhonoured: dict[str, str]) 
         raise UserError(f"{command}: the recipe sets keys this command cannot honour:\n" + "\n".join(problems))
 
 
-def refuse_resume_changes(saved: Recipe, new: Recipe, paths: list[str], saved_from: str, depends: str) -> None:
-    """--resume: refuse a recipe that changes any of `paths` (what the run's saved state `depends` on)."""
+def refuse_resume_changes(saved: Recipe, new: Recipe, paths: list[str], saved_from: str, depends: str, flag: str = "--resume") -> None:
+    """--resume (or `flag`): refuse a recipe that changes any of `paths` (what the run's saved state `depends` on)."""
     changed = []
     for path in paths:
         before, after = _value_at(saved, path), _value_at(new, path)
@@ -166,8 +172,8 @@ def refuse_resume_changes(saved: Recipe, new: Recipe, paths: list[str], saved_fr
             changed.append(f"{path} changed" if isinstance(before, list) else f"{path}: {before!r} -> {after!r}")
     if changed:
         raise UserError(
-            f"--resume: the recipe changes what {depends} depend on ({'; '.join(changed)}) compared to {saved_from}; "
-            f"resume with the run's values, or start a new run"
+            f"{flag}: the recipe changes what {depends} depend on ({'; '.join(changed)}) compared to {saved_from}; "
+            f"use the run's values, or start a new run"
         )
 
 

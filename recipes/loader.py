@@ -55,6 +55,8 @@ def read_yaml(path: Path) -> dict:
         raise UserError(f"{path}: no such recipe file") from None
     except OSError as e:
         raise UserError(f"{path}: cannot read recipe ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not a text recipe (the byte at offset {e.start} is not UTF-8)") from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:

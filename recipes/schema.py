@@ -6,13 +6,42 @@ Checks that span several fields live in `recipes.checks`, so this module stays a
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: object, info: ValidationInfo) -> object:
+        # pydantic takes true/false as 1/0 for numbers; in a recipe that is always a slip (`steps: true`)
+        if _boolean_where_number(value, cls.model_fields[info.field_name].annotation):
+            raise ValueError("expected a number, not a boolean")
+        return value
+
+
+def _boolean_where_number(value: object, annotation: object) -> bool:
+    if isinstance(value, bool):
+        return _wants_number(annotation)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if isinstance(value, (list, tuple)) and origin in (list, tuple) and args:
+        item_types = args if origin is tuple and Ellipsis not in args else (args[0],) * len(value)
+        return any(_boolean_where_number(item, kind) for item, kind in zip(value, item_types))
+    return False
+
+
+def _wants_number(annotation: object) -> bool:
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        return bool not in options and any(_wants_number(option) for option in options)
+    return False
 
 
 # --- model -------------------------------------------------------------------------------------
@@ -67,6 +96,14 @@ class ModelSection(Section):
         return self.num_experts > 0
 
 
+ARCHITECTURE_FIELDS = (
+    "family", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+    "num_experts", "moe_top_k", "moe_ffn_hidden_size", "num_shared_experts", "norm_topk_prob", "vocab_size",
+    "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+)
+"""ModelSection fields that change the function the model computes; the rest are training settings."""
+
+
 # --- parallelism and cluster -------------------------------------------------------------------
 
 
@@ -87,6 +124,14 @@ class ParallelismSection(Section):
     """Shard activations along the sequence across the tensor-parallel group (required for MoE with tp > 1)."""
     distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+
+    def layout(self) -> dict[str, int]:
+        """The model-parallel sizes a checkpoint is sharded by (data parallelism can change on resume)."""
+        return {key: getattr(self, key) for key in LAYOUT_KEYS}
+
+
+LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "cp")
+"""ParallelismSection fields that decide how checkpoints are sharded."""
 
 
 class SSHSection(Section):

@@ -1,9 +1,8 @@
 """The learner role of an RL run, one process per rank under torchrun: `python -m rl.learner_main RUN_DIR`.
 
-Per step: take `rl.prompts_per_step` ready groups no staler than `rl.max_staleness` versions (older ones are
-dropped and counted), train on them, export and push the new policy through sync, publish it for the
-rollout engines. Groups move to `consumed/` only after a checkpoint covers them, so a crash at any point
-retrains, never skips, what the checkpoint had not seen.
+Each step: take `rl.prompts_per_step` groups (rl.protocol: fresh ones from the rollouts, or a recorded run's on
+replay) -> train on them -> publish the new policy through sync -> save a checkpoint when due -> log. What a
+crash at any point leaves behind is repaired on resume by the protocol.
 """
 
 from __future__ import annotations
@@ -22,37 +21,16 @@ from recipes.loader import load_recipe
 from recipes.processes import die_with_parent
 from recipes.runs import MetricsWriter, RunDir, drop_records_after
 from recipes.schema import Recipe
-from rl.layout import Policy, RLRunFiles, sync_section
-from rollout.trajectories import Trajectory, TrajectoryStore, episode_stats
+from rl.protocol import LearnerQueue, Policy, ReplayQueue, RLRunFiles, learner_queue, sync_section
+from rollout.trajectories import Trajectory, episode_stats
 from sync.pusher import push_version
+from trainer.core import Every
 from trainer.launch import record_rank_error, redirect_rank_output
 from trainer.rl_learner import LearnerSequence, RLLearner
 from trainer.rl_objective import group_advantages
 
-POLL_SECONDS = 0.2
-DRIVER_TIMEOUT_SECONDS = 120
-
-
-def take_groups(store: TrajectoryStore, files: RLRunFiles, step: int, recipe: Recipe) -> tuple[list[str], int]:
-    """Rank 0: wait for enough fresh groups; drop the stale ones. Returns (group ids, groups dropped)."""
-    need, oldest = recipe.rl.prompts_per_step, step - recipe.rl.max_staleness
-    dropped = 0
-    versions: dict[str, int] = {}  # each group file is read once, not on every poll
-    while True:
-        fresh = []
-        for group_id in store.ready_groups():
-            if group_id not in versions:
-                versions[group_id] = store.load(group_id)[0].policy_version
-            if versions[group_id] < oldest:
-                store.move([group_id], "ready", "dropped")
-                dropped += 1
-            else:
-                fresh.append(group_id)
-            if len(fresh) == need:
-                return fresh, dropped
-        if files.driver_silent_for() > DRIVER_TIMEOUT_SECONDS:
-            raise UserError(f"no rollouts: the driver has been silent for over {DRIVER_TIMEOUT_SECONDS} s")
-        time.sleep(POLL_SECONDS)
+MODULE = __spec__.name
+"""This entry point, as `python -m` names it (the driver starts it under torchrun)."""
 
 
 def learner_sequences(groups: list[list[Trajectory]], advantage_mode: str) -> list[LearnerSequence]:
@@ -85,7 +63,7 @@ def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int)
     if dist.get_rank() == 0:
         shutil.rmtree(out, ignore_errors=True)
     dist.barrier()
-    learner.export(out, tokenizer_dir=recipe.model.checkpoint)
+    learner.core.export(out, tokenizer_dir=recipe.model.checkpoint)
     metrics: dict[str, float] = {}
     if dist.get_rank() == 0:
         info = push_version(out, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
@@ -99,37 +77,39 @@ def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int)
     return metrics
 
 
+def take(queue: LearnerQueue | ReplayQueue, step: int) -> tuple[list[str], int]:
+    """Rank 0 takes the step's groups; every rank gets their ids (and how many stale ones were dropped)."""
+    picked = [queue.take(step) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(picked, src=0)
+    return picked[0]
+
+
 def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
-    learner = RLLearner(recipe, files.checkpoints)
-    state = learner.resume() or {}
+    learner = RLLearner(recipe.model, recipe.parallelism, recipe.optim, recipe.train, recipe.rl, files.checkpoints)
+    state = learner.core.resume() or {}
     start = state.get("step", 0)
-    store = TrajectoryStore(files.trajectories)
+    queue = learner_queue(files, recipe.rl)
     rank0 = dist.get_rank() == 0
     if rank0:
-        # Steps after the checkpoint are lost with the crash: their groups go back to the queue.
-        checkpointed = set(state.get("consumed", []))
-        trained = store.groups("trained")
-        store.move([g for g in trained if g in checkpointed], "trained", "consumed")
-        store.move([g for g in trained if g not in checkpointed], "trained", "ready")
+        queue.repair(state.get("consumed", []))
         drop_records_after(files.root / "metrics.jsonl", start)  # those steps are trained again
     metrics = MetricsWriter(files.root / "metrics.jsonl") if rank0 else None
+    save_due = Every(recipe.train.checkpoint_every, recipe.train.steps)
     unsaved: list[str] = []
     for step in range(start, recipe.train.steps):
         started = time.monotonic()
-        picked = [take_groups(store, files, step, recipe) if rank0 else None]
-        dist.broadcast_object_list(picked, src=0)
-        group_ids, dropped = picked[0]
-        groups = [store.load(g) for g in group_ids]
+        group_ids, dropped = take(queue, step)
+        groups = queue.load(group_ids)
         waited = time.monotonic() - started
         record = learner.train_step(learner_sequences(groups, recipe.rl.advantage))
-        if rank0:
-            store.move(group_ids, "ready", "trained")
         record.update(publish(learner, recipe, files, step + 1))
+        if rank0:
+            queue.trained(group_ids)
         unsaved += group_ids
-        if (step + 1) % recipe.train.checkpoint_every == 0 or step + 1 == recipe.train.steps:
-            learner.save(step + 1, {"consumed": unsaved})
+        if save_due(step + 1):
+            learner.core.save(step + 1, {"consumed": unsaved})
             if rank0:
-                store.move(unsaved, "trained", "consumed")
+                queue.consumed(unsaved)
             unsaved = []
         if metrics:
             metrics.write(step + 1, **record, **rollout_stats(groups, step, recipe.rollout.max_context), groups=",".join(group_ids),

@@ -19,7 +19,8 @@ import time
 
 from recipes.errors import UserError
 from recipes.schema import Recipe
-from rl.layout import RLRunFiles, sync_section
+from rl.protocol import RLRunFiles, sync_section
+from rollout import server_guard
 from rollout.engine import EmbeddedEngine, Engine, ServerEngine, VllmServer, server_args, wait_healthy
 from sync.receiver import pull, update_in_place
 from sync.ssh import SSHHost
@@ -160,7 +161,7 @@ class RemoteHost:
             args = server_args(weights, rollout, seed=seed + number, routed_experts=routed_experts, port=port, tokenizer=tokenizer)
             log = posixpath.join(self.dir, f"vllm-{number}.log")
             # The server runs until this session's stdin closes: when the driver stops or dies.
-            command = (f"cd {shlex.quote(self.dir)} && {{ VLLM_SERVER_DEV_MODE=1 setsid {shlex.join([self.python, '-m', 'rollout.server_guard', *args])} "
+            command = (f"cd {shlex.quote(self.dir)} && {{ VLLM_SERVER_DEV_MODE=1 setsid {shlex.join([self.python, '-m', server_guard.MODULE, *args])} "
                        f"> {shlex.quote(log)} 2>&1 & server=$!; cat > /dev/null; kill $server; wait $server; }}")
             session = self.ssh.conn.client.get_transport().open_session()
             session.exec_command(command)

@@ -1,9 +1,9 @@
-"""The rollout role of an RL run: follow the newest policy, run groups of episodes, hand them to the learner.
+"""The rollout role of an RL run: engines follow the newest policy and make groups of episodes for the learner.
 
-Group n always plays the same task (drawn from a generator seeded by n) and is written once, whole; after a
-crash the smallest indices never written are generated first, so no group is lost or made twice. With a
-server fleet each engine runs its own groups on its own thread and takes a new policy only between groups,
-so every trajectory is made by one policy version.
+Each engine loops: follow the policy -> claim a group (rl.protocol: what the staleness rule still allows) ->
+generate it -> hand it off -> log. Group n always plays the same task (drawn from a generator seeded by n). With a
+server fleet each engine runs its own groups on its own thread and takes a new policy only between groups, so
+every trajectory is made by one policy version.
 """
 
 from __future__ import annotations
@@ -11,23 +11,17 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from recipes.runs import MetricsWriter
-from recipes.schema import Recipe
-from rl.layout import RLRunFiles
-from rl.rollout_hosts import LocalHost, RemoteHost, open_hosts
+from recipes.schema import EnvSection, RolloutSection
+from rl.protocol import POLL_SECONDS, RLRunFiles, RolloutQueue, group_id
+from rl.rollout_hosts import LocalHost, RemoteHost
 from rollout.agent import EpisodeRunner, Tokenizer
 from rollout.engine import Engine
 from rollout.environment import CodingEnvironment
-from rollout.tasks import Task
-from rollout.trajectories import TrajectoryStore, episode_stats
-
-
-def group_id(index: int) -> str:
-    return f"g{index:07d}"
+from rollout.trajectories import Trajectory, episode_stats
 
 
 @dataclass
@@ -42,75 +36,28 @@ class EngineSlot:
 
 
 class RolloutWorker:
-    def __init__(self, recipe: Recipe, files: RLRunFiles, on_group: Callable[[str, dict], None] = lambda gid, stats: None):
-        self.recipe = recipe
-        self.files = files
-        self.on_group = on_group
-        self.store = TrajectoryStore(files.trajectories)
-        self.env = CodingEnvironment(recipe.env, seed=recipe.train.seed, sandbox_root=files.root / "sandbox")
-        self.done = {int(g[1:]) for g in self.store.known_groups()}
-        self.in_flight: dict[int, int] = {}
-        """Group index -> the policy version making it."""
-        self.made_with = Counter(self.store.load(g)[0].policy_version for g in self.store.ready_groups())
-        self.metrics = MetricsWriter(files.root / "rollout_metrics.jsonl")
-        self._groups_lock = threading.Lock()
-        self.hosts: list[LocalHost | RemoteHost] = []
-        try:
-            self.slots = self._start_engines()
-        except BaseException:
-            self.close()
-            raise
+    """The driver's engines on every rollout host, making groups of `group_size` episodes into `queue`."""
 
-    def _start_engines(self) -> list[EngineSlot]:
+    def __init__(self, rollout: RolloutSection, env: EnvSection, group_size: int, seed: int, routed_experts: bool,
+                 hosts: list[LocalHost | RemoteHost], tokenizer_dir: str, queue: RolloutQueue, files: RLRunFiles,
+                 on_group: Callable[[str, dict], None] = lambda gid, stats: None):
+        self.rollout, self.group_size, self.seed = rollout, group_size, seed
+        self.queue, self.files, self.on_group = queue, files, on_group
+        self.env = CodingEnvironment(env, seed=seed, sandbox_root=files.root / "sandbox")
+        self.slots = self._start_engines(hosts, tokenizer_dir, routed_experts)
+        self.metrics = MetricsWriter(files.root / "rollout_metrics.jsonl")
+        self._metrics_lock = threading.Lock()
+
+    def _start_engines(self, hosts: list[LocalHost | RemoteHost], tokenizer_dir: str, routed_experts: bool) -> list[EngineSlot]:
         policy = self.files.policy()
-        # The policy's tokenizer, here, for the agent loop (engines on other hosts read their own copy).
-        tokenizer_dir = LocalHost(self.recipe, self.files).pull(policy.store_version)
-        routed = self.recipe.model.is_moe and self.recipe.rl.router_replay == "r3"
-        self.hosts = open_hosts(self.recipe, self.files)
         slots = []
-        for host in self.hosts:
+        for host in hosts:
             weights = host.pull(policy.store_version)
-            for engine in host.start_engines(weights, seed=self.recipe.train.seed + len(slots), routed_experts=routed):
+            for engine in host.start_engines(weights, seed=self.seed + len(slots), routed_experts=routed_experts):
                 # A tokenizer each: HF fast tokenizers are not safe to share between threads.
-                runner = EpisodeRunner(engine, Tokenizer(tokenizer_dir), self.env, self.recipe.rollout)
+                runner = EpisodeRunner(engine, Tokenizer(tokenizer_dir), self.env, self.rollout)
                 slots.append(EngineSlot(len(slots), host, engine, runner, policy.version))
         return slots
-
-    def follow_policy(self, slot: EngineSlot) -> None:
-        """Bring this engine to the newest policy, between its groups. Pulls and loads on one host share its lock,
-        so its receiver never drops a version while an engine there reads it; hosts update in parallel."""
-        if self.files.policy().version <= slot.version:
-            return
-        with slot.host.lock:
-            policy = self.files.policy()  # read again: another engine may have brought its host further meanwhile
-            slot.host.update(slot.engine, policy.store_version)
-            slot.version = policy.version
-
-    def claim(self, version: int) -> int | None:
-        """The smallest group index nobody made or is making, or None while enough groups wait for the learner
-        (with max_staleness 0, synchronous RL, one step's worth per policy)."""
-        rl = self.recipe.rl
-        with self._groups_lock:
-            if rl.max_staleness == 0:
-                if self.made_with[version] + Counter(self.in_flight.values())[version] >= rl.prompts_per_step:
-                    return None  # anything more made with this policy would be too stale to train on
-            elif len(self.store.ready_groups()) + len(self.in_flight) >= rl.prompts_per_step * (rl.max_staleness + 1):
-                return None
-            index = 0
-            while index in self.done or index in self.in_flight:
-                index += 1
-            self.in_flight[index] = version
-            return index
-
-    def task_for(self, index: int) -> Task:
-        pool = self.env.pool
-        rng = random.Random(f"{self.recipe.train.seed}/{index}")
-        while True:
-            live = [i for i in range(len(pool.task_sets)) if pool.indices(i)]
-            set_index = rng.choices(live, weights=[pool.task_sets[i].weight for i in live])[0]
-            task = pool.task(set_index, rng.choice(pool.indices(set_index)))
-            if task is not None:
-                return task
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         """Run groups on every engine until `should_stop` (polled on this thread); the first error of any
@@ -134,7 +81,7 @@ class RolloutWorker:
             while not stop.is_set():
                 if should_stop():
                     stop.set()
-                stop.wait(0.2)
+                stop.wait(POLL_SECONDS)
         finally:
             stop.set()
             for thread in threads:
@@ -145,26 +92,33 @@ class RolloutWorker:
     def _engine_loop(self, slot: EngineSlot, should_stop: Callable[[], bool]) -> None:
         while not should_stop():
             self.follow_policy(slot)
-            index = self.claim(slot.version)
+            index = self.queue.claim(slot.version)
             if index is None:
-                time.sleep(0.2)
+                time.sleep(POLL_SECONDS)
                 continue
+            started = time.monotonic()
             try:
-                self.run_one(slot, index)
+                trajectories = self.generate(slot, index)
+                self.queue.put(index, trajectories)
             finally:
-                with self._groups_lock:
-                    del self.in_flight[index]
+                self.queue.release(index)
+            self.log(slot, index, trajectories, time.monotonic() - started)
 
-    def run_one(self, slot: EngineSlot, index: int) -> None:
-        started = time.monotonic()
-        gid = group_id(index)
-        trajectories = slot.runner.run_group(self.task_for(index), gid, self.recipe.rl.group_size, slot.version,
-                                             seed=self.recipe.train.seed * 1_000_003 + index)
-        self.store.put(gid, trajectories)
-        with self._groups_lock:
-            self.done.add(index)
-            self.made_with[slot.version] += 1
-        seconds = time.monotonic() - started
+    def follow_policy(self, slot: EngineSlot) -> None:
+        """Bring this engine to the newest policy, between its groups. Pulls and loads on one host share its lock,
+        so its receiver never drops a version while an engine there reads it; hosts update in parallel."""
+        if self.files.policy().version <= slot.version:
+            return
+        with slot.host.lock:
+            policy = self.files.policy()  # read again: another engine may have brought its host further meanwhile
+            slot.host.update(slot.engine, policy.store_version)
+            slot.version = policy.version
+
+    def generate(self, slot: EngineSlot, index: int) -> list[Trajectory]:
+        task = self.env.pool.draw(random.Random(f"{self.seed}/{index}"))
+        return slot.runner.run_group(task, group_id(index), self.group_size, slot.version, seed=self.seed * 1_000_003 + index)
+
+    def log(self, slot: EngineSlot, index: int, trajectories: list[Trajectory], seconds: float) -> None:
         generated = sum(int(s.loss_mask.sum()) for t in trajectories for s in t.segments)
         stats = {
             "policy_version": slot.version,
@@ -173,13 +127,11 @@ class RolloutWorker:
             "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
             "generated_tokens_per_s": generated / max(seconds, 1e-9),
             "group_seconds": seconds,
-            **episode_stats(trajectories, self.recipe.rollout.max_context),
+            **episode_stats(trajectories, self.rollout.max_context),
         }
-        with self._groups_lock:
-            self.metrics.write(index, group=gid, **stats)
-        self.on_group(gid, stats)
+        with self._metrics_lock:
+            self.metrics.write(index, group=group_id(index), **stats)
+        self.on_group(group_id(index), stats)
 
     def close(self) -> None:
         self.metrics.close()
-        for host in self.hosts:
-            host.close()

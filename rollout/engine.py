@@ -22,6 +22,8 @@ import numpy as np
 from recipes.errors import UserError
 from recipes.processes import free_port
 from recipes.schema import RolloutSection
+from rollout import server_guard
+from rollout.vllm_worker import WORKER_EXTENSION
 
 
 @dataclass
@@ -72,7 +74,7 @@ class EmbeddedEngine:
             # Whole prompts per step: vLLM rewinds a seeded request's generator when a step cuts its prompt,
             # and CPU generators cannot rewind ("CPU Generator does not use offset").
             enable_chunked_prefill=False,
-            worker_extension_cls="rollout.vllm_worker.WeightUpdateExtension",
+            worker_extension_cls=WORKER_EXTENSION,
         )
         self._sampling = rollout.sampling
 
@@ -150,7 +152,7 @@ def server_args(model_dir: str, rollout: RolloutSection, *, seed: int, routed_ex
         "--dtype", rollout.dtype, "--max-model-len", str(rollout.max_context),
         "--kv-cache-memory-bytes", str(int(rollout.kv_cache_gib * 2**30)),
         "--enforce-eager", "--seed", str(seed), "--enable-prefix-caching", "--no-enable-chunked-prefill",
-        "--worker-extension-cls", "rollout.vllm_worker.WeightUpdateExtension",
+        "--worker-extension-cls", WORKER_EXTENSION,
     ]
     if routed_experts:
         args.append("--enable-return-routed-experts")
@@ -185,7 +187,7 @@ class VllmServer:
             raise UserError(f"rollout: {model_dir} is not an HF checkpoint (no config.json)")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "rollout.server_guard",
+        args = [sys.executable, "-m", server_guard.MODULE,
                 *server_args(str(model_dir), rollout, seed=seed, routed_experts=routed_experts, port=self.port,
                              tokenizer=(model_dir / "tokenizer.json").is_file())]
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}

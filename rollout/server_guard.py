@@ -10,6 +10,8 @@ import sys
 from recipes.processes import die_with_parent
 
 GRACE_SECONDS = 10
+MODULE = __spec__.name
+"""This entry point, as `python -m` names it (the engines start servers through it)."""
 
 
 def main() -> None:

@@ -293,14 +293,16 @@ class TaskPool:
                     self._indices[set_index].remove(index)
             return self._cache[key]
 
-    def draw(self) -> Task:
+    def draw(self, rng: random.Random | None = None) -> Task:
+        """A task drawn with `rng` (the pool's own seeded generator when None)."""
+        rng = rng or self._rng
         while True:
             with self._lock:
                 live = [i for i, indices in enumerate(self._indices) if indices]
                 if not live:
                     raise UserError("env.tasks: every task of every set was skipped (their reference programs fail)")
-                set_index = self._rng.choices(live, weights=[self._sets[i][0].weight for i in live])[0]
-                index = self._rng.choice(self._indices[set_index])
+                set_index = rng.choices(live, weights=[self._sets[i][0].weight for i in live])[0]
+                index = rng.choice(self._indices[set_index])
             task = self.task(set_index, index)
             if task is not None:
                 return task

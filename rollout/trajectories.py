@@ -6,7 +6,8 @@ trains on it (model-generated) and the rollout engine's logprob; per token and M
 the engine routed to (narrowest integer dtype; a long episode holds ~10^8 ids, never JSON).
 
 A group (the samples of one prompt) is the unit of storage: one zstd-compressed file, written with
-temp + fsync + rename and verified by a checksum on read.
+temp + fsync + rename and verified by a checksum on read. Its first line after the magic is a small JSON
+header (the policy version that made the group), so staleness is decided without decompressing the group.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import zstandard
 from recipes.errors import UserError
 from recipes.runs import atomic_write_bytes, fsync_dir
 
-_MAGIC = b"CTRJ1\n"
+_MAGIC = b"CTRJ2\n"
+_HEADER_LIMIT = 4096
 
 
 @dataclass
@@ -94,18 +96,35 @@ def encode_group(trajectories: list[Trajectory], level: int = 3) -> bytes:
                      "policy_version": traj.policy_version, "reward": traj.reward, "info": traj.info, "segments": segs})
     buffer = io.BytesIO()
     np.savez(buffer, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
-    body = zstandard.ZstdCompressor(level=level).compress(buffer.getvalue())
+    header = json.dumps({"policy_version": min(t.policy_version for t in trajectories)}).encode() + b"\n"
+    body = header + zstandard.ZstdCompressor(level=level).compress(buffer.getvalue())
     return _MAGIC + hashlib.blake2b(body, digest_size=16).hexdigest().encode() + b"\n" + body
 
 
-def decode_group(data: bytes, source: str = "trajectory file") -> list[Trajectory]:
-    if not data.startswith(_MAGIC):
+def _split(data: bytes, source: str) -> tuple[str, bytes, bytes]:
+    """(checksum, header line, compressed arrays) of a group file's bytes (the first bytes suffice for the header)."""
+    digest_end = data.find(b"\n", len(_MAGIC))
+    header_end = data.find(b"\n", digest_end + 1) if digest_end > 0 else -1
+    if not data.startswith(_MAGIC) or header_end < 0:
         raise UserError(f"{source}: not a composer trajectory file")
-    header_end = data.index(b"\n", len(_MAGIC))
-    digest, body = data[len(_MAGIC):header_end].decode(), data[header_end + 1:]
-    if hashlib.blake2b(body, digest_size=16).hexdigest() != digest:
+    return data[len(_MAGIC):digest_end].decode(errors="replace"), data[digest_end + 1:header_end + 1], data[header_end + 1:]
+
+
+def group_policy_version(path: Path) -> int:
+    """The policy version that made a stored group, read from its header alone."""
+    with path.open("rb") as f:
+        _, header, _ = _split(f.read(_HEADER_LIMIT), str(path))
+    try:
+        return int(json.loads(header)["policy_version"])
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{path}: damaged trajectory header") from None
+
+
+def decode_group(data: bytes, source: str = "trajectory file") -> list[Trajectory]:
+    digest, header, arrays_part = _split(data, source)
+    if hashlib.blake2b(header + arrays_part, digest_size=16).hexdigest() != digest:
         raise UserError(f"{source}: checksum mismatch (corrupt or truncated)")
-    with np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(body))) as z:
+    with np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(arrays_part))) as z:
         arrays = {k: z[k] for k in z.files}
     trajectories = []
     for m in json.loads(arrays.pop("__meta__").tobytes()):
@@ -133,13 +152,10 @@ def episode_stats(trajectories: list[Trajectory], max_context: int) -> dict[str,
 
 
 class TrajectoryStore:
-    """Groups by stage, each stage a directory; a group moves between them by atomic rename.
-
-    ready/     written whole by rollouts, waiting for the learner
-    trained/   used by a learner step that no checkpoint covers yet (requeued to ready/ on resume)
-    consumed/  used by a checkpointed learner step
-    dropped/   too stale to train on
-    A crash at any point neither loses nor duplicates a trajectory.
+    """Groups by stage, each stage a directory; a group moves between them by atomic rename, so a crash at any
+    point neither loses nor duplicates one. What the stages mean and when a group moves is the RL run protocol's
+    (rl/protocol.py): ready (waiting for the learner), trained (by a step no checkpoint covers yet), consumed,
+    dropped (too stale).
     """
 
     STAGES = ("ready", "trained", "consumed", "dropped")
@@ -163,6 +179,9 @@ class TrajectoryStore:
     def ready_groups(self) -> list[str]:
         return self.groups("ready")
 
+    def policy_version(self, group_id: str, stage: str = "ready") -> int:
+        return group_policy_version(self._path(stage, group_id))
+
     def load(self, group_id: str, stage: str = "ready") -> list[Trajectory]:
         path = self._path(stage, group_id)
         return decode_group(path.read_bytes(), str(path))
@@ -172,6 +191,12 @@ class TrajectoryStore:
             os.replace(self._path(source, group_id), self._path(dest, group_id))
         fsync_dir(self.root / source)
         fsync_dir(self.root / dest)
+
+    def stage_of(self, group_id: str) -> str:
+        for stage in self.STAGES:
+            if self._path(stage, group_id).is_file():
+                return stage
+        raise UserError(f"{self.root}: no trajectory group {group_id}")
 
     def known_groups(self) -> set[str]:
         """Every group ever written, whatever its stage (a resumed run must not generate these again)."""

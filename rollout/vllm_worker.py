@@ -187,3 +187,7 @@ class WeightUpdateExtension:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
         return {name: tensor_digest(t) for name, t in sorted(state.items())}
+
+
+WORKER_EXTENSION = f"{__spec__.name}.{WeightUpdateExtension.__qualname__}"
+"""`worker_extension_cls` for vLLM, which imports it by this name inside its worker."""

@@ -104,3 +104,12 @@ def test_bad_and_cyclic_extends_without_traceback(composer, write_recipe):
     for path, message in ((missing, "extends: 'nowhere.yaml' not found"), (cyclic, "cyclic extends: b.yaml -> a.yaml -> b.yaml")):
         result = composer("recipe", "validate", str(path))
         assert result.returncode == 2 and message in result.stdout and "Traceback" not in result.stdout + result.stderr
+
+
+def test_a_recipe_that_is_not_utf8_ends_in_one_line(composer, tmp_path):
+    path = tmp_path / "utf16.yaml"
+    path.write_bytes("run: {name: t}\n".encode("utf-16"))
+    for command in (["recipe", "validate"], ["train", "rl"], ["train", "midtrain"]):
+        result = composer(*command, str(path))
+        assert result.returncode == 2, command
+        assert "Traceback" not in result.stdout + result.stderr and "not a text recipe" in result.stdout + result.stderr

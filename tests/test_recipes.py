@@ -84,6 +84,25 @@ def test_wrong_type_names_path(write_recipe):
     assert list(problems) == ["train.steps"] and "integer" in problems["train.steps"]
 
 
+@pytest.mark.parametrize("edit, path", [
+    (("steps: 10", "steps: true"), "train.steps"),
+    (("lr: 0.001", "lr: false"), "optim.lr"),
+    (("lr: 0.001", "lr: 0.001, min_lr: true"), "optim.min_lr"),
+    (("cluster: {procs_per_host: 2}", "cluster: {procs_per_host: 2}\nparallelism: {dp: true}"), "parallelism.dp"),
+    (("train: {", "data: {sources: [{name: c, paths: [x]}], seq_length: 8, split: [true, 2, 0]}\ntrain: {"), "data.split"),
+])
+def test_booleans_are_not_numbers(write_recipe, edit, path):
+    """pydantic alone takes `true` as 1 for a number; a recipe that says so has a slip in it."""
+    problems = problems_of(write_recipe(MINIMAL.replace(*edit)))
+    assert list(problems) == [path] and "not a boolean" in problems[path]
+
+
+def test_booleans_stay_booleans_and_overrides_are_checked_too(write_recipe):
+    path = write_recipe(MINIMAL)
+    assert load_recipe(path, ["parallelism.distributed_optimizer=true"]).parallelism.distributed_optimizer is True
+    assert "not a boolean" in problems_of(path, ["train.steps=true"])["train.steps"]
+
+
 def test_out_of_range_and_bad_choice(write_recipe):
     path = write_recipe(MINIMAL.replace("lr: 0.001", "lr: -1, schedule: linear"))
     problems = problems_of(path)
@@ -111,6 +130,13 @@ def test_invalid_yaml_points_at_line(write_recipe):
     path = write_recipe("run: {name: t\nmodel: [\n")
     with pytest.raises(UserError, match=r"recipe.yaml:\d+:\d+: invalid YAML"):
         load_recipe(path)
+
+
+def test_a_recipe_that_is_not_text_is_one_clear_error(tmp_path):
+    for name, data in (("latin1.yaml", "run: {name: caf\xe9}\n".encode("latin-1")), ("binary.yaml", bytes(range(256)))):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(UserError, match=f"{name}: (not a text recipe|invalid YAML)"):
+            load_recipe(tmp_path / name)
 
 
 def test_missing_file(tmp_path):

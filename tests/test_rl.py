@@ -122,3 +122,26 @@ def test_resume_refuses_a_recipe_that_changes_what_the_run_depends_on(killed_and
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "rl.group_size: 4 -> 2" in result.stderr and "rollout.engine" not in result.stderr  # engines may change
     assert (run / "recipe.yaml").read_text() == saved
+
+
+def tree_state(root):
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file())
+
+
+def test_replay_trains_the_recorded_groups_again_without_engines(killed_and_resumed, composer):
+    """`--replay RUN` re-runs the learner on RUN's stored trajectories, step by step as RUN took them: on CPU the
+    losses come out the same, no engine starts, and the recorded run is left untouched."""
+    run = killed_and_resumed.run
+    before = tree_state(run)
+    result = composer("train", "rl", str(run / "recipe.yaml"), "--replay", str(run), "--set", "run.name=replay")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    replayed = metrics(run.parent / "replay")
+    recorded = metrics(run)
+    assert [r["groups"] for r in replayed] == [r["groups"] for r in recorded]
+    for mine, theirs in zip(replayed, recorded):
+        assert abs(mine["loss"] - theirs["loss"]) < 1e-6 and abs(mine["kl_ref"] - theirs["kl_ref"]) < 1e-6
+    assert not (run.parent / "replay" / "rollout_metrics.jsonl").exists()  # no engine ran
+    assert tree_state(run) == before  # nothing read from the recorded run was moved, and no policy went to its store
+    again = composer("train", "rl", str(run / "recipe.yaml"), "--replay", str(run), "--set", "run.name=replay2",
+                     "--set", f"train.steps={STEPS + 1}")
+    assert again.returncode == 2 and "recorded 5 learner steps" in again.stderr and "Traceback" not in again.stderr

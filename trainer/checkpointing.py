@@ -18,10 +18,9 @@ import torch.distributed as dist
 from recipes.errors import UserError
 from recipes.processes import die_with_parent
 from recipes.runs import atomic_write_text, fsync_dir
+from recipes.schema import LAYOUT_KEYS
 from trainer.cpu_compat import cuda_calls_on_cpu
 from trainer.optimizer import TrainOptimizer
-
-LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "cp")
 
 
 _writer_queue_manager = None

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from recipes.errors import UserError
+from recipes.checks import world_problems
 from recipes.processes import free_port
 from recipes.schema import ParallelismSection
 
@@ -38,13 +39,9 @@ def init_distributed(p: ParallelismSection, seed: int = 1234) -> None:
         else:
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
-    model_parallel = p.tp * p.pp * p.cp
-    if world % model_parallel:
-        raise UserError(f"parallelism: tp*pp*cp = {model_parallel} does not divide the world size {world}")
-    if p.dp is not None and p.dp * model_parallel != world:
-        raise UserError(f"parallelism.dp={p.dp}: tp*pp*cp*dp = {p.dp * model_parallel} != world size {world}")
-    if (world // p.pp) % (p.ep * p.etp):
-        raise UserError(f"parallelism: ep*etp = {p.ep * p.etp} does not divide world_size/pp = {world // p.pp}")
+    problems = world_problems(p, world, f"world size {world}")
+    if problems:
+        raise UserError("; ".join(map(str, problems)))
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

@@ -30,13 +30,16 @@ from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.processes import die_with_parent
 from recipes.runs import RunDir, drop_records_after
-from recipes.schema import Recipe
-from trainer.checkpointing import LAYOUT_KEYS, Checkpointer, check_layout
-from trainer.distributed import init_distributed, shutdown_distributed
+from recipes.schema import ARCHITECTURE_FIELDS, Recipe
+from trainer.checkpointing import Checkpointer, check_layout
+from trainer.core import Every, TrainerCore, export_checkpoint
+from trainer.distributed import shutdown_distributed
 from trainer.launch import record_rank_error, redirect_rank_output
-from trainer.model import ARCHITECTURE_FIELDS, build_model, causal_mask
-from trainer.optimizer import TrainOptimizer, wrap_data_parallel
-from trainer.weights import export_hf, load_hf_into
+from trainer.model import causal_mask
+from trainer.optimizer import TrainOptimizer
+
+MODULE = __spec__.name
+"""This entry point, as `python -m` names it (the CLI starts it under torchrun)."""
 
 UNHONOURED = {
     "parallelism.pp": "pipeline parallelism is not wired into the loop",
@@ -73,7 +76,7 @@ def check_resume(run: RunDir, recipe: Recipe) -> None:
                           str(run.recipe_path), "the run's checkpoints and data order")
     latest = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints).latest()
     if latest is not None:
-        check_layout(latest, {k: getattr(recipe.parallelism, k) for k in LAYOUT_KEYS})
+        check_layout(latest, recipe.parallelism.layout())
 
 
 # --- data ----------------------------------------------------------------------------------------
@@ -255,32 +258,18 @@ def prepare_batches(recipe: Recipe, run: RunDir, console: Console | None) -> Mid
 
 
 class Midtrainer:
-    """One rank of a mid-training run."""
+    """One rank of a mid-training run: the trainer core, the corpus batches and the expert-load counters."""
 
     def __init__(self, recipe: Recipe, run: RunDir, console: Console | None):
         self.recipe, self.run_dir, self.console = recipe, run, console
-        p = recipe.parallelism
-        init_distributed(p, seed=recipe.train.seed)
+        self.core = TrainerCore(recipe.model, recipe.parallelism, recipe.optim, recipe.train, run.checkpoints)
         self.data = prepare_batches(recipe, run, console)
-        torch.manual_seed(recipe.train.seed)  # random initialisation is a function of the seed
-        self.model = build_model(recipe.model, p)
-        if recipe.model.checkpoint:
-            load_hf_into(self.model, recipe.model, recipe.model.checkpoint)
-        self.ddp = wrap_data_parallel(self.model, p)
-        self.optimizer = TrainOptimizer(self.ddp, recipe.optim, p, recipe.train.steps, getattr(torch, recipe.model.dtype))
-        self.checkpointer = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints)
-        self.layout = {k: getattr(p, k) for k in LAYOUT_KEYS}
-        self.expert_load = ExpertLoad(self.model, recipe.model.num_experts) if recipe.model.is_moe else None
+        self.expert_load = ExpertLoad(self.core.model, recipe.model.num_experts) if recipe.model.is_moe else None
 
     def resume(self) -> int:
         """Restore the newest checkpoint; returns the number of steps already done (0 when there is none)."""
-        latest = self.checkpointer.latest()
-        if latest is None:
-            return 0
-        return int(self.checkpointer.load(latest, self.model, self.optimizer, self.layout)["step"])
-
-    def save(self, step: int) -> None:
-        self.checkpointer.save(step, self.model, self.optimizer, {"layout": self.layout})
+        state = self.core.resume()
+        return int(state["step"]) if state else 0
 
     def run(self, first_step: int) -> None:
         t = self.recipe.train
@@ -290,27 +279,26 @@ class Midtrainer:
             drop_records_after(self.run_dir.metrics_path, first_step if first_step else -1)
         metrics = self.run_dir.metrics() if is_writer else None
         board = _tensorboard(self.run_dir, first_step) if is_writer else None
+        eval_due, log_due, save_due = (Every(n, t.steps) for n in (t.eval_every, t.log_every, t.checkpoint_every))
+        ddp = self.core.ddp
         try:
             with _progress(self.console, t.steps, first_step) as progress:
                 if first_step == 0:
-                    self._log(metrics, board, 0, {"eval_loss": evaluate(self.ddp, self.data.valid, t.eval_batches)}, progress)
+                    self._log(metrics, board, 0, {"eval_loss": evaluate(ddp, self.data.valid, t.eval_batches)}, progress)
                 for step in range(first_step + 1, t.steps + 1):
-                    record = train_step(self.ddp, self.optimizer, self.data.train.micro_batches(step - 1), self.expert_load)
-                    if self._due(step, t.eval_every):
-                        record["eval_loss"] = evaluate(self.ddp, self.data.valid, t.eval_batches)
-                    if self._due(step, t.log_every) or "eval_loss" in record:
+                    record = train_step(ddp, self.core.optimizer, self.data.train.micro_batches(step - 1), self.expert_load)
+                    if eval_due(step):
+                        record["eval_loss"] = evaluate(ddp, self.data.valid, t.eval_batches)
+                    if log_due(step) or "eval_loss" in record:
                         # logged before the checkpoint: a run killed in between redoes this step and rewrites its record
                         self._log(metrics, board, step, record, progress)
-                    if self._due(step, t.checkpoint_every):
-                        self.save(step)
+                    if save_due(step):
+                        self.core.save(step)
         finally:
             if metrics:
                 metrics.close()
             if board:
                 board.close()
-
-    def _due(self, step: int, every: int) -> bool:
-        return step % every == 0 or step == self.recipe.train.steps
 
     def _log(self, metrics, board, step: int, record: dict, progress: Progress) -> None:
         if metrics is None:
@@ -325,7 +313,7 @@ class Midtrainer:
             self.console.print(f"step {step}: eval loss {record['eval_loss']:.4f}", highlight=False)
 
     def export(self, out_dir: Path) -> None:
-        export_hf(self.model, self.recipe.model, out_dir, tokenizer_dir=self.data.tokenizer_dir)
+        self.core.export(out_dir, self.data.tokenizer_dir)
 
 
 def _tensorboard(run: RunDir, first_step: int):
@@ -368,18 +356,12 @@ def train(run: RunDir, resume: bool) -> None:
 
 def export(run: RunDir, out_dir: Path) -> None:
     """Export the newest checkpoint of a run as an HF checkpoint."""
-    recipe = load_recipe(run.recipe_path)
-    init_distributed(recipe.parallelism, seed=recipe.train.seed)
-    checkpointer = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints)
-    latest = checkpointer.latest()
-    if latest is None:
-        raise UserError(f"{run.root}: no checkpoint to export yet")
-    model = build_model(recipe.model, recipe.parallelism)
-    checkpointer.load_model(latest, model, {k: getattr(recipe.parallelism, k) for k in LAYOUT_KEYS})
     from trainer.data import load_tokenizer
 
+    recipe = load_recipe(run.recipe_path)
     tokenizer = load_tokenizer(recipe.data, recipe.model.checkpoint, recipe.model.vocab_size)
-    export_hf(model, recipe.model, out_dir, tokenizer_dir=tokenizer.directory)
+    if not export_checkpoint(recipe.model, recipe.parallelism, recipe.train, run.checkpoints, out_dir, tokenizer.directory):
+        raise UserError(f"{run.root}: no checkpoint to export yet")
 
 
 def dist_rank() -> int:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from recipes.checks import split_problems
 from recipes.errors import UserError
-from recipes.schema import ModelSection, ParallelismSection
+from recipes.schema import ARCHITECTURE_FIELDS, ModelSection, ParallelismSection
 
 HF_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
 
@@ -93,14 +93,6 @@ def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32") -> ModelSe
     else:
         fields.update(ffn_hidden_size=cfg["intermediate_size"])
     return ModelSection(**fields)
-
-
-ARCHITECTURE_FIELDS = (
-    "family", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
-    "num_experts", "moe_top_k", "moe_ffn_hidden_size", "num_shared_experts", "norm_topk_prob", "vocab_size",
-    "rope_theta", "rms_norm_eps", "tie_word_embeddings",
-)
-"""ModelSection fields that change the function the model computes; the rest are training settings."""
 
 
 def check_matches_checkpoint(m: ModelSection, hf_dir: str | Path) -> None:
