@@ -107,6 +107,7 @@ def measure(label: str, m: ModelSection, work: Path, density: float, layers_touc
         engine = EmbeddedEngine(work / "in_place" / "current", rollout, seed=0, routed_experts=False)
         prompt = [[(7 * i + 3) % 500 for i in range(64)]]
         engine.generate(prompt, max_tokens=2, seeds=[0])
+        engine.load_weights((work / "full" / "current").resolve())  # warm-up: both measured reloads are not the first
 
         started = time.perf_counter()
         patched = update_in_place(store, work / "in_place", delta.id, threads)
