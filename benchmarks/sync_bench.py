@@ -4,7 +4,13 @@ run in the same job (full copy, zstd of the whole checkpoint, dense XOR + zstd).
 Synthetic mode (default): a bf16 model of --size-gb whose next version comes from an optimizer-like step:
 fp32 master weights + a small update, rounded to bf16, with the update size calibrated so that the
 requested fraction of bf16 elements changes (the rest keep their bit pattern, as in RL steps).
+fp8 mode (--fp8): the same optimizer step on fp32 master weights, served as DeepSeek-V3/Kimi checkpoints store
+them: each matrix in float8 e4m3 plus a `weight_scale_inv` fp32 scale per 128x128 block (re-quantized every
+step, so a block whose max moved changes its scale and may shift all of its values).
 Real mode: --checkpoints DIR0 DIR1 ... pushes consecutive checkpoint directories in order.
+Device mode (--device cuda|cpu): encode throughput of weights already in (GPU) memory with the torch encoder
+(diff and gather on the device, pinned copies, compression overlapped), against the numpy host encoder on the
+same pieces in the same run; the payloads must be identical.
 
 Each push and pull runs in a fresh process so its peak RSS is its own. Files are read from the page
 cache (they were just written); other processes sharing the CPUs make throughput a lower bound.
@@ -12,6 +18,8 @@ cache (they were just written); other processes sharing the CPUs make throughput
 disk's write speed; "apply" is a live receiver updating in-memory tensors with `apply_version`.
 
     PYTHONPATH=. python benchmarks/sync_bench.py --size-gb 1
+    PYTHONPATH=. python benchmarks/sync_bench.py --fp8 --densities 2
+    PYTHONPATH=. python benchmarks/sync_bench.py --device cuda --size-gb 2
     PYTHONPATH=. python benchmarks/sync_bench.py --checkpoints ckpt/step1 ckpt/step2 ckpt/step3
 """
 
@@ -88,6 +96,142 @@ def write_model(directory: Path, num_matrices: int, relative_step: float | None)
             flush()
     flush()
     (directory / "config.json").write_text('{"architectures": ["SyntheticBf16"], "torch_dtype": "bfloat16"}\n')
+
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+
+def to_fp8_blocks(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3 bit patterns, fp32 weight_scale_inv per 128x128 block) with weights ~= fp8 * scale_inv."""
+    import torch
+
+    rows, cols = weights.shape
+    blocks = torch.from_numpy(weights).reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    fp8 = (blocks / scale_inv[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
+    return fp8.view(torch.uint8).numpy(), scale_inv.float().numpy()
+
+
+def calibrate_fp8(density: float) -> float:
+    master = _master(10_000)
+    probe = 1e-2
+    before, _ = to_fp8_blocks(master)
+    after, _ = to_fp8_blocks(_stepped(master, 10_000, probe))
+    return probe * density / np.mean(before != after)
+
+
+def write_fp8_model(directory: Path, num_matrices: int, relative_step: float | None) -> None:
+    """Layers of 4096x4096 e4m3 matrices with their block scales, one 1 GiB-ish shard per 64 matrices."""
+    directory.mkdir(parents=True)
+    shard: dict = {}
+    for i in range(num_matrices):
+        master = _master(i)
+        weights = master if relative_step is None else _stepped(master, i, relative_step)
+        fp8, scale_inv = to_fp8_blocks(weights)
+        shard[f"model.layers.{i}.weight"] = ("F8_E4M3", fp8)
+        shard[f"model.layers.{i}.weight_scale_inv"] = ("F32", scale_inv)
+        if len(shard) >= 128 or i == num_matrices - 1:
+            write_safetensors(directory / f"model-{i // 64:05d}.safetensors", shard)
+            shard = {}
+    (directory / "config.json").write_text('{"architectures": ["SyntheticFp8"], "quantization_config": '
+                                           '{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}\n')
+
+
+def fp8_synthetic(args: argparse.Namespace, work: Path) -> None:
+    num_matrices = max(1, round(args.size_gb * 1e9 / (SHAPE[0] * SHAPE[1])))
+    base = work / "v0"
+    write_fp8_model(base, num_matrices, None)
+    with Checkpoint(base) as ck:
+        model_bytes = ck.nbytes
+    print(f"synthetic fp8 model (e4m3 + fp32 weight_scale_inv per 128x128 block): {num_matrices} matrices of {SHAPE}, "
+          f"{model_bytes / 1e9:.2f} GB; chunk {args.chunk_mb} MiB, {args.threads or os.cpu_count()} threads\n")
+    store0, cache0, recv0 = work / "store", work / "cache", work / "recv"
+    anchor, _, _ = in_fresh_process(_push, str(base), str(store0), str(cache0), args.chunk_mb, args.threads, 1000)
+    in_fresh_process(_pull, str(store0), str(recv0), anchor.id, args.threads)
+    zstd_bytes, _ = baseline_zstd(base, 3, args.threads or os.cpu_count())
+    print(f"{'anchor':<10} stored {mib(anchor.stored_bytes)} ({anchor.ratio:5.2f}x); zstd -3 of all {mib(zstd_bytes)} "
+          f"({model_bytes / zstd_bytes:5.2f}x)\n")
+    header = (f"{'target':>6} {'values':>7} {'scales':>7} | {'sync delta':>12} {'ratio':>7} {'encode':>11} {'enc rss':>12} "
+              f"{'decode':>11} {'bit-exact':>9} | {'xor+zstd':>12} {'ratio':>7}")
+    print(header)
+    print("-" * len(header))
+    for density in args.densities:
+        new = work / f"v_{density}"
+        write_fp8_model(new, num_matrices, calibrate_fp8(density / 100))
+        store, cache, recv = work / f"store_{density}", work / f"cache_{density}", work / f"recv_{density}"
+        for src, dst in ((store0, store), (cache0, cache), (recv0, recv)):
+            linked_copy(src, dst)
+        info, enc_s, enc_rss = in_fresh_process(_push, str(new), str(store), str(cache), args.chunk_mb, args.threads, 1000)
+        _, dec_s, _ = in_fresh_process(_pull, str(store), str(recv), info.id, args.threads)
+        exact = all((recv / "current" / p.name).read_bytes() == p.read_bytes() for p in new.glob("*.safetensors"))
+        changed_values = changed_scales = values = scales = 0
+        with Checkpoint(base) as old, Checkpoint(new) as cur:
+            for name, t in cur.tensors.items():
+                a = cur.read(t, 0, t.numel, np.empty(t.numel, t.uint))
+                b = old.read(old.tensors[name], 0, t.numel, np.empty(t.numel, t.uint))
+                if name.endswith("weight_scale_inv"):
+                    changed_scales, scales = changed_scales + int(np.sum(a != b)), scales + t.numel
+                else:
+                    changed_values, values = changed_values + int(np.sum(a != b)), values + t.numel
+        xor_bytes, _ = baseline_xor_zstd(base, new, 3, args.threads or os.cpu_count())
+        print(f"{density:5.1f}% {100 * changed_values / values:6.2f}% {100 * changed_scales / scales:6.2f}% | "
+              f"{mib(info.stored_bytes)} {info.ratio:6.1f}x {gbps(model_bytes, enc_s)} {mib(enc_rss)} "
+              f"{gbps(model_bytes, dec_s)} {str(exact):>9} | {mib(xor_bytes)} {model_bytes / xor_bytes:6.1f}x", flush=True)
+        for path in (new, store, cache, recv):
+            shutil.rmtree(path)
+
+
+def device_encode(args: argparse.Namespace) -> None:
+    """GB/s of DeviceDeltaEncoder on --device vs the host encoder, both on the same in-memory bf16 pieces."""
+    import torch
+
+    from sync.codec import encode_piece
+    from sync.device import DeviceDeltaEncoder
+    from sync.pool import num_threads, ordered_map
+
+    threads = num_threads(args.threads)
+    num_matrices = max(1, round(args.size_gb * 1e9 / (SHAPE[0] * SHAPE[1] * 2)))
+    per_piece = (args.chunk_mb << 20) // 2
+    print(f"device {args.device}: {num_matrices} bf16 matrices of {SHAPE} ({num_matrices * SHAPE[0] * SHAPE[1] * 2 / 1e9:.2f} GB) "
+          f"in {args.chunk_mb} MiB pieces; host encoder on {threads} threads\n")
+    print(f"{'target':>6} | {'device encode':>14} | {'host encode':>12} | {'speed-up':>8} {'identical':>9}")
+    for density in args.densities:
+        relative_step = calibrate(density / 100)
+        old, new = [], []
+        for i in range(num_matrices):
+            master = _master(i)
+            old.append(torch.from_numpy(to_bf16(master).view(np.int16)).reshape(-1).to(args.device))
+            new.append(torch.from_numpy(to_bf16(_stepped(master, i, relative_step)).view(np.int16)).reshape(-1).to(args.device))
+        pieces = [(n[a: a + per_piece], o[a: a + per_piece]) for n, o in zip(new, old) for a in range(0, n.numel(), per_piece)]
+        encoder = DeviceDeltaEncoder(args.device, threads=threads)
+        list(encoder.encode(pieces[:1]))  # warm-up (CUDA context, allocator)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        on_device = list(encoder.encode(pieces))
+        device_s = time.perf_counter() - started
+        host_pieces = [(n.cpu().numpy().view(np.uint16), o.cpu().numpy().view(np.uint16)) for n, o in pieces]
+        cctx = threading_local_compressors()
+        started = time.perf_counter()
+        on_host = list(ordered_map(lambda pair: encode_piece(pair[0], pair[1], cctx()), host_pieces, threads))
+        host_s = time.perf_counter() - started
+        nbytes = sum(n.numel() * 2 for n, _ in pieces)
+        print(f"{density:5.1f}% | {gbps(nbytes, device_s):>14} | {gbps(nbytes, host_s):>12} | {host_s / device_s:7.2f}x "
+              f"{str(on_device == on_host):>9}", flush=True)
+
+
+def threading_local_compressors():
+    import threading
+
+    local = threading.local()
+
+    def get() -> zstandard.ZstdCompressor:
+        if not hasattr(local, "cctx"):
+            local.cctx = zstandard.ZstdCompressor(level=3, write_checksum=True)
+        return local.cctx
+
+    return get
 
 
 # --- measured operations (each in a fresh process) ---------------------------------------------
@@ -286,13 +430,18 @@ def main() -> None:
     parser.add_argument("--size-gb", type=float, default=1.0, help="synthetic model size")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.5, 1, 2, 5], help="percent of elements changed")
     parser.add_argument("--checkpoints", nargs="+", help="real consecutive checkpoint directories instead")
+    parser.add_argument("--fp8", action="store_true", help="synthetic fp8 e4m3 model with 128x128 block scales")
+    parser.add_argument("--device", default=None, help="cuda or cpu: encode throughput of in-memory weights with the torch encoder")
     parser.add_argument("--anchor-every", type=int, default=20)
     parser.add_argument("--chunk-mb", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="0 = one per core")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch space (default: a temp dir)")
     args = parser.parse_args()
+    if args.device:
+        device_encode(args)
+        return
     with tempfile.TemporaryDirectory(prefix="sync-bench-", dir=args.workdir) as tmp:
-        (real if args.checkpoints else synthetic)(args, Path(tmp))
+        (real if args.checkpoints else fp8_synthetic if args.fp8 else synthetic)(args, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ from recipes.schema import SSHSection, SyncSection
 app = typer.Typer(help="Distribute weights as lossless compressed deltas to stores and SSH hosts.", no_args_is_help=True)
 console = Console(soft_wrap=True)  # result lines hold paths and ids: never break them
 
-StoreOption = typer.Option(None, "--store", help="Store: a directory, or ssh://user@host:port/path (user and port optional); default: the recipe's sync.store.")
+StoreOption = typer.Option(None, "--store", help="Store: a directory, ssh://user@host:port/path (user and port optional) or s3://bucket/prefix; default: the recipe's sync.store.")
+EndpointOption = typer.Option(None, "--endpoint", help="S3-compatible service URL for an s3:// --store (overrides sync.endpoint; default AWS).")
+ToEndpointOption = typer.Option(None, "--to-endpoint", help="S3-compatible service URL for the destination store, when it is s3://.")
 RecipeOption = typer.Option(None, "--recipe", "-r", help="Recipe whose `sync` and `cluster.ssh` sections to use.")
 SetOption = typer.Option([], "--set", "-s", help="Override a recipe key, e.g. --set sync.codec.chunk_mb=128. Repeatable.")
 KeyOption = typer.Option(None, "--ssh-key", help="Private key for ssh:// stores (overrides cluster.ssh.key_file).")
@@ -28,7 +30,7 @@ VersionOption = typer.Option(None, "--version", "-v", help="Version id, e.g. v00
 
 
 def _settings(store: Optional[str], recipe: Optional[Path], overrides: list[str], ssh_key: Optional[Path],
-              known_hosts: Optional[Path]) -> tuple[SyncSection, SSHSection]:
+              known_hosts: Optional[Path], endpoint: Optional[str] = None) -> tuple[SyncSection, SSHSection]:
     """The sync and SSH settings: from the recipe when given, with command-line flags on top."""
     if recipe is not None:
         from recipes.loader import load_recipe
@@ -44,10 +46,28 @@ def _settings(store: Optional[str], recipe: Optional[Path], overrides: list[str]
         if store is None:
             raise UserError("pass --store DIR|ssh://host/path, or --recipe with a `sync` section")
         sync, ssh = SyncSection(store=store), SSHSection()
-    if store is not None:
-        sync = sync.model_copy(update={"store": store})
+    if store is not None or endpoint is not None:
+        from pydantic import ValidationError
+
+        fields = sync.model_dump()
+        fields.update({k: v for k, v in (("store", store), ("endpoint", endpoint)) if v is not None})
+        if store is not None and endpoint is None and not store.startswith("s3://"):
+            fields["endpoint"] = None  # the recipe's endpoint belongs to the recipe's store
+        try:
+            sync = SyncSection(**fields)
+        except ValidationError as e:
+            raise UserError("; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
     updates = {k: str(v) for k, v in (("key_file", ssh_key), ("known_hosts", known_hosts)) if v is not None}
     return sync, ssh.model_copy(update=updates)
+
+
+def _open_source(sync: SyncSection, ssh: SSHSection, relay_store: Optional[str], relay_endpoint: Optional[str]):
+    """The store a pull reads: the relay copy when one was made, else the sync store."""
+    from sync.store import Store
+
+    if relay_store is not None:
+        return Store.open(relay_store, ssh, endpoint=relay_endpoint)
+    return Store.open(sync.store, ssh, endpoint=sync.endpoint)
 
 
 Track = Callable[[str, Optional[int]], Callable[[int], None]]
@@ -81,12 +101,13 @@ def push(
     overrides: list[str] = SetOption,
     ssh_key: Optional[Path] = KeyOption,
     known_hosts: Optional[Path] = KnownHostsOption,
+    endpoint: Optional[str] = EndpointOption,
 ) -> None:
     """Publish CHECKPOINT as the store's next version (a delta against the newest, or an anchor)."""
     from sync.checkpoint import Checkpoint
     from sync.pusher import push_version
 
-    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
+    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts, endpoint)
     if anchor_every is not None:
         sync = sync.model_copy(update={"anchor_every": anchor_every})
     with Checkpoint(checkpoint) as ck:
@@ -108,25 +129,36 @@ def pull(
     store: Optional[str] = StoreOption,
     version: Optional[str] = VersionOption,
     relay_store: Optional[str] = typer.Option(None, "--relay-store", help="Also copy the chain into this store, to serve this cluster."),
+    to_endpoint: Optional[str] = ToEndpointOption,
+    in_place: bool = typer.Option(False, "--in-place", help="Patch the current version's files where the new one differs (one copy on disk, for a live engine that reloads only what changed); a full pull when that cannot be done."),
     recipe: Optional[Path] = RecipeOption,
     overrides: list[str] = SetOption,
     ssh_key: Optional[Path] = KeyOption,
     known_hosts: Optional[Path] = KnownHostsOption,
+    endpoint: Optional[str] = EndpointOption,
 ) -> None:
     """Rebuild a version from its chain, verify it, and make it current in --to atomically."""
     from sync.receiver import pull as pull_version
-    from sync.receiver import relay
+    from sync.receiver import relay, update_in_place
     from sync.store import Store
 
-    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
-    with Store.open(sync.store, ssh) as source:
+    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts, endpoint)
+    with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source:
         target = version or source.head()
         if relay_store is not None:
-            with Store.open(relay_store, ssh, create=True) as dest:
+            with Store.open(relay_store, ssh, create=True, endpoint=to_endpoint) as dest:
                 copied = relay(source, dest, target)
             console.print(f"relayed {len(copied.versions)} version(s), {_gb(copied.bytes_copied)} into {escape(relay_store)}",
                           highlight=False)
-    with Store.open(relay_store or sync.store, ssh) as source:
+    if in_place:
+        with _open_source(sync, ssh, relay_store, to_endpoint) as source:
+            patched = update_in_place(source, to, target, sync.codec.threads)
+        how = "full copy, no usable current version" if patched.full else \
+            f"{len(patched.changed)} tensor(s) patched in place from {patched.started_from}"
+        console.print(f"[green]pulled[/] {patched.version} into {escape(str(to / 'current'))} ({how}; "
+                      f"{_gb(patched.fetched_bytes)} downloaded, {patched.seconds:.1f} s)", highlight=False)
+        return
+    with _open_source(sync, ssh, relay_store, to_endpoint) as source:
         total = sum(t.nbytes for t in source.manifest(target).tensors.values()) if target else 0
         with _progress() as track:
             downloads = track("downloading", None) if source.location.startswith("ssh://") else None
@@ -141,19 +173,21 @@ def pull(
 @app.command()
 def relay(
     to_store: str = typer.Option(..., "--to-store", help="Store to copy the chain into."),
+    to_endpoint: Optional[str] = ToEndpointOption,
     store: Optional[str] = StoreOption,
     version: Optional[str] = VersionOption,
     recipe: Optional[Path] = RecipeOption,
     overrides: list[str] = SetOption,
     ssh_key: Optional[Path] = KeyOption,
     known_hosts: Optional[Path] = KnownHostsOption,
+    endpoint: Optional[str] = EndpointOption,
 ) -> None:
     """Copy a version's chain (manifests and chunks) into another store, e.g. one shared by a remote cluster."""
     from sync.receiver import relay as relay_chain
     from sync.store import Store
 
-    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
-    with Store.open(sync.store, ssh) as source, Store.open(to_store, ssh, create=True) as dest:
+    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts, endpoint)
+    with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source, Store.open(to_store, ssh, create=True, endpoint=to_endpoint) as dest:
         info = relay_chain(source, dest, version)
     console.print(f"[green]relayed[/] {len(info.versions)} version(s), {info.chunks_copied} chunks, "
                   f"{_gb(info.bytes_copied)}", highlight=False)
@@ -166,13 +200,14 @@ def status(
     overrides: list[str] = SetOption,
     ssh_key: Optional[Path] = KeyOption,
     known_hosts: Optional[Path] = KnownHostsOption,
+    endpoint: Optional[str] = EndpointOption,
 ) -> None:
     """List the store's versions: parent, anchor, bytes stored and ratio against the full checkpoint."""
     from sync.manifest import version_seq
     from sync.store import Store
 
-    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
-    with Store.open(sync.store, ssh) as source:
+    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts, endpoint)
+    with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source:
         table = Table(title=f"sync store {escape(sync.store)}", box=box.SIMPLE_HEAD)
         for column in ("version", "parent", "anchor"):
             table.add_column(column, no_wrap=True)
@@ -199,13 +234,14 @@ def verify(
     overrides: list[str] = SetOption,
     ssh_key: Optional[Path] = KeyOption,
     known_hosts: Optional[Path] = KnownHostsOption,
+    endpoint: Optional[str] = EndpointOption,
 ) -> None:
     """Re-hash every chunk and rebuild every piece in memory, checking each version's hashes."""
     from sync.rebuild import verify as verify_store
     from sync.store import Store
 
-    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
-    with Store.open(sync.store, ssh) as source, _progress() as track:
+    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts, endpoint)
+    with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source, _progress() as track:
         report = verify_store(source, version, sync.codec.threads, track("verifying", None))
     console.print(f"[green]ok[/] {len(report.versions)} version(s): {report.chunks} chunks and {report.pieces} pieces "
                   f"({_gb(report.bytes_checked)}) match their hashes", highlight=False)
@@ -220,12 +256,13 @@ def gc(
     overrides: list[str] = SetOption,
     ssh_key: Optional[Path] = KeyOption,
     known_hosts: Optional[Path] = KnownHostsOption,
+    endpoint: Optional[str] = EndpointOption,
 ) -> None:
     """Delete versions older than the newest K anchors' chains, and chunks no remaining version uses."""
     from sync.store import Store
 
-    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts)
-    with Store.open(sync.store, ssh) as target:
+    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts, endpoint)
+    with Store.open(sync.store, ssh, endpoint=sync.endpoint) as target:
         report = target.gc(keep_anchors or sync.keep_anchors, grace_minutes * 60)
     console.print(f"[green]gc[/] deleted {len(report.deleted_versions)} version(s) and {report.deleted_chunks} chunk(s); "
                   f"kept {len(report.kept_versions)}", highlight=False)

@@ -398,13 +398,21 @@ class CodecSection(Section):
 
 class SyncSection(Section):
     store: str
-    """Where versions go: a directory, or `ssh://[user@]host[:port]/path`."""
+    """Where versions go: a directory, `ssh://[user@]host[:port]/path`, or `s3://bucket/prefix`."""
     anchor_every: int = Field(default=20, gt=0)
     """A full snapshot every N versions; the rest are deltas against the previous version."""
     keep_anchors: int = Field(default=2, gt=0)
     """Garbage collection keeps the chains from the newest N anchors."""
     codec: CodecSection = Field(default_factory=CodecSection)
     """Delta codec settings."""
+    endpoint: str | None = Field(default=None, pattern=r"^https?://[^\s/]+")
+    """S3-compatible service URL for an s3:// store (e.g. `http://minio.local:9000`); default AWS."""
+
+    @model_validator(mode="after")
+    def _endpoint_needs_s3(self) -> SyncSection:
+        if self.endpoint is not None and not self.store.startswith("s3://"):
+            raise ValueError("sync.endpoint is only for s3:// stores")
+        return self
 
 
 class RunSection(Section):

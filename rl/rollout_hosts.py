@@ -1,7 +1,9 @@
 """Where rollout engines run: this host, or remote hosts reached over SSH.
 
 A host turns a policy version in the sync store into a weights directory its engines can load, and starts its
-engines. A remote host runs the composer installed there (`rollout.remote_python`) to pull from the store, and
+engines, and moves an engine to a new version: in place from the delta (only the layers whose tensors changed
+are reloaded, read from the receiver's copy, which is patched where it differs) whenever the engine holds an
+earlier version of the same tensors, else by a full reload. A remote host runs the composer installed there (`rollout.remote_python`) to pull from the store, and
 vLLM servers bound to its loopback, reached through SSH port forwards, so their weight-update endpoints are never
 exposed on the network. What a remote host starts ends when the SSH connection does: a driver killed with -9
 leaves nothing running there.
@@ -21,13 +23,35 @@ from recipes.schema import Recipe
 from rl.protocol import RLRunFiles, sync_section
 from rollout import server_guard
 from rollout.engine import EmbeddedEngine, Engine, ServerEngine, VllmServer, server_args, wait_healthy
-from sync.receiver import pull
+from sync.receiver import pull, update_in_place
 from sync.ssh import SSHHost
 from sync.store import Store
 
 SERVER_START_SECONDS = 300
 SERVER_STOP_SECONDS = 30
 _FREE_PORT = "from recipes.processes import free_port; print(free_port())"  # run by the host's composer
+
+
+class _EngineVersions:
+    """Which store version each engine of a host holds, and how to bring one to another."""
+
+    def __init__(self):
+        self._held: dict[int, str] = {}
+
+    def started(self, engines: list[Engine], store_version: str) -> None:
+        self._held.update((id(engine), store_version) for engine in engines)
+
+    def move(self, engine: Engine, store: Store, store_version: str, weights: str) -> None:
+        """`weights` holds `store_version`: load only what changed since the engine's version, or all of it."""
+        held = self._held.get(id(engine))
+        if held != store_version:
+            target = store.manifest(store_version)
+            before = store.manifest(held) if held in store.versions() else None  # gc may have dropped it
+            if before is not None and target.same_tensors(before):
+                engine.update_weights(weights, target.differing_tensors(before), target.piece_hashes())
+            else:
+                engine.load_weights(weights)
+        self._held[id(engine)] = store_version
 
 
 class LocalHost:
@@ -41,23 +65,40 @@ class LocalHost:
         self.lock = threading.Lock()
         """Held by an engine of this host while it pulls and loads a policy."""
         self.servers: list[VllmServer] = []
+        self.engine_versions = _EngineVersions()
+        self._pulled: str | None = None
+
+    def _store(self) -> Store:
+        sync = sync_section(self.recipe, self.files)
+        return Store.open(sync.store, self.recipe.cluster.ssh, endpoint=sync.endpoint)
 
     def pull(self, store_version: str) -> str:
-        with Store.open(sync_section(self.recipe, self.files).store, self.recipe.cluster.ssh) as store:
+        with self._store() as store:
             pull(store, self.files.receiver, store_version)
+        self._pulled = store_version
         return str((self.files.receiver / "current").resolve())
+
+    def update(self, engine: Engine, store_version: str) -> None:
+        """Bring one of this host's engines to `store_version` (call with `lock` held)."""
+        with self._store() as store:
+            update_in_place(store, self.files.receiver, store_version)
+            self.engine_versions.move(engine, store, store_version, str((self.files.receiver / "current").resolve()))
 
     def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
         rollout = self.recipe.rollout
         if rollout.engine == "embedded":
-            return [EmbeddedEngine(weights, rollout, seed=seed, routed_experts=routed_experts)]
+            engines: list[Engine] = [EmbeddedEngine(weights, rollout, seed=seed, routed_experts=routed_experts)]
+            self.engine_versions.started(engines, self._pulled)
+            return engines
         # Started from the main thread: each server is told to end when the thread that started it does.
         for number in range(rollout.engines_per_host):
             self.servers.append(VllmServer(weights, rollout, seed=seed + number, routed_experts=routed_experts,
                                            log_path=self.files.root / "logs" / f"vllm-{number}.log"))
         for server in self.servers:
             server.wait_ready(SERVER_START_SECONDS)
-        return [ServerEngine(server.url, rollout, model=weights) for server in self.servers]
+        engines = [ServerEngine(server.url, rollout, model=weights) for server in self.servers]
+        self.engine_versions.started(engines, self._pulled)
+        return engines
 
     def close(self) -> None:
         for server in self.servers:
@@ -81,6 +122,7 @@ class RemoteHost:
         self._sessions: list = []
         self._logs: list[str] = []
         """The vLLM servers' logs there, copied into the run's logs/ when the host closes."""
+        self.engine_versions = _EngineVersions()
         self._run(f"mkdir -p {shlex.quote(self.dir)}")
 
     def _run(self, command: str) -> str:
@@ -99,9 +141,19 @@ class RemoteHost:
     def pull(self, store_version: str) -> str:
         if self._pulled is None or self._pulled[0] != store_version:
             sync = sync_section(self.recipe, self.files)
-            self._composer("sync", "pull", "--store", sync.store, "--to", self.receiver, "--version", store_version)
+            self._composer("sync", "pull", *_store_args(sync), "--to", self.receiver, "--version", store_version)
             self._pulled = (store_version, self._run(f"readlink -f {shlex.quote(self.receiver + '/current')}").strip())
         return self._pulled[1]
+
+    def update(self, engine: Engine, store_version: str) -> None:
+        """Bring one of this host's engines to `store_version`: the host's receiver is patched in place by its
+        composer, the engine reloads what changed from it (call with `lock` held)."""
+        sync = sync_section(self.recipe, self.files)
+        if self._pulled is None or self._pulled[0] != store_version:
+            self._composer("sync", "pull", *_store_args(sync), "--to", self.receiver, "--version", store_version, "--in-place")
+            self._pulled = (store_version, self._run(f"readlink -f {shlex.quote(self.receiver + '/current')}").strip())
+        with Store.open(sync.store, self.recipe.cluster.ssh, endpoint=sync.endpoint) as store:
+            self.engine_versions.move(engine, store, store_version, self._pulled[1])
 
     def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
         rollout = self.recipe.rollout
@@ -121,7 +173,9 @@ class RemoteHost:
             starting.append((session, f"http://127.0.0.1:{self.ssh.forward(port)}", log))
         for session, url, log in starting:
             wait_healthy(url, lambda s=session: not s.exit_status_ready(), SERVER_START_SECONDS, f"{self.ssh.where}:{log}")
-        return [ServerEngine(url, rollout, model=weights) for _, url, _ in starting]
+        engines: list[Engine] = [ServerEngine(url, rollout, model=weights) for _, url, _ in starting]
+        self.engine_versions.started(engines, self._pulled[0])
+        return engines
 
     def close(self) -> None:
         """Stop the servers (end of their sessions' input) and wait for them, then hang up."""
@@ -139,6 +193,10 @@ class RemoteHost:
             except Exception as e:  # the host may be gone; its log stays there
                 print(f"rollout host {self.ssh.where}: could not copy {log}: {e}", file=sys.stderr)
         self.ssh.close()
+
+
+def _store_args(sync) -> list[str]:
+    return ["--store", sync.store] + (["--endpoint", sync.endpoint] if sync.endpoint else [])
 
 
 def open_hosts(recipe: Recipe, files: RLRunFiles) -> list[LocalHost | RemoteHost]:

@@ -111,7 +111,7 @@ class RolloutWorker:
             return
         with slot.host.lock:
             policy = self.files.policy()  # read again: another engine may have brought its host further meanwhile
-            slot.engine.load_weights(slot.host.pull(policy.store_version))
+            slot.host.update(slot.engine, policy.store_version)
             slot.version = policy.version
 
     def generate(self, slot: EngineSlot, index: int) -> list[Trajectory]:

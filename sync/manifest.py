@@ -111,6 +111,20 @@ class Manifest:
         ids = {p.chunk for t in self.tensors.values() for p in t.pieces if p.chunk}
         return ids | {c for o in self.opaque for c in o.chunks}
 
+    def same_tensors(self, other: Manifest) -> bool:
+        """The same tensor names, dtypes and shapes (an engine holding one can take the other tensor by tensor)."""
+        return {n: (t.dtype, t.shape) for n, t in self.tensors.items()} == \
+            {n: (t.dtype, t.shape) for n, t in other.tensors.items()}
+
+    def differing_tensors(self, other: Manifest) -> list[str]:
+        """Tensors whose bytes differ from `other`'s (compared by piece hashes)."""
+        return sorted(n for n, t in self.tensors.items()
+                      if n not in other.tensors or [p.hash for p in t.pieces] != [p.hash for p in other.tensors[n].pieces])
+
+    def piece_hashes(self) -> dict[str, list[list]]:
+        """Tensor name -> [[stop, hash], ...]: what a receiver checks the bytes it loads against."""
+        return {n: [[p.stop, p.hash] for p in t.pieces] for n, t in self.tensors.items()}
+
     def to_bytes(self) -> bytes:
         body = asdict(self)
         body["format"] = FORMAT

@@ -229,7 +229,7 @@ def push_version(checkpoint_dir: str | Path, sync: SyncSection, ssh: SSHSection 
     `sync.anchor_every` versions. Raises `VersionTakenError` if another pusher published the id first."""
     started = time.monotonic()
     cache = ReceiverDir(cache_dir or default_cache_dir(sync.store))
-    with Checkpoint(Path(checkpoint_dir)) as checkpoint, Store.open(sync.store, ssh, create=True) as store:
+    with Checkpoint(Path(checkpoint_dir)) as checkpoint, Store.open(sync.store, ssh, create=True, endpoint=sync.endpoint) as store:
         head = store.head()
         parent = store.manifest(head) if head else None
         is_anchor = parent is None or version_seq(head) - version_seq(parent.anchor) + 1 >= sync.anchor_every

@@ -5,6 +5,10 @@ A receiver directory holds
     manifests/<id>.json    the manifest of each version held, so the next pull can check its base
     current -> versions/<id>   a symlink replaced atomically: a reader never sees a half-written model
 A pull applies only the deltas after the receiver's current version when it is on the target's chain.
+
+`update_in_place` instead patches the current version's files where the target differs (no second copy),
+for a live engine that then reloads just those tensors. While it writes, a marker makes the directory hold
+no current version, so a kill -9 mid-update leads the next pull to rebuild from the anchor.
 """
 
 from __future__ import annotations
@@ -41,9 +45,14 @@ class ReceiverDir:
         self.versions = root / "versions"
         self.manifests = root / "manifests"
 
+    @property
+    def patching(self) -> Path:
+        """Present while `update_in_place` rewrites the current version's files."""
+        return self.root / ".patching"
+
     def current_id(self) -> str | None:
         link = self.root / "current"
-        if not link.is_symlink():
+        if not link.is_symlink() or self.patching.exists():
             return None
         vid = Path(os.readlink(link)).name
         return vid if (self.versions / vid).is_dir() and (self.manifests / f"{vid}.json").is_file() else None
@@ -87,6 +96,7 @@ class ReceiverDir:
         link = self.root / f".current-{secrets.token_hex(4)}"
         os.symlink(f"versions/{manifest.id}", link)
         os.replace(link, self.root / "current")
+        self.patching.unlink(missing_ok=True)
         fsync_dir(self.root)
         keep = {manifest.id, previous}  # a reader may still hold the previous version open
         for entry in self.versions.iterdir():
@@ -116,30 +126,36 @@ def pull(store: Store, to: Path, version: str | None = None, threads: int = 0,
     if target_id is None:
         raise UserError(f"store {store.location} holds no versions yet")
     with receiver.locked():
-        current = receiver.current_id()
-        if current == target_id:
-            return PullInfo(target_id, current, already_current=True)
-        chain = store.chain(target_id, stop_at=current)
-        manifests = {m.id: m for m in chain}
-        base = current if current and chain[-1].parent == current else None  # else: rebuild from the anchor
-        if base:
-            manifests[base] = receiver.manifest(base)
-        target = manifests[target_id]
-        plans = [plan for name in target.tensors for plan in plan_tensor(manifests, target_id, name, base)]
-        workers = num_threads(threads)
-        reader, fetched = fetch_chunks(store, needed_chunks(plans, target), to / ".incoming", workers, on_fetch)
-        staged = receiver.staging(target_id)
-        try:
-            _write_version(staged, target, plans, Rebuilder(reader, manifests), receiver.path(base) if base else None,
-                           workers, on_progress)
-            receiver.install(staged, target)
-        except BaseException:
-            shutil.rmtree(staged, ignore_errors=True)
-            raise
-        if not isinstance(store.transport, LocalTransport):
-            shutil.rmtree(to / ".incoming", ignore_errors=True)
-        return PullInfo(target_id, base or target.anchor, fetched, sum(p.nbytes for p in plans),
-                        time.monotonic() - started)
+        return _pull_locked(store, to, target_id, threads, on_progress, on_fetch, started)
+
+
+def _pull_locked(store: Store, to: Path, target_id: str, threads: int, on_progress: Progress | None,
+                 on_fetch: Progress | None, started: float) -> PullInfo:
+    receiver = ReceiverDir(to)
+    current = receiver.current_id()
+    if current == target_id:
+        return PullInfo(target_id, current, already_current=True)
+    chain = store.chain(target_id, stop_at=current)
+    manifests = {m.id: m for m in chain}
+    base = current if current and chain[-1].parent == current else None  # else: rebuild from the anchor
+    if base:
+        manifests[base] = receiver.manifest(base)
+    target = manifests[target_id]
+    plans = [plan for name in target.tensors for plan in plan_tensor(manifests, target_id, name, base)]
+    workers = num_threads(threads)
+    reader, fetched = fetch_chunks(store, needed_chunks(plans, target), to / ".incoming", workers, on_fetch)
+    staged = receiver.staging(target_id)
+    try:
+        _write_version(staged, target, plans, Rebuilder(reader, manifests), receiver.path(base) if base else None,
+                       workers, on_progress)
+        receiver.install(staged, target)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    if not isinstance(store.transport, LocalTransport):
+        shutil.rmtree(to / ".incoming", ignore_errors=True)
+    return PullInfo(target_id, base or target.anchor, fetched, sum(p.nbytes for p in plans),
+                    time.monotonic() - started)
 
 
 def _write_version(staged: Path, target: Manifest, plans: list[PiecePlan], rebuilder: Rebuilder,
@@ -183,6 +199,117 @@ def _write_version(staged: Path, target: Manifest, plans: list[PiecePlan], rebui
             os.close(fd)
         if base:
             base.close()
+
+
+@dataclass
+class InPlaceInfo:
+    version: str
+    started_from: str | None
+    """The version the receiver held (None when it held none and a full pull was made)."""
+    full: bool
+    """A complete copy was written (no usable current version, or the files' layout changed)."""
+    changed: list[str] = field(default_factory=list)
+    """Tensors whose bytes the update rewrote (every tensor after a full pull)."""
+    fetched_bytes: int = 0
+    patched_bytes: int = 0
+    seconds: float = 0.0
+
+
+def update_in_place(store: Store, to: Path, version: str | None = None, threads: int = 0) -> InPlaceInfo:
+    """Bring the receiver `to` to `version` (default: head) by rewriting, in its current version's files, the
+    pieces whose hashes differ, each rebuilt from the delta chain (or from the anchor when the receiver is off
+    the target's chain) and checked; opaque files that changed are replaced. Falls back to a full `pull` when
+    there is no current version, the safetensors headers differ, or a file is shared through a hard link."""
+    started = time.monotonic()
+    receiver = ReceiverDir(to)
+    target_id = version or store.head()
+    if target_id is None:
+        raise UserError(f"store {store.location} holds no versions yet")
+    with receiver.locked():
+        current = receiver.current_id()
+        target = store.manifest(target_id)
+        if current == target_id:
+            return InPlaceInfo(target_id, current, full=False)
+        held = receiver.manifest(current) if current else None
+        directory = receiver.path(current) if current else None
+        if held is None or not _patchable(held, target, directory):
+            full = _full_pull(store, to, target_id, threads, receiver)
+            return InPlaceInfo(target_id, None, True, sorted(target.tensors), full.fetched_bytes, full.model_bytes,
+                               time.monotonic() - started)
+        chain = store.chain(target_id, stop_at=current)
+        manifests = {m.id: m for m in chain}
+        base = current if chain[-1].parent == current else None  # else: rebuild the differing pieces from the anchor
+        if base:
+            manifests[base] = held
+        plans = []
+        for name, record in target.tensors.items():
+            differing = {i for i, (a, b) in enumerate(zip(record.pieces, held.tensors[name].pieces)) if a.hash != b.hash}
+            if differing:
+                plans += [plan for plan in plan_tensor(manifests, target_id, name, base) if plan.index in differing]
+        workers = num_threads(threads)
+        reader, fetched = fetch_chunks(store, needed_chunks(plans, target), to / ".incoming", workers)
+        atomic_write_bytes(receiver.patching, target_id.encode())
+        try:
+            patched = _patch(directory, plans, Rebuilder(reader, manifests), workers)
+        except WrongBaseError:  # the held copy was modified behind our back: rebuild it whole
+            full = _full_pull(store, to, target_id, threads, receiver)
+            return InPlaceInfo(target_id, None, True, sorted(target.tensors), full.fetched_bytes, full.model_bytes,
+                               time.monotonic() - started)
+        before = {o.name: o.hash for o in held.opaque}
+        for record in target.opaque:
+            if before.get(record.name) != record.hash:
+                path = directory / record.name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".tmp-{path.name}")
+                with open(tmp, "wb") as f:
+                    restore_opaque(reader, record, target_id, f)
+                os.replace(tmp, path)
+        staged = receiver.staging(target_id)
+        os.rmdir(staged)
+        os.rename(directory, staged)  # the directory now holds the target: named after it, then installed
+        receiver.install(staged, target)
+        (receiver.manifests / f"{current}.json").unlink(missing_ok=True)
+        if not isinstance(store.transport, LocalTransport):
+            shutil.rmtree(to / ".incoming", ignore_errors=True)
+        return InPlaceInfo(target_id, current, False, sorted({plan.name for plan in plans}), fetched, patched,
+                           time.monotonic() - started)
+
+
+def _patch(directory: Path, plans: list[PiecePlan], rebuilder: Rebuilder, workers: int) -> int:
+    """Rebuild each planned piece from the directory's own bytes and write it back in place; returns bytes written."""
+    with Checkpoint(directory) as checkpoint:
+        fds = {f.name: os.open(directory / f.name, os.O_WRONLY) for f in checkpoint.files}
+        try:
+            def patch(plan: PiecePlan) -> int:
+                info = checkpoint.tensors[plan.name]
+                data = rebuilder.run(plan, lambda p, out: checkpoint.read(info, p.start, p.stop, out))
+                os.pwrite(fds[info.file], memoryview(data).cast("B"), info.offset + plan.start * plan.itemsize)
+                return plan.nbytes
+
+            return sum(ordered_map(patch, plans, workers))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+
+def _patchable(held: Manifest, target: Manifest, directory: Path) -> bool:
+    """Same files with the same headers (so every tensor sits where it was), none shared by a hard link."""
+    if [(f.name, f.header, f.size) for f in held.files] != [(f.name, f.header, f.size) for f in target.files]:
+        return False
+    if any(len(a.pieces) != len(target.tensors[n].pieces) for n, a in held.tensors.items()):
+        return False
+    return all((directory / f.name).stat().st_nlink == 1 for f in held.files)
+
+
+def _full_pull(store: Store, to: Path, version: str, threads: int, receiver: ReceiverDir) -> PullInfo:
+    """`pull` from inside `update_in_place`'s lock: a damaged current version (marker left) is dropped first."""
+    if receiver.patching.exists():
+        link = to / "current"
+        if link.is_symlink():
+            shutil.rmtree(to / os.readlink(link), ignore_errors=True)
+            link.unlink()
+        receiver.patching.unlink()
+    return _pull_locked(store, to, version, threads, None, None, time.monotonic())
 
 
 def apply_version(store: Store, version_id: str, base_tensors: Mapping[str, np.ndarray],

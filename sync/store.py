@@ -33,9 +33,11 @@ class Store:
         self._manifests: dict[str, Manifest] = {}
 
     @classmethod
-    def open(cls, location: str, ssh: SSHSection | None = None, create: bool = False) -> Store:
-        """Open a store; `create` makes its directories, otherwise a missing store is a UserError."""
-        store = cls(build_transport(location, ssh or SSHSection()))
+    def open(cls, location: str, ssh: SSHSection | None = None, create: bool = False,
+             endpoint: str | None = None) -> Store:
+        """Open a store; `create` makes its directories, otherwise a missing store is a UserError.
+        `endpoint` is the URL of an S3-compatible service for s3:// stores (default: AWS)."""
+        store = cls(build_transport(location, ssh or SSHSection(), endpoint))
         try:
             if create:
                 store.transport.makedirs(CHUNKS)
@@ -154,6 +156,7 @@ class Store:
                 if stale and now - mtime >= min_age_s:
                     self.transport.delete(f"{directory}/{name}")
                     deleted_chunks += directory == CHUNKS and not is_temp(name)
+        self.transport.abort_partial_uploads(min_age_s)
         return GcReport(deleted_versions=doomed, kept_versions=kept, deleted_chunks=deleted_chunks)
 
 

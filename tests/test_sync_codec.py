@@ -182,3 +182,61 @@ def test_apply_version_yields_only_changed_tensors_and_refuses_a_wrong_base(tmp_
 
         with pytest.raises(WrongBaseError, match="does not match version v00000001"):
             list(apply_version(store, "v00000002", wrong))
+
+
+def test_block_scaled_fp8_checkpoints_sync_bit_exactly_as_small_deltas(tmp_path):
+    """The DeepSeek-V3/Kimi serving layout: e4m3 weights plus an fp32 `weight_scale_inv` per 128x128 block,
+    re-quantized from fp32 master weights after a small optimizer step (every block scale moves a little)."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    master = torch.randn(512, 1024, generator=g) * 0.02
+
+    def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        blocks = w.reshape(4, 128, 8, 128)
+        scale_inv = blocks.abs().amax(dim=(1, 3)) / 448.0
+        fp8 = (blocks / scale_inv[:, None, :, None]).to(torch.float8_e4m3fn).reshape(512, 1024)
+        return {"model.layers.0.mlp.down_proj.weight": fp8, "model.layers.0.mlp.down_proj.weight_scale_inv": scale_inv}
+
+    store, checkpoints = tmp_path / "store", []
+    for step in range(3):
+        ck = tmp_path / f"ck{step}"
+        ck.mkdir()
+        save_file(quantize(master), ck / "model.safetensors", metadata={"format": "pt"})
+        info = push_version(ck, sync_section(store), cache_dir=tmp_path / "cache")
+        checkpoints.append(ck)
+        master = master + torch.randn(master.shape, generator=g) * master.abs() * 0.002  # ~2% of e4m3 values move
+    assert not info.is_anchor and 0.005 < info.changed_elements / info.total_elements < 0.05
+    assert info.ratio > 5
+    with Store.open(str(store)) as s:
+        for step, ck in enumerate(checkpoints):
+            pull(s, tmp_path / "recv", f"v{step + 1:08d}")
+            assert checkpoint_files(tmp_path / "recv" / "current") == checkpoint_files(ck)
+
+
+@pytest.mark.parametrize("dtype,density", [("bfloat16", 0.01), ("bfloat16", 0.2), ("float32", 0.7),
+                                           ("float8_e4m3fn", 0.02), ("bfloat16", 0.0)])
+def test_device_encoder_writes_the_bytes_of_the_host_encoder(dtype, density):
+    """The torch path (on the GPU where there is one; here on CPU tensors) chooses and encodes pieces exactly as
+    the numpy path does, anchors included."""
+    torch = pytest.importorskip("torch")
+    from sync.device import DeviceDeltaEncoder
+
+    g = torch.Generator().manual_seed(0)
+    pairs = []
+    for n in (1, 1000, 70_001):
+        old = torch.randn(n, generator=g).to(getattr(torch, dtype))
+        new = old.clone()
+        changed = torch.rand(n, generator=g) < density
+        new[changed] = torch.randn(int(changed.sum()), generator=g).to(new.dtype)
+        pairs += [(new, old), (new, None)]
+    cctx = zstandard.ZstdCompressor(level=3, write_checksum=True)
+
+    def bits(t):
+        signed = {1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+        return t.view(signed).numpy().view({1: np.uint8, 2: np.uint16, 4: np.uint32}[t.element_size()])
+
+    expected = [encode_piece(bits(new), None if old is None else bits(old), cctx) for new, old in pairs]
+    got = list(DeviceDeltaEncoder("cpu", threads=2, in_flight=3).encode(pairs))
+    assert got == expected
