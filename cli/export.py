@@ -28,7 +28,7 @@ def export(
         raise UserError(f"{run_dir}: not a run directory (no recipe.yaml)")
     recipe = load_recipe(run.recipe_path)
     from trainer.checkpointing import Checkpointer
-    from trainer.launch import RanksFailed, launch_ranks
+    from cluster.launch import RanksFailed, build_launcher, run_to_end
 
     latest = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints).latest()
     if latest is None:
@@ -37,8 +37,8 @@ def export(
     if out.exists():
         raise UserError(f"{out}: already exists; export into a new directory")
     try:
-        launch_ranks(run, recipe.cluster.procs_per_host, "trainer.midtrain", ["export", str(run.root), str(out.absolute())])
+        run_to_end(build_launcher(recipe.cluster).start("trainer.midtrain", ["export", str(run.root), str(out.absolute())], run, console))
     except RanksFailed as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}\n{escape(e.tail)}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(1) from None
     console.print(f"[green]✓[/] {escape(str(out))} [dim](from {escape(latest.name)})[/]", highlight=False)

@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from recipes.errors import UserError
 from recipes.loader import load_recipe, recipe_to_yaml
 from recipes.runs import RunDir
 
@@ -16,30 +17,54 @@ console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
 SetOption = typer.Option([], "--set", "-s", help="Override a key: --set train.steps=10 (value parsed as YAML). Repeatable.")
+DryRunOption = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, ranks, parallel groups, commands) and exit.")
+SubmitOption = typer.Option(False, "--submit", help="cluster.launcher slurm: write an sbatch script into the run directory, submit it, print the job id.")
+
+
+def _submit(kind: str, recipe, run: RunDir, resume: bool) -> None:
+    from cluster.launch import build_launcher
+    from cluster.slurm import SlurmLauncher, submit
+
+    launcher = build_launcher(recipe.cluster)
+    if not isinstance(launcher, SlurmLauncher):
+        raise UserError(f"--submit needs cluster.launcher: slurm (the recipe says {recipe.cluster.launcher})")
+    job_id, script = submit(launcher, kind, recipe_to_yaml(recipe), run, resume)
+    console.print(f"submitted SLURM job {job_id} ({escape(str(script))}); its output: {escape(str(run.root / 'slurm'))}/job-{job_id}.out", highlight=False)
 
 
 @app.command()
 def midtrain(
     recipe_file: Path = typer.Argument(..., metavar="RECIPE", help="Recipe file with a data section."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run from its newest checkpoint."),
+    dry_run: bool = DryRunOption,
+    submit: bool = SubmitOption,
     overrides: list[str] = SetOption,
 ) -> None:
     """Continued pre-training: tokenize the corpus, train, checkpoint, evaluate, export an HF checkpoint."""
     recipe = load_recipe(recipe_file, overrides)
     # torch is imported from here on; `composer --help` stays fast
-    from trainer.launch import RanksFailed, launch_ranks
+    from cluster.launch import RanksFailed, build_launcher, run_to_end
     from trainer.midtrain import check_midtrain_recipe, check_resume
 
     check_midtrain_recipe(recipe)
     run = RunDir.of(recipe)
+    args = ["train", str(run.root), *(["--resume"] if resume else [])]
+    launcher = build_launcher(recipe.cluster)
+    if dry_run:
+        from cli.cluster import print_plan
+
+        print_plan(launcher.plan("trainer.midtrain", args, run.root.name), recipe.parallelism, recipe.cluster.world_size, console)
+        return
     if resume:
         check_resume(run, recipe)  # before the run's recipe.yaml is replaced
+    if submit:
+        _submit("midtrain", recipe, run, resume)
+        return
     run.prepare(recipe_to_yaml(recipe), resume)
-    args = ["train", str(run.root), *(["--resume"] if resume else [])]
     try:
-        launch_ranks(run, recipe.cluster.procs_per_host, "trainer.midtrain", args)
+        run_to_end(launcher.start("trainer.midtrain", args, run, console))
     except RanksFailed as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}\n{escape(e.tail)}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(1) from None
     console.print(f"[green]✓[/] run {escape(str(run.root))}: metrics.jsonl, tensorboard/, checkpoints/, export/", highlight=False)
 
@@ -48,10 +73,26 @@ def midtrain(
 def rl(
     recipe_file: Path = typer.Argument(..., metavar="RECIPE", help="Recipe file with rollout, env and rl sections."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run after a stop or crash."),
+    dry_run: bool = DryRunOption,
+    submit: bool = SubmitOption,
     overrides: list[str] = SetOption,
 ) -> None:
     """Asynchronous RL: vLLM rollouts in sandboxed coding tasks, Megatron learner, delta weight sync."""
-    from rl.driver import run_rl
+    from rl.driver import check_rl_recipe, learner_launch, run_rl
 
-    root = run_rl(load_recipe(recipe_file, overrides), resume, console)
+    recipe = load_recipe(recipe_file, overrides)
+    if dry_run:
+        from cli.cluster import print_plan
+
+        check_rl_recipe(recipe)
+        launcher, module, args = learner_launch(recipe)
+        console.print(f"rollout hosts: {', '.join(recipe.rollout.hosts)} ({recipe.rollout.engine}, "
+                      f"{recipe.rollout.engines_per_host} engine(s) per host); the learner:", highlight=False)
+        print_plan(launcher.plan(module, args, recipe.run.name), recipe.parallelism, recipe.cluster.world_size, console)
+        return
+    if submit:
+        check_rl_recipe(recipe)
+        _submit("rl", recipe, RunDir.of(recipe), resume)
+        return
+    root = run_rl(recipe, resume, console)
     console.print(f"[green]✓[/] run {escape(str(root))}: metrics.jsonl, rollout_metrics.jsonl, trajectories/, checkpoints/", highlight=False)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 from rich.console import Console
 
+from cluster.launch import Job, Launcher, build_launcher
 from recipes.checks import refuse_resume_changes, refuse_unhonoured
 from recipes.errors import UserError
 from recipes.loader import load_recipe, recipe_to_yaml
@@ -16,11 +16,9 @@ from rl.layout import Policy, RLRunFiles, sync_section
 from rl.rollout_worker import RolloutWorker
 from sync.pusher import push_version
 from trainer.checkpointing import LAYOUT_KEYS
-from trainer.launch import clear_rank_errors, first_rank_error, rank_environment, torchrun_command
 from trainer.model import ARCHITECTURE_FIELDS
 
 UNHONOURED = {
-    "cluster.hosts": "the learner runs on this host",
     "data": "RL trains on rollouts, not on a corpus",
     "train.eval_every": "RL reports rewards every step instead of a held-out evaluation",
     "train.eval_batches": "RL reports rewards every step instead of a held-out evaluation",
@@ -43,24 +41,22 @@ def check_rl_recipe(recipe: Recipe) -> None:
     refuse_unhonoured(recipe, "train rl", UNHONOURED)
 
 
-def start_learner(recipe: Recipe, files: RLRunFiles, log: Path) -> subprocess.Popen:
-    """The learner ranks, in the background (the rollouts run meanwhile), in this process group."""
-    cmd = torchrun_command(recipe.cluster.procs_per_host, "rl.learner_main", [str(files.root)])
-    with log.open("ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=rank_environment())
+def learner_launch(recipe: Recipe) -> tuple[Launcher, str, list[str]]:
+    """How the learner ranks start on the recipe's training hosts (cluster.launcher)."""
+    return build_launcher(recipe.cluster), "rl.learner_main", [str(RunDir.of(recipe).root)]
 
 
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()  # torchrun forwards it to the ranks
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def start_learner(recipe: Recipe, files: RLRunFiles) -> Job:
+    """The learner ranks, in the background (the rollouts run meanwhile); their output goes to the run's logs."""
+    launcher, module, args = learner_launch(recipe)
+    return launcher.start(module, args, RunDir(files.root))
 
 
-def learner_done(learner: subprocess.Popen, files: RLRunFiles) -> bool:
+def stop(learner: Job) -> None:
+    learner.terminate()  # torchrun forwards it to the ranks, on every host
+
+
+def learner_done(learner: Job, files: RLRunFiles) -> bool:
     files.beat()  # the learner gives up waiting for rollouts if the driver goes quiet
     return learner.poll() is not None
 
@@ -77,8 +73,7 @@ def run_rl(recipe: Recipe, resume: bool, console: Console) -> Path:
         console.print(f"publishing the initial policy from {recipe.model.checkpoint}")
         info = push_version(recipe.model.checkpoint, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
         files.publish_policy(Policy(0, info.id))
-    clear_rank_errors(run)
-    learner = start_learner(recipe, files, run.logs / "torchrun.log")
+    learner = start_learner(recipe, files)
     try:
         worker = RolloutWorker(recipe, files, on_group=lambda gid, s: console.print(
             f"[dim]{gid}[/] engine {s['engine']} ({s['host']})  policy v{s['policy_version']}  reward {s['reward_mean']:.3f}  {s['generated_tokens_per_s']:.0f} tok/s"))
@@ -89,6 +84,6 @@ def run_rl(recipe: Recipe, resume: bool, console: Console) -> Path:
         learner.wait()
     finally:
         stop(learner)
-    if learner.returncode != 0:
-        raise UserError(first_rank_error(run) or f"the learner exited with code {learner.returncode}; logs in {run.logs}/")
+    if learner.poll() != 0:
+        raise UserError(learner.failure())
     return run.root

@@ -20,7 +20,7 @@ from recipes.schema import Recipe
 from rl.layout import RLRunFiles, sync_section
 from rollout.engine import EmbeddedEngine, Engine, ServerEngine, VllmServer, server_args, wait_healthy
 from sync.receiver import pull
-from sync.ssh import SSHHost
+from cluster.ssh import SSHHost
 from sync.store import Store
 
 SERVER_START_SECONDS = 300

@@ -1,5 +1,5 @@
 """One SSH connection (fabric) to a host, with host keys checked as the recipe says and failures turned into
-errors that say what to fix. Used by SSH stores and by remote rollout hosts."""
+errors that say what to fix. Used by the ssh launcher, cluster check, remote rollout hosts and SSH stores."""
 
 from __future__ import annotations
 
