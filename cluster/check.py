@@ -101,6 +101,7 @@ def _facts_here(report: HostReport, python: str, run_dir: Path, port: int) -> No
         report.problems.append(f"cluster.python {python} failed: {result.stderr.strip()[-200:]}")
         return
     _record(report, result.stdout, asked, time.time())
+    report.skew = 0.0  # this host's own clock
 
 
 def _facts_over_ssh(reports: list[HostReport], cluster: ClusterSection, python: str, run_dir: Path) -> None:
@@ -127,6 +128,10 @@ def _facts_over_ssh(reports: list[HostReport], cluster: ClusterSection, python: 
                 report.problems.append(f"cluster.python {python} failed (exit {result.exited}): {result.stderr.strip()[-200:]}")
                 continue
             _record(report, result.stdout, asked, time.time())
+            if report.facts:  # the clock again, without the time Python takes to start
+                asked = time.time()
+                clock = ssh.conn.run("date +%s.%N", hide=True, warn=True, in_stream=False)
+                report.skew = float(clock.stdout.strip()) - (asked + time.time()) / 2
         if len(connections) > 1:
             from cluster.launch import unshared_hosts
 

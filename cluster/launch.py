@@ -199,7 +199,8 @@ def _remote_script(command: HostCommand) -> str:
     exports = shlex.join([f"{k}={v}" for k, v in command.env.items()])
     # the watcher reads our input through fd 3: a background job's own stdin would be /dev/null
     return (f"exec 3<&0; cd {shlex.quote(command.workdir)} && {{ env {exports} setsid {shlex.join(command.argv)} 3<&- < /dev/null & tr=$!; "
-            f"{{ cat > /dev/null; kill -TERM -- -$tr; sleep {STOP_GRACE_SECONDS}; kill -KILL -- -$tr; }} <&3 > /dev/null 2>&1 & "
+            f"{{ cat > /dev/null; kill -TERM -- -$tr || exit 0; i=0; while [ $i -lt {STOP_GRACE_SECONDS} ] && kill -0 -- -$tr; "
+            f"do sleep 1; i=$((i+1)); done; kill -KILL -- -$tr; }} <&3 > /dev/null 2>&1 & "
             f"wait $tr; }}")
 
 
