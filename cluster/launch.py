@@ -236,7 +236,8 @@ class SSHProcess(HostProcess):
             return None
         self.reader.join(timeout=5)  # the last lines, before anyone reads the log
         code = self.session.recv_exit_status()
-        return code if code >= 0 else 255  # -1: the connection dropped without a status
+        self.lost = code < 0  # the session ended without a status: its shell or the connection died
+        return 255 if self.lost else code
 
     def stop(self) -> None:
         if not self.session.exit_status_ready():
@@ -341,6 +342,8 @@ class Job:
                 if exit_code < 0:
                     cause += f" (killed by {signal.Signals(-exit_code).name})"
             return cause
+        if getattr(process, "lost", False):
+            return "its SSH session ended without an exit status (the host, its shell or the connection went away)"
         if code > 128 and code - 128 in signal.valid_signals():
             return f"torchrun ended by {signal.Signals(code - 128).name} (exit code {code})"
         tail = " | ".join(report.strip().splitlines()[-3:])

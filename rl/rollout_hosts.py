@@ -14,13 +14,16 @@ import shlex
 import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 
+from cluster.ssh import SSHHost
 from recipes.errors import UserError
+from recipes.runs import atomic_write_text
 from recipes.schema import Recipe
 from rl.layout import RLRunFiles, sync_section
 from rollout.engine import EmbeddedEngine, Engine, ServerEngine, VllmServer, server_args, wait_healthy
 from sync.receiver import pull
-from cluster.ssh import SSHHost
 from sync.store import Store
 
 SERVER_START_SECONDS = 300
@@ -78,6 +81,21 @@ class RemoteHost:
         """(store version, weights directory) of the newest pull."""
         self._sessions: list = []
         self._run(f"mkdir -p {shlex.quote(self.dir)}")
+        store = sync_section(recipe, files).store
+        if not store.startswith("ssh://"):
+            self._refuse_unseen_store(Path(store))
+
+    def _refuse_unseen_store(self, store: Path) -> None:
+        """A directory store must be one the host mounts too: it pulls every policy from there itself."""
+        probe = store / f".probe-{uuid.uuid4().hex}"
+        atomic_write_text(probe, probe.name)
+        try:
+            seen = self._run(f"cat {shlex.quote(str(probe))} 2>/dev/null || true").strip() == probe.name
+        finally:
+            probe.unlink()
+        if not seen:
+            raise UserError(f"rollout host {self.ssh.where} does not see the sync store {store} (a directory on this machine); "
+                            "set sync.store to a directory every rollout host mounts, or to an ssh:// store they can reach")
 
     def _run(self, command: str) -> str:
         try:
@@ -94,8 +112,10 @@ class RemoteHost:
 
     def pull(self, store_version: str) -> str:
         if self._pulled is None or self._pulled[0] != store_version:
-            sync = sync_section(self.recipe, self.files)
-            self._composer("sync", "pull", "--store", sync.store, "--to", self.receiver, "--version", store_version)
+            sync, ssh = sync_section(self.recipe, self.files), self.recipe.cluster.ssh
+            # an ssh:// store is reached from the host with the recipe's key and known_hosts (paths on that host)
+            credentials = [*(["--ssh-key", ssh.key_file] if ssh.key_file else []), *(["--known-hosts", ssh.known_hosts] if ssh.known_hosts else [])]
+            self._composer("sync", "pull", "--store", sync.store, "--to", self.receiver, "--version", store_version, *credentials)
             self._pulled = (store_version, self._run(f"readlink -f {shlex.quote(self.receiver + '/current')}").strip())
         return self._pulled[1]
 

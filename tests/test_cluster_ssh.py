@@ -133,6 +133,7 @@ def test_a_killed_host_stops_the_job_resume_finishes_and_a_killed_driver_leaves_
     message = " ".join(stderr.split())
     assert f"host {victim.name} (node 1, ranks 2-3)" in message and "SIGKILL" in message, stderr
     assert "Traceback" not in stderr
+    print(f"a killed host, stopped in {time.monotonic() - killed_at:.1f} s: {message}")
     assert wait_for_nothing_running(hosts, "trainer.midtrain") == []
 
     # kill -9 of the driver: every host's torchrun and ranks end with its SSH sessions
