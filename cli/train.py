@@ -60,6 +60,7 @@ def midtrain(
     if submit:
         _submit("midtrain", recipe, run, resume)
         return
+    launcher.check_startable()
     run.prepare(recipe_to_yaml(recipe), resume)
     try:
         run_to_end(launcher.start("trainer.midtrain", args, run, console))

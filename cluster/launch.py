@@ -387,6 +387,10 @@ class Launcher:
     def plan(self, module: str, args: list[str], run_id: str) -> LaunchPlan:
         raise NotImplementedError
 
+    def check_startable(self) -> None:
+        """Raise UserError when this launcher cannot start ranks from here (checked before a run writes anything)."""
+        self.plan("", [], "check")
+
     def start(self, module: str, args: list[str], run: RunDir, console: Console | None = None) -> Job:
         """Start the ranks; `console` gets every host's output (else it goes to the logs only)."""
         raise NotImplementedError

@@ -78,11 +78,15 @@ class SlurmLauncher(Launcher):
         return ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                 "--label", f"--chdir={self.workdir}", "bash", "-c", f"exec {script}"]
 
-    def start(self, module: str, args: list[str], run: RunDir, console: Console | None = None) -> Job:
+    def check_startable(self) -> None:
         if not in_allocation():
             raise UserError("cluster.launcher is slurm but this is not inside a SLURM allocation (no SLURM_JOB_ID): "
                             "pass --submit to run it as a batch job, or start it inside salloc")
         _require("srun")
+        self.nodes()
+
+    def start(self, module: str, args: list[str], run: RunDir, console: Console | None = None) -> Job:
+        self.check_startable()
         nodes = self.nodes()
         argv = self.srun_argv(module, args, f"{run.root.name}-{os.environ['SLURM_JOB_ID']}", nodes)
         argv[0] = _require("srun")

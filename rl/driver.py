@@ -63,6 +63,7 @@ def learner_done(learner: Job, files: RLRunFiles) -> bool:
 
 def run_rl(recipe: Recipe, resume: bool, console: Console) -> Path:
     check_rl_recipe(recipe)
+    learner_launch(recipe)[0].check_startable()
     run = RunDir.of(recipe)
     if resume and run.recipe_path.is_file():
         refuse_resume_changes(load_recipe(run.recipe_path), recipe, RESUME_FIXED, str(run.recipe_path),

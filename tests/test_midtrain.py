@@ -165,7 +165,7 @@ def test_bad_input_is_one_clear_error_from_the_ranks(workspace, corpus, case):
 
 
 def test_keys_the_loop_cannot_honour_are_refused_before_launch(workspace):
-    result = run_composer(*midtrain_args(workspace, "refused", "train.recompute_activations=true"))
+    result = run_composer(*midtrain_args(workspace, "refused", "parallelism.cp=2"))
     assert result.returncode == 2
-    assert "train.recompute_activations: train midtrain does not support True" in result.stderr
+    assert "parallelism.cp: train midtrain does not support 2" in result.stderr
     assert not (workspace / "runs" / "refused").exists()
