@@ -6,6 +6,7 @@ Variants, interleaved `--repeats` times after one warm-up run (tokenized corpus 
 2 processes), `ssh 1x2` (one host in a network namespace over SSH, 2 processes) and `ssh 2x1` (two such hosts, one
 process each, gloo between them). Prints the median wall time of `composer train midtrain` per variant and its
 difference to `local`: the launcher's overhead (SSH connections, the shared run.dir probe, the c10d rendezvous).
+The same variants also start an empty job (ranks of `python -m site`), which isolates the launch from training.
 """
 
 from __future__ import annotations
@@ -64,16 +65,36 @@ def main() -> None:
 
         run("warm-up", variants["local"])
         seconds: dict[str, list[float]] = {name: [] for name in variants}
+        bare: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.repeats):
             for name, extra in variants.items():
                 seconds[name].append(run(name, extra))
+                bare[name].append(empty_job(work, [*base, *extra]))
     finally:
         hosts.close()
+    report(f"smoke midtrain, {args.steps} steps, world size 2", seconds, args.repeats)
+    report("an empty job (torchrun + ranks that only start and exit: the launch itself), world size 2", bare, args.repeats)
+
+
+def empty_job(work: Path, sets: list[str]) -> float:
+    """The launcher alone: start ranks of a module that does nothing (`-m site`) on the variant's hosts, wait."""
+    from cluster.launch import build_launcher, run_to_end
+    from recipes.loader import load_recipe
+    from recipes.runs import RunDir
+
+    recipe = load_recipe(REPO / "recipes" / "smoke-midtrain.yaml", sets)
+    run = RunDir(work / "empty" / str(time.monotonic_ns()))
+    run.logs.mkdir(parents=True)
+    started = time.perf_counter()
+    run_to_end(build_launcher(recipe.cluster).start("site", [], run))
+    return time.perf_counter() - started
+
+
+def report(title: str, seconds: dict[str, list[float]], repeats: int) -> None:
     local = statistics.median(seconds["local"])
-    print(f"smoke midtrain, {args.steps} steps, world size 2, median of {args.repeats} (all runs: s)")
+    print(f"{title}, median of {repeats} (all runs in s):")
     for name, values in seconds.items():
-        extra = statistics.median(values) - local
-        print(f"  {name:8s} {statistics.median(values):6.2f} s   overhead vs local {extra:+6.2f} s   "
+        print(f"  {name:8s} {statistics.median(values):6.2f} s   vs local {statistics.median(values) - local:+6.2f} s   "
               f"({', '.join(f'{v:.2f}' for v in values)})")
 
 

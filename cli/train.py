@@ -21,6 +21,16 @@ DryRunOption = typer.Option(False, "--dry-run", help="Print the launch plan (hos
 SubmitOption = typer.Option(False, "--submit", help="cluster.launcher slurm: write an sbatch script into the run directory, submit it, print the job id.")
 
 
+def _dry_run(kind: str, recipe, launcher, module: str, args: list[str], resume: bool) -> None:
+    from cli.cluster import print_plan
+    from cluster.slurm import SlurmLauncher, batch_script, in_allocation
+
+    print_plan(launcher.plan(module, args, recipe.run.name), recipe.parallelism, recipe.cluster.world_size, console)
+    if isinstance(launcher, SlurmLauncher) and not in_allocation():
+        console.print("[bold]sbatch script[/] (--submit):", highlight=False)
+        console.print(escape(batch_script(launcher, kind, RunDir.of(recipe), resume)), highlight=False)
+
+
 def _submit(kind: str, recipe, run: RunDir, resume: bool) -> None:
     from cluster.launch import build_launcher
     from cluster.slurm import SlurmLauncher, submit
@@ -28,6 +38,8 @@ def _submit(kind: str, recipe, run: RunDir, resume: bool) -> None:
     launcher = build_launcher(recipe.cluster)
     if not isinstance(launcher, SlurmLauncher):
         raise UserError(f"--submit needs cluster.launcher: slurm (the recipe says {recipe.cluster.launcher})")
+    if not resume and run.metrics_path.exists():
+        raise UserError(f"{run.root} already holds a run; pass --resume to continue it, or choose another run.name")
     job_id, script = submit(launcher, kind, recipe_to_yaml(recipe), run, resume)
     console.print(f"submitted SLURM job {job_id} ({escape(str(script))}); its output: {escape(str(run.root / 'slurm'))}/job-{job_id}.out", highlight=False)
 
@@ -51,9 +63,7 @@ def midtrain(
     args = ["train", str(run.root), *(["--resume"] if resume else [])]
     launcher = build_launcher(recipe.cluster)
     if dry_run:
-        from cli.cluster import print_plan
-
-        print_plan(launcher.plan("trainer.midtrain", args, run.root.name), recipe.parallelism, recipe.cluster.world_size, console)
+        _dry_run("midtrain", recipe, launcher, "trainer.midtrain", args, resume)
         return
     if resume:
         check_resume(run, recipe)  # before the run's recipe.yaml is replaced
@@ -83,13 +93,10 @@ def rl(
 
     recipe = load_recipe(recipe_file, overrides)
     if dry_run:
-        from cli.cluster import print_plan
-
         check_rl_recipe(recipe)
-        launcher, module, args = learner_launch(recipe)
         console.print(f"rollout hosts: {', '.join(recipe.rollout.hosts)} ({recipe.rollout.engine}, "
                       f"{recipe.rollout.engines_per_host} engine(s) per host); the learner:", highlight=False)
-        print_plan(launcher.plan(module, args, recipe.run.name), recipe.parallelism, recipe.cluster.world_size, console)
+        _dry_run("rl", recipe, *learner_launch(recipe), resume)
         return
     if submit:
         check_rl_recipe(recipe)

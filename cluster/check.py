@@ -96,7 +96,8 @@ def _record(report: HostReport, stdout: str, asked: float, answered: float) -> N
 
 def _facts_here(report: HostReport, python: str, run_dir: Path, port: int) -> None:
     asked = time.time()
-    result = subprocess.run(_facts_args(python, run_dir, "127.0.0.1", port), capture_output=True, text=True)
+    # the local launcher's torchrun picks a free port of its own: no rendezvous port to check
+    result = subprocess.run(_facts_args(python, run_dir, "", port), capture_output=True, text=True)
     if result.returncode != 0:
         report.problems.append(f"cluster.python {python} failed: {result.stderr.strip()[-200:]}")
         return
@@ -105,7 +106,6 @@ def _facts_here(report: HostReport, python: str, run_dir: Path, port: int) -> No
 
 
 def _facts_over_ssh(reports: list[HostReport], cluster: ClusterSection, python: str, run_dir: Path) -> None:
-    from cluster.launch import check_shared_dir
     from cluster.ssh import SSHHost
 
     connections = []

@@ -104,6 +104,7 @@ class SrunProcess(HostProcess):
         self.host, self.node_rank, self.ranks = ",".join(nodes), 0, range(len(nodes) * nproc)
         self.log = run.logs / "srun.log"
         self.log_offset = self.log.stat().st_size if self.log.exists() else 0
+        self.node_offsets = {node: _size(run.logs / node / "torchrun.log") for node in nodes}  # logs of earlier runs stay
         self.pumps = {node: OutputPump(run.logs / node / "torchrun.log", console) for node in nodes}
         self.own = OutputPump(self.log, None)
         # srun cancels the step on every node when it gets SIGTERM: also when this process dies
@@ -143,9 +144,13 @@ class SrunProcess(HostProcess):
         """The node whose torchrun reported a failure (its labelled output holds torchrun's report)."""
         for index, node in enumerate(self.nodes):
             path = self.run.logs / node / "torchrun.log"
-            if path.exists() and "Root Cause" in path.read_text(errors="replace"):
+            if path.exists() and b"Root Cause" in path.read_bytes()[self.node_offsets[node]:]:
                 return f"host {node} (node {index}, ranks {index * self.nproc}-{(index + 1) * self.nproc - 1})"
         return f"srun over {self.host}"
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
 
 
 def sbatch_script(launcher: SlurmLauncher, command: list[str], run: RunDir, job_name: str) -> str:
@@ -161,17 +166,20 @@ def sbatch_script(launcher: SlurmLauncher, command: list[str], run: RunDir, job_
     return "\n".join(lines)
 
 
+def batch_script(launcher: SlurmLauncher, kind: str, run: RunDir, resume: bool) -> str:
+    """The sbatch script of `composer train KIND` for this run (its resolved recipe in RUN/slurm/recipe.yaml)."""
+    command = [launcher.python, "-m", "cli", "train", kind, str(run.root / "slurm" / "recipe.yaml"), *(["--resume"] if resume else [])]
+    return sbatch_script(launcher, command, run, f"composer-{run.root.name}")
+
+
 def submit(launcher: SlurmLauncher, kind: str, recipe_yaml: str, run: RunDir, resume: bool) -> tuple[str, Path]:
     """Write the resolved recipe and an sbatch script into RUN/slurm/ and submit it; returns (job id, script)."""
     if in_allocation():
         raise UserError("--submit: this is already inside a SLURM allocation; run the command without --submit")
     sbatch = _require("sbatch")
-    folder = run.root / "slurm"
-    recipe_path = folder / "recipe.yaml"
-    command = [launcher.python, "-m", "cli", "train", kind, str(recipe_path), *(["--resume"] if resume else [])]
-    script = folder / "job.sbatch"
-    atomic_write_text(recipe_path, recipe_yaml)
-    atomic_write_text(script, sbatch_script(launcher, command, run, f"composer-{run.root.name}"))
+    script = run.root / "slurm" / "job.sbatch"
+    atomic_write_text(run.root / "slurm" / "recipe.yaml", recipe_yaml)
+    atomic_write_text(script, batch_script(launcher, kind, run, resume))
     result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True)
     if result.returncode != 0:
         raise UserError(f"sbatch {script} failed: {(result.stderr or result.stdout).strip()}")

@@ -113,7 +113,8 @@ class SlurmSection(Section):
 
 class ClusterSection(Section):
     hosts: list[str] = Field(default_factory=lambda: ["localhost"], min_length=1)
-    """Trainer hosts; the first one is the rendezvous master."""
+    """Trainer hosts; the first one is the rendezvous master. With the slurm launcher SLURM picks the nodes:
+    the list gives their number (and names for --dry-run)."""
     procs_per_host: int = Field(default=1, gt=0)
     """Training processes per host: GPUs per host, or gloo processes on a CPU machine."""
     ssh: SSHSection = Field(default_factory=SSHSection)

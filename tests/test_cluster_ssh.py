@@ -179,3 +179,45 @@ def test_cluster_check_passes_healthy_hosts_and_names_each_problem(hosts, tmp_pa
     assert "not shared" in text
     assert "unreachable" in text and "cannot connect" in text and netns_hosts.UNUSED_ADDRESS in first_lines
     assert "problem(s)" in text
+
+
+def rollout_recipe(hosts, tmp_path: Path, host: str, *more: str):
+    from recipes.loader import load_recipe
+
+    sets = [f"run.dir={tmp_path / 'runs'}", "model.checkpoint=unused", "rollout.engine=server", f"rollout.hosts=[{host}]",
+            f"rollout.remote_dir={tmp_path / 'remote'}", f"rollout.remote_python={hosts.python}", "cluster.ssh.user=root",
+            f"cluster.ssh.key_file={hosts.client_key}", f"cluster.ssh.known_hosts={hosts.known_hosts}", *more]
+    return load_recipe(RECIPES / "smoke-rl.yaml", sets)
+
+
+def test_a_rollout_host_pulls_from_an_ssh_store_with_the_recipe_key_and_known_hosts(hosts, tmp_path):
+    from rl.layout import RLRunFiles
+    from rl.rollout_hosts import RemoteHost
+    from sync.pusher import push_version
+    from tests.sync_testing import TrainingRun
+
+    weights = TrainingRun(tmp_path / "checkpoints")
+    weights.step()
+    checkpoint = weights.save()
+    # the store is on the second host; the first one pulls from it, authenticated with the recipe's key only
+    recipe = rollout_recipe(hosts, tmp_path, hosts.names[0], f"sync.store=ssh://root@{hosts.names[1]}{tmp_path / 'store'}")
+    info = push_version(checkpoint, recipe.sync, recipe.cluster.ssh, cache_dir=tmp_path / "cache")
+    host = RemoteHost(hosts.names[0], recipe, RLRunFiles(tmp_path / "runs" / "smoke-rl"))
+    try:
+        pulled = Path(host.pull(info.id))
+    finally:
+        host.close()
+    for shard in checkpoint.glob("*.safetensors"):
+        assert (pulled / shard.name).read_bytes() == shard.read_bytes()
+
+
+def test_a_rollout_host_that_does_not_see_a_directory_store_is_refused(hosts):
+    from recipes.errors import UserError
+    from rl.layout import RLRunFiles
+    from rl.rollout_hosts import RemoteHost
+
+    shared = hosts.dir / "shared" / "rl"  # host 3 mounts its own directory there
+    recipe = rollout_recipe(hosts, shared, hosts.names[2])
+    with pytest.raises(UserError, match=f"rollout host root@{hosts.names[2]}:22 does not see the sync store"):
+        RemoteHost(hosts.names[2], recipe, RLRunFiles(shared / "runs" / "smoke-rl"))
+    RemoteHost(hosts.names[0], recipe, RLRunFiles(shared / "runs" / "smoke-rl")).close()  # host 1 sees it: no error
