@@ -45,12 +45,23 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def remove_leftovers() -> None:
+    """Every namespace, veth and bridge of this prefix (the kernel frees a deleted namespace's links lazily, so
+    the host ends of the veth pairs are deleted explicitly)."""
     for line in _ip("netns", "list").stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         if name.startswith(PREFIX):
             _kill_namespace_processes(name)
             _ip("netns", "delete", name, check=False)
-    _ip("link", "delete", BRIDGE, check=False)
+    for link in _links():
+        _ip("link", "delete", link, check=False)
+    deadline = time.monotonic() + 10
+    while _links() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _links() -> list[str]:
+    names = [line.split(":")[1].strip().split("@")[0] for line in _ip("-o", "link", "show").stdout.splitlines()]
+    return [name for name in names if name.startswith(PREFIX)]
 
 
 def _kill_namespace_processes(namespace: str) -> None:
@@ -172,9 +183,4 @@ class Hosts:
                 host.sshd.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 host.sshd.kill()
-        for index in range(len(self.hosts) or 16):
-            namespace = f"{PREFIX}{index}"
-            if _ip("netns", "pids", namespace, check=False).returncode == 0:
-                _kill_namespace_processes(namespace)
-                _ip("netns", "delete", namespace, check=False)
-        _ip("link", "delete", BRIDGE, check=False)
+        remove_leftovers()
