@@ -273,7 +273,7 @@ class Job:
         try:
             while True:
                 codes = [p.exit_code() for p in self.processes]
-                if self._failed is None:
+                if self._failed is None and not self._stopping:  # hosts we stop are not the cause
                     for process, code in zip(self.processes, codes):
                         if code not in (None, 0):
                             self._failed = (process, code)
@@ -286,6 +286,8 @@ class Job:
                     return
                 time.sleep(0.1)
         finally:
+            if self._code is None:
+                self._code = 1  # the watcher itself failed (its traceback is on stderr)
             for process in self.processes:
                 process.close()
             self._on_close()

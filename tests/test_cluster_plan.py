@@ -96,3 +96,13 @@ def test_a_failed_rank_is_named_with_its_traceback_line(tmp_path):
     message = str(failed.value)
     assert message.startswith("host localhost (node 0, ranks 0-1): rank 1 failed (exit code 1): RuntimeError: rank one broke"), message
     assert "the job was stopped on every host" in message
+
+
+def test_cluster_check_of_this_host(tmp_path):
+    result = run_composer("cluster", "check", str(RECIPES / "smoke-midtrain.yaml"), "--set", f"run.dir={tmp_path}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = flat(result.stdout)
+    assert "1 host(s), launcher local" in out and "localhost" in out and "every host is ready" in out
+    from importlib.metadata import version
+
+    assert version("torch") in out and version("megatron-core") in out

@@ -221,3 +221,21 @@ def test_a_rollout_host_that_does_not_see_a_directory_store_is_refused(hosts):
     with pytest.raises(UserError, match=f"rollout host root@{hosts.names[2]}:22 does not see the sync store"):
         RemoteHost(hosts.names[2], recipe, RLRunFiles(shared / "runs" / "smoke-rl"))
     RemoteHost(hosts.names[0], recipe, RLRunFiles(shared / "runs" / "smoke-rl")).close()  # host 1 sees it: no error
+
+
+@pytest.mark.engines
+def test_the_rl_learner_runs_on_two_hosts(hosts, tmp_path):
+    from recipes.loader import load_recipe
+    from tests.test_rl import metrics, start
+    from trainer.checkpoint_init import init_hf_checkpoint
+
+    checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)
+    learner = cluster_sets(hosts, hosts.names[:2]) + ["cluster.procs_per_host=1", "train.steps=3"]
+    driver = start(tmp_path / "runs", checkpoint, *(a for s in learner for a in ("--set", s)))
+    output, _ = driver.communicate(timeout=600)
+    assert driver.returncode == 0, output[-3000:]
+    run = tmp_path / "runs" / "smoke-rl"
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+    for host in hosts.names[:2]:
+        assert (run / "logs" / host / "torchrun.log").is_file()
+    assert wait_for_nothing_running(hosts, "rl.learner_main") == []
