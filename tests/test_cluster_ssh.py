@@ -2,8 +2,8 @@
 (tests/netns_hosts.py), torchrun's c10d rendezvous across them, gloo on their own interfaces.
 
 A 2-host x 2-process mid-training reproduces the 1-host x 4-process run; a host's torchrun killed with -9 stops
-the job on every host with one message naming it; `--resume` finishes; a killed driver leaves nothing running;
-`composer cluster check` names every broken host.
+the job on every host with one message naming it; a killed driver leaves nothing running; `--resume` finishes on a
+replacement host; `composer cluster check` names every broken host; rollout hosts pull from the sync store themselves.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_two_hosts_by_two_processes_train_like_one_host_by_four(hosts, init, tmp
 
 
 @pytest.mark.engines
-def test_a_killed_host_stops_the_job_resume_finishes_and_a_killed_driver_leaves_nothing(hosts, init, tmp_path):
+def test_a_killed_host_stops_the_job_a_killed_driver_leaves_nothing_and_resume_finishes_on_a_replacement_host(hosts, init, tmp_path):
     runs, steps = tmp_path / "runs", 14
     args = midtrain(init, runs, "kill", steps, "cluster.procs_per_host=2", *cluster_sets(hosts, hosts.names[:2]))
     metrics = runs / "kill" / "metrics.jsonl"
@@ -142,8 +142,11 @@ def test_a_killed_host_stops_the_job_resume_finishes_and_a_killed_driver_leaves_
     driver.communicate()
     assert wait_for_nothing_running(hosts, "trainer.midtrain") == [], "ranks outlived the driver"
 
-    resumed = run_composer(*args, "--resume")
+    # the second host is replaced by the third: the run resumes from the shared checkpoint
+    replaced = midtrain(init, runs, "kill", steps, "cluster.procs_per_host=2", *cluster_sets(hosts, [hosts.names[0], hosts.names[2]]))
+    resumed = run_composer(*replaced, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (runs / "kill" / "logs" / hosts.names[2] / "torchrun.log").is_file()
     assert sorted(losses(runs / "kill")) == list(range(steps + 1))
     assert (runs / "kill" / "export" / "config.json").is_file()
     assert wait_for_nothing_running(hosts, "torch.distributed.run") == []
