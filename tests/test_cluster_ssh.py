@@ -106,14 +106,14 @@ def test_two_hosts_by_two_processes_train_like_one_host_by_four(hosts, init, tmp
 
 @pytest.mark.engines
 def test_a_killed_host_stops_the_job_a_killed_driver_leaves_nothing_and_resume_finishes_on_a_replacement_host(hosts, init, tmp_path):
-    runs, steps = tmp_path / "runs", 14
+    runs, steps = tmp_path / "runs", 9
     args = midtrain(init, runs, "kill", steps, "cluster.procs_per_host=2", *cluster_sets(hosts, hosts.names[:2]))
     metrics = runs / "kill" / "metrics.jsonl"
 
     def start_and_wait_for_step(step: int, *more: str) -> subprocess.Popen:
         driver = subprocess.Popen([*COMPOSER, *args, *more], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env={**os.environ, "COLUMNS": "200"})
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a guard against a hang, not a speed limit
         while not (metrics.exists() and any(r["step"] >= step for r in read_metrics(metrics))):
             assert driver.poll() is None, driver.communicate()
             assert time.monotonic() < deadline, "the run made no progress"
@@ -121,7 +121,7 @@ def test_a_killed_host_stops_the_job_a_killed_driver_leaves_nothing_and_resume_f
         return driver
 
     # kill -9 of the second host's torchrun: the whole job stops, one message names the host and the signal
-    driver = start_and_wait_for_step(4)
+    driver = start_and_wait_for_step(2)
     victim = hosts.hosts[1]
     torchruns = hosts.pids(victim, "torch.distributed.run --nproc-per-node")
     assert torchruns, hosts.processes("torch")
@@ -137,7 +137,7 @@ def test_a_killed_host_stops_the_job_a_killed_driver_leaves_nothing_and_resume_f
     assert wait_for_nothing_running(hosts, "trainer.midtrain") == []
 
     # kill -9 of the driver: every host's torchrun and ranks end with its SSH sessions
-    driver = start_and_wait_for_step(8, "--resume")
+    driver = start_and_wait_for_step(5, "--resume")
     driver.kill()
     driver.communicate()
     assert wait_for_nothing_running(hosts, "trainer.midtrain") == [], "ranks outlived the driver"
