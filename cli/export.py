@@ -28,7 +28,7 @@ def export(
     recipe = load_recipe(run.recipe_path)
     from trainer import midtrain
     from trainer.checkpointing import Checkpointer
-    from trainer.launch import launch_ranks
+    from cluster.launch import build_launcher, run_to_end
 
     latest = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints).latest()
     if latest is None:
@@ -36,5 +36,5 @@ def export(
     out = out or run.root / f"export-{latest.name}"
     if out.exists():
         raise UserError(f"{out}: already exists; export into a new directory")
-    launch_ranks(run, recipe.cluster.procs_per_host, midtrain.MODULE, ["export", str(run.root), str(out.absolute())])
+    run_to_end(build_launcher(recipe.cluster).start(midtrain.MODULE, ["export", str(run.root), str(out.absolute())], run, console))
     console.print(f"[green]✓[/] {escape(str(out))} [dim](from {escape(latest.name)})[/]", highlight=False)

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from cli import cluster as cluster_cmd
 from cli import data as data_cmd
 from cli import env as env_cmd
 from cli import export as export_cmd
@@ -36,6 +37,7 @@ app.add_typer(train_cmd.app, name="train")
 app.add_typer(export_cmd.app, name="export")
 app.add_typer(sync_cmd.app, name="sync")
 app.add_typer(env_cmd.app, name="env")
+app.add_typer(cluster_cmd.app, name="cluster")
 
 err_console = Console(stderr=True, soft_wrap=True)
 _debug = False

@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from recipes.errors import UserError
 from recipes.loader import load_recipe, recipe_to_yaml
 from recipes.runs import RunDir
 
@@ -15,28 +16,63 @@ app = typer.Typer(help="Train from a recipe: mid-training with Megatron-Core, RL
 console = Console(soft_wrap=True)
 
 SetOption = typer.Option([], "--set", "-s", help="Override a key: --set train.steps=10 (value parsed as YAML). Repeatable.")
+DryRunOption = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, ranks, parallel groups, commands) and exit.")
+SubmitOption = typer.Option(False, "--submit", help="cluster.launcher slurm: write an sbatch script into the run directory, submit it, print the job id.")
+
+
+def _dry_run(kind: str, recipe, launcher, module: str, args: list[str], resume: bool) -> None:
+    from cli.cluster import print_plan
+    from cluster.slurm import SlurmLauncher, batch_script, in_allocation
+
+    print_plan(launcher.plan(module, args, recipe.run.name), recipe.parallelism, recipe.cluster.world_size, console)
+    if isinstance(launcher, SlurmLauncher) and not in_allocation():
+        console.print("[bold]sbatch script[/] (--submit):", highlight=False)
+        console.print(escape(batch_script(launcher, kind, RunDir.of(recipe), resume)), highlight=False)
+
+
+def _submit(kind: str, recipe, run: RunDir, resume: bool) -> None:
+    from cluster.launch import build_launcher
+    from cluster.slurm import SlurmLauncher, submit
+
+    launcher = build_launcher(recipe.cluster)
+    if not isinstance(launcher, SlurmLauncher):
+        raise UserError(f"--submit needs cluster.launcher: slurm (the recipe says {recipe.cluster.launcher})")
+    if not resume and run.metrics_path.exists():
+        raise UserError(f"{run.root} already holds a run; pass --resume to continue it, or choose another run.name")
+    job_id, script = submit(launcher, kind, recipe_to_yaml(recipe), run, resume)
+    console.print(f"submitted SLURM job {job_id} ({escape(str(script))}); its output: {escape(str(run.root / 'slurm'))}/job-{job_id}.out", highlight=False)
 
 
 @app.command()
 def midtrain(
     recipe_file: Path = typer.Argument(..., metavar="RECIPE", help="Recipe file with a data section."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run from its newest checkpoint."),
+    dry_run: bool = DryRunOption,
+    submit: bool = SubmitOption,
     overrides: list[str] = SetOption,
 ) -> None:
     """Continued pre-training: tokenize the corpus, train, checkpoint, evaluate, export an HF checkpoint."""
     recipe = load_recipe(recipe_file, overrides)
     # torch is imported from here on; `composer --help` stays fast
+    from cluster.launch import build_launcher, run_to_end
     from trainer import midtrain
-    from trainer.launch import launch_ranks
 
     midtrain.check_midtrain_recipe(recipe)
     run = RunDir.of(recipe)
+    args = ["train", str(run.root), *(["--resume"] if resume else [])]
+    launcher = build_launcher(recipe.cluster)
+    if dry_run:
+        _dry_run("midtrain", recipe, launcher, midtrain.MODULE, args, resume)
+        return
     if resume:
         midtrain.check_resume(run, recipe)  # before the run's recipe.yaml is replaced
+    if submit:
+        _submit("midtrain", recipe, run, resume)
+        return
+    launcher.check_startable()
     run.prepare(recipe_to_yaml(recipe), resume)
-    args = ["train", str(run.root), *(["--resume"] if resume else [])]
     with run.failures_recorded():
-        launch_ranks(run, recipe.cluster.procs_per_host, midtrain.MODULE, args)
+        run_to_end(launcher.start(midtrain.MODULE, args, run, console))
     console.print(f"[green]✓[/] run {escape(str(run.root))}: metrics.jsonl, tensorboard/, checkpoints/, export/", highlight=False)
 
 
@@ -47,10 +83,25 @@ def rl(
     replay: Path | None = typer.Option(None, "--replay", metavar="RUN_DIR",
                                        help="Train the learner on RUN_DIR's recorded trajectory groups, step by step as that run did; no engines."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also print a line per trajectory group."),
+    dry_run: bool = DryRunOption,
+    submit: bool = SubmitOption,
     overrides: list[str] = SetOption,
 ) -> None:
     """Asynchronous RL: vLLM rollouts in sandboxed coding tasks, Megatron learner, delta weight sync."""
-    from rl.driver import run_rl
+    from rl.driver import check_rl_recipe, learner_launch, run_rl
 
-    root = run_rl(load_recipe(recipe_file, overrides), resume, replay=replay, verbose=verbose)
+    recipe = load_recipe(recipe_file, overrides)
+    if dry_run:
+        check_rl_recipe(recipe)
+        console.print(f"rollout hosts: {', '.join(recipe.rollout.hosts)} ({recipe.rollout.engine}, "
+                      f"{recipe.rollout.engines_per_host} engine(s) per host); the learner:", highlight=False)
+        _dry_run("rl", recipe, *learner_launch(recipe), resume)
+        return
+    if submit:
+        if replay is not None:
+            raise UserError("--submit runs rollouts in the allocation; replay a run with --replay outside --submit")
+        check_rl_recipe(recipe)
+        _submit("rl", recipe, RunDir.of(recipe), resume)
+        return
+    root = run_rl(recipe, resume, replay=replay, verbose=verbose)
     console.print(f"[green]✓[/] run {escape(str(root))}: metrics.jsonl, rollout_metrics.jsonl, trajectories/, checkpoints/", highlight=False)

@@ -175,13 +175,37 @@ class SSHSection(Section):
     """Refuse hosts whose key is unknown or changed. Turn off only on throw-away test hosts."""
 
 
+class SlurmSection(Section):
+    partition: str | None = None
+    """Partition to submit to; the cluster's default when unset."""
+    account: str | None = None
+    """Account to charge; the user's default when unset."""
+    time_limit: str | None = None
+    """Wall-clock limit (sbatch --time, e.g. 2-00:00:00); the partition's default when unset."""
+
+
 class ClusterSection(Section):
     hosts: list[str] = Field(default_factory=lambda: ["localhost"], min_length=1)
-    """Trainer hosts; the first one is the rendezvous master."""
+    """Trainer hosts; the first one is the rendezvous master. With the slurm launcher SLURM picks the nodes:
+    the list gives their number (and names for --dry-run)."""
     procs_per_host: int = Field(default=1, gt=0)
     """Training processes per host: GPUs per host, or gloo processes on a CPU machine."""
     ssh: SSHSection = Field(default_factory=SSHSection)
     """How remote hosts (trainer, rollout, sync stores) are reached."""
+    # --- how training ranks reach the hosts (cluster/launch.py) ---
+    launcher: Literal["local", "ssh", "slurm"] = "local"
+    """`local`: torchrun on this host; `ssh`: torchrun on every host over SSH; `slurm`: srun inside an allocation
+    (or `--submit` an sbatch job). ssh and slurm need `run.dir` on storage every host sees."""
+    python: str | None = None
+    """Python with composer installed, the same on every training host (ssh, slurm); this Python when unset."""
+    workdir: str | None = None
+    """Directory the ranks start in on every host (relative recipe paths resolve there); this one when unset."""
+    rdzv_port: int = Field(default=29400, gt=0, lt=65536)
+    """Port of torchrun's c10d rendezvous on the first host (ssh, slurm)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment of every rank on every host, e.g. NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME."""
+    slurm: SlurmSection = Field(default_factory=SlurmSection)
+    """sbatch settings for `--submit` (launcher: slurm)."""
 
     @property
     def world_size(self) -> int:

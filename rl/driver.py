@@ -4,7 +4,6 @@ the learner's last step; with `--replay RUN`, the learner trains on RUN's record
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import time
 import traceback
 from collections.abc import Iterator
@@ -12,6 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from cluster.launch import Job, Launcher, build_launcher, run_to_end
 from recipes.checks import refuse_resume_changes, refuse_unhonoured
 from recipes.errors import RunFailed, UserError
 from recipes.loader import load_recipe, recipe_to_yaml
@@ -24,10 +24,8 @@ from rl.protocol import POLL_SECONDS, Heartbeat, Policy, ReplayQueue, RLRunFiles
 from rl.rollout_hosts import LocalHost, open_hosts
 from rl.rollout_worker import RolloutWorker
 from sync.pusher import push_version
-from trainer.launch import clear_rank_errors, log_offsets, rank_environment, ranks_failure, torchrun_command
 
 UNHONOURED = {
-    "cluster.hosts": "the learner runs on this host",
     "parallelism.pp": "the RL learner's step does not run the pipeline schedule (trainer.pipeline) yet",
     "data": "RL trains on rollouts, not on a corpus",
     "train.eval_every": "RL reports rewards every step instead of a held-out evaluation",
@@ -61,11 +59,15 @@ def check_replay(recipe: Recipe, source: Path) -> None:
         raise UserError(f"--replay {source}: train.steps={recipe.train.steps} but the run recorded {len(recorded.steps)} learner steps")
 
 
-def start_learner(recipe: Recipe, files: RLRunFiles, log: Path) -> subprocess.Popen:
-    """The learner ranks, in the background (the rollouts run meanwhile), in this process group."""
-    cmd = torchrun_command(recipe.cluster.procs_per_host, learner_main.MODULE, [str(files.root)])
-    with log.open("ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=rank_environment())
+def learner_launch(recipe: Recipe) -> tuple[Launcher, str, list[str]]:
+    """How the learner ranks start on the recipe's training hosts (cluster.launcher)."""
+    return build_launcher(recipe.cluster), learner_main.MODULE, [str(RunDir.of(recipe).root)]
+
+
+def start_learner(recipe: Recipe, files: RLRunFiles) -> Job:
+    """The learner ranks, in the background (the rollouts run meanwhile); their output goes to the run's logs."""
+    launcher, module, args = learner_launch(recipe)
+    return launcher.start(module, args, RunDir(files.root))
 
 
 @contextlib.contextmanager
@@ -80,17 +82,7 @@ def crash_explained(log: Path) -> Iterator[None]:
         raise RunFailed(f"the driver failed: {type(e).__name__}: {e}\ntraceback in {log}") from e
 
 
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()  # torchrun forwards it to the ranks
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: subprocess.Popen, view: RLConsole) -> None:
+def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: Job, view: RLConsole) -> None:
     """Engines on every rollout host make groups until the learner is done."""
     with contextlib.ExitStack() as stack:
         hosts = open_hosts(recipe, files)
@@ -119,6 +111,7 @@ def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bo
     """The run. The terminal shows its live view (group lines too when `verbose`); what the libraries and the
     embedded engine print goes to logs/driver.log."""
     check_rl_recipe(recipe)
+    learner_launch(recipe)[0].check_startable()
     run = RunDir.of(recipe)
     files = RLRunFiles(run.root)
     if resume and run.recipe_path.is_file():
@@ -147,11 +140,8 @@ def drive(recipe: Recipe, files: RLRunFiles, run: RunDir, view: RLConsole, repla
         view.note(f"publishing the initial policy from {recipe.model.checkpoint}")
         info = push_version(recipe.model.checkpoint, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
         files.publish_policy(Policy(0, info.id))
-    clear_rank_errors(run)
-    learner_log = run.logs / "torchrun.log"
-    offsets = log_offsets(run, recipe.cluster.procs_per_host, learner_log)
     view.note("starting the learner")
-    learner = start_learner(recipe, files, learner_log)
+    learner = start_learner(recipe, files)
     try:
         if replay is None:
             run_rollouts(recipe, files, learner, view)
@@ -161,6 +151,5 @@ def drive(recipe: Recipe, files: RLRunFiles, run: RunDir, view: RLConsole, repla
             view.poll()
             time.sleep(POLL_SECONDS)
     finally:
-        stop(learner)
-    if learner.returncode != 0:
-        raise ranks_failure(run, learner.returncode, offsets, "the learner")
+        learner.terminate()  # torchrun forwards it to the ranks, on every host
+    run_to_end(learner)

@@ -17,14 +17,17 @@ import shlex
 import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 
+from cluster.ssh import SSHHost
 from recipes.errors import UserError
-from recipes.schema import Recipe
+from recipes.runs import atomic_write_text
+from recipes.schema import Recipe, SSHSection, SyncSection
 from rl.protocol import RLRunFiles, sync_section
 from rollout import server_guard
 from rollout.engine import EmbeddedEngine, Engine, ServerEngine, VllmServer, server_args, wait_healthy
 from sync.receiver import pull, update_in_place
-from sync.ssh import SSHHost
 from sync.store import Store
 
 SERVER_START_SECONDS = 300
@@ -124,6 +127,21 @@ class RemoteHost:
         """The vLLM servers' logs there, copied into the run's logs/ when the host closes."""
         self.engine_versions = _EngineVersions()
         self._run(f"mkdir -p {shlex.quote(self.dir)}")
+        store = sync_section(recipe, files).store
+        if not store.startswith("ssh://"):
+            self._refuse_unseen_store(Path(store))
+
+    def _refuse_unseen_store(self, store: Path) -> None:
+        """A directory store must be one the host mounts too: it pulls every policy from there itself."""
+        probe = store / f".probe-{uuid.uuid4().hex}"
+        atomic_write_text(probe, probe.name)
+        try:
+            seen = self._run(f"cat {shlex.quote(str(probe))} 2>/dev/null || true").strip() == probe.name
+        finally:
+            probe.unlink()
+        if not seen:
+            raise UserError(f"rollout host {self.ssh.where} does not see the sync store {store} (a directory on this machine); "
+                            "set sync.store to a directory every rollout host mounts, or to an ssh:// store they can reach")
 
     def _run(self, command: str) -> str:
         try:
@@ -141,7 +159,7 @@ class RemoteHost:
     def pull(self, store_version: str) -> str:
         if self._pulled is None or self._pulled[0] != store_version:
             sync = sync_section(self.recipe, self.files)
-            self._composer("sync", "pull", *_store_args(sync), "--to", self.receiver, "--version", store_version)
+            self._composer("sync", "pull", *_store_args(sync, self.recipe.cluster.ssh), "--to", self.receiver, "--version", store_version)
             self._pulled = (store_version, self._run(f"readlink -f {shlex.quote(self.receiver + '/current')}").strip())
         return self._pulled[1]
 
@@ -150,7 +168,7 @@ class RemoteHost:
         composer, the engine reloads what changed from it (call with `lock` held)."""
         sync = sync_section(self.recipe, self.files)
         if self._pulled is None or self._pulled[0] != store_version:
-            self._composer("sync", "pull", *_store_args(sync), "--to", self.receiver, "--version", store_version, "--in-place")
+            self._composer("sync", "pull", *_store_args(sync, self.recipe.cluster.ssh), "--to", self.receiver, "--version", store_version, "--in-place")
             self._pulled = (store_version, self._run(f"readlink -f {shlex.quote(self.receiver + '/current')}").strip())
         with Store.open(sync.store, self.recipe.cluster.ssh, endpoint=sync.endpoint) as store:
             self.engine_versions.move(engine, store, store_version, self._pulled[1])
@@ -195,8 +213,11 @@ class RemoteHost:
         self.ssh.close()
 
 
-def _store_args(sync) -> list[str]:
-    return ["--store", sync.store] + (["--endpoint", sync.endpoint] if sync.endpoint else [])
+def _store_args(sync: SyncSection, ssh: SSHSection) -> list[str]:
+    """How the host's composer reaches the store: an ssh:// store with the recipe's key and known_hosts (paths on that
+    host), an s3:// store at its endpoint."""
+    return ["--store", sync.store, *(["--endpoint", sync.endpoint] if sync.endpoint else []),
+            *(["--ssh-key", ssh.key_file] if ssh.key_file else []), *(["--known-hosts", ssh.known_hosts] if ssh.known_hosts else [])]
 
 
 def open_hosts(recipe: Recipe, files: RLRunFiles) -> list[LocalHost | RemoteHost]:

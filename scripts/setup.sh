@@ -38,4 +38,8 @@ fi
 if ! [[ -x /usr/bin/chromedriver ]] && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) || echo "setup: chromium not installed; the report.html browser test will be skipped" >&2
 fi
+# Debian's SLURM (slurmctld, slurmd, srun, sbatch) and munge: the SLURM launcher tests start a one-node cluster.
+if ! command -v slurmctld >/dev/null && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq slurm-wlm munge >/dev/null) || echo "setup: slurm-wlm not installed; SLURM tests will be skipped" >&2
+fi
 echo "$want" > "$stamp"

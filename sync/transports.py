@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from recipes.errors import UserError
 from recipes.runs import fsync_dir
 from recipes.schema import SSHSection
-from sync.ssh import SSHHost
+from cluster.ssh import SSHHost
 
 
 class Transport(ABC):

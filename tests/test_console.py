@@ -140,25 +140,6 @@ def test_a_driver_crash_ends_in_its_cause_and_the_log_that_holds_the_traceback(t
     assert "Traceback" in capsys.readouterr().err  # stderr is the log while the driver runs
 
 
-def test_failed_ranks_are_explained_by_the_end_of_the_first_new_traceback(tmp_path):
-    from recipes.runs import RunDir
-    from trainer.launch import RanksFailed, log_offsets, ranks_failure
-
-    run = RunDir(tmp_path)
-    run.logs.mkdir()
-    (run.logs / "rank-0.log").write_text("Traceback (most recent call last):\n  an old run's crash\nOldError\n")
-    offsets = log_offsets(run, 2, run.logs / "torchrun.log")
-    (run.logs / "rank-0.log").open("a").write("UserWarning: noise\n")
-    (run.logs / "rank-1.log").write_text("Traceback (most recent call last):\n" + "".join(f'  File "x.py", line {i}\n' for i in range(9)) + "ZeroDivisionError: division by zero\n")
-    failure = ranks_failure(run, 1, offsets, "the learner")
-    assert isinstance(failure, RanksFailed)
-    message = str(failure).splitlines()
-    assert message[0] == f"the learner failed (torchrun exit code 1); traceback in {run.logs / 'rank-1.log'}"
-    assert message[-1] == "  ZeroDivisionError: division by zero" and len(message) == 7 and "OldError" not in str(failure)
-    (run.logs / "error-rank-1.txt").write_text("data.sources: no files")
-    assert type(ranks_failure(run, 2, offsets, "the learner")) is UserError and str(ranks_failure(run, 2, offsets, "x")) == "data.sources: no files"
-
-
 def test_the_view_follows_a_metrics_file_the_resuming_learner_replaced(tmp_path):
     from recipes.runs import drop_records_after
     from rl.console import MetricsTail

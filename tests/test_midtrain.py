@@ -179,10 +179,22 @@ def test_bad_input_is_one_clear_error_from_the_ranks(workspace, corpus, case):
     assert "Traceback" not in result.stderr + result.stdout
 
 
+def test_activation_recompute_trains_the_same_model(workspace, reference):
+    """train.recompute_activations re-runs every layer's forward in backward: the same losses and gradients."""
+    result = run_composer(*midtrain_args(workspace, "recompute", "train.recompute_activations=true"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    plain, recomputed = records(reference), records(workspace / "runs" / "recompute")
+    assert len(plain) == len(recomputed)
+    for a, b in zip(plain, recomputed):
+        for key in ("loss", "eval_loss", "grad_norm"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+
+
 def test_keys_the_loop_cannot_honour_are_refused_before_launch(workspace):
-    result = run_composer(*midtrain_args(workspace, "refused", "train.recompute_activations=true"))
+    result = run_composer(*midtrain_args(workspace, "refused", "parallelism.cp=2"))
     assert result.returncode == 2
-    assert "train.recompute_activations: train midtrain does not support True" in result.stderr
+    assert "parallelism.cp: train midtrain does not support 2" in result.stderr
     assert not (workspace / "runs" / "refused").exists()
 
 

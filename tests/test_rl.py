@@ -111,10 +111,11 @@ def test_policies_flow_through_sync(killed_and_resumed):
     assert max(versions) >= 2  # rollouts followed the learner's pushed policies
 
 
-def test_keys_the_rl_driver_cannot_honour_are_refused(composer):
-    result = composer("train", "rl", str(RECIPES / "kimi-k2-rl.yaml"))
+def test_a_learner_that_cannot_start_here_is_refused_before_the_run_starts(composer, tmp_path):
+    result = composer("train", "rl", str(RECIPES / "kimi-k2-rl.yaml"), "--set", f"run.dir={tmp_path}")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "cluster.hosts: train rl does not support" in result.stderr
+    assert "cluster.launcher is slurm but this is not inside a SLURM allocation" in result.stderr
+    assert not (tmp_path / "kimi-k2-rl").exists()
 
 
 def test_resume_refuses_a_recipe_that_changes_what_the_run_depends_on(killed_and_resumed, composer):

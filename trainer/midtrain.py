@@ -7,7 +7,7 @@ Every rank reads the resolved recipe from RUN_DIR/recipe.yaml. The loop (`Midtra
 checkpoints and logs; `train_step` does one optimizer step and returns its metrics. Global batch `k` (0-based)
 is always train samples [k*G, (k+1)*G) of the blended dataset, so a resumed run reads exactly the data an
 uninterrupted one would. A UserError on any rank is written to RUN_DIR/logs/ for the launcher and ends the rank
-with exit code 2 (see `trainer.launch`).
+with exit code 2 (see `cluster.launch`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ MODULE = __spec__.name
 
 UNHONOURED = {
     "parallelism.cp": "context parallelism is not wired into the loop",
-    "train.recompute_activations": "activation recompute is not wired into the loop",
     "rollout": "a midtrain run has no rollout engines (an RL recipe?)",
     "env": "a midtrain run has no environments (an RL recipe?)",
     "rl": "a midtrain run has no RL objective (an RL recipe?)",
@@ -59,11 +58,6 @@ def check_midtrain_recipe(recipe: Recipe) -> None:
     refuse_unhonoured(recipe, "train midtrain", UNHONOURED)
     if recipe.data is None:
         raise UserError("train midtrain: the recipe has no data section; add data.sources and data.seq_length")
-    if len(recipe.cluster.hosts) > 1:
-        raise UserError(
-            f"train midtrain: cluster.hosts lists {len(recipe.cluster.hosts)} hosts; multi-host launch is not wired yet, "
-            f"so list one host and set cluster.procs_per_host"
-        )
 
 
 RESUME_FIXED = ("data.sources", "data.tokenizer", "data.seq_length", "data.split", "train.steps", "train.global_batch_size", "train.eval_batches", "train.seed")

@@ -1,5 +1,5 @@
 """One SSH connection (fabric) to a host, with host keys checked as the recipe says and failures turned into
-errors that say what to fix. Used by SSH stores and by remote rollout hosts."""
+errors that say what to fix. Used by the ssh launcher, cluster check, remote rollout hosts and SSH stores."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ class SSHHost:
             raise UserError(f"cluster.ssh.key_file: {key_file} does not exist")
         self.conn = fabric.Connection(
             self.host, user=self.user, port=self.port, connect_timeout=15,
-            connect_kwargs={"key_filename": key_file, "look_for_keys": key_file is None,
-                            "allow_agent": key_file is None},
+            # no key file: the agent and the default keys (fabric fails on key_filename=None)
+            connect_kwargs=({"key_filename": key_file, "look_for_keys": False, "allow_agent": False} if key_file
+                            else {"look_for_keys": True, "allow_agent": True}),
         )
         client = self.conn.client
         self._known_hosts: str | None = None

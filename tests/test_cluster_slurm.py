@@ -1,0 +1,90 @@
+"""The slurm launcher on a real one-node SLURM cluster (Debian's slurm-wlm + munge, started by the test):
+a smoke mid-training through `srun` inside `salloc`, and through `--submit` (sbatch)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recipes.processes import free_port
+from recipes.runs import read_metrics
+from tests import slurm_cluster
+from tests.conftest import RECIPES, REPO, run_composer
+
+pytestmark = [pytest.mark.engines, pytest.mark.skipif(slurm_cluster.why_not() is not None, reason=str(slurm_cluster.why_not()))]
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    try:
+        cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    except RuntimeError as e:
+        pytest.skip(f"the SLURM cluster cannot start here: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def init(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("init") / "model"
+    result = run_composer("model", "init", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out
+
+
+def midtrain(init: Path, run_dir: Path, name: str, *more: str) -> list[str]:
+    sets = [f"run.dir={run_dir}", f"run.name={name}", f"model.checkpoint={init}", f"data.cache_dir={init.parent / 'cache'}",
+            f"train.steps={STEPS}", f"train.eval_every={STEPS}", "train.eval_batches=1", f"train.checkpoint_every={STEPS}",
+            "optim.warmup_steps=1", "data.split=[90,10,0]", 'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
+            "cluster.launcher=slurm", f"cluster.rdzv_port={free_port()}"]
+    return [sys.executable, "-m", "cli", "train", "midtrain", str(RECIPES / "smoke-midtrain.yaml"), *(a for s in sets for a in ("--set", s)), *more]
+
+
+def steps(run: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+
+
+def test_srun_inside_salloc_runs_the_ranks(slurm, init, tmp_path):
+    result = subprocess.run(["salloc", "--nodes=1", *midtrain(init, tmp_path, "salloc")], cwd=REPO, env={**slurm.env, "COLUMNS": "200"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    run = tmp_path / "salloc"
+    assert steps(run) == list(range(STEPS + 1))
+    assert f"{slurm.node} | " in result.stdout  # the node's output, prefixed
+    assert "eval loss" in (run / "logs" / slurm.node / "torchrun.log").read_text()
+
+
+def test_submit_writes_an_sbatch_script_and_the_job_trains(slurm, init, tmp_path):
+    result = subprocess.run(midtrain(init, tmp_path, "batch", "--submit"), cwd=REPO, env={**slurm.env, "COLUMNS": "200"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.split("submitted SLURM job ")[1].split()[0]
+    assert job_id.isdigit()
+    run = tmp_path / "batch"
+    script = (run / "slurm" / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=1" in script and "train midtrain" in script
+    deadline = time.monotonic() + 300
+    while subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, env=slurm.env).stdout.strip():
+        assert time.monotonic() < deadline, "the batch job did not finish"
+        time.sleep(1)
+    out = (run / "slurm" / f"job-{job_id}.out").read_text()
+    assert steps(run) == list(range(STEPS + 1)), out[-3000:]
+    assert (run / "export" / "config.json").is_file()
+    assert f"{slurm.node} | " in out
+
+
+def test_submit_outside_slurm_launcher_is_refused(init, tmp_path):
+    args = midtrain(init, tmp_path, "refused", "--submit")
+    args[args.index("cluster.launcher=slurm")] = "cluster.launcher=local"
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 2
+    assert "--submit needs cluster.launcher: slurm" in result.stderr
