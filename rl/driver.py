@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from recipes.checks import refuse_resume_changes, refuse_unhonoured
 from recipes.errors import UserError
@@ -15,6 +16,7 @@ from recipes.loader import load_recipe, recipe_to_yaml
 from recipes.runs import RunDir
 from recipes.schema import ARCHITECTURE_FIELDS, LAYOUT_KEYS, Recipe
 from rl import learner_main
+from rl.evaluation import summary_line
 from rl.protocol import Heartbeat, Policy, ReplayQueue, RLRunFiles, RolloutQueue, StalenessRule, sync_section
 from rl.rollout_hosts import LocalHost, open_hosts
 from rl.rollout_worker import RolloutWorker
@@ -24,8 +26,8 @@ from trainer.launch import clear_rank_errors, first_rank_error, rank_environment
 UNHONOURED = {
     "cluster.hosts": "the learner runs on this host",
     "data": "RL trains on rollouts, not on a corpus",
-    "train.eval_every": "RL reports rewards every step instead of a held-out evaluation",
-    "train.eval_batches": "RL reports rewards every step instead of a held-out evaluation",
+    "train.eval_every": "RL evaluates on held-out tasks every rl.eval.every steps",
+    "train.eval_batches": "RL evaluates every held-out task of rl.eval",
     "train.log_every": "the learner records every step",
 }
 
@@ -86,9 +88,13 @@ def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: subprocess.Popen, c
             routed_experts=recipe.model.is_moe and recipe.rl.router_replay == "r3",
             hosts=hosts, tokenizer_dir=tokenizer_dir, queue=queue, files=files,
             on_group=lambda gid, s: console.print(
-                f"[dim]{gid}[/] engine {s['engine']} ({s['host']})  policy v{s['policy_version']}  reward {s['reward_mean']:.3f}  {s['generated_tokens_per_s']:.0f} tok/s"))
+                f"[dim]{gid}[/] engine {s['engine']} ({s['host']})  policy v{s['policy_version']}  reward {s['reward_mean']:.3f}  {s['generated_tokens_per_s']:.0f} tok/s"),
+            evaluation=recipe.rl.eval, steps=recipe.train.steps,
+            on_eval=lambda version, record: console.print(f"[bold]{escape(summary_line(version, record))}[/]", highlight=False))
         stack.callback(worker.close)
         worker.run(should_stop=lambda: learner.poll() is not None)
+        if learner.wait() == 0:
+            worker.final_evaluation()
 
 
 def run_rl(recipe: Recipe, resume: bool, console: Console, replay: Path | None = None) -> Path:
