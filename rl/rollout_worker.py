@@ -1,9 +1,9 @@
 """The rollout role of an RL run: engines follow the newest policy and make groups of episodes for the learner.
 
-Each engine loops: follow the policy -> claim a group (rl.protocol: what the staleness rule still allows) ->
-generate it -> hand it off -> log; a held-out evaluation (rl.evaluation) runs between groups when due. Group n always plays the same task (drawn from a generator seeded by n). With a
-server fleet each engine runs its own groups on its own thread and takes a new policy only between groups, so
-every trajectory is made by one policy version.
+Each engine loops: follow the policy -> evaluate it on held-out tasks when due (rl.evaluation) -> claim a group
+(rl.protocol: what the staleness rule still allows) -> generate it -> hand it off -> log. Group n always plays the
+same task (drawn from a generator seeded by n). With a server fleet each engine runs its own groups on its own
+thread and takes a new policy only between groups, so every trajectory is made by one policy version.
 """
 
 from __future__ import annotations

@@ -145,3 +145,19 @@ def test_replay_trains_the_recorded_groups_again_without_engines(killed_and_resu
     again = composer("train", "rl", str(run / "recipe.yaml"), "--replay", str(run), "--set", "run.name=replay2",
                      "--set", f"train.steps={STEPS + 1}")
     assert again.returncode == 2 and "recorded 5 learner steps" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_held_out_evaluation_before_and_after_on_tasks_never_trained(killed_and_resumed):
+    from rollout.trajectories import TrajectoryStore
+
+    run = killed_and_resumed.run
+    records = [json.loads(line) for line in (run / "eval_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, STEPS]  # the starting policy, then the final one; v0 not redone on resume
+    for r in records:
+        assert r["eval_smoke_tasks"] == 20 and 0 <= r["eval_smoke_greedy_pass@1"] <= 1 and r["eval_seconds"] > 0
+        assert r["eval_smoke_greedy_pass@1_low"] <= r["eval_smoke_greedy_pass@1"] <= r["eval_smoke_greedy_pass@1_high"]
+        assert r["eval_smoke_pass@1"] <= r["eval_smoke_pass@4"]
+    held_out = set(json.loads((run / "eval" / f"v{STEPS:06d}.json").read_text()))
+    store = TrajectoryStore(run / "trajectories")
+    trained = {t.task_id for g in store.known_groups() for t in store.load(g, store.stage_of(g))}
+    assert len(held_out) == 20 and trained and not held_out & trained
