@@ -357,7 +357,9 @@ class RLSection(Section):
     prompts_per_step: int = Field(default=8, gt=0)
     """Prompts (groups) per learner step."""
     advantage: Literal["group_mean", "group_mean_std"] = "group_mean_std"
-    """Advantage = reward minus group mean, optionally divided by the group's standard deviation."""
+    """Advantage = reward minus group mean, optionally divided by the group's standard deviation. `group_mean_std`
+    (GRPO) gives every group with signal the same spread, so a rare success on a hard task is not drowned out by a
+    small reward scale; `group_mean` (Dr. GRPO) keeps raw differences, with no bias towards near-uniform groups."""
     is_cap: float = Field(default=2.0, ge=1)
     """Truncation cap of the importance ratio between learner and rollout policy."""
     is_level: Literal["token", "sequence", "geometric"] = "token"

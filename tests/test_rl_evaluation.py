@@ -76,3 +76,21 @@ def test_interval_math_matches_a_normal_approximation():
     lo, hi = bootstrap_interval(values)
     half = 1.96 * math.sqrt(0.3 * 0.7 / 100)
     assert lo == pytest.approx(0.3 - half, abs=0.02) and hi == pytest.approx(0.3 + half, abs=0.02)
+
+
+def test_evaluations_are_due_once_per_window_at_the_start_and_at_the_end(tmp_path):
+    import json
+
+    from rl.evaluation import Evaluator
+
+    tasks = [TaskSet(name="smoke", held_out=10)]
+    env = CodingEnvironment(EnvSection(tasks=tasks), seed=0, sandbox_root=tmp_path / "sandbox")
+    config = RLEvalSection(tasks=["smoke"], every=10)
+    evaluator = Evaluator(config, tasks, env, steps=25, seed=0, root=tmp_path)
+    assert [v for v in (0, 0, 3, 11, 10, 19, 20, 24, 25, 25) if evaluator.claim(v)] == [0, 11, 20, 25]
+    evaluator.close()
+    # a resumed driver does not redo what eval_metrics.jsonl holds (v0 and v12), even for another version of a window
+    (tmp_path / "eval_metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 12)))
+    resumed = Evaluator(config, tasks, env, steps=25, seed=0, root=tmp_path)
+    assert [v for v in (1, 13, 20, 25) if resumed.claim(v)] == [20, 25]
+    resumed.close()
