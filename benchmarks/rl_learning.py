@@ -6,7 +6,8 @@ greedy pass@1 of each with a 95% bootstrap interval over the held-out tasks, and
 (same tasks, before vs after) with its interval. The run learned when the difference's interval lies above 0.
 Also prints the reward of the first and last steps and the per-step sync ratio of the shipped policies.
 
-    python benchmarks/rl_learning.py [--checkpoint HF_DIR] [--steps N] [--seed S] [--recipe R] [--keep DIR]
+    python benchmarks/rl_learning.py [--checkpoint HF_DIR] [--steps N] [--seed S] [--recipe R] [--keep DIR] [--set k=v]
+    python benchmarks/rl_learning.py --report RUN_DIR    # the figures of a finished (or resumed) run
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--keep", type=Path, help="work directory to keep (default: a temporary one)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra recipe override, k=v")
+    parser.add_argument("--report", type=Path, metavar="RUN_DIR", help="only print the figures of a finished run")
     args = parser.parse_args()
+    if args.report:
+        return report(args.report, run_wall_seconds(args.report), args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -65,6 +69,12 @@ def main() -> None:
             sys.exit(f"train rl failed (exit {done.returncode}); see {work / 'train.log'}:\n"
                      + (work / "train.log").read_text()[-3000:])
         report(run, wall, args.seed)
+
+
+def run_wall_seconds(run: Path) -> float:
+    """From the start of the first evaluation to the end of the last (stops and resumes included)."""
+    evals = read_jsonl(run / "eval_metrics.jsonl")
+    return evals[-1]["time"] - (evals[0]["time"] - evals[0]["eval_seconds"])
 
 
 def report(run: Path, wall: float, seed: int) -> None:
