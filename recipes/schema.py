@@ -375,7 +375,7 @@ class RLSection(Section):
     averaged within it."""
     skip_uniform_groups: bool = True
     """Leave out of the step the groups whose rewards are all equal: their group-relative advantages are zero, so
-    they carry no signal and would only dilute the others' gradient (a step where no group has signal updates nothing)."""
+    they carry no signal and would only dilute the others' gradient (when no group of a step has signal, all stay)."""
     alarm_ratio_error: float = Field(default=0.05, gt=0)
     """Alarm (a log line and `alarm_ratio_error` = 1 in metrics.jsonl) when |mean probability ratio - 1| over the
     step's on-policy tokens exceeds this: learner and engine then disagree on the same weights (above ~0.05 is a bug)."""

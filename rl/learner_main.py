@@ -35,12 +35,14 @@ MODULE = __spec__.name
 
 
 def learner_sequences(groups: list[list[Trajectory]], rl: RLSection, step: int) -> list[LearnerSequence]:
-    """Every segment of every trajectory becomes a sequence carrying its episode's group-relative advantage
-    (groups without reward variance are left out with `rl.skip_uniform_groups`)."""
+    """Every segment of every trajectory becomes a sequence carrying its episode's group-relative advantage.
+    With `rl.skip_uniform_groups`, groups without reward variance are left out, unless no group has any: then they
+    stay (zero advantages, no gradient) so the optimizer still steps and its state stays whole for checkpoints."""
     sequences = []
-    for trajectories in groups:
+    informative = [has_signal([t.reward for t in g]) for g in groups]
+    for trajectories, signal in zip(groups, informative):
         rewards = np.array([t.reward for t in trajectories])
-        if rl.skip_uniform_groups and not has_signal(rewards):
+        if rl.skip_uniform_groups and not signal and any(informative):
             continue
         advantages = group_advantages(rewards, rl.advantage)
         for trajectory, advantage in zip(trajectories, advantages):

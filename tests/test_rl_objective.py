@@ -106,6 +106,9 @@ def test_learner_leaves_uniform_groups_out():
     assert [s.advantage for s in kept] == pytest.approx([-1, 1], abs=1e-5)  # only the second group trains
     assert [s.on_policy for s in kept] == [True, False]  # made by the weights of step 3, and one step older
     assert len(learner_sequences(groups, RLSection(skip_uniform_groups=False), step=3)) == 4
+    # a step without any signal keeps its groups (zero advantages): the optimizer steps and checkpoints its state
+    uniform = learner_sequences(groups[:1], RLSection(), step=3)
+    assert len(uniform) == 2 and all(s.advantage == 0 for s in uniform)
 
 
 def test_geometric_mean_ratio_is_length_normalised():

@@ -67,8 +67,6 @@ class RLLearner:
         # Every rank runs the same number of micro-batches: MoE dispatch is collective inside the forward.
         mbs = self.micro_batch_size
         num_micro = -(-len(sequences) // (dp_size * mbs))
-        if not sequences:  # every group of the step had uniform rewards (rl.skip_uniform_groups): nothing to learn
-            return {"loss": 0.0, "trained_tokens": 0.0, "skipped": 1.0, "learner_seconds": time.monotonic() - started}
         # Every rank holds the whole batch, so it computes the normalisers itself (a sum over the world would count
         # tokens once per TP rank). Both keep the segments of one episode adding up exactly.
         normalisers = sequence_normalisers(sequences, rl.loss_aggregation)
