@@ -39,8 +39,10 @@ def killed_and_resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, root / "init", tokenizer_bytes=2**20)
     run = root / "runs" / "smoke-rl"
-    # The first run rolls out on a fleet of two vLLM servers, so the kill catches groups in flight on both.
-    first = start(root / "runs", checkpoint, "--set", "rollout.engine=server", "--set", "rollout.engines_per_host=2")
+    # The first run rolls out on a fleet of two vLLM servers, so the kill catches groups in flight on both
+    # (without held-out evaluation, which would keep one server busy; the resumed run evaluates).
+    first = start(root / "runs", checkpoint, "--set", "rollout.engine=server", "--set", "rollout.engines_per_host=2",
+                  "--set", "rl.eval=null")
     deadline = time.monotonic() + 600
     while len(metrics(run)) < 3:  # step 3 is trained but no checkpoint covers it yet
         assert first.poll() is None, first.stdout.read()[-3000:]
@@ -147,12 +149,13 @@ def test_replay_trains_the_recorded_groups_again_without_engines(killed_and_resu
     assert again.returncode == 2 and "recorded 5 learner steps" in again.stderr and "Traceback" not in again.stderr
 
 
-def test_held_out_evaluation_before_and_after_on_tasks_never_trained(killed_and_resumed):
+def test_held_out_evaluation_at_the_start_and_the_end_on_tasks_never_trained(killed_and_resumed):
     from rollout.trajectories import TrajectoryStore
 
     run = killed_and_resumed.run
     records = [json.loads(line) for line in (run / "eval_metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, STEPS]  # the starting policy, then the final one; v0 not redone on resume
+    resumed_at = records[0]["step"]  # the policy the resumed driver started with (the first run did not evaluate)
+    assert 0 < resumed_at < STEPS and [r["step"] for r in records] == [resumed_at, STEPS]
     for r in records:
         assert r["eval_smoke_tasks"] == 20 and 0 <= r["eval_smoke_greedy_pass@1"] <= 1 and r["eval_seconds"] > 0
         assert r["eval_smoke_greedy_pass@1_low"] <= r["eval_smoke_greedy_pass@1"] <= r["eval_smoke_greedy_pass@1_high"]
