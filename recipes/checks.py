@@ -202,6 +202,20 @@ def _check_rl(r: Recipe) -> list[Problem]:
         out.append(Problem("rollout.tools", "tools act over several turns; set rollout.max_turns > 1"))
     if r.rollout and r.rollout.summarize_at is not None and r.rollout.max_turns == 1:
         out.append(Problem("rollout.summarize_at", "self-summarization happens between turns; set rollout.max_turns > 1"))
+    if r.rl and r.rl.eval and r.env:
+        out += _eval_split_problems(r.rl.eval.tasks, r.env.tasks)
+    return out
+
+
+def _eval_split_problems(eval_sets: list[str], train_sets: list) -> list[Problem]:
+    """Held-out evaluation must never see a training task: a set that is trained on is evaluated only on its split."""
+    out = []
+    for name in dict.fromkeys(eval_sets):
+        trained = [j for j, ts in enumerate(train_sets) if ts.name == name]
+        if len(trained) > 1:
+            out.append(Problem(f"env.tasks.{trained[1]}", f"{name} is listed more than once; rl.eval needs one held-out split per set"))
+        elif trained and train_sets[trained[0]].held_out == 0:
+            out.append(Problem(f"env.tasks.{trained[0]}.held_out", f"rl.eval evaluates {name}, which is trained on: hold out some of its tasks (held_out: N)"))
     return out
 
 

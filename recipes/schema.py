@@ -339,7 +339,10 @@ class RolloutSection(Section):
     kv_cache_gib: float = Field(default=1.0, gt=0)
     """KV-cache memory per engine."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Inference dtype."""
+    """Inference dtype; the learner (fp32 master weights) ships every policy in it."""
+    chat_template: bool = False
+    """Put each task prompt in the tokenizer's chat template as a user turn, answered by the assistant
+    (instruct models such as SmolLM2-Instruct); off: the prompt as plain text."""
 
 
 class TaskSet(Section):
@@ -349,6 +352,9 @@ class TaskSet(Section):
     """Sampling weight among task sets."""
     limit: int | None = Field(default=None, gt=0)
     """Use at most this many tasks of the set."""
+    held_out: int = Field(default=0, ge=0)
+    """Tasks of the set held out for `rl.eval`: a fixed choice (seeded by the set's name) among its tasks in use,
+    never drawn for training."""
 
 
 class SandboxSection(Section):
@@ -392,23 +398,71 @@ class EnvSection(Section):
     """Share of drawn tasks that are canaries (tests contradicting the statement): any reward on one is a cheating alarm."""
 
 
+class RLEvalSection(Section):
+    tasks: list[Literal["humaneval", "codeio", "smoke"]] = Field(min_length=1)
+    """Task sets to evaluate on: for a set in env.tasks, its held-out split (`held_out`); a set env.tasks does not
+    name is held out whole."""
+    limit: int | None = Field(default=None, gt=0)
+    """Evaluate at most this many tasks of each set."""
+    every: int = Field(default=10, gt=0)
+    """Learner steps between evaluations; also before the first step and after the last."""
+    samples: int = Field(default=4, ge=0)
+    """Sampled completions per task (rollout.sampling) for pass@k; 0: greedy pass@1 only."""
+    pass_k: list[int] = Field(default_factory=lambda: [1, 4])
+    """The k of the sampled pass@k (unbiased estimator over `samples`); each at most `samples`."""
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> RLEvalSection:
+        if any(k < 1 or k > self.samples for k in self.pass_k):
+            raise ValueError(f"pass_k {self.pass_k}: each k must be between 1 and samples ({self.samples})")
+        return self
+
+
 class RLSection(Section):
     group_size: int = Field(default=8, gt=1)
     """Samples per prompt for group-relative advantages."""
     prompts_per_step: int = Field(default=8, gt=0)
     """Prompts (groups) per learner step."""
     advantage: Literal["group_mean", "group_mean_std"] = "group_mean_std"
-    """Advantage = reward minus group mean, optionally divided by the group's standard deviation."""
+    """Advantage = reward minus group mean, optionally divided by the group's standard deviation. `group_mean_std`
+    (GRPO) gives every group with signal the same spread, so a rare success on a hard task is not drowned out by a
+    small reward scale; `group_mean` (Dr. GRPO) keeps raw differences, with no bias towards near-uniform groups."""
     is_cap: float = Field(default=2.0, ge=1)
     """Truncation cap of the importance ratio between learner and rollout policy."""
-    is_level: Literal["token", "sequence"] = "token"
-    """Where the importance ratio is computed and truncated."""
+    is_level: Literal["token", "sequence", "geometric"] = "token"
+    """Where the importance ratio is computed and truncated: per token, per sequence (the product of its tokens'
+    ratios), or `geometric` (per sequence, the geometric mean of its tokens' ratios, GSPO-style)."""
+    is_mask: tuple[float, float] | None = None
+    """A ratio band [low, high]: tokens (token level) or whole sequences (sequence, geometric) whose ratio falls
+    outside it are left out of the loss (masked IS / IcePop) on top of the truncation at `is_cap`. Off when unset:
+    truncation already bounds the variance, and masking discards data; turn it on when the mismatch alarms fire."""
+    loss_aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
+    """`token_mean`: every trained token of the step weighs the same (long answers are not down-weighted, and the
+    segments of a summarized episode add up exactly); `sequence_mean`: every episode weighs the same, its tokens
+    averaged within it."""
+    skip_uniform_groups: bool = True
+    """Leave out of the step the groups whose rewards are all equal: their group-relative advantages are zero, so
+    they carry no signal and would only dilute the others' gradient (when no group of a step has signal, all stay)."""
+    alarm_ratio_error: float = Field(default=0.05, gt=0)
+    """Alarm (a log line and `alarm_ratio_error` = 1 in metrics.jsonl) when |mean probability ratio - 1| over the
+    step's on-policy tokens exceeds this: learner and engine then disagree on the same weights (above ~0.05 is a bug)."""
+    alarm_logprob_diff: float = Field(default=0.1, gt=0)
+    """Alarm when the mean |logprob learner - logprob engine| over the step's on-policy tokens exceeds this (nats)."""
     kl_coeff: float = Field(default=0.0, ge=0)
     """Weight of a KL penalty to the reference policy; 0 disables it."""
     max_staleness: int = Field(default=1, ge=0)
     """Most policy versions a trajectory may lag the learner; older ones are dropped."""
     router_replay: Literal["r3", "off"] = "r3"
     """Replay the experts the rollout engine routed each token to (MoE only)."""
+    eval: RLEvalSection | None = None
+    """Held-out evaluation of the current policy by the rollout engines; none when unset."""
+
+    @field_validator("is_mask")
+    @classmethod
+    def _band(cls, band: tuple[float, float] | None) -> tuple[float, float] | None:
+        if band is not None and not 0 <= band[0] < 1 < band[1]:
+            raise ValueError("is_mask needs 0 <= low < 1 < high, e.g. [0.5, 2.0]")
+        return band
 
 
 class CodecSection(Section):

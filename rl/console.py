@@ -122,6 +122,10 @@ class RLConsole:
         if not self.live:
             self.console.print(f"rl: {phase}", highlight=False)
 
+    def evaluation(self, line: str) -> None:
+        """A held-out evaluation's result: a line of its own, above the live view."""
+        self.console.print(f"[bold]{escape(line)}[/]", highlight=False)
+
     def group(self, group: str, stats: dict) -> None:
         with self._lock:
             self.groups += 1

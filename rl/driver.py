@@ -20,6 +20,7 @@ from recipes.runs import RunDir
 from recipes.schema import ARCHITECTURE_FIELDS, LAYOUT_KEYS, Recipe
 from rl import learner_main
 from rl.console import RLConsole
+from rl.evaluation import summary_line
 from rl.protocol import POLL_SECONDS, Heartbeat, Policy, ReplayQueue, RLRunFiles, RolloutQueue, StalenessRule, sync_section
 from rl.rollout_hosts import LocalHost, open_hosts
 from rl.rollout_worker import RolloutWorker
@@ -28,8 +29,8 @@ from sync.pusher import push_version
 UNHONOURED = {
     "parallelism.pp": "the RL learner's step does not run the pipeline schedule (trainer.pipeline) yet",
     "data": "RL trains on rollouts, not on a corpus",
-    "train.eval_every": "RL reports rewards every step instead of a held-out evaluation",
-    "train.eval_batches": "RL reports rewards every step instead of a held-out evaluation",
+    "train.eval_every": "RL evaluates on held-out tasks every rl.eval.every steps",
+    "train.eval_batches": "RL evaluates every held-out task of rl.eval",
     "train.log_every": "the learner records every step",
 }
 
@@ -96,7 +97,8 @@ def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: Job, view: RLConsol
             recipe.rollout, recipe.env, recipe.rl.group_size, recipe.train.seed,
             routed_experts=recipe.model.is_moe and recipe.rl.router_replay == "r3",
             hosts=hosts, tokenizer_dir=tokenizer_dir, queue=queue, files=files,
-            on_group=view.group)
+            on_group=view.group, evaluation=recipe.rl.eval, steps=recipe.train.steps,
+            on_eval=lambda version, record: view.evaluation(summary_line(version, record)))
         stack.callback(worker.close)
         view.note(f"rolling out on {len(worker.slots)} engine(s)")
 
@@ -105,6 +107,8 @@ def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: Job, view: RLConsol
             return learner.poll() is not None
 
         worker.run(should_stop=learner_done)
+        if learner.wait() == 0:
+            worker.final_evaluation()
 
 
 def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bool = False) -> Path:

@@ -14,13 +14,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.processes import die_with_parent
 from recipes.runs import MetricsWriter, RunDir, drop_records_after
-from recipes.schema import Recipe
+from recipes.schema import Recipe, RLSection
 from rl.protocol import LearnerQueue, Policy, ReplayQueue, RLRunFiles, learner_queue, sync_section
 from rollout.trajectories import Trajectory, episode_stats
 from sync.pusher import push_version
@@ -28,22 +29,29 @@ from trainer.core import Every
 from trainer.launch import record_rank_error, redirect_rank_output
 from trainer.progress import TensorBoard
 from trainer.rl_learner import LearnerSequence, RLLearner
-from trainer.rl_objective import group_advantages
+from trainer.rl_objective import group_advantages, has_signal
 
 MODULE = __spec__.name
 """This entry point, as `python -m` names it (the driver starts it under torchrun)."""
 
 
-def learner_sequences(groups: list[list[Trajectory]], advantage_mode: str) -> list[LearnerSequence]:
-    """Every segment of every trajectory becomes a sequence carrying its episode's group-relative advantage."""
+def learner_sequences(groups: list[list[Trajectory]], rl: RLSection, step: int) -> list[LearnerSequence]:
+    """Every segment of every trajectory becomes a sequence carrying its episode's group-relative advantage.
+    With `rl.skip_uniform_groups`, groups without reward variance are left out, unless no group has any: then they
+    stay (zero advantages, no gradient) so the optimizer still steps and its state stays whole for checkpoints."""
     sequences = []
-    for trajectories in groups:
-        # An infrastructure failure's reward says nothing about the policy: out of the statistics, advantage 0.
-        valid = np.array([not t.info.get("infra_failure", False) for t in trajectories])
-        advantages = group_advantages(np.array([t.reward for t in trajectories]), advantage_mode, valid=valid)
+    # An infrastructure failure's reward says nothing about the policy: out of the statistics, advantage 0.
+    valid = [np.array([not t.info.get("infra_failure", False) for t in g]) for g in groups]
+    informative = [has_signal(np.array([t.reward for t in g])[ok]) for g, ok in zip(groups, valid)]
+    for trajectories, ok, signal in zip(groups, valid, informative):
+        rewards = np.array([t.reward for t in trajectories])
+        if rl.skip_uniform_groups and not signal and any(informative):
+            continue
+        advantages = group_advantages(rewards, rl.advantage, valid=ok)
         for trajectory, advantage in zip(trajectories, advantages):
             for s in trajectory.segments:
-                sequences.append(LearnerSequence(s.token_ids, s.loss_mask, s.logprobs, float(advantage), s.routed_experts))
+                sequences.append(LearnerSequence(s.token_ids, s.loss_mask, s.logprobs, float(advantage), s.routed_experts,
+                                                 episode=trajectory.id, on_policy=trajectory.policy_version == step))
     return sequences
 
 
@@ -51,13 +59,37 @@ def rollout_stats(groups: list[list[Trajectory]], step: int, max_context: int) -
     trajectories = [t for g in groups for t in g]
     rewards = np.array([t.reward for t in trajectories])
     staleness = np.array([step - t.policy_version for t in trajectories])
+    response = np.array([sum(int(s.loss_mask.sum()) for s in t.segments) for t in trajectories])
     return {
         "reward_mean": float(rewards.mean()),
         "pass_rate": float((rewards == 1.0).mean()),
         "staleness_mean": float(staleness.mean()),
         "staleness_max": float(staleness.max()),
+        "response_tokens_mean": float(response.mean()),
+        "response_tokens_max": float(response.max()),
+        "uniform_group_fraction": float(np.mean([not has_signal([t.reward for t in g]) for g in groups])),
         **episode_stats(trajectories, max_context),
     }
+
+
+def health_alarms(record: dict[str, float], rl: RLSection) -> dict[str, float]:
+    """Alarm metrics (1 = raised) for train/inference mismatch on the step's on-policy tokens."""
+    return {
+        "alarm_ratio_error": float(record.get("on_policy_prob_ratio_error", 0.0) > rl.alarm_ratio_error),
+        "alarm_logprob_diff": float(record.get("on_policy_logprob_abs_diff", 0.0) > rl.alarm_logprob_diff),
+    }
+
+
+def alarm_message(step: int, record: dict[str, float], rl: RLSection) -> str | None:
+    raised = []
+    if record["alarm_ratio_error"]:
+        raised.append(f"|prob ratio - 1| = {record['on_policy_prob_ratio_error']:.4f} > rl.alarm_ratio_error={rl.alarm_ratio_error}")
+    if record["alarm_logprob_diff"]:
+        raised.append(f"|dlogprob| = {record['on_policy_logprob_abs_diff']:.4f} > rl.alarm_logprob_diff={rl.alarm_logprob_diff}")
+    if not raised:
+        return None
+    return (f"ALARM step {step}: learner and engine disagree on on-policy tokens: {'; '.join(raised)} "
+            "(see README, RL health metrics)")
 
 
 def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int) -> dict[str, float]:
@@ -66,7 +98,9 @@ def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int)
     if dist.get_rank() == 0:
         shutil.rmtree(out, ignore_errors=True)
     dist.barrier()
-    learner.core.export(out, tokenizer_dir=recipe.model.checkpoint)
+    # In the engines' dtype, not the fp32 master weights': consecutive bf16 policies share most of their values,
+    # so the sync delta is sparse, and the engines get exactly the weights they compute with.
+    learner.core.export(out, tokenizer_dir=recipe.model.checkpoint, dtype=getattr(torch, recipe.rollout.dtype))
     metrics: dict[str, float] = {}
     if dist.get_rank() == 0:
         info = push_version(out, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
@@ -105,7 +139,8 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
         group_ids, dropped = take(queue, step)
         groups = queue.load(group_ids)
         waited = time.monotonic() - started
-        record = learner.train_step(learner_sequences(groups, recipe.rl.advantage))
+        record = learner.train_step(learner_sequences(groups, recipe.rl, step))
+        record.update(health_alarms(record, recipe.rl))
         record.update(publish(learner, recipe, files, step + 1))
         if rank0:
             queue.trained(group_ids)
@@ -118,6 +153,8 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
         if metrics:
             record.update(rollout_stats(groups, step, recipe.rollout.max_context), dropped_stale=dropped, wait_seconds=waited,
                           step_seconds=time.monotonic() - started)
+            if alarm := alarm_message(step + 1, record, recipe.rl):
+                print(alarm, file=sys.stderr, flush=True)
             metrics.write(step + 1, **record, groups=",".join(group_ids))
             board.write(step + 1, record)
 

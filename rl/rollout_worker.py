@@ -1,9 +1,9 @@
 """The rollout role of an RL run: engines follow the newest policy and make groups of episodes for the learner.
 
-Each engine loops: follow the policy -> claim a group (rl.protocol: what the staleness rule still allows) ->
-generate it -> hand it off -> log. Group n always plays the same task (drawn from a generator seeded by n). With a
-server fleet each engine runs its own groups on its own thread and takes a new policy only between groups, so
-every trajectory is made by one policy version.
+Each engine loops: follow the policy -> evaluate it on held-out tasks when due (rl.evaluation) -> claim a group
+(rl.protocol: what the staleness rule still allows) -> generate it -> hand it off -> log. Group n always plays the
+same task (drawn from a generator seeded by n). With a server fleet each engine runs its own groups on its own
+thread and takes a new policy only between groups, so every trajectory is made by one policy version.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from recipes.runs import MetricsWriter
-from recipes.schema import EnvSection, RolloutSection
+from recipes.schema import EnvSection, RLEvalSection, RolloutSection
+from rl.evaluation import Evaluator
 from rl.protocol import POLL_SECONDS, RLRunFiles, RolloutQueue, group_id
 from rl.rollout_hosts import LocalHost, RemoteHost
 from rollout.agent import EpisodeRunner, Tokenizer
@@ -40,10 +41,13 @@ class RolloutWorker:
 
     def __init__(self, rollout: RolloutSection, env: EnvSection, group_size: int, seed: int, routed_experts: bool,
                  hosts: list[LocalHost | RemoteHost], tokenizer_dir: str, queue: RolloutQueue, files: RLRunFiles,
-                 on_group: Callable[[str, dict], None] = lambda gid, stats: None):
+                 on_group: Callable[[str, dict], None] = lambda gid, stats: None,
+                 evaluation: RLEvalSection | None = None, steps: int = 0,
+                 on_eval: Callable[[int, dict], None] = lambda version, record: None):
         self.rollout, self.group_size, self.seed = rollout, group_size, seed
-        self.queue, self.files, self.on_group = queue, files, on_group
+        self.queue, self.files, self.on_group, self.on_eval = queue, files, on_group, on_eval
         self.env = CodingEnvironment(env, seed=seed, sandbox_root=files.root / "sandbox")
+        self.evaluator = Evaluator(evaluation, env.tasks, self.env, steps, seed, files.root) if evaluation else None
         self.slots = self._start_engines(hosts, tokenizer_dir, routed_experts)
         self.metrics = MetricsWriter(files.root / "rollout_metrics.jsonl")
         self._metrics_lock = threading.Lock()
@@ -92,6 +96,7 @@ class RolloutWorker:
     def _engine_loop(self, slot: EngineSlot, should_stop: Callable[[], bool]) -> None:
         while not should_stop():
             self.follow_policy(slot)
+            self.evaluate_if_due(slot)
             index = self.queue.claim(slot.version)
             if index is None:
                 time.sleep(POLL_SECONDS)
@@ -114,6 +119,17 @@ class RolloutWorker:
             slot.host.update(slot.engine, policy.store_version)
             slot.version = policy.version
 
+    def evaluate_if_due(self, slot: EngineSlot) -> None:
+        """Held-out evaluation of the policy this engine holds, when one is due (between groups)."""
+        if self.evaluator and self.evaluator.claim(slot.version):
+            self.on_eval(slot.version, self.evaluator.evaluate(slot.runner, slot.version))
+
+    def final_evaluation(self) -> None:
+        """After the learner's last step: the first engine takes the final policy and evaluates it."""
+        if self.evaluator:
+            self.follow_policy(self.slots[0])
+            self.evaluate_if_due(self.slots[0])
+
     def generate(self, slot: EngineSlot, index: int) -> list[Trajectory]:
         task = self.env.pool.draw(random.Random(f"{self.seed}/{index}"))
         return slot.runner.run_group(task, group_id(index), self.group_size, slot.version, seed=self.seed * 1_000_003 + index)
@@ -135,3 +151,5 @@ class RolloutWorker:
 
     def close(self) -> None:
         self.metrics.close()
+        if self.evaluator:
+            self.evaluator.close()

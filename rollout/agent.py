@@ -23,6 +23,7 @@ from typing import Literal
 
 import numpy as np
 
+from recipes.errors import UserError
 from recipes.schema import RolloutSection
 from rollout.engine import Completion, Engine
 from rollout.environment import CodingEnvironment
@@ -50,6 +51,12 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
+
+    def chat_prompt(self, text: str) -> list[int]:
+        """`text` as a user turn in the tokenizer's chat template, followed by the opening of the assistant's reply."""
+        if not self._tok.chat_template:
+            raise UserError("rollout.chat_template: the policy's tokenizer has no chat template")
+        return self.encode(self._tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False))
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -95,6 +102,7 @@ class _Episode:
     seed: int
     prompt_ids: list[int]
     segments: list[_SegmentBuilder]
+    task: Task | None = None
     result: SandboxResult | None = None
     turns: int = 0
     summaries: int = 0
@@ -128,15 +136,27 @@ class EpisodeRunner:
         self._graders = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="grade")
 
     def run_group(self, task: Task, group_id: str, group_size: int, policy_version: int, seed: int) -> list[Trajectory]:
-        prompt_ids = self.tok.encode(task.prompt + (TOOLS_GUIDE if self.cfg.tools else ""))
-        if len(prompt_ids) + self.cfg.sampling.max_tokens > self.cfg.max_context:
-            raise ValueError(f"task {task.id}: prompt of {len(prompt_ids)} tokens leaves no room in max_context={self.cfg.max_context}")
-        episodes = [_Episode(f"{group_id}-{i}", seed * 1000 + i, prompt_ids, [_SegmentBuilder()]) for i in range(group_size)]
+        return self.run_tasks([task], group_id, group_size, policy_version, seed)[0]
+
+    def run_tasks(self, tasks: list[Task], group_id: str, group_size: int, policy_version: int, seed: int,
+                  temperature: float | None = None) -> list[list[Trajectory]]:
+        """`group_size` episodes of each task, all in lock-step (one engine call per turn); `temperature`
+        overrides the recipe's (held-out evaluation samples greedily with 0)."""
+        episodes: list[_Episode] = []
+        for t, task in enumerate(tasks):
+            text = task.prompt + (TOOLS_GUIDE if self.cfg.tools else "")
+            prompt_ids = self.tok.chat_prompt(text) if self.cfg.chat_template else self.tok.encode(text)
+            if len(prompt_ids) + self.cfg.sampling.max_tokens > self.cfg.max_context:
+                raise ValueError(f"task {task.id}: prompt of {len(prompt_ids)} tokens leaves no room in max_context={self.cfg.max_context}")
+            prefix = group_id if len(tasks) == 1 else f"{group_id}-{t}"
+            for i in range(group_size):
+                episodes.append(_Episode(f"{prefix}-{i}", seed * 1000 + t * group_size + i, prompt_ids, [_SegmentBuilder()], task=task))
         for e in episodes:
-            e.current.observe(prompt_ids)
+            e.current.observe(e.prompt_ids)
         while active := [e for e in episodes if not e.done]:
             completions = self.engine.generate(
-                [e.current.tokens for e in active], seeds=[e.seed + 7919 * (e.turns + e.summaries) for e in active]
+                [e.current.tokens for e in active], seeds=[e.seed + 7919 * (e.turns + e.summaries) for e in active],
+                temperature=temperature,
             )
             turns = []
             for episode, [completion] in zip(active, completions):
@@ -144,14 +164,15 @@ class EpisodeRunner:
                 if episode.summarizing:
                     self._restart_from_summary(episode, completion)
                 else:
-                    turns.append((episode, self._turn(task, episode, completion)))
+                    turns.append((episode, self._turn(episode.task, episode, completion)))
             for (episode, (tool, _)), result in zip(turns, self._graders.map(lambda turn: turn[1][1](), turns)):
-                self._after_turn(task, episode, tool, result)
+                self._after_turn(episode.task, episode, tool, result)
         # An episode that ended on a RUN or a summary is scored on the solution it left.
         ungraded = [e for e in episodes if e.graded != e.solution]
-        for e, result in zip(ungraded, self._graders.map(lambda e: self.env.grade(task, e.solution), ungraded)):
+        for e, result in zip(ungraded, self._graders.map(lambda e: self.env.grade(e.task, e.solution), ungraded)):
             e.result, e.graded = result, e.solution
-        return [self._trajectory(task, group_id, e, policy_version) for e in episodes]
+        trajectories = [self._trajectory(e.task, group_id, e, policy_version) for e in episodes]
+        return [trajectories[t * group_size : (t + 1) * group_size] for t in range(len(tasks))]
 
     def _turn(self, task: Task, e: _Episode, completion: Completion) -> tuple[str, Callable[[], SandboxResult]]:
         """The tool a reply asks for and the sandbox work it needs (run by the caller, concurrently)."""

@@ -42,7 +42,8 @@ class Completion:
 class Engine(Protocol):
     """What the agent loop needs of an inference engine (embedded or server)."""
 
-    def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None) -> list[list[Completion]]: ...
+    def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None,
+                 temperature: float | None = None) -> list[list[Completion]]: ...
 
     def load_weights(self, weights_dir: str | Path) -> None: ...
 
@@ -104,15 +105,17 @@ class EmbeddedEngine:
         )
         self._sampling = rollout.sampling
 
-    def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None) -> list[list[Completion]]:
-        """`n` samples per prompt (seeded per prompt); each carries the sampled tokens' logprobs and routed experts."""
+    def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None,
+                 temperature: float | None = None) -> list[list[Completion]]:
+        """`n` samples per prompt (seeded per prompt); each carries the sampled tokens' logprobs and routed experts.
+        `temperature` overrides the recipe's (0: greedy, as held-out evaluation uses)."""
         from vllm import SamplingParams, TokensPrompt
 
         s = self._sampling
         params = [
             SamplingParams(
                 n=n,
-                temperature=s.temperature,
+                temperature=s.temperature if temperature is None else temperature,
                 top_p=s.top_p,
                 top_k=s.top_k,
                 max_tokens=max_tokens or s.max_tokens,
@@ -260,12 +263,14 @@ class ServerEngine:
         self.model = model
         self._sampling = rollout.sampling
 
-    def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None,
+                 temperature: float | None = None) -> list[list[Completion]]:
         s = self._sampling
 
         def complete(prompt: list[int], seed: int | None) -> list[Completion]:
             body = {
-                "model": self.model, "prompt": prompt, "n": n, "temperature": s.temperature, "top_p": s.top_p,
+                "model": self.model, "prompt": prompt, "n": n,
+                "temperature": s.temperature if temperature is None else temperature, "top_p": s.top_p,
                 "top_k": s.top_k, "max_tokens": max_tokens or s.max_tokens, "stop": s.stop, "logprobs": 0,
                 "return_token_ids": True, "return_tokens_as_token_ids": True, "seed": seed,
             }

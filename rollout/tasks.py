@@ -308,10 +308,22 @@ def build_task_source(name: str) -> TaskSource:
     raise UserError(f"env.tasks: unknown task set {name!r} (humaneval, codeio, smoke)")
 
 
+def held_out_split(task_set: TaskSet, size: int) -> tuple[list[int], list[int]]:
+    """(training, held-out) indices of a set of `size` tasks: its first `limit`, of which `held_out` chosen by a
+    generator seeded by the set's name alone, so every run (any train.seed) holds out the same tasks."""
+    in_use = list(range(min(size, task_set.limit or size)))
+    if task_set.held_out >= len(in_use):
+        raise UserError(f"env.tasks: {task_set.name} holds out {task_set.held_out} of its {len(in_use)} tasks in use; "
+                        "leave some to train on")
+    held_out = set(random.Random(f"held-out/{task_set.name}").sample(in_use, task_set.held_out))
+    return [i for i in in_use if i not in held_out], sorted(held_out)
+
+
 class TaskPool:
     """Draws tasks from the recipe's task sets by weight; the same seed draws the same tasks.
 
-    A set with `limit` uses its first `limit` tasks; a share `canaries` of draws is a canary of the drawn task. Tasks are built once and cached; a CodeI/O row whose
+    A set with `limit` uses its first `limit` tasks, less the `held_out` ones kept for evaluation (`held_out`); a share
+    `canaries` of draws is a canary of the drawn task. Tasks are built once and cached; a CodeI/O row whose
     reference fails is dropped and counted in `skipped`. Safe to call from several threads.
     """
 
@@ -320,7 +332,11 @@ class TaskPool:
         self._canaries = canaries
         self._rng = random.Random(seed)
         self._sets = [(ts, build_task_source(ts.name)) for ts in task_sets]
-        self._indices = [list(range(min(len(src), ts.limit or len(src)))) for ts, src in self._sets]
+        self._indices, self._held_out = [], []
+        for ts, src in self._sets:
+            training, held_out = held_out_split(ts, len(src))
+            self._indices.append(training)
+            self._held_out.append(held_out)
         self._cache: dict[tuple[int, int], Task | None] = {}
         self._lock = threading.Lock()
         self.skipped: dict[str, int] = {ts.name: 0 for ts, _ in self._sets}
@@ -333,6 +349,10 @@ class TaskPool:
         """The task indices of a set that are in use (its first `limit`, minus those skipped so far)."""
         with self._lock:
             return list(self._indices[set_index])
+
+    def held_out(self, set_index: int) -> list[int]:
+        """The task indices of a set held out for evaluation (`held_out`): never drawn, never in `indices`."""
+        return list(self._held_out[set_index])
 
     def task(self, set_index: int, index: int) -> Task | None:
         """Task `index` of task set `set_index` (built and cached on first use); None when it was skipped."""
@@ -349,7 +369,8 @@ class TaskPool:
                 self._cache[key] = task
                 if task is None:
                     self.skipped[ts.name] += 1
-                    self._indices[set_index].remove(index)
+                    if index in self._indices[set_index]:
+                        self._indices[set_index].remove(index)
             return self._cache[key]
 
     def draw(self, rng: random.Random | None = None) -> Task:

@@ -81,11 +81,12 @@ def test_segment_structure_and_masks(episodes):
 
 
 def test_segments_share_the_episode_advantage(episodes):
+    from recipes.schema import RLSection
     from rl.learner_main import learner_sequences
 
     trajectories, _, _ = episodes
     trajectories[0].reward, trajectories[1].reward = 1.0, 0.0
-    sequences = learner_sequences([trajectories], "group_mean")
+    sequences = learner_sequences([trajectories], RLSection(advantage="group_mean"), step=0)
     n0 = len(trajectories[0].segments)
     assert [s.advantage for s in sequences] == [0.5] * n0 + [-0.5] * len(trajectories[1].segments)
 

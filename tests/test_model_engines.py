@@ -114,6 +114,37 @@ def test_import_export_round_trip_is_bit_exact(checkpoint, megatron, tmp_path):
     assert model_section_from_hf(tmp_path / "export") == m.model_copy(update={"checkpoint": str(tmp_path / "export")})
 
 
+def test_policy_exported_in_the_serving_dtype_changes_sparsely(checkpoint, megatron, tmp_path):
+    """The RL learner keeps fp32 master weights but ships bf16: a small update changes every fp32 element yet
+    leaves most bf16 values bit-identical, which is what makes sync deltas sparse."""
+    import json
+
+    from safetensors.torch import load_file
+
+    def exported(name: str, dtype) -> dict[str, torch.Tensor]:
+        export_hf(model, m, tmp_path / name, tokenizer_dir=checkpoint, dtype=dtype)
+        return {k: v for f in sorted(set(hf_weight_files(tmp_path / name).values())) for k, v in load_file(f).items()}
+
+    m, model = megatron
+    before = exported("bf16-a", torch.bfloat16)
+    original = {k: v for f in set(hf_weight_files(checkpoint).values()) for k, v in load_file(f).items()}
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, original[k].to(torch.bfloat16)) for k, t in before.items())
+    assert json.loads((tmp_path / "bf16-a/config.json").read_text())["dtype"] == "bfloat16"
+    saved = [p.detach().clone() for p in model.parameters()]
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + 1e-4 * torch.randn_like(p).sign())  # an Adam-like step: every element moves by ~1e-4 relative
+        after, fp32 = exported("bf16-b", torch.bfloat16), exported("fp32-b", None)
+    finally:
+        with torch.no_grad():
+            for p, old in zip(model.parameters(), saved):
+                p.copy_(old)
+    changed = sum(int((after[k] != before[k]).sum()) for k in before) / sum(t.numel() for t in before.values())
+    fp32_changed = sum(int((fp32[k] != original[k]).sum()) for k in original) / sum(t.numel() for t in original.values())
+    assert fp32_changed > 0.95 and changed < 0.1
+
+
 def test_vllm_serves_the_exported_model(megatron, tokens, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams

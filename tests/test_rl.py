@@ -41,8 +41,10 @@ def killed_and_resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, root / "init", tokenizer_bytes=2**20)
     run = root / "runs" / "smoke-rl"
-    # The first run rolls out on a fleet of two vLLM servers, so the kill catches groups in flight on both.
-    first = start(root / "runs", checkpoint, "--set", "rollout.engine=server", "--set", "rollout.engines_per_host=2")
+    # The first run rolls out on a fleet of two vLLM servers, so the kill catches groups in flight on both
+    # (without held-out evaluation, which would keep one server busy; the resumed run evaluates).
+    first = start(root / "runs", checkpoint, "--set", "rollout.engine=server", "--set", "rollout.engines_per_host=2",
+                  "--set", "rl.eval=null")
     deadline = time.monotonic() + 600
     while len(metrics(run)) < 3:  # step 3 is trained but no checkpoint covers it yet
         assert first.poll() is None, first.stdout.read()[-3000:]
@@ -179,3 +181,20 @@ def test_a_failed_run_says_why_and_is_listed_failed(tmp_path, composer):
     assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
     status = run_status(tmp_path / "smoke-rl")
     assert status.status == "failed" and "no-such-checkpoint" in status.reason
+
+
+def test_held_out_evaluation_at_the_start_and_the_end_on_tasks_never_trained(killed_and_resumed):
+    from rollout.trajectories import TrajectoryStore
+
+    run = killed_and_resumed.run
+    records = [json.loads(line) for line in (run / "eval_metrics.jsonl").read_text().splitlines()]
+    resumed_at = records[0]["step"]  # the policy the resumed driver started with (the first run did not evaluate)
+    assert 0 < resumed_at < STEPS and [r["step"] for r in records] == [resumed_at, STEPS]
+    for r in records:
+        assert r["eval_smoke_tasks"] == 20 and 0 <= r["eval_smoke_greedy_pass@1"] <= 1 and r["eval_seconds"] > 0
+        assert r["eval_smoke_greedy_pass@1_low"] <= r["eval_smoke_greedy_pass@1"] <= r["eval_smoke_greedy_pass@1_high"]
+        assert r["eval_smoke_pass@1"] <= r["eval_smoke_pass@4"]
+    held_out = set(json.loads((run / "eval" / f"v{STEPS:06d}.json").read_text()))
+    store = TrajectoryStore(run / "trajectories")
+    trained = {t.task_id for g in store.known_groups() for t in store.load(g, store.stage_of(g))}
+    assert len(held_out) == 20 and trained and not held_out & trained

@@ -26,9 +26,11 @@ from recipes.run_status import run_status
 from recipes.runs import atomic_write_bytes, atomic_write_text, read_metrics
 
 NOT_SERIES = ("step", "time")
+EVAL_METRICS = "eval_metrics.jsonl"
 
 # First matching rule names the figure a series goes to; a series matching none gets a figure of its own.
 SERIES_GROUPS: list[tuple[str, Callable[[str], bool]]] = [
+    ("eval", lambda key: key.startswith("eval_") and "pass@" in key),  # RL held-out pass rates (eval_metrics.jsonl)
     ("moe", lambda key: key.startswith("moe") or "expert" in key or "load_balanc" in key),
     ("loss", lambda key: "loss" in key),
     ("lr", lambda key: key in ("lr", "learning_rate") or key.endswith("_lr")),
@@ -126,6 +128,8 @@ def render_report(run_dir: Path) -> Report:
     if not metrics_path.is_file():
         raise UserError(f"{run_dir}: no metrics.jsonl (not a run directory, or the run has not logged yet)")
     series = read_series(metrics_path)
+    if (run_dir / EVAL_METRICS).is_file():  # an RL run's held-out evaluations, written by its rollout driver
+        series += read_series(run_dir / EVAL_METRICS)
     if not series:
         raise UserError(f"{metrics_path}: no numeric metrics recorded yet")
     out_dir = run_dir / "report"

@@ -31,6 +31,10 @@ class LearnerSequence:
     rollout_logprobs: np.ndarray
     advantage: float
     routes: np.ndarray | None
+    episode: str = ""
+    """The episode it is a segment of (sequence-mean aggregation weighs episodes, not segments, equally)."""
+    on_policy: bool = False
+    """Made by the weights this step trains (no policy change since): the train/inference mismatch metrics."""
 
 
 class RLLearner:
@@ -63,14 +67,16 @@ class RLLearner:
         # Every rank runs the same number of micro-batches: MoE dispatch is collective inside the forward.
         mbs = self.micro_batch_size
         num_micro = -(-len(sequences) // (dp_size * mbs))
-        # Loss = sum over the global batch's trained tokens / their count: segments of one episode add up exactly.
-        # Every rank holds the whole batch, so it counts the tokens itself (a sum over the world would count them once per TP rank).
-        normaliser = max(sum(float(s.loss_mask[1:].sum()) for s in sequences), 1.0)
+        # Every rank holds the whole batch, so it computes the normalisers itself (a sum over the world would count
+        # tokens once per TP rank). Both keep the segments of one episode adding up exactly.
+        normalisers = sequence_normalisers(sequences, rl.loss_aggregation)
         ddp.train()
         self.core.optimizer.zero_grad()
         stats, loss_sum, disagreement = PolicyLossStats(), 0.0, {}
+        mine_norms = normalisers[dp_rank::dp_size]
         for i in range(num_micro):
             chunk = mine[i * mbs : (i + 1) * mbs] or [_padding_like(sequences[0])]
+            norms = torch.tensor(mine_norms[i * mbs : (i + 1) * mbs] or [1.0], dtype=torch.float32)
             batch = pad_micro_batch([s.tokens for s in chunk], multiple=p.tp if p.sequence_parallel else 1)
             replay = None
             if self.replays_routes:
@@ -81,7 +87,8 @@ class RLLearner:
                 logprobs = token_logprobs(ddp, batch.tokens)
                 rollout, mask = _aligned(chunk, batch.seq_len)
                 advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
-                loss, micro_stats = policy_gradient_loss(logprobs, rollout, advantages, mask, rl, normaliser, reference)
+                on_policy = torch.tensor([s.on_policy for s in chunk])
+                loss, micro_stats = policy_gradient_loss(logprobs, rollout, advantages, mask, rl, norms, reference, on_policy)
                 loss.backward()
                 if replay is not None and i == 0:
                     # what the learner's own routers would have chosen vs the engine's routes, on this rank's first micro-batch
@@ -93,6 +100,18 @@ class RLLearner:
         totals = _all_reduce_stats(stats, loss_sum)
         return {**totals, **update, **disagreement, "learner_seconds": time.monotonic() - started,
                 "trained_tokens_per_s": totals["trained_tokens"] / max(time.monotonic() - started, 1e-9)}
+
+
+def sequence_normalisers(sequences: list[LearnerSequence], aggregation: str) -> list[float]:
+    """What each sequence's token sum is divided by. token_mean: the batch's trained tokens, for all;
+    sequence_mean: its episode's trained tokens times the batch's episodes (each episode weighs 1 / episodes)."""
+    trained = [float(s.loss_mask[1:].sum()) for s in sequences]
+    if aggregation == "token_mean":
+        return [max(sum(trained), 1.0)] * len(sequences)
+    per_episode: dict[str, float] = {}
+    for s, n in zip(sequences, trained):
+        per_episode[s.episode] = per_episode.get(s.episode, 0.0) + n
+    return [max(per_episode[s.episode], 1.0) * len(per_episode) for s in sequences]
 
 
 def _padding_like(seq: LearnerSequence) -> LearnerSequence:
@@ -115,10 +134,10 @@ def _all_reduce_stats(stats: PolicyLossStats, loss_sum: float) -> dict[str, floa
     from megatron.core import parallel_state
 
     group = parallel_state.get_data_parallel_group()
-    sums = torch.tensor([stats.tokens, stats.abs_logprob_diff, stats.ratio, stats.clipped, stats.kl, loss_sum], dtype=torch.float64)
+    sums = torch.tensor([getattr(stats, name) for name in PolicyLossStats.SUMMED] + [loss_sum], dtype=torch.float64)
     dist.all_reduce(sums, group=group)
     peak = torch.tensor([stats.ratio_max], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    tokens, abs_diff, ratio, clipped, kl, loss = sums.tolist()
-    total = PolicyLossStats(tokens=tokens, abs_logprob_diff=abs_diff, ratio=ratio, ratio_max=float(peak[0]), clipped=clipped, kl=kl)
+    *summed, loss = sums.tolist()
+    total = PolicyLossStats(**dict(zip(PolicyLossStats.SUMMED, summed)), ratio_max=float(peak[0]))
     return {"loss": loss, **total.finalize()}

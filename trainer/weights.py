@@ -394,8 +394,10 @@ def iter_hf_tensors(model, m: ModelSection) -> Iterator[tuple[str, torch.Tensor]
 
 
 @torch.no_grad()
-def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | Path | None = None, max_shard_bytes: int = SHARD_BYTES) -> None:
-    """Write `model` as an HF checkpoint (per-expert names, config.json, tokenizer files) at `out_dir`.
+def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | Path | None = None, max_shard_bytes: int = SHARD_BYTES,
+              dtype: torch.dtype | None = None) -> None:
+    """Write `model` as an HF checkpoint (per-expert names, config.json, tokenizer files) at `out_dir`, in
+    `dtype` when given (the RL policy in its engines' dtype), else in the model's own.
 
     Collective: call it on every rank. Global rank 0 writes; `out_dir` must not exist yet.
     """
@@ -414,8 +416,9 @@ def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | 
         tmp.mkdir()
     try:
         writer = _ShardWriter(tmp, max_shard_bytes)
-        dtype = None
+        out_dtype, dtype = dtype, None
         for name, tensor in iter_hf_tensors(model, m):
+            tensor = tensor if out_dtype is None else tensor.to(out_dtype)
             dtype = tensor.dtype
             if writing:
                 writer.add(name, tensor)

@@ -1,0 +1,96 @@
+"""Held-out evaluation in RL: the split the task pool owns, the pass@k estimator, intervals, recipe checks."""
+
+import math
+import random
+from itertools import combinations
+
+import numpy as np
+import pytest
+
+from recipes.errors import UserError
+from recipes.schema import EnvSection, RLEvalSection, TaskSet
+from rl.evaluation import bootstrap_interval, held_out_sets, pass_at_k
+from rollout.environment import CodingEnvironment
+from rollout.tasks import held_out_split
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    # the probability that at least one of k samples drawn without replacement from n passes, counted exactly
+    n, c = 6, 2
+    outcomes = [True] * c + [False] * (n - c)
+    for k in range(1, n + 1):
+        draws = list(combinations(outcomes, k))
+        assert pass_at_k(n, c, k) == pytest.approx(sum(any(d) for d in draws) / len(draws))
+    assert pass_at_k(4, 0, 1) == 0 and pass_at_k(4, 4, 4) == 1 and pass_at_k(5, 1, 1) == pytest.approx(0.2)
+
+
+def test_bootstrap_interval_covers_the_mean_and_narrows_with_tasks():
+    rng = np.random.default_rng(0)
+    small, large = rng.random(20) < 0.3, rng.random(2000) < 0.3
+    lo, hi = bootstrap_interval(small)
+    assert lo < small.mean() < hi
+    lo2, hi2 = bootstrap_interval(large)
+    assert hi2 - lo2 < (hi - lo) / 5
+    assert bootstrap_interval(np.ones(10)) == (1.0, 1.0)
+
+
+def test_held_out_split_is_fixed_disjoint_and_independent_of_the_training_seed():
+    ts = TaskSet(name="smoke", limit=50, held_out=10)
+    training, held_out = held_out_split(ts, 100)
+    assert len(held_out) == 10 and not set(training) & set(held_out) and sorted(training + held_out) == list(range(50))
+    assert held_out_split(ts, 100) == (training, held_out)
+    with pytest.raises(UserError, match="leave some to train on"):
+        held_out_split(TaskSet(name="smoke", limit=5, held_out=5), 100)
+
+
+def test_training_never_draws_a_held_out_task(tmp_path):
+    env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="smoke", held_out=30)]), seed=3, sandbox_root=tmp_path)
+    [evaluated] = held_out_sets(RLEvalSection(tasks=["smoke"]), env.pool.task_sets, env, seed=3)
+    held = {t.id for t in evaluated.tasks}
+    assert len(held) == 30
+    drawn = {env.pool.draw(random.Random(f"1234/{n}")).id for n in range(2000)}  # as the rollout worker draws group n
+    assert len(drawn) == 70 and not drawn & held
+
+
+def test_a_set_not_trained_on_is_held_out_whole(tmp_path):
+    env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="smoke", held_out=5)]), seed=0, sandbox_root=tmp_path)
+    [whole] = held_out_sets(RLEvalSection(tasks=["humaneval"], limit=7), env.pool.task_sets, env, seed=0)
+    assert [t.id for t in whole.tasks] == [f"HumanEval/{i}" for i in range(7)]
+
+
+def test_recipe_check_refuses_evaluating_on_training_tasks(composer, write_recipe):
+    from tests.conftest import RECIPES
+
+    base = (RECIPES / "smoke-rl.yaml").resolve()
+    path = write_recipe(f"extends: {base}\nenv:\n  tasks:\n    - name: smoke\nrl:\n  eval:\n    tasks: [smoke]\n")
+    result = composer("recipe", "validate", str(path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "env.tasks.0.held_out" in result.stderr + result.stdout
+    bad_k = write_recipe(f"extends: {base}\nrl:\n  eval:\n    tasks: [smoke]\n    samples: 2\n    pass_k: [1, 4]\n", "k.yaml")
+    result = composer("recipe", "validate", str(bad_k))
+    assert result.returncode == 2 and "pass_k" in result.stderr + result.stdout
+
+
+def test_interval_math_matches_a_normal_approximation():
+    values = np.array([1.0] * 30 + [0.0] * 70)
+    lo, hi = bootstrap_interval(values)
+    half = 1.96 * math.sqrt(0.3 * 0.7 / 100)
+    assert lo == pytest.approx(0.3 - half, abs=0.02) and hi == pytest.approx(0.3 + half, abs=0.02)
+
+
+def test_evaluations_are_due_once_per_window_at_the_start_and_at_the_end(tmp_path):
+    import json
+
+    from rl.evaluation import Evaluator
+
+    tasks = [TaskSet(name="smoke", held_out=10)]
+    env = CodingEnvironment(EnvSection(tasks=tasks), seed=0, sandbox_root=tmp_path / "sandbox")
+    config = RLEvalSection(tasks=["smoke"], every=10)
+    evaluator = Evaluator(config, tasks, env, steps=25, seed=0, root=tmp_path)
+    assert [v for v in (0, 0, 3, 11, 10, 19, 20, 24, 25, 25) if evaluator.claim(v)] == [0, 11, 20, 25]
+    evaluator.close()
+    # a resumed driver does not redo what eval_metrics.jsonl holds (v0 and v12), even for another version of a window
+    (tmp_path / "eval_metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 12)))
+    resumed = Evaluator(config, tasks, env, steps=25, seed=0, root=tmp_path)
+    assert [v for v in (1, 13, 20, 25) if resumed.claim(v)] == [20, 25]
+    resumed.close()
