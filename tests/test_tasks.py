@@ -186,6 +186,7 @@ def test_env_check_reports_reference_pass_rates(composer, write_recipe):
     recipe = write_recipe(
         f"extends: {RECIPES / 'smoke-rl.yaml'}\n"
         "env:\n  tasks:\n    - {name: smoke, limit: 4}\n    - {name: humaneval, limit: 4}\n    - {name: codeio, limit: 3}\n"
+        "rl: {eval: null}\n"  # nothing is held out here to evaluate on
     )
     result = composer("env", "check", str(recipe), "--workers", "2")
     assert result.returncode == 0, result.stdout + result.stderr
