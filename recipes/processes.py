@@ -53,14 +53,19 @@ def _kernel_port() -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
+def die_with_parent(sig: int = signal.SIGKILL, forks_too: bool = False) -> None:
     """Have the kernel send `sig` to this process when the thread that started it ends (torchrun ranks and
-    vLLM servers run in sessions of their own, so a kill of the run's process group would not reach them)."""
+    vLLM servers run in sessions of their own, so a kill of the run's process group would not reach them).
+
+    With `forks_too`, every process this one forks without exec (Megatron's checkpoint writers, data workers) dies
+    with it in turn: the kernel clears the request in a forked child, and such children outlived a killed rank."""
     libc = ctypes.CDLL(None, use_errno=True)
     pr_set_pdeathsig = 1
     libc.prctl(pr_set_pdeathsig, sig)
     if os.getppid() == 1:  # the parent died before the request took effect
         os._exit(1)
+    if forks_too:
+        os.register_at_fork(after_in_child=lambda: die_with_parent(sig))
 
 
 @contextlib.contextmanager

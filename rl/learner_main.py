@@ -160,7 +160,7 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
 
 
 def main() -> None:
-    die_with_parent()
+    die_with_parent(forks_too=True)
     files = RLRunFiles(Path(sys.argv[1]))
     run, rank = RunDir(files.root), int(os.environ.get("RANK", "0"))
     redirect_rank_output(run, rank)

@@ -55,3 +55,35 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path):
         atomic_write_bytes(path, object())  # write fails after the temp file exists
     assert path.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["f.bin"]
+
+
+def test_what_a_rank_forks_dies_with_the_rank():
+    """Megatron forks its checkpoint writers without exec; a rank killed mid-save left them running for ever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rank = subprocess.Popen([sys.executable, "-c", (
+        "import os, time\n"
+        "from recipes.processes import die_with_parent\n"
+        "die_with_parent(forks_too=True)\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    time.sleep(60); os._exit(0)\n"
+        "print(child, flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(rank.stdout.readline())
+    rank.kill()
+    rank.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        if open(f"/proc/{child}/stat").read().split()[2] == "Z":
+            return  # gone, waiting for init to reap it
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("the forked child outlived its rank")

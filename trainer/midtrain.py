@@ -401,7 +401,7 @@ def dist_rank() -> int:
 
 
 def main(argv: list[str]) -> int:
-    die_with_parent()
+    die_with_parent(forks_too=True)
     command, run = argv[0], RunDir(Path(argv[1]))
     terminal = redirect_rank_output(run, dist_rank())
     try:
