@@ -23,7 +23,7 @@ from recipes.errors import UserError
 from recipes.processes import free_port
 from recipes.schema import RolloutSection
 from rollout import server_guard
-from rollout.vllm_worker import WORKER_EXTENSION
+from rollout.vllm_worker import WORKER_EXTENSION, fix_cpu_rotary_strides
 
 
 @dataclass
@@ -84,6 +84,8 @@ class EmbeddedEngine:
         # In-process engine: initialises in seconds instead of ~40 s with worker processes.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
+
+        fix_cpu_rotary_strides()  # the worker runs in this process, which imported rollout.vllm_worker already
 
         self.routed_experts = routed_experts
         backend = attention_backend(model_dir, rollout.dtype)

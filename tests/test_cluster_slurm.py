@@ -60,7 +60,7 @@ def test_srun_inside_salloc_runs_the_ranks(slurm, init, tmp_path):
     run = tmp_path / "salloc"
     assert steps(run) == list(range(STEPS + 1))
     assert f"{slurm.node} | " in result.stdout  # the node's output, prefixed
-    assert "eval loss" in (run / "logs" / slurm.node / "torchrun.log").read_text()
+    assert f"midtrain step {STEPS}/{STEPS}" in (run / "logs" / slurm.node / "torchrun.log").read_text()
 
 
 def test_submit_writes_an_sbatch_script_and_the_job_trains(slurm, init, tmp_path):

@@ -229,9 +229,9 @@ def test_load_refuses_a_checkpoint_that_is_not_this_model(checkpoint, megatron, 
 def test_parallel_sizes_must_fit_the_world(megatron):
     from recipes.errors import UserError
 
-    with pytest.raises(UserError, match="tp\\*pp\\*cp = 2 does not divide the world size 1"):
+    with pytest.raises(UserError, match=r"tp\*pp\*cp = 2\*1\*1 = 2 does not divide the world size 1"):
         init_distributed(ParallelismSection(tp=2, sequence_parallel=True))
-    with pytest.raises(UserError, match="ep\\*etp = 2 does not divide world_size/pp = 1"):
+    with pytest.raises(UserError, match=r"ep\*etp = 2\*1 does not divide world_size/pp = 1"):
         init_distributed(ParallelismSection(ep=2))
 
 
