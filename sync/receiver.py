@@ -116,15 +116,20 @@ class PullInfo:
     already_current: bool = False
 
 
+def _target_version(store: Store, version: str | None) -> str:
+    """`version`, or the store's head when None."""
+    target_id = version or store.head()
+    if target_id is None:
+        raise UserError(f"store {store.location} holds no versions yet")
+    return target_id
+
+
 def pull(store: Store, to: Path, version: str | None = None, threads: int = 0,
          on_progress: Progress | None = None, on_fetch: Progress | None = None) -> PullInfo:
     """Bring the receiver directory `to` to `version` (default: the store's head) and make it current.
     `on_fetch` gets the bytes of each chunk downloaded, `on_progress` the bytes of each piece rebuilt."""
     started = time.monotonic()
-    receiver = ReceiverDir(to)
-    target_id = version or store.head()
-    if target_id is None:
-        raise UserError(f"store {store.location} holds no versions yet")
+    receiver, target_id = ReceiverDir(to), _target_version(store, version)
     with receiver.locked():
         return _pull_locked(store, to, target_id, threads, on_progress, on_fetch, started)
 
@@ -221,10 +226,7 @@ def update_in_place(store: Store, to: Path, version: str | None = None, threads:
     the target's chain) and checked; opaque files that changed are replaced. Falls back to a full `pull` when
     there is no current version, the safetensors headers differ, or a file is shared through a hard link."""
     started = time.monotonic()
-    receiver = ReceiverDir(to)
-    target_id = version or store.head()
-    if target_id is None:
-        raise UserError(f"store {store.location} holds no versions yet")
+    receiver, target_id = ReceiverDir(to), _target_version(store, version)
     with receiver.locked():
         current = receiver.current_id()
         target = store.manifest(target_id)

@@ -32,6 +32,15 @@ def composer():
     return run_composer
 
 
+@pytest.fixture(scope="module")
+def init(tmp_path_factory) -> Path:
+    """The recipe default's tiny model, made by `composer model init` once per test module."""
+    out = tmp_path_factory.mktemp("init") / "model"
+    result = run_composer("model", "init", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out
+
+
 @pytest.fixture
 def write_recipe(tmp_path):
     """Write a recipe file (text) into the test's directory; returns its path."""

@@ -33,14 +33,6 @@ def slurm(tmp_path_factory):
         cluster.close()
 
 
-@pytest.fixture(scope="module")
-def init(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("init") / "model"
-    result = run_composer("model", "init", str(out))
-    assert result.returncode == 0, result.stderr[-2000:]
-    return out
-
-
 def midtrain(init: Path, run_dir: Path, name: str, *more: str) -> list[str]:
     sets = [f"run.dir={run_dir}", f"run.name={name}", f"model.checkpoint={init}", f"data.cache_dir={init.parent / 'cache'}",
             f"train.steps={STEPS}", f"train.eval_every={STEPS}", "train.eval_batches=1", f"train.checkpoint_every={STEPS}",

@@ -51,14 +51,6 @@ def hosts(tmp_path_factory):
         made.close()
 
 
-@pytest.fixture(scope="module")
-def init(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("init") / "model"
-    result = run_composer("model", "init", str(out))
-    assert result.returncode == 0, result.stderr[-2000:]
-    return out
-
-
 def cluster_sets(hosts, names: list[str]) -> list[str]:
     return [f"cluster.hosts={names}", "cluster.launcher=ssh", f"cluster.python={hosts.python}", "cluster.ssh.user=root",
             f"cluster.ssh.key_file={hosts.client_key}", f"cluster.ssh.known_hosts={hosts.known_hosts}",
