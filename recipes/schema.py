@@ -47,6 +47,15 @@ def _wants_number(annotation: object) -> bool:
 # --- model -------------------------------------------------------------------------------------
 
 
+class KernelsSection(Section):
+    experts: Literal["auto", "grouped", "sequential"] = "auto"
+    """Routed experts: `grouped` runs all local experts in grouped GEMMs (torch grouped_mm), `sequential` loops
+    over them (Megatron's SequentialMLP); `auto` takes grouped where this torch runs it in the model's dtype."""
+    attention: Literal["auto", "sdpa", "local"] = "auto"
+    """Core attention: `sdpa` is torch's fused scaled_dot_product_attention (flash / memory-efficient kernels),
+    `local` Megatron's unfused DotProductAttention; `auto` takes sdpa."""
+
+
 class ModelSection(Section):
     family: Literal["qwen3_moe", "llama", "deepseek_v3"] = "qwen3_moe"
     """Architecture family: `qwen3_moe` (MoE, QK-norm), `llama` (dense) or `deepseek_v3` (DeepSeek-V3 / Kimi-K2:
@@ -112,6 +121,8 @@ class ModelSection(Section):
     """Factor on the routed experts' gate weights [routed_scaling_factor]."""
     moe_router_bias_update_rate: float = Field(default=1e-3, ge=0)
     """deepseek_v3 training: step of the aux-loss-free expert-bias update per optimizer step (Megatron's rule)."""
+    kernels: KernelsSection = Field(default_factory=KernelsSection)
+    """Compute kernels of experts and attention (the same function either way; the choice is logged at build)."""
 
     @property
     def is_moe(self) -> bool:

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from recipes.checks import model_problems, split_problems
 from recipes.errors import UserError
 from recipes.schema import ARCHITECTURE_FIELDS, ModelSection, ParallelismSection
+from trainer.kernels import KernelChoice, grouped_gemm_experts, resolve_kernels, sdp_attention
 
 HF_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
@@ -407,31 +408,35 @@ def _mla_core_attention():
     return MLADotProductAttention
 
 
-def _layer_spec(m: ModelSection, moe: bool):
+def _layer_spec(m: ModelSection, moe: bool, kernels: KernelChoice):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     mla = m.family == "deepseek_v3"
     spec = get_gpt_layer_local_spec(
         num_experts=m.num_experts if moe else None,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=False,  # Megatron's grouped experts need TE or grouped_gemm; ours replace SequentialMLP below
         qk_layernorm=m.family == "qwen3_moe",
         multi_latent_attention=mla,
         normalization="RMSNorm",
     )
     layer = spec.submodules
+    if moe and kernels.experts == "grouped":
+        layer.mlp.submodules.experts.module = grouped_gemm_experts()
     layer.input_layernorm = RMSNorm
     layer.pre_mlp_layernorm = RMSNorm
     attention = layer.self_attention.submodules
     if m.family == "qwen3_moe":
         attention.q_layernorm = RMSNorm
         attention.k_layernorm = RMSNorm
+    if not mla and kernels.attention == "sdpa":
+        attention.core_attention = sdp_attention()
     if mla:
         from megatron.core.post_training.modelopt.layers import Linear
 
         # the norms of the compressed query and key/value latents (HF q_a_layernorm, kv_a_layernorm)
         attention.q_layernorm = RMSNorm
         attention.kv_layernorm = RMSNorm
-        attention.core_attention = _mla_core_attention()
+        attention.core_attention = _mla_core_attention() if kernels.attention == "local" else sdp_attention()
         # Down-projections replicated over tensor parallelism, as with Transformer Engine. Split column-wise (the
         # local spec), MLA's backward never sums the shared RoPE key's gradient over the tensor-parallel heads:
         # measured, tp=2 moved kv_a_proj_with_mqa differently from tp=1 (loss after one step off by 1.4e-3).
@@ -440,12 +445,12 @@ def _layer_spec(m: ModelSection, moe: bool):
     return spec
 
 
-def layer_block_spec(m: ModelSection, config):
+def layer_block_spec(m: ModelSection, config, kernels: KernelChoice):
     """The layers this pipeline stage builds: dense ones for the first first_k_dense layers, MoE after."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    specs = {moe: _layer_spec(m, moe) for moe in ({m.is_moe, False} if m.first_k_dense else {m.is_moe})}
+    specs = {moe: _layer_spec(m, moe, kernels) for moe in ({m.is_moe, False} if m.first_k_dense else {m.is_moe})}
     everything = [specs[m.is_moe and layer >= m.first_k_dense] for layer in range(m.num_layers)]
     offset = get_transformer_layer_offset(config)
     return TransformerBlockSubmodules(layer_specs=everything[offset : offset + get_num_layers_to_build(config)], layer_norm=RMSNorm)
@@ -471,9 +476,11 @@ def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: b
         # Router-replay instances are process-global: the newest MoE model becomes the one recorded and replayed.
         RouterReplay.clear_global_router_replay_instances()
     config = transformer_config(m, p, recompute_activations)
+    kernels = resolve_kernels(m.kernels, config.params_dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    _log_kernels_once(m, kernels)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_block_spec(m, config),
+        transformer_layer_spec=layer_block_spec(m, config, kernels),
         vocab_size=m.vocab_size,
         max_sequence_length=m.max_position_embeddings,
         position_embedding_type="rope",
@@ -493,7 +500,21 @@ def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: b
                 param.allreduce = False
     if torch.cuda.is_available():
         model.cuda()
+    model.kernels = kernels
     return model
+
+
+_logged_kernels: set[tuple] = set()
+
+
+def _log_kernels_once(m: ModelSection, kernels: KernelChoice) -> None:
+    """One line per process and choice (a frozen reference copy builds the same model again)."""
+    key = (m.kernels.experts, m.kernels.attention, kernels)
+    if key in _logged_kernels or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        return
+    _logged_kernels.add(key)
+    experts = f"experts={kernels.experts} (asked {m.kernels.experts})" if m.is_moe else "experts=none (dense)"
+    print(f"model kernels: {experts}, attention={kernels.attention} (asked {m.kernels.attention})", flush=True)
 
 
 def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:

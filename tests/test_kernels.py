@@ -1,0 +1,125 @@
+"""Grouped-GEMM experts and fused SDPA attention compute what SequentialMLP and Megatron's local attention compute.
+
+Both families (the tiny Qwen3-MoE of recipes/smoke-midtrain.yaml and the DeepSeek-V3 twin with MLA, shared experts,
+a biased sigmoid router), fp32 on CPU: logprobs and every parameter's gradient within 1e-5, the same free routing,
+and router replay with grouped experts uses exactly the replayed routes; at world size 1 and under tp/ep on 2 gloo
+ranks (tests/kernel_parity_worker.py). Also: the recipe key, its refusals and the GPU benchmark's --tiny run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recipes.errors import UserError
+from recipes.loader import load_recipe
+from recipes.schema import KernelsSection, ParallelismSection
+from tests.kernel_parity_worker import kernel_parity
+from trainer.checkpoint_init import init_hf_checkpoint
+from trainer.distributed import init_distributed, run_torchrun, shutdown_distributed
+from trainer.kernels import check_kernels_installed, resolve_kernels
+from trainer.model import build_model, model_section_from_hf
+
+pytestmark = pytest.mark.engines
+
+REPO = Path(__file__).resolve().parent.parent
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("kernels")
+    return {
+        family: init_hf_checkpoint(load_recipe(REPO / recipe, []).model, root / family, tokenizer_bytes=2**20)
+        for family, recipe in (("qwen3_moe", "recipes/smoke-midtrain.yaml"), ("deepseek_v3", "recipes/smoke-deepseek-v3-midtrain.yaml"))
+    }
+
+
+def assert_parity(got: dict, where) -> None:
+    assert got["logprob_max_diff"] <= TOLERANCE, (where, got)
+    assert got["grad_max_diff"] <= TOLERANCE * max(1.0, got["grad_max"]), (where, got)  # fp32 rounding scales with the gradient
+    assert got["grad_max"] > 1e-3, (where, got)  # gradients that reach the weights, not all zero
+    assert got["free_route_mismatches"] == 0, (where, got)
+    assert got["replayed_route_mismatches"] == 0 and got["routes_compared"] > 0, (where, got)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_grouped_experts_and_sdpa_match_the_local_modules(checkpoints, family):
+    torch.set_num_threads(1)
+    m = model_section_from_hf(checkpoints[family])
+    tokens = torch.randint(1, m.vocab_size, (3, 20), generator=torch.Generator().manual_seed(2))
+    init_distributed(ParallelismSection())
+    try:
+        assert_parity(kernel_parity(m, ParallelismSection(), checkpoints[family], tokens), family)
+    finally:
+        shutdown_distributed()
+
+
+def test_parity_under_tensor_and_expert_parallelism(checkpoints, tmp_path):
+    """tp=2 with sequence parallel, ep=2 and tp=2 x ep=2, both families, on each of the 2 ranks."""
+    result = run_torchrun(2, [str(REPO / "tests/kernel_parity_worker.py"), str(tmp_path), *map(str, checkpoints.values())],
+                          env={"PYTHONPATH": str(REPO)}, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in (0, 1):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        assert sorted(results) == ["deepseek_v3", "qwen3_moe"]
+        for family, layouts in results.items():
+            assert sorted(layouts) == ["ep2", "tp2_sp", "tp2_sp_ep2"]
+            for layout, got in layouts.items():
+                assert_parity(got, (rank, family, layout))
+
+
+def test_auto_picks_the_fast_kernels_and_the_choice_is_logged(checkpoints, capsys):
+    m = model_section_from_hf(checkpoints["qwen3_moe"])
+    assert m.kernels == KernelsSection(experts="auto", attention="auto")
+    init_distributed(ParallelismSection())
+    try:
+        model = build_model(m, ParallelismSection())
+        build_model(m, ParallelismSection())  # a second build (e.g. the RL reference copy) logs nothing new
+    finally:
+        shutdown_distributed()
+    assert (model.kernels.experts, model.kernels.attention) == ("grouped", "sdpa")
+    assert type(model.decoder.layers[0].mlp.experts).__name__ == "GroupedGemmExperts"
+    assert type(model.decoder.layers[0].self_attention.core_attention).__name__ == "SDPAttention"
+    logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("model kernels:")]
+    assert logged == ["model kernels: experts=grouped (asked auto), attention=sdpa (asked auto)"]
+
+
+def test_a_torch_without_grouped_mm_refuses_grouped_and_falls_back_under_auto(monkeypatch):
+    from trainer import kernels
+
+    monkeypatch.delattr(F, "grouped_mm")
+    kernels.grouped_mm_runs.cache_clear()
+    try:
+        with pytest.raises(UserError, match="model.kernels.experts=grouped: torch .* has no grouped_mm"):
+            check_kernels_installed(KernelsSection(experts="grouped"))
+        with pytest.raises(UserError, match="cannot run grouped_mm"):
+            resolve_kernels(KernelsSection(experts="grouped"), torch.float32, "cpu")
+        assert resolve_kernels(KernelsSection(), torch.float32, "cpu").experts == "sequential"
+    finally:
+        monkeypatch.undo()
+        kernels.grouped_mm_runs.cache_clear()
+
+
+def test_the_recipe_key_is_strict(tmp_path):
+    base = (REPO / "recipes/smoke-midtrain.yaml").read_text()
+    assert load_recipe(REPO / "recipes/smoke-midtrain.yaml", ["model.kernels.experts=sequential"]).model.kernels.experts == "sequential"
+    for override, message in (("model.kernels.experts=fused", "experts"), ("model.kernels.flash=true", "flash")):
+        with pytest.raises(UserError, match=message):
+            load_recipe(REPO / "recipes/smoke-midtrain.yaml", [override])
+    assert base  # the shipped recipe itself loads unchanged
+
+
+def test_gpu_benchmark_runs_tiny_on_cpu():
+    """benchmarks/gpu_bench.py --tiny: every section runs and prints its ratio against the baseline of the same run."""
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_bench.py"), "--tiny"], capture_output=True, text=True,
+                            timeout=300, cwd=REPO, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = result.stdout
+    for needle in ("qwen3_moe", "deepseek_v3", "tokens/s", "speedup x", "parity", "sync encode", "peak memory"):
+        assert needle in out, (needle, out)

@@ -1,0 +1,144 @@
+"""Fast kernels for the model's two hot spots, as drop-in modules of Megatron's local layer spec.
+
+- `GroupedGemmExperts`: every local routed expert in two grouped GEMMs (torch.nn.functional.grouped_mm), forward
+  and backward, instead of SequentialMLP's Python loop. It keeps SequentialMLP's parameters
+  (`local_experts.N.linear_fc{1,2}.weight`), so HF mapping, checkpoints, sync and router replay do not change.
+  Megatron's own grouped experts are not used: TEGroupedMLP needs Transformer Engine and GroupedMLP the
+  grouped_gemm package (neither is in the pinned stack), and both store experts under other parameter names.
+- `SDPAttention`: Megatron's DotProductAttention with its unfused softmax(QK^T)V replaced by torch's
+  scaled_dot_product_attention (flash / memory-efficient / cuDNN kernels on GPUs): causal, GQA, the module's
+  softmax scale (MLA's included).
+
+`resolve_kernels` turns `model.kernels` into the modules used; `check_kernels` refuses a choice this torch cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from recipes.errors import UserError
+from recipes.schema import KernelsSection
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    experts: str
+    """`grouped` or `sequential`."""
+    attention: str
+    """`sdpa` or `local`."""
+
+
+@functools.cache
+def grouped_mm_runs(dtype: torch.dtype, device: str) -> bool:
+    """Whether this torch runs a grouped GEMM forward and backward in `dtype` on `device` (empty groups included)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        x = torch.ones(24, 16, dtype=dtype, device=device, requires_grad=True)
+        w = torch.ones(3, 16, 16, dtype=dtype, device=device, requires_grad=True)
+        offsets = torch.tensor([8, 8, 24], dtype=torch.int32, device=device)
+        _grouped_linear(x, w, offsets).sum().backward()
+        return bool(torch.isfinite(w.grad).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def check_kernels_installed(kernels: KernelsSection) -> None:
+    """Recipe check (before launch, on the driver): the installed torch has the kernels asked for."""
+    if kernels.experts == "grouped" and not hasattr(F, "grouped_mm"):
+        raise UserError(f"model.kernels.experts=grouped: torch {torch.__version__} has no grouped_mm; use experts: sequential (or auto)")
+
+
+def check_kernels(kernels: KernelsSection, dtype: torch.dtype, device: str) -> None:
+    """At model build, on the rank's device: the grouped GEMM also runs in the model's dtype there."""
+    if kernels.experts == "grouped" and not grouped_mm_runs(dtype, device):
+        raise UserError(
+            f"model.kernels.experts=grouped: torch {torch.__version__} cannot run grouped_mm in {dtype} on {device}; "
+            "use experts: sequential (or auto)"
+        )
+
+
+def resolve_kernels(kernels: KernelsSection, dtype: torch.dtype, device: str) -> KernelChoice:
+    check_kernels(kernels, dtype, device)
+    experts = kernels.experts
+    if experts == "auto":
+        experts = "grouped" if grouped_mm_runs(dtype, device) else "sequential"
+    return KernelChoice(experts=experts, attention="local" if kernels.attention == "local" else "sdpa")
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[T, K] tokens sorted by group, weight [G, N, K], offsets[g] = end row of group g -> [T, N] (x_g @ W_g^T)."""
+    out = F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    if out.requires_grad:
+        # grouped_mm's backward rejects broadcast (zero-stride) gradients, e.g. the one of a sum
+        out.register_hook(lambda grad: grad.contiguous())
+    return out
+
+
+def grouped_gemm_experts():
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class GroupedGemmExperts(SequentialMLP):
+        """SequentialMLP's experts and parameters, computed by two grouped GEMMs over all local experts.
+
+        Megatron marks expert linears `explicit_expert_comm` under tp or ep, so each expert is a plain local
+        x @ W^T and the dispatcher does every collective: the grouped GEMM computes the same without the loop.
+        """
+
+        def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+            super().__init__(num_local_experts, config, submodules, pg_collection)
+            c = self.config
+            if not c.gated_linear_unit or c.add_bias_linear or c.activation_func_clamp_value is not None or c.glu_linear_offset:
+                raise UserError("model.kernels.experts=grouped computes bias-free SwiGLU experts only; use experts: sequential")
+
+        def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+            if self.config.moe_apply_probs_on_input or self.config.fp8 or self.config.fp4:
+                return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+            hidden = permuted_local_hidden_states
+            fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [E, 2F, H]
+            fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [E, H, F]
+            offsets = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)
+            gate, up = _grouped_linear(hidden, fc1, offsets).chunk(2, dim=-1)
+            intermediate = self.config.activation_func(gate) * up
+            # as MLP's per_token_scale: probabilities applied after the activation, back in the compute dtype
+            intermediate = (intermediate * permuted_probs.unsqueeze(-1)).to(hidden.dtype)
+            return _grouped_linear(intermediate, fc2, offsets), None
+
+    return GroupedGemmExperts
+
+
+def sdp_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SDPAttention(DotProductAttention):
+        """DotProductAttention computed by torch's fused scaled_dot_product_attention.
+
+        Causal masking comes from the mask type (`is_causal`), as Transformer Engine's attention does: the explicit
+        causal mask the callers pass is not read. MLA's `k_channels`/`v_channels` (keys wider than values) need no
+        setting: SDPA takes them from the shapes.
+        """
+
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+            mask_type = attn_mask_type or self.attn_mask_type
+            if packed_seq_params is not None or attention_bias is not None or mask_type != AttnMaskType.causal:
+                raise UserError("model.kernels.attention=sdpa builds causal attention of unpacked sequences only; use attention: local")
+            if query.shape[0] != key.shape[0]:
+                raise UserError("model.kernels.attention=sdpa: queries and keys of different lengths (a KV cache) are not built")
+            seq, batch = query.shape[:2]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, d] -> [b, heads, s, d]
+            scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                dropout_p=self.attention_dropout.p if self.training else 0.0,
+            )
+            return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    return SDPAttention
