@@ -25,6 +25,7 @@ from rl.protocol import POLL_SECONDS, Heartbeat, Policy, ReplayQueue, RLRunFiles
 from rl.rollout_hosts import LocalHost, open_hosts
 from rl.rollout_worker import RolloutWorker
 from sync.pusher import push_version
+from trainer.kernels import check_kernels_installed
 
 UNHONOURED = {
     "parallelism.pp": "the RL learner's step does not run the pipeline schedule (trainer.pipeline) yet",
@@ -50,6 +51,7 @@ def check_rl_recipe(recipe: Recipe) -> None:
     if not recipe.model.checkpoint:
         raise UserError("train rl: model.checkpoint must name the HF checkpoint the policy starts from")
     refuse_unhonoured(recipe, "train rl", UNHONOURED)
+    check_kernels_installed(recipe.model.kernels)
 
 
 def check_replay(recipe: Recipe, source: Path) -> None:

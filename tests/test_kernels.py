@@ -98,6 +98,11 @@ def test_a_torch_without_grouped_mm_refuses_grouped_and_falls_back_under_auto(mo
     try:
         with pytest.raises(UserError, match="model.kernels.experts=grouped: torch .* has no grouped_mm"):
             check_kernels_installed(KernelsSection(experts="grouped"))
+        from trainer.midtrain import check_midtrain_recipe
+
+        with pytest.raises(UserError, match="has no grouped_mm"):  # at recipe check, before anything launches
+            check_midtrain_recipe(load_recipe(REPO / "recipes/smoke-midtrain.yaml", ["model.kernels.experts=grouped"]))
+        check_midtrain_recipe(load_recipe(REPO / "recipes/smoke-midtrain.yaml", []))  # auto falls back instead
         with pytest.raises(UserError, match="cannot run grouped_mm"):
             resolve_kernels(KernelsSection(experts="grouped"), torch.float32, "cpu")
         assert resolve_kernels(KernelsSection(), torch.float32, "cpu").experts == "sequential"
@@ -106,13 +111,12 @@ def test_a_torch_without_grouped_mm_refuses_grouped_and_falls_back_under_auto(mo
         kernels.grouped_mm_runs.cache_clear()
 
 
-def test_the_recipe_key_is_strict(tmp_path):
-    base = (REPO / "recipes/smoke-midtrain.yaml").read_text()
-    assert load_recipe(REPO / "recipes/smoke-midtrain.yaml", ["model.kernels.experts=sequential"]).model.kernels.experts == "sequential"
+def test_the_recipe_key_is_strict():
+    recipe = REPO / "recipes/smoke-midtrain.yaml"
+    assert load_recipe(recipe, ["model.kernels.experts=sequential"]).model.kernels.experts == "sequential"
     for override, message in (("model.kernels.experts=fused", "experts"), ("model.kernels.flash=true", "flash")):
         with pytest.raises(UserError, match=message):
-            load_recipe(REPO / "recipes/smoke-midtrain.yaml", [override])
-    assert base  # the shipped recipe itself loads unchanged
+            load_recipe(recipe, [override])
 
 
 def test_gpu_benchmark_runs_tiny_on_cpu():
@@ -123,3 +127,39 @@ def test_gpu_benchmark_runs_tiny_on_cpu():
     out = result.stdout
     for needle in ("qwen3_moe", "deepseek_v3", "tokens/s", "speedup x", "parity", "sync encode", "peak memory"):
         assert needle in out, (needle, out)
+
+
+def test_bf16_training_keeps_fp32_master_weights_and_gradients():
+    """model.dtype=bfloat16: bf16 parameters, fp32 gradient buffers and fp32 master weights in the optimizer, and
+    the loss of a few steps within bf16 noise of the same steps in fp32 (the fast kernels in both)."""
+    from recipes.schema import OptimSection
+    from trainer.logprobs import token_logprobs
+    from trainer.optimizer import TrainOptimizer, wrap_data_parallel
+
+    torch.set_num_threads(1)
+    m = load_recipe(REPO / "recipes/smoke-midtrain.yaml", []).model
+    tokens = torch.randint(1, m.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    p = ParallelismSection()
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        init_distributed(p)
+        try:
+            torch.manual_seed(0)
+            model = build_model(m.model_copy(update={"dtype": dtype}), p)
+            ddp = wrap_data_parallel(model, p)
+            optimizer = TrainOptimizer(ddp, OptimSection(lr=1e-3), p, 4, getattr(torch, dtype))
+            losses[dtype] = []
+            for _ in range(4):
+                optimizer.zero_grad()
+                loss = -token_logprobs(ddp, tokens).mean()
+                loss.backward()
+                optimizer.step()
+                losses[dtype].append(float(loss))
+            masters = {q.dtype for inner in optimizer._inner_optimizers() for group in inner.param_groups for q in group["params"]}
+            assert {q.dtype for q in model.parameters()} == {getattr(torch, dtype)}
+            assert {q.main_grad.dtype for q in model.parameters()} == {torch.float32}
+            assert masters == {torch.float32}
+        finally:
+            shutdown_distributed()
+    assert losses["float32"][-1] < losses["float32"][0] - 0.1  # it learns (the same batch each step)
+    assert max(abs(a - b) for a, b in zip(losses["float32"], losses["bfloat16"])) < 0.05

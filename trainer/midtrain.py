@@ -35,6 +35,7 @@ from recipes.schema import ARCHITECTURE_FIELDS, Recipe
 from trainer.checkpointing import Checkpointer, check_layout
 from trainer.core import Every, TrainerCore, export_checkpoint
 from trainer.distributed import shutdown_distributed
+from trainer.kernels import check_kernels_installed
 from trainer.launch import record_rank_error, redirect_rank_output
 from trainer.model import causal_mask
 from trainer.optimizer import TrainOptimizer
@@ -56,6 +57,7 @@ UNHONOURED = {
 def check_midtrain_recipe(recipe: Recipe) -> None:
     """Refuse what the loop cannot honour, before anything launches."""
     refuse_unhonoured(recipe, "train midtrain", UNHONOURED)
+    check_kernels_installed(recipe.model.kernels)
     if recipe.data is None:
         raise UserError("train midtrain: the recipe has no data section; add data.sources and data.seq_length")
 
