@@ -326,7 +326,7 @@ def transformer_config(m: ModelSection, p: ParallelismSection, recompute_activat
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=m.moe_aux_loss_coeff,
             moe_token_dispatcher_type=m.moe_token_dispatcher,
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=False,  # selects Megatron's TE / grouped_gemm experts; model.kernels picks ours in the spec
             moe_enable_routing_replay=True,
         )
         if m.is_moe
