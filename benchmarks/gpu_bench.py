@@ -67,7 +67,7 @@ SIZES = {
               dict(hidden_size=512, num_attention_heads=8, num_kv_heads=8, q_lora_rank=128, kv_lora_rank=128,
                    qk_nope_head_dim=64, qk_rope_head_dim=32, head_dim=96, v_head_dim=64, num_experts=16, moe_top_k=4,
                    moe_ffn_hidden_size=256, vocab_size=8192),
-              512, 3, 128, 0.25),
+              512, 6, 128, 0.25),
     "tiny": (dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, moe_top_k=2,
                   moe_ffn_hidden_size=32, vocab_size=512),
              dict(hidden_size=64, num_attention_heads=4, num_kv_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
@@ -94,8 +94,8 @@ def model_flops_per_token(m: ModelSection, seq: int) -> float:
     return 6 * matmul + 3 * attention
 
 
-def train(m: ModelSection, batches: list[torch.Tensor], warmup: int = 0) -> tuple[list[float], float, int]:
-    """Losses of one step per batch (a fresh model, seed 0), seconds per step after `warmup` steps, peak memory."""
+def train(m: ModelSection, batches: list[torch.Tensor], warmup: int = 0) -> tuple[list[float], float, int | None]:
+    """Losses of one step per batch (a fresh model, seed 0), seconds per step after `warmup` steps, peak GPU memory."""
     p = ParallelismSection()
     init_distributed(p, seed=0)
     torch.manual_seed(0)
@@ -117,7 +117,8 @@ def train(m: ModelSection, batches: list[torch.Tensor], warmup: int = 0) -> tupl
             losses.append(float(loss.detach()))
         sync()
         seconds = (time.perf_counter() - started) / max(len(batches) - warmup, 1)
-        peak = torch.cuda.max_memory_allocated() if CUDA else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # on CPU the process's peak RSS only grows from one configuration to the next: printed once at the end
+        peak = torch.cuda.max_memory_allocated() if CUDA else None
         return losses, seconds, peak
     finally:
         # the next configuration starts from free memory (one GPU holds one slice with its optimizer at a time)
@@ -152,7 +153,7 @@ def speed(name: str, m: ModelSection, seq: int, steps: int, batch: int, failed: 
             baseline = seconds
         mfu = f"{100 * flops / seconds / 1e12 / peak_tflops:5.1f}%" if peak_tflops else "   n/a"
         ratio = f"{baseline / seconds:9.2f}" if baseline else "      n/a"
-        print(f"{label:<16} | {batch * seq / seconds:10.0f} {flops / seconds / 1e12:8.3f} {mfu:>6} {peak / 2**30:9.2f} GiB | {ratio}", flush=True)
+        print(f"{label:<16} | {batch * seq / seconds:10.0f} {flops / seconds / 1e12:8.3f} {mfu:>6} {f"{peak / 2**30:.2f} GiB" if peak else "n/a":>12} | {ratio}", flush=True)
 
 
 def parity(m: ModelSection, seq: int, steps: int = 20) -> bool:
