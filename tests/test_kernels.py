@@ -163,3 +163,37 @@ def test_bf16_training_keeps_fp32_master_weights_and_gradients():
             shutdown_distributed()
     assert losses["float32"][-1] < losses["float32"][0] - 0.1  # it learns (the same batch each step)
     assert max(abs(a - b) for a, b in zip(losses["float32"], losses["bfloat16"])) < 0.05
+
+
+@pytest.mark.parametrize("counts", [[7, 0, 3, 0, 12, 1, 0, 9], [0] * 8], ids=["uneven_with_empty_experts", "no_tokens"])
+def test_grouped_experts_module_matches_the_loop_on_uneven_and_empty_groups(counts):
+    """The experts module alone, as the dispatcher calls it: tokens sorted by expert, some experts (or all) empty."""
+    torch.set_num_threads(1)
+    m = load_recipe(REPO / "recipes/smoke-midtrain.yaml", []).model
+    tokens_per_expert = torch.tensor(counts)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(sum(counts), m.hidden_size, generator=generator)
+    probs = torch.rand(sum(counts), generator=generator)
+    results = {}
+    init_distributed(ParallelismSection())
+    try:
+        for name in ("sequential", "grouped"):
+            torch.manual_seed(0)
+            model = build_model(m.model_copy(update={"kernels": KernelsSection(experts=name)}), ParallelismSection())
+            module = model.decoder.layers[0].mlp.experts
+            assert type(module).__name__ == {"sequential": "SequentialMLP", "grouped": "GroupedGemmExperts"}[name]
+            x = hidden.clone().requires_grad_()
+            out, bias = module(x, tokens_per_expert, probs)
+            # a plain sum: its gradient is a broadcast (zero-stride) tensor, the case grouped_mm rejects unhelped
+            (out.sum() + sum(p.sum() * 0 for p in module.parameters())).backward()
+            results[name] = (out.detach(), x.grad, [p.grad for p in module.parameters()])
+            assert bias is None and out.shape == hidden.shape
+    finally:
+        shutdown_distributed()
+    (out_s, dx_s, dw_s), (out_g, dx_g, dw_g) = results["sequential"], results["grouped"]
+    if sum(counts):
+        assert (out_s - out_g).abs().max() <= TOLERANCE and (dx_s - dx_g).abs().max() <= TOLERANCE
+    for index, (a, b) in enumerate(zip(dw_s, dw_g)):
+        assert (a - b).abs().max() <= TOLERANCE, index
+    # parameters in order: expert e's linear_fc1, linear_fc2; an expert that got no token gets zero gradient
+    assert [bool(g.abs().max() > 0) for g in dw_g] == [c > 0 for c in counts for _ in ("fc1", "fc2")]

@@ -96,9 +96,11 @@ def grouped_gemm_experts():
                 raise UserError("model.kernels.experts=grouped computes bias-free SwiGLU experts only; use experts: sequential")
 
         def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-            if self.config.moe_apply_probs_on_input or self.config.fp8 or self.config.fp4:
+            # no tokens for this rank's experts (expert parallelism): grouped_mm's backward rejects some empty operands
+            empty = permuted_local_hidden_states.shape[0] == 0
+            if empty or self.config.moe_apply_probs_on_input or self.config.fp8 or self.config.fp4:
                 return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-            hidden = permuted_local_hidden_states
+            hidden = permuted_local_hidden_states.contiguous()  # grouped GEMM kernels want row-major tokens
             fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [E, 2F, H]
             fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [E, H, F]
             offsets = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)
