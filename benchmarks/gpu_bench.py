@@ -61,7 +61,7 @@ DEEPSEEK_V3 = dict(family="deepseek_v3", num_layers=2, hidden_size=7168, num_att
                    vocab_size=32768, max_position_embeddings=16384, rope_theta=50000.0)
 SIZES = {
     # name: (qwen3 overrides, deepseek overrides, seq, timed steps, parity seq, sync GB)
-    "full": ({}, {}, 4096, 4, 1024, 4.0),
+    "full": ({}, {}, 4096, 4, 512, 4.0),
     "small": (dict(hidden_size=512, num_attention_heads=8, num_kv_heads=2, head_dim=64, num_experts=32, moe_top_k=4,
                    moe_ffn_hidden_size=256, vocab_size=8192),
               dict(hidden_size=512, num_attention_heads=8, num_kv_heads=8, q_lora_rank=128, kv_lora_rank=128,
@@ -95,9 +95,9 @@ def model_flops_per_token(m: ModelSection, seq: int) -> float:
 
 
 def train(m: ModelSection, batches: list[torch.Tensor], warmup: int = 0) -> tuple[list[float], float, int | None]:
-    """Losses of one step per batch (a fresh model, seed 0), seconds per step after `warmup` steps, peak GPU memory."""
+    """Losses of one step per batch (a fresh model, seed 0), median seconds per step after `warmup`, peak GPU memory."""
     p = ParallelismSection()
-    init_distributed(p, seed=0)
+    init_distributed(p, seed=0)  # joins the process group once, rebuilds Megatron's groups and seeds every time
     torch.manual_seed(0)
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
@@ -105,18 +105,18 @@ def train(m: ModelSection, batches: list[torch.Tensor], warmup: int = 0) -> tupl
         model = build_model(m, p)
         ddp = wrap_data_parallel(model, p)
         optimizer = TrainOptimizer(ddp, OptimSection(lr=3e-4, schedule="constant"), p, len(batches), getattr(torch, m.dtype))
-        losses = []
-        for i, tokens in enumerate(batches):
-            if i == warmup:
-                sync()
-                started = time.perf_counter()
+        losses, step_seconds = [], []
+        for tokens in batches:
+            sync()
+            started = time.perf_counter()
             optimizer.zero_grad()
             loss = -token_logprobs(ddp, tokens.to(DEVICE)).mean()
             loss.backward()
             optimizer.step()
-            losses.append(float(loss.detach()))
-        sync()
-        seconds = (time.perf_counter() - started) / max(len(batches) - warmup, 1)
+            losses.append(float(loss.detach()))  # a device sync
+            step_seconds.append(time.perf_counter() - started)
+        # the median step: robust to other jobs sharing the machine
+        seconds = float(np.median(step_seconds[warmup:] or step_seconds))
         # on CPU the process's peak RSS only grows from one configuration to the next: printed once at the end
         peak = torch.cuda.max_memory_allocated() if CUDA else None
         return losses, seconds, peak
@@ -126,7 +126,6 @@ def train(m: ModelSection, batches: list[torch.Tensor], warmup: int = 0) -> tupl
         gc.collect()
         if CUDA:
             torch.cuda.empty_cache()
-        shutdown_distributed()
 
 
 def random_batches(m: ModelSection, n: int, seq: int, seed: int = 0, batch: int = 1) -> list[torch.Tensor]:
@@ -153,7 +152,8 @@ def speed(name: str, m: ModelSection, seq: int, steps: int, batch: int, failed: 
             baseline = seconds
         mfu = f"{100 * flops / seconds / 1e12 / peak_tflops:5.1f}%" if peak_tflops else "   n/a"
         ratio = f"{baseline / seconds:9.2f}" if baseline else "      n/a"
-        print(f"{label:<16} | {batch * seq / seconds:10.0f} {flops / seconds / 1e12:8.3f} {mfu:>6} {f"{peak / 2**30:.2f} GiB" if peak else "n/a":>12} | {ratio}", flush=True)
+        memory = f"{peak / 2**30:.2f} GiB" if peak else "n/a"
+        print(f"{label:<16} | {batch * seq / seconds:10.0f} {flops / seconds / 1e12:8.3f} {mfu:>6} {memory:>12} | {ratio}", flush=True)
 
 
 def parity(m: ModelSection, seq: int, steps: int = 20) -> bool:
@@ -248,6 +248,7 @@ def main() -> None:
         speed(family, m, seq, steps, args.batch, failed)
         ok &= guarded(f"{family} parity", failed, parity, m, parity_seq)
     ok &= guarded("sync encode", failed, sync_encode, sync_gb)
+    shutdown_distributed()
     print(f"\npeak memory of the process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB host"
           + (f", {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved on the GPU" if CUDA else "")
           + f"; total {time.perf_counter() - started:.0f} s", flush=True)
