@@ -100,7 +100,7 @@ class ModelSection(Section):
     """Share the input embedding with the output layer."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Parameter and compute dtype for training. bfloat16: bf16 weights and compute, with Megatron's fp32 master
-    weights, fp32 gradient buffers and fp32 Adam state (runs on CPU too; float32 is faster there)."""
+    weights, fp32 gradient buffers and fp32 Adam state (runs on CPU too)."""
     # deepseek_v3 only (HF DeepseekV3Config names in brackets); head_dim is then qk_nope_head_dim + qk_rope_head_dim
     q_lora_rank: int | None = Field(default=None, gt=0)
     """MLA: rank of the query down-projection [q_lora_rank]; unset projects queries directly."""
