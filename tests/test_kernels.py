@@ -94,6 +94,7 @@ def test_a_torch_without_grouped_mm_refuses_grouped_and_falls_back_under_auto(mo
     from trainer import kernels
 
     monkeypatch.delattr(F, "grouped_mm")
+    monkeypatch.delattr(torch, "_grouped_mm")
     kernels.grouped_mm_runs.cache_clear()
     try:
         with pytest.raises(UserError, match="model.kernels.experts=grouped: torch .* has no grouped_mm"):

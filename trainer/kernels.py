@@ -1,6 +1,6 @@
 """Fast kernels for the model's two hot spots, as drop-in modules of Megatron's local layer spec.
 
-- `GroupedGemmExperts`: every local routed expert in two grouped GEMMs (torch.nn.functional.grouped_mm), forward
+- `GroupedGemmExperts`: every local routed expert in two grouped GEMMs (torch's grouped_mm), forward
   and backward, instead of SequentialMLP's Python loop. It keeps SequentialMLP's parameters
   (`local_experts.N.linear_fc{1,2}.weight`), so HF mapping, checkpoints, sync and router replay do not change.
   Megatron's own grouped experts are not used: TEGroupedMLP needs Transformer Engine and GroupedMLP the
@@ -32,10 +32,15 @@ class KernelChoice:
     """`sdpa` or `local`."""
 
 
+def _grouped_mm():
+    """torch's grouped GEMM: public as nn.functional.grouped_mm in newer releases, torch._grouped_mm before."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 @functools.cache
 def grouped_mm_runs(dtype: torch.dtype, device: str) -> bool:
     """Whether this torch runs a grouped GEMM forward and backward in `dtype` on `device` (empty groups included)."""
-    if not hasattr(F, "grouped_mm"):
+    if _grouped_mm() is None:
         return False
     try:
         x = torch.ones(24, 16, dtype=dtype, device=device, requires_grad=True)
@@ -49,7 +54,7 @@ def grouped_mm_runs(dtype: torch.dtype, device: str) -> bool:
 
 def check_kernels_installed(kernels: KernelsSection) -> None:
     """Recipe check (before launch, on the driver): the installed torch has the kernels asked for."""
-    if kernels.experts == "grouped" and not hasattr(F, "grouped_mm"):
+    if kernels.experts == "grouped" and _grouped_mm() is None:
         raise UserError(f"model.kernels.experts=grouped: torch {torch.__version__} has no grouped_mm; use experts: sequential (or auto)")
 
 
@@ -72,7 +77,7 @@ def resolve_kernels(kernels: KernelsSection, dtype: torch.dtype, device: str) ->
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """[T, K] tokens sorted by group, weight [G, N, K], offsets[g] = end row of group g -> [T, N] (x_g @ W_g^T)."""
-    out = F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    out = _grouped_mm()(x, weight.transpose(1, 2), offs=offsets)
     if out.requires_grad:
         # grouped_mm's backward rejects broadcast (zero-stride) gradients, e.g. the one of a sum
         out.register_hook(lambda grad: grad.contiguous())
