@@ -16,6 +16,11 @@
     PYTHONPATH=. python benchmarks/gpu_bench.py --small    # CPU-sized shapes (kernel ratios on CPU, fp32 speed)
     PYTHONPATH=. python benchmarks/gpu_bench.py --tiny     # smallest shapes, any machine (CI: seconds)
 Without CUDA everything runs on CPU: speed in fp32 (MFU n/a), parity and sync as on the GPU.
+On a GPU machine whose Python (3.12, CUDA torch) lacks the project's packages, carry them as wheels:
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+      megatron-core==0.16.1 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 zstandard==0.25.0
+    # there: pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site python3 benchmarks/gpu_bench.py
 Exits non-zero when a configuration fails (the others still run), a payload differs, or the bf16 parity gap
 exceeds 3x the bf16-vs-fp32 gap.
 """
