@@ -140,11 +140,15 @@ def sdp_attention():
             if query.shape[0] != key.shape[0]:
                 raise UserError("model.kernels.attention=sdpa: queries and keys of different lengths (a KV cache) are not built")
             seq, batch = query.shape[:2]
+            groups = query.shape[2] // key.shape[2]
+            if groups > 1:
+                # GQA as the local module does it (query head i reads KV group i // groups); expanded rather than
+                # SDPA's enable_gqa, which not every fused backend takes (a fallback to the unfused math kernel)
+                key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, d] -> [b, heads, s, d]
             scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                dropout_p=self.attention_dropout.p if self.training else 0.0,
+                q, k, v, is_causal=True, scale=scale, dropout_p=self.attention_dropout.p if self.training else 0.0
             )
             return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
