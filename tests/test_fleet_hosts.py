@@ -1,0 +1,155 @@
+"""The sandbox fleet on real hosts: three network namespaces on this machine, each with its own OpenSSH server
+(tests/netns_hosts.py); every host grades on its own sandbox server, started over SSH with its composer.
+
+A host killed in the middle of a burst (every process of it: sshd, its sandbox server, the runs) has its runs
+retried on the others, and every run ends with its own program's score (no infra failure); an unreachable host at
+start is one clear error; a driver killed with -9 leaves no sandbox server behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests import netns_hosts
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.ssh, pytest.mark.skipif(netns_hosts.available() is not None, reason=str(netns_hosts.available()))]
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    made = netns_hosts.Hosts(tmp_path_factory.mktemp("sandbox-hosts"), 3)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def ssh_section(hosts):
+    from recipes.schema import SSHSection
+
+    return SSHSection(user="root", key_file=str(hosts.client_key), known_hosts=str(hosts.known_hosts))
+
+
+def sandbox_section(names: list[str], **more):
+    from recipes.schema import SandboxSection
+
+    return SandboxSection(hosts=names, sandboxes_per_host=2, cpu_seconds=5, wall_seconds=30, retry_backoff_seconds=0.05,
+                          **more)
+
+
+def numbered(i: int, seconds: float):
+    """A program returning `i` after `seconds`, and tests that pass only for `i`: a result is its own run's."""
+    from rollout.sandbox import AssertionTests
+
+    program = f"import time\n\ndef answer():\n    time.sleep({seconds})\n    return {i}\n"
+    return program, AssertionTests(entry_point="answer", setup="", cases=(f"assert candidate() == {i}",))
+
+
+def wait_for_no_process(hosts, pattern: str, seconds: float = 20) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while (left := hosts.processes(pattern)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
+    from recipes.schema import SandboxSection
+    from rollout.fleet import SandboxFleet
+    from rollout.sandbox import CallTests, GeneratedCalls, Sandbox, ScriptRun
+
+    cases = [
+        numbered(7, 0),
+        ("def f(x):\n    return x * 2\n", CallTests(entry_point="f", inputs=('{"x": 2}', '{"x": 3}'), expected=("4", "7"), seed=1)),
+        ("import random\n\ndef f(x):\n    return x + 1\n\ndef gen(rng):\n    return {'x': rng.randrange(9)}\n",
+         GeneratedCalls(entry_point="f", generator="gen", count=3, seed=5)),
+        ("print('hello from', 6 * 7)\n", ScriptRun()),
+    ]
+    local = Sandbox(SandboxSection(cpu_seconds=5, wall_seconds=30), root=tmp_path)
+    fleet = SandboxFleet(sandbox_section(hosts.names[:2]), ssh_section(hosts))
+    try:
+        assert fleet.capacities == {name: 2 for name in hosts.names[:2]}
+        assert all(iso.dedicated_uid and iso.namespaces for iso in fleet.isolations.values())
+        for program, tests in cases:
+            here, there = local.run(program, tests), fleet.run(program, tests)
+            assert (there.reward, there.passed, there.total, there.status, there.stdout_tail, there.flags) == \
+                   (here.reward, here.passed, here.total, here.status, here.stdout_tail, here.flags)
+            assert [(c.ok, c.input, c.output) for c in there.cases] == [(c.ok, c.input, c.output) for c in here.cases]
+            assert not there.infra_failure
+        assert sum(fleet.metrics()["sandbox_host_runs"].values()) == len(cases)
+    finally:
+        fleet.close()
+    assert wait_for_no_process(hosts, "rollout.sandbox_server") == []  # closing the fleet ends its servers
+
+
+def test_an_unreachable_sandbox_host_at_start_is_one_clear_error(hosts):
+    from recipes.errors import UserError
+    from rollout.fleet import SandboxFleet
+
+    with pytest.raises(UserError, match=f"root@{netns_hosts.UNUSED_ADDRESS}:22: cannot connect"):
+        SandboxFleet(sandbox_section([hosts.names[0], netns_hosts.UNUSED_ADDRESS]), ssh_section(hosts))
+    assert wait_for_no_process(hosts, "rollout.sandbox_server") == []  # the reachable host was closed again
+
+
+def test_a_killed_driver_leaves_no_sandbox_server(hosts):
+    driver_code = textwrap.dedent(f"""
+        from recipes.schema import SandboxSection, SSHSection
+        from rollout.fleet import SandboxFleet
+        from rollout.sandbox_server import RunRequest
+        from tests.test_fleet_hosts import numbered
+
+        ssh = SSHSection(user="root", key_file={str(hosts.client_key)!r}, known_hosts={str(hosts.known_hosts)!r})
+        fleet = SandboxFleet(SandboxSection(hosts={hosts.names[:2]!r}, sandboxes_per_host=2, wall_seconds=60), ssh)
+        futures = [fleet.submit(RunRequest(*numbered(i, 30))) for i in range(4)]
+        print("submitted", flush=True)
+        futures[0].result()
+    """)
+    driver = subprocess.Popen([sys.executable, "-c", driver_code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "submitted"
+        deadline = time.monotonic() + 30
+        # each host's fork server and the runs it forked (same command line): more than the two servers' own
+        while len(hosts.processes("sandbox_zygote")) <= 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert hosts.processes("rollout.sandbox_server"), "no server was started"
+    finally:
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+    assert wait_for_no_process(hosts, "rollout.sandbox_server") == []
+    assert wait_for_no_process(hosts, "sandbox_zygote") == []
+
+
+def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others(hosts):
+    """Last in this module: it kills a host."""
+    from rollout.fleet import SandboxFleet
+    from rollout.sandbox_server import RunRequest
+
+    runs = 24
+    fleet = SandboxFleet(sandbox_section(hosts.names, readmit_seconds=600), ssh_section(hosts))
+    victim = hosts.hosts[2]
+    try:
+        futures = [fleet.submit(RunRequest(*numbered(i, 0.5)), task_set="smoke") for i in range(runs)]
+        deadline = time.monotonic() + 60
+        while not hosts.pids(victim, "sandbox_zygote") or fleet.metrics()["sandbox_completed"] < 2:
+            assert time.monotonic() < deadline, fleet.metrics()
+            time.sleep(0.05)
+        before = fleet.metrics()
+        netns_hosts._kill_namespace_processes(victim.namespace)  # sshd, its sessions, the sandbox server, the runs
+        results = [f.result(timeout=120) for f in futures]
+        after = fleet.metrics()
+    finally:
+        fleet.close()
+    assert before["sandbox_completed"] < runs, "the host died after the burst"
+    assert [r.reward for r in results] == [1.0] * runs, [(r.status, r.detail) for r in results if r.reward != 1.0]
+    assert not any(r.infra_failure for r in results)
+    assert after["sandbox_failures"].get("connection_lost", 0) >= 1 and after["sandbox_retries"] >= 1, after
+    assert after["sandbox_hosts_up"] == 2 and after["sandbox_infra_failures"] == 0
+    assert all(after["sandbox_host_runs"][name] > 0 for name in hosts.names[:2])
+    print(f"host {victim.name} killed after {before['sandbox_completed']} of {runs} runs: {after}")
