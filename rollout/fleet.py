@@ -132,6 +132,31 @@ class RealClock(Clock):
         self._thread.join()
 
 
+class SimulatedClock(Clock):
+    """Simulated time for simulations and tests: `run` performs the actions in time order; nothing sleeps."""
+
+    def __init__(self):
+        self._now = 0.0
+        self._heap: list = []
+        self._order = itertools.count()
+
+    def now(self) -> float:
+        return self._now
+
+    def call_at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (when, next(self._order), action))
+
+    def run(self, until: float = math.inf) -> None:
+        """Perform every action due by `until` (all of them by default), moving time forward to each."""
+        heap = self._heap
+        while heap and heap[0][0] <= until:
+            when, _, action = heapq.heappop(heap)
+            self._now = max(self._now, when)
+            action()
+        if until != math.inf:
+            self._now = max(self._now, until)
+
+
 # --- the scheduling core ----------------------------------------------------------------------------
 
 
