@@ -240,3 +240,17 @@ def test_a_real_local_fleet_runs_programs_concurrently_up_to_its_limit(tmp_path)
         return sum(start <= at < end for start, end in spans)
     # two at a time (the global limit, below the host's three), never more
     assert max(overlapping(start) for start, _ in spans) == 2
+
+
+def test_the_fleet_simulation_script_runs_a_small_burst():
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "benchmarks/fleet_sim.py", "--episodes", "3000", "--hosts", "4", "--capacity", "16"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("SIMULATION") and "results 3000/3000, infra_failure 0" in done.stdout
+    for figure in ("orchestration CPU per episode", "time to drain / capacity bound", "memory with 3000 in flight"):
+        assert figure in done.stdout
