@@ -395,6 +395,12 @@ class SandboxSection(Section):
     remote_python: str | None = None
     """Python of the composer installation on remote sandbox hosts; the driver's own interpreter path when unset."""
 
+    @model_validator(mode="after")
+    def _hosts_once(self) -> SandboxSection:
+        if repeated := sorted({h for h in self.hosts if self.hosts.count(h) > 1}):
+            raise ValueError(f"hosts: {', '.join(repeated)} listed more than once (sandboxes_per_host sets how many each runs)")
+        return self
+
 
 class GuardsSection(Section):
     flags: list[Literal["harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes",

@@ -827,7 +827,7 @@ class SandboxFleet:
 def _open_hosts(config: SandboxSection, ssh: SSHSection, root: Path | None) -> list[SandboxHost]:
     """Every host of `config.hosts`, connected in parallel; a host that cannot be reached is an error (a wrong
     host list should stop the run, not shrink the fleet without a word), and the others are closed again."""
-    names = list(dict.fromkeys(config.hosts))
+    names = config.hosts
     python = config.remote_python or sys.executable
 
     def open_one(name: str) -> SandboxHost:
