@@ -46,6 +46,8 @@ log = logging.getLogger("composer.fleet")
 LOCALHOST = "localhost"
 HOST_LOST = ("connection_lost", "unreachable")
 """Failure causes that remove a host at once (no probe can reach it)."""
+ALIVE = ("up", "probing")
+"""Host states in which runs wait for it (a suspect host may pass its probe)."""
 MAX_BACKOFF_SECONDS = 30.0
 PROBE = RunRequest("def probe():\n    return 1\n", AssertionTests(entry_point="probe", setup="", cases=("assert candidate() == 1",)))
 PROBE_SECONDS = 60.0
@@ -251,6 +253,7 @@ class SandboxPool:
             self._release(host)
         self._queued = 0
         self._running = 0
+        self._alive = len(self.hosts)
         self._tokens = itertools.count(1)
         self._rng = random.Random(seed)
         self._lock = threading.RLock()
@@ -332,7 +335,7 @@ class SandboxPool:
                 while self._queued and self._running < self.max_concurrent:
                     host = self._free_host()
                     if host is None:
-                        if not any(h.state in ("up", "probing") for h in self.hosts.values()):
+                        if not self._alive:
                             self._fail_queued()
                         break
                     self._start(self._next_job(), host)
@@ -389,12 +392,14 @@ class SandboxPool:
                 return  # an attempt that timed out and was retried
             job.token = 0
             host = job.host
+
             host.running -= 1
             self._running -= 1
             self._release(host)
             if isinstance(outcome, SandboxResult) and not outcome.infra_failure:
                 host.failures = 0
                 self.metrics.completed += 1
+                job.request = None  # timers may hold the job a while: not its program
                 job.done(outcome)
             else:
                 failure = outcome if isinstance(outcome, Failure) else Failure("sandbox_infra", outcome.detail)
@@ -408,6 +413,7 @@ class SandboxPool:
         job.attempt += 1
         if job.attempt > self.retries or self._closed:
             self.metrics.infra_failures += 1
+            job.request = None
             job.done(result or _infra_result(f"{failure.cause}: {failure.detail} (after {job.attempt} attempt(s))"))
             return
         self.metrics.retried += 1
@@ -416,6 +422,8 @@ class SandboxPool:
 
     def _requeue(self, job: _Job) -> None:
         with self._lock:
+            if self._closed:
+                return job.done(_infra_result("the sandbox pool closed"))
             job.enqueued = self.clock.now()
             self._enqueue(job, front=True)  # it has waited its turn already
             self._pump()
@@ -435,26 +443,43 @@ class SandboxPool:
             return self._remove(host, failure)
         host.failures += 1
         if host.failures >= self.probe_after_failures and host.state == "up":
-            host.state = "probing"
             log.warning("sandbox host %s: %d failures in a row (%s); probing it", host.name, host.failures, host.last_failure)
-            self.provider.probe(host.name, lambda found: self._probed(host, found))
+            self._probe(host, "probing")
 
-    def _probed(self, host: _Host, failure: Failure | None) -> None:
+    def _set_state(self, host: _Host, state: str) -> None:
+        self._alive += (state in ALIVE) - (host.state in ALIVE)
+        host.state = state
+
+    def _probe(self, host: _Host, state: str) -> None:
+        self._set_state(host, state)
+        self.provider.probe(host.name, lambda found: self._probed(host, state, found))
+
+    def _probed(self, host: _Host, state: str, failure: Failure | None) -> None:
+        """A probe's answer: a suspect host stays or goes; a removed one is re-admitted or waits another cool-down."""
         with self._lock:
-            if self._closed or host.state != "probing":
-                return
+            if self._closed or host.state != state:
+                return  # removed meanwhile (its connection was lost), or the pool closed
             if failure is None:
-                host.state, host.failures = "up", 0
+                self._set_state(host, "up")
+                host.failures = 0
+                if state == "rejoining":
+                    host.readmitted += 1
+                    log.warning("sandbox host %s re-admitted", host.name)
                 self._release(host)
                 self._pump()
-            else:
-                self.metrics.failures["probe_failed"] += 1
+                return
+            self.metrics.failures["probe_failed"] += 1
+            host.last_failure = f"{failure.cause}: {failure.detail}"[:300]
+            if state == "probing":
                 self._remove(host, failure)
+            else:
+                self._set_state(host, "down")
+                self.clock.call_at(self.clock.now() + self.readmit_seconds, lambda: self._rejoin(host))
 
     def _remove(self, host: _Host, failure: Failure) -> None:
         if host.state in ("down", "rejoining"):
             return
-        host.state = "down"
+        self._set_state(host, "down")
         host.removed += 1
         log.warning("sandbox host %s removed (%s: %s); probing it again in %.0f s", host.name, failure.cause, failure.detail,
                     self.readmit_seconds)
@@ -463,26 +488,8 @@ class SandboxPool:
 
     def _rejoin(self, host: _Host) -> None:
         with self._lock:
-            if self._closed or host.state != "down":
-                return
-            host.state = "rejoining"
-            self.provider.probe(host.name, lambda found: self._rejoined(host, found))
-
-    def _rejoined(self, host: _Host, failure: Failure | None) -> None:
-        with self._lock:
-            if self._closed or host.state != "rejoining":
-                return
-            if failure is None:
-                host.state, host.failures = "up", 0
-                host.readmitted += 1
-                log.warning("sandbox host %s re-admitted", host.name)
-                self._release(host)
-                self._pump()
-            else:
-                self.metrics.failures["probe_failed"] += 1
-                host.last_failure = f"{failure.cause}: {failure.detail}"[:300]
-                host.state = "down"
-                self.clock.call_at(self.clock.now() + self.readmit_seconds, lambda: self._rejoin(host))
+            if not self._closed and host.state == "down":
+                self._probe(host, "rejoining")
 
     # --- reading ---
 
@@ -590,6 +597,8 @@ class RemoteSandboxHost(SandboxHost):
     def __init__(self, name: str, config: SandboxSection, ssh: SSHSection, python: str, capacity: int | None):
         self.name, self._config, self._ssh, self._python, self._asked = name, config, ssh, python, capacity
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        """One frame at a time on the channel (runs and probes are sent from different threads)."""
         self._pending: dict[int, tuple[object, Callable[[], None], Callable[[Outcome], None]]] = {}
         """Runs sent and not answered: the channel they went out on, and their callbacks."""
         self._probes = itertools.count(-1, -1)
@@ -619,7 +628,8 @@ class RemoteSandboxHost(SandboxHost):
         if reply is None or reply["op"] != "ready":
             host.close()
             said = reply.get("error") if reply else self._said()
-            raise UserError(f"sandbox host {self.where}: its sandbox server ({self._python} -m {SERVER_MODULE}) did not start: {said}")
+            raise UserError(f"sandbox host {self.where}: its sandbox server ({self._python} -m {SERVER_MODULE}) did not start: {said}; "
+                            "env.sandbox.remote_python names the Python of the composer installed there")
         channel.settimeout(None)
         self._cpus = int(reply["cpus"])
         self.isolation = Isolation(**reply["isolation"])
@@ -703,7 +713,8 @@ class RemoteSandboxHost(SandboxHost):
         if channel is None:
             return done(Failure("connection_lost", f"{self.where}: not connected"))
         try:
-            channel.sendall(frame)
+            with self._send_lock:
+                channel.sendall(frame)
         except OSError as e:
             self._lost(channel, f"sending failed ({e})")
 

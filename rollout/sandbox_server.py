@@ -7,10 +7,10 @@ exits when its stdin closes, i.e. when the driver's SSH connection ends (the san
 runs still going). A frame is a 4-byte big-endian length and a JSON object:
 
   driver -> server   {"op": "hello", "sandbox": <SandboxSection>, "threads": n}
-                     {"op": "run", "id": n, "request": <wire>}      {"op": "ping", "id": n}
+                     {"op": "run", "id": n, "request": <wire>}
   server -> driver   {"op": "ready", "cpus": n, "isolation": {...}} or {"op": "refused", "error": "..."}
                      {"op": "started", "id": n}    {"op": "result", "id": n, "result": <wire>}
-                     {"op": "failed", "id": n, "error": "..."}      {"op": "pong", "id": n}
+                     {"op": "failed", "id": n, "error": "..."}
 
 Requests and results cross as data, never as pickles: dataclasses of an allow-list (`WIRE_TYPES`) with their
 values in `plain_data`, decoded strictly on each side.
@@ -157,7 +157,8 @@ def main() -> None:
         return
     threads = hello.get("threads")
     send({"op": "ready", "cpus": os.cpu_count() or 1, "isolation": dataclasses.asdict(sandbox.isolation)})
-    workers = ThreadPoolExecutor(max_workers=threads if isinstance(threads, int) and threads > 0 else os.cpu_count() or 1)
+    # the fleet sends at most `threads` runs at once, and a health probe may come on top
+    workers = ThreadPoolExecutor(max_workers=(threads if isinstance(threads, int) and threads > 0 else os.cpu_count() or 1) + 1)
 
     def run(number: int, request: SandboxRequest) -> None:
         send({"op": "started", "id": number})
@@ -176,9 +177,7 @@ def main() -> None:
         if message is None:
             break
         number = message.get("id")
-        if message["op"] == "ping":
-            send({"op": "pong", "id": number})
-        elif message["op"] == "run":
+        if message["op"] == "run":
             try:
                 request = from_wire(message.get("request"))
                 if not isinstance(request, RunRequest):

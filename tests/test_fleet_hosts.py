@@ -89,13 +89,15 @@ def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
     assert wait_for_no_process(hosts, "rollout.sandbox_server") == []  # closing the fleet ends its servers
 
 
-def test_an_unreachable_sandbox_host_at_start_is_one_clear_error(hosts):
+def test_an_unreachable_host_or_a_missing_composer_at_start_is_one_clear_error(hosts):
     from recipes.errors import UserError
     from rollout.fleet import SandboxFleet
 
     with pytest.raises(UserError, match=f"root@{netns_hosts.UNUSED_ADDRESS}:22: cannot connect"):
         SandboxFleet(sandbox_section([hosts.names[0], netns_hosts.UNUSED_ADDRESS]), ssh_section(hosts))
     assert wait_for_no_process(hosts, "rollout.sandbox_server") == []  # the reachable host was closed again
+    with pytest.raises(UserError, match=f"sandbox host root@{hosts.names[0]}:22: its sandbox server .* did not start: .*No such file.*env.sandbox.remote_python"):
+        SandboxFleet(sandbox_section([hosts.names[0]], remote_python="/nonexistent/python"), ssh_section(hosts))
 
 
 def test_a_killed_driver_leaves_no_sandbox_server(hosts):
@@ -124,6 +126,25 @@ def test_a_killed_driver_leaves_no_sandbox_server(hosts):
         driver.wait()
     assert wait_for_no_process(hosts, "rollout.sandbox_server") == []
     assert wait_for_no_process(hosts, "sandbox_zygote") == []
+
+
+def test_env_check_grades_every_reference_on_the_recipes_sandbox_hosts(hosts, write_recipe):
+    from tests.conftest import RECIPES, run_composer
+
+    recipe = write_recipe(
+        f"extends: {RECIPES / 'smoke-rl.yaml'}\n"
+        "env:\n  tasks:\n    - {name: smoke, limit: 6}\n    - {name: humaneval, limit: 4}\n"
+        f"  sandbox: {{hosts: [{hosts.names[0]}, {hosts.names[1]}], sandboxes_per_host: 1}}\n"
+        f"cluster: {{ssh: {{user: root, key_file: {hosts.client_key}, known_hosts: {hosts.known_hosts}}}}}\n"
+        "rl: {eval: null}\n"
+    )
+    result = run_composer("env", "check", str(recipe), "--workers", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name in hosts.names[:2]:
+        assert f"sandbox on {name} (1 at once): a dedicated uid per run, mount, PID and network namespaces" in result.stdout
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 5}
+    assert "100.0%" in rows["smoke"] and "100.0%" in rows["humaneval"]
+    assert wait_for_no_process(hosts, "rollout.sandbox_server") == []
 
 
 def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others(hosts):
