@@ -147,6 +147,28 @@ def test_env_check_grades_every_reference_on_the_recipes_sandbox_hosts(hosts, wr
     assert wait_for_no_process(hosts, "rollout.sandbox_server") == []
 
 
+@pytest.mark.engines
+def test_an_rl_run_grades_its_episodes_on_the_sandbox_hosts(hosts, tmp_path):
+    import json
+
+    from recipes.loader import load_recipe
+    from tests.conftest import RECIPES
+    from tests.test_rl import start
+    from trainer.checkpoint_init import init_hf_checkpoint
+
+    checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)
+    sets = [f"env.sandbox.hosts=[{hosts.names[0]}, {hosts.names[1]}]", "env.sandbox.sandboxes_per_host=2", "cluster.ssh.user=root",
+            f"cluster.ssh.key_file={hosts.client_key}", f"cluster.ssh.known_hosts={hosts.known_hosts}", "train.steps=2", "rl.eval=null"]
+    driver = start(tmp_path / "runs", checkpoint, *(a for s in sets for a in ("--set", s)))
+    output, _ = driver.communicate(timeout=900)
+    assert driver.returncode == 0, output[-3000:]
+    groups = [json.loads(line) for line in (tmp_path / "runs" / "smoke-rl" / "rollout_metrics.jsonl").read_text().splitlines()]
+    last = groups[-1]
+    assert set(last["sandbox_host_runs"]) == set(hosts.names[:2]) and all(n > 0 for n in last["sandbox_host_runs"].values())
+    assert last["sandbox_infra_failures"] == 0 and last["infra_failure_rate"] == 0 and last["sandbox_hosts_up"] == 2
+    assert wait_for_no_process(hosts, "rollout.sandbox_server") == []
+
+
 def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others(hosts):
     """Last in this module: it kills a host."""
     from rollout.fleet import SandboxFleet
@@ -174,3 +196,4 @@ def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others(hosts):
     assert after["sandbox_hosts_up"] == 2 and after["sandbox_infra_failures"] == 0
     assert all(after["sandbox_host_runs"][name] > 0 for name in hosts.names[:2])
     print(f"host {victim.name} killed after {before['sandbox_completed']} of {runs} runs: {after}")
+
