@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recipes.schema import EnvSection, SSHSection
-from rollout.fleet import SandboxFleet
+from rollout.sandbox_hosts import SandboxFleet
 from rollout.graders import Statement, guarded_reward
 from rollout.sandbox import SandboxResult, ScriptRun, case_tests
 from rollout.tasks import Task, TaskPool

@@ -223,7 +223,7 @@ def test_requests_and_results_cross_the_wire_unchanged_and_nothing_else_does():
 
 def test_a_real_local_fleet_runs_programs_concurrently_up_to_its_limit(tmp_path):
     from recipes.schema import SandboxSection, SSHSection
-    from rollout.fleet import SandboxFleet
+    from rollout.sandbox_hosts import SandboxFleet
 
     from rollout.sandbox import ScriptRun
 

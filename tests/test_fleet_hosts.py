@@ -62,7 +62,7 @@ def wait_for_no_process(hosts, pattern: str, seconds: float = 20) -> list[str]:
 
 def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
     from recipes.schema import SandboxSection
-    from rollout.fleet import SandboxFleet
+    from rollout.sandbox_hosts import SandboxFleet
     from rollout.sandbox import CallTests, GeneratedCalls, Sandbox, ScriptRun
 
     cases = [
@@ -91,7 +91,7 @@ def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
 
 def test_an_unreachable_host_or_a_missing_composer_at_start_is_one_clear_error(hosts):
     from recipes.errors import UserError
-    from rollout.fleet import SandboxFleet
+    from rollout.sandbox_hosts import SandboxFleet
 
     with pytest.raises(UserError, match=f"root@{netns_hosts.UNUSED_ADDRESS}:22: cannot connect"):
         SandboxFleet(sandbox_section([hosts.names[0], netns_hosts.UNUSED_ADDRESS]), ssh_section(hosts))
@@ -103,7 +103,7 @@ def test_an_unreachable_host_or_a_missing_composer_at_start_is_one_clear_error(h
 def test_a_killed_driver_leaves_no_sandbox_server(hosts):
     driver_code = textwrap.dedent(f"""
         from recipes.schema import SandboxSection, SSHSection
-        from rollout.fleet import SandboxFleet
+        from rollout.sandbox_hosts import SandboxFleet
         from rollout.sandbox_server import RunRequest
         from tests.test_fleet_hosts import numbered
 
@@ -171,7 +171,7 @@ def test_an_rl_run_grades_its_episodes_on_the_sandbox_hosts(hosts, tmp_path):
 
 def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others(hosts):
     """Last in this module: it kills a host."""
-    from rollout.fleet import SandboxFleet
+    from rollout.sandbox_hosts import SandboxFleet
     from rollout.sandbox_server import RunRequest
 
     runs = 24
