@@ -175,6 +175,10 @@ class Hosts:
                 out.append(int(pid))  # the process itself, not the shell that started it
         return out
 
+    def kill(self, host: Host) -> None:
+        """SIGKILL every process of `host` (its sshd, the sessions and what they run): the host is gone."""
+        _kill_namespace_processes(host.namespace)
+
     def close(self) -> None:
         for host in self.hosts:
             host.sshd.terminate()

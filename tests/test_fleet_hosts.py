@@ -170,7 +170,7 @@ def test_an_rl_run_grades_its_episodes_on_the_sandbox_hosts(hosts, tmp_path):
 
 
 def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others(hosts):
-    """Last in this module: it kills a host."""
+    """Last in this module: it kills the third host."""
     from rollout.sandbox_hosts import SandboxFleet
     from rollout.sandbox_server import RunRequest
 
@@ -184,7 +184,7 @@ def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others(hosts):
             assert time.monotonic() < deadline, fleet.metrics()
             time.sleep(0.05)
         before = fleet.metrics()
-        netns_hosts._kill_namespace_processes(victim.namespace)  # sshd, its sessions, the sandbox server, the runs
+        hosts.kill(victim)  # sshd, its sessions, the sandbox server, the runs
         results = [f.result(timeout=120) for f in futures]
         after = fleet.metrics()
     finally:
