@@ -169,13 +169,13 @@ def test_an_rl_run_grades_its_episodes_on_the_sandbox_hosts(hosts, tmp_path):
     assert wait_for_no_process(hosts, "rollout.sandbox_server") == []
 
 
-def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others(hosts):
-    """Last in this module: it kills the third host."""
+def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others_and_is_readmitted_when_back(hosts):
+    """Last in this module: it kills the third host (and brings it back)."""
     from rollout.sandbox_hosts import SandboxFleet
     from rollout.sandbox_server import RunRequest
 
     runs = 24
-    fleet = SandboxFleet(sandbox_section(hosts.names, readmit_seconds=600), ssh_section(hosts))
+    fleet = SandboxFleet(sandbox_section(hosts.names, readmit_seconds=2), ssh_section(hosts))
     victim = hosts.hosts[2]
     try:
         futures = [fleet.submit(RunRequest(*numbered(i, 0.5)), task_set="smoke") for i in range(runs)]
@@ -187,13 +187,23 @@ def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others(hosts):
         hosts.kill(victim)  # sshd, its sessions, the sandbox server, the runs
         results = [f.result(timeout=120) for f in futures]
         after = fleet.metrics()
+        assert before["sandbox_completed"] < runs, "the host died after the burst"
+        assert [r.reward for r in results] == [1.0] * runs, [(r.status, r.detail) for r in results if r.reward != 1.0]
+        assert not any(r.infra_failure for r in results)
+        assert after["sandbox_failures"].get("connection_lost", 0) >= 1 and after["sandbox_retries"] >= 1, after
+        assert after["sandbox_hosts_up"] == 2 and after["sandbox_infra_failures"] == 0
+        assert all(after["sandbox_host_runs"][name] > 0 for name in hosts.names[:2])
+        print(f"host {victim.name} killed after {before['sandbox_completed']} of {runs} runs: {after}")
+
+        # back: a probe after the cool-down reconnects, starts its server again and re-admits it
+        hosts.restart(victim)
+        deadline = time.monotonic() + 60
+        while fleet.metrics()["sandbox_hosts_up"] < 3:
+            assert time.monotonic() < deadline, fleet.metrics()
+            time.sleep(0.1)
+        assert fleet.metrics()["sandbox_failures"].get("probe_failed", 0) >= 1  # probed while it was down
+        again = [fleet.submit(RunRequest(*numbered(i, 0.2))) for i in range(12)]
+        assert [f.result(timeout=120).reward for f in again] == [1.0] * 12
+        assert fleet.metrics()["sandbox_host_runs"][victim.name] > after["sandbox_host_runs"][victim.name]
     finally:
         fleet.close()
-    assert before["sandbox_completed"] < runs, "the host died after the burst"
-    assert [r.reward for r in results] == [1.0] * runs, [(r.status, r.detail) for r in results if r.reward != 1.0]
-    assert not any(r.infra_failure for r in results)
-    assert after["sandbox_failures"].get("connection_lost", 0) >= 1 and after["sandbox_retries"] >= 1, after
-    assert after["sandbox_hosts_up"] == 2 and after["sandbox_infra_failures"] == 0
-    assert all(after["sandbox_host_runs"][name] > 0 for name in hosts.names[:2])
-    print(f"host {victim.name} killed after {before['sandbox_completed']} of {runs} runs: {after}")
-
