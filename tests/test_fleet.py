@@ -254,3 +254,24 @@ def test_the_fleet_simulation_script_runs_a_small_burst():
     assert done.stdout.startswith("SIMULATION") and "results 3000/3000, infra_failure 0" in done.stdout
     for figure in ("orchestration CPU per episode", "time to drain / capacity bound", "memory with 3000 in flight"):
         assert figure in done.stdout
+
+
+def test_the_live_view_shows_the_fleet_in_one_row(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from rl.console import RLConsole
+
+    clock = SimulatedClock()
+    provider = FakeProvider(clock, {"a": always(OK), "b": always(Failure("connection_lost", "fake"))})
+    pool = pool_of(provider, {"a": 1, "b": 1})
+    submit_all(pool, 4)
+    clock.run(until=10.0)
+    view = RLConsole(Console(file=io.StringIO(), width=200), "smoke-rl", steps=4, metrics=tmp_path / "metrics.jsonl", verbose=False)
+    with view:
+        view.group("g0000001", {"engine": 0, "host": "localhost", "policy_version": 0, "reward_mean": 0.5,
+                                "generated_tokens_per_s": 100.0, "group_seconds": 2.0, **pool.snapshot()})
+        rows = dict(view.figures())
+    assert rows["sandboxes"] == ("hosts 1/2 up   queue wait p95 3.00 s   start p95 0.000 s   retries 1   infra 0   "
+                                 "failures connection_lost 1")
