@@ -162,7 +162,8 @@ class FleetMetrics:
         self.queue_wait: deque[float] = deque(maxlen=window)
         """Seconds from entering the queue (again, for a retry) to being sent to a host."""
         self.start_latency: deque[float] = deque(maxlen=window)
-        """Seconds from being sent to a host to its sandbox starting the run."""
+        """Seconds from being sent to a host to the host starting the run's sandbox (the provider's `started`: for an
+        SSH host, the request crossed the channel and its server began the run; the fork and isolation are in the run)."""
         self.failures: Counter[str] = Counter()
         """Failed attempts by cause (a retried run counts once per failed attempt)."""
         self.completed = 0

@@ -28,12 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from recipes.schema import SandboxSection
 from rollout import plain_data
 from rollout.graders import Call, CaseTests, Statement
 from rollout.sandbox import (MAX_RESULT_BYTES, AssertionTests, CallTests, CaseResult, GeneratedCalls, RewardMode,
                              Sandbox, SandboxResult, ScriptRun, Tests)
 
-MODULE = __spec__.name if __spec__ else "rollout.sandbox_server"
+MODULE = __spec__.name
 _HEADER = struct.Struct(">I")
 
 
@@ -75,16 +76,18 @@ def to_wire(value) -> object:
 
 
 def from_wire(node: object) -> object:
-    if not isinstance(node, dict) or len(node) not in (1, 2):
-        raise ProtocolError("not a wire value")
-    if "$v" in node:
+    """The value `to_wire` made; anything else (another type, a stray key) is a ProtocolError."""
+    keys = set(node) if isinstance(node, dict) else None
+    if keys == {"$v"} and isinstance(node["$v"], str):
         return plain_data.decode(node["$v"])
-    if "$dcs" in node and isinstance(node["$dcs"], list):
+    if keys == {"$dcs"} and isinstance(node["$dcs"], list):
         return tuple(from_wire(v) for v in node["$dcs"])
-    cls = WIRE_TYPES.get(node.get("$dc"))
-    fields = node.get("fields")
+    if keys != {"$dc", "fields"}:
+        raise ProtocolError("not a wire value")
+    cls = WIRE_TYPES.get(node["$dc"]) if isinstance(node["$dc"], str) else None
+    fields = node["fields"]
     if cls is None or not isinstance(fields, dict) or set(fields) - {f.name for f in dataclasses.fields(cls)}:
-        raise ProtocolError(f"not an allowed value: {str(node.get('$dc'))[:60]}")
+        raise ProtocolError(f"not an allowed value: {str(node['$dc'])[:60]}")
     try:
         return cls(**{name: from_wire(v) for name, v in fields.items()})
     except TypeError as e:
@@ -133,8 +136,6 @@ def _reader(stream: BinaryIO):
 
 
 def main() -> None:
-    from recipes.schema import SandboxSection
-
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the channel
     read = _reader(stdin)

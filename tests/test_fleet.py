@@ -216,7 +216,7 @@ def test_requests_and_results_cross_the_wire_unchanged_and_nothing_else_does():
     for value in values:
         assert from_wire(json.loads(json.dumps(to_wire(value)))) == value
     for forged in ({"$dc": "Popen", "fields": {}}, {"$dc": "RunRequest", "fields": {"program": {"$v": '"p"'}, "shell": {"$v": "1"}}},
-                   {"$pickle": "..."}, {"$v": '{"$object": "os.system"}'}):
+                   {"$pickle": "..."}, {"$v": '{"$object": "os.system"}'}, {"$v": '"p"', "$dc": "RunRequest"}, {"$v": 3}):
         with pytest.raises((ProtocolError, ValueError)):
             from_wire(forged)
 
