@@ -194,13 +194,17 @@ def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others_and_is_readmit
         assert all(after["sandbox_host_runs"][name] > 0 for name in hosts.names[:2])
         print(f"host {victim.name} killed after {before['sandbox_completed']} of {runs} runs: {after}")
 
+        # probed while it is down, every cool-down (2 s): it stays out
+        deadline = time.monotonic() + 60
+        while fleet.metrics()["sandbox_failures"].get("probe_failed", 0) < 1:
+            assert time.monotonic() < deadline, fleet.metrics()
+            time.sleep(0.1)
+        assert fleet.metrics()["sandbox_hosts_up"] == 2
         # back: a probe after the cool-down reconnects, starts its server again and re-admits it
         hosts.restart(victim)
-        deadline = time.monotonic() + 60
         while fleet.metrics()["sandbox_hosts_up"] < 3:
             assert time.monotonic() < deadline, fleet.metrics()
             time.sleep(0.1)
-        assert fleet.metrics()["sandbox_failures"].get("probe_failed", 0) >= 1  # probed while it was down
         again = [fleet.submit(RunRequest(*numbered(i, 0.2))) for i in range(12)]
         assert [f.result(timeout=120).reward for f in again] == [1.0] * 12
         assert fleet.metrics()["sandbox_host_runs"][victim.name] > after["sandbox_host_runs"][victim.name]
