@@ -132,9 +132,13 @@ class RemoteSandboxHost(SandboxHost):
             said = reply.get("error") if reply else self._said()
             raise UserError(f"sandbox host {self.where}: its sandbox server ({self._python} -m {SERVER_MODULE}) did not start: {said}; "
                             "env.sandbox.remote_python names the Python of the composer installed there")
+        try:
+            self._cpus = int(reply["cpus"])
+            self.isolation = Isolation(**reply["isolation"])
+        except (KeyError, TypeError, ValueError) as e:
+            host.close()
+            raise UserError(f"sandbox host {self.where}: its sandbox server's greeting is not one this composer reads ({e})") from None
         channel.settimeout(None)
-        self._cpus = int(reply["cpus"])
-        self.isolation = Isolation(**reply["isolation"])
         with self._lock:
             self._host, self._channel = host, channel
         threading.Thread(target=self._read, args=(channel,), daemon=True, name=f"sandbox-{self.name}").start()
@@ -174,10 +178,14 @@ class RemoteSandboxHost(SandboxHost):
                 break
             if message is None:
                 break
+            number = message.get("id")
+            if type(number) is not int:
+                reason = "the server sent a frame without a run id"
+                break
             with self._lock:
-                callbacks = self._pending.get(message.get("id"))
+                callbacks = self._pending.get(number)
                 if message["op"] in ("result", "failed"):
-                    self._pending.pop(message.get("id"), None)
+                    self._pending.pop(number, None)
             if callbacks is None:
                 continue
             _, started, done = callbacks
