@@ -275,3 +275,43 @@ def test_the_live_view_shows_the_fleet_in_one_row(tmp_path):
         rows = dict(view.figures())
     assert rows["sandboxes"] == ("hosts 1/2 up   queue wait p95 3.00 s   start p95 0.000 s   retries 1   infra 0   "
                                  "failures connection_lost 1")
+
+
+def test_the_sandbox_server_grades_what_it_is_sent_and_refuses_what_is_not_a_request(tmp_path):
+    """The server over plain pipes (what SSH gives it): a run, a forged request, then a frame too large to be one."""
+    import subprocess
+    import sys
+
+    from recipes.schema import SandboxSection
+    from rollout.sandbox_server import MODULE, frame_bytes, from_wire, read_frame, to_wire
+    from tests.conftest import REPO
+
+    server = subprocess.Popen([sys.executable, "-m", MODULE], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    try:
+        def send(message: dict) -> None:
+            server.stdin.write(frame_bytes(message))
+            server.stdin.flush()
+
+        def receive() -> dict:
+            return read_frame(server.stdout.read)
+
+        send({"op": "hello", "sandbox": SandboxSection(wall_seconds=30).model_dump(), "threads": 2})
+        ready = receive()
+        assert ready["op"] == "ready" and ready["cpus"] >= 1 and set(ready["isolation"]) == {"dedicated_uid", "namespaces"}
+        send({"op": "run", "id": 1, "request": to_wire(request(5))})
+        send({"op": "run", "id": 2, "request": {"$dc": "Popen", "fields": {}}})
+        replies = {}
+        while len(replies) < 2:
+            message = receive()
+            if message["op"] != "started":
+                replies[message["id"]] = message
+        assert replies[2]["op"] == "failed" and "bad request" in replies[2]["error"]
+        assert replies[1]["op"] == "result" and from_wire(replies[1]["result"]).reward == 1.0
+        server.stdin.write((1 << 31).to_bytes(4, "big"))  # a frame of 2 GiB: not the protocol's
+        server.stdin.flush()
+        assert receive() is None and server.wait(timeout=30) == 0  # it hangs up
+        assert b"a frame of 2147483648 bytes" in server.stderr.read()
+    finally:
+        server.kill()
+        server.wait()

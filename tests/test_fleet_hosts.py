@@ -145,6 +145,10 @@ def test_env_check_grades_every_reference_on_the_recipes_sandbox_hosts(hosts, wr
     assert "100.0%" in rows["smoke"] and "100.0%" in rows["humaneval"]
     assert wait_for_no_process(hosts, "rollout.sandbox_server") == []
 
+    unreachable = run_composer("env", "check", str(recipe), "--set", f"env.sandbox.hosts=[{hosts.names[0]}, {netns_hosts.UNUSED_ADDRESS}]")
+    assert unreachable.returncode == 2 and "Traceback" not in unreachable.stderr
+    assert f"root@{netns_hosts.UNUSED_ADDRESS}:22: cannot connect" in " ".join(unreachable.stderr.split())
+
 
 @pytest.mark.engines
 def test_an_rl_run_grades_its_episodes_on_the_sandbox_hosts(hosts, tmp_path):
