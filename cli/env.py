@@ -30,21 +30,26 @@ def check(
     recipe = load_recipe(file, overrides)
     if recipe.env is None:
         raise UserError(f"{file}: the recipe has no `env` section to check")
-    env = CodingEnvironment(recipe.env, seed=recipe.train.seed)
-    iso, network = env.sandbox.isolation, recipe.env.sandbox.network
-    kinds = (["mount", "PID"] if iso.dedicated_uid else ["user"]) + ([] if network else ["network"]) if iso.namespaces else []
-    namespaces = f"{', '.join(kinds[:-1])} and {kinds[-1]} namespaces" if len(kinds) > 1 else "no namespaces"
-    own_root = ", a root of its own" if iso.dedicated_uid and iso.namespaces else ", the host's filesystem"
-    console.print(
-        f"sandbox: {'a dedicated uid per run' if iso.dedicated_uid else 'the caller uid'}, {namespaces}{own_root}"
-        f"{', network allowed' if network else ''}",
-        highlight=False,
-    )
-    limit = max_tasks or None
-    total = sum(len(env.pool.indices(i)[:limit]) for i in range(len(env.pool.task_sets)))
-    with Progress(console=console, transient=True) as progress:
-        bar = progress.add_task("reference solutions", total=total)
-        reports = check_references(env, limit, workers, on_task=lambda _: progress.advance(bar))
+    env = CodingEnvironment(recipe.env, seed=recipe.train.seed, ssh=recipe.cluster.ssh)
+    try:
+        network = recipe.env.sandbox.network
+        for host, iso in env.sandbox.isolations.items():
+            kinds = (["mount", "PID"] if iso.dedicated_uid else ["user"]) + ([] if network else ["network"]) if iso.namespaces else []
+            namespaces = f"{', '.join(kinds[:-1])} and {kinds[-1]} namespaces" if len(kinds) > 1 else "no namespaces"
+            own_root = ", a root of its own" if iso.dedicated_uid and iso.namespaces else ", the host's filesystem"
+            where = "" if list(env.sandbox.isolations) == ["localhost"] else f" on {host} ({env.sandbox.capacities[host]} at once)"
+            console.print(
+                f"sandbox{escape(where)}: {'a dedicated uid per run' if iso.dedicated_uid else 'the caller uid'}, {namespaces}{own_root}"
+                f"{', network allowed' if network else ''}",
+                highlight=False,
+            )
+        limit = max_tasks or None
+        total = sum(len(env.pool.indices(i)[:limit]) for i in range(len(env.pool.task_sets)))
+        with Progress(console=console, transient=True) as progress:
+            bar = progress.add_task("reference solutions", total=total)
+            reports = check_references(env, limit, workers, on_task=lambda _: progress.advance(bar))
+    finally:
+        env.close()
 
     table = Table(title="reference solutions in the sandbox")
     for column in ("task set", "checked", "passed", "failed", "skipped", "pass rate", "mean wall s"):

@@ -94,7 +94,10 @@ def rl(
     if dry_run:
         check_rl_recipe(recipe)
         console.print(f"rollout hosts: {', '.join(recipe.rollout.hosts)} ({recipe.rollout.engine}, "
-                      f"{recipe.rollout.engines_per_host} engine(s) per host); the learner:", highlight=False)
+                      f"{recipe.rollout.engines_per_host} engine(s) per host)", highlight=False)
+        sandbox = recipe.env.sandbox  # check_rl_recipe: an RL recipe has an env
+        console.print(f"sandbox hosts: {', '.join(sandbox.hosts)} ({sandbox.sandboxes_per_host or 'CPU count'} sandboxes per host); "
+                      "the learner:", highlight=False)
         _dry_run("rl", recipe, *learner_launch(recipe), resume)
         return
     if submit:

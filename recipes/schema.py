@@ -385,7 +385,33 @@ class SandboxSection(Section):
     network: bool = False
     """Allow network access (off: a fresh network namespace when root)."""
     infra_retries: int = Field(default=2, ge=0)
-    """Retries of a run that failed because of the sandbox or the host, not the program."""
+    """Retries of a run that failed because of the sandbox or the host, not the program (with backoff, on any
+    host of the fleet); after them the run is marked infra_failure, never scored."""
+    # --- the sandbox fleet (rollout/fleet.py) ---
+    hosts: list[str] = Field(default_factory=lambda: ["localhost"], min_length=1)
+    """Sandbox hosts: `localhost` runs sandboxes here; any other host is reached over SSH (cluster.ssh, host keys
+    checked) and runs one sandbox server (its composer, `remote_python`) that grades there. Every host must be
+    reachable at start."""
+    sandboxes_per_host: int | None = Field(default=None, gt=0)
+    """Sandboxes each host runs at once; the host's CPU count when unset."""
+    max_concurrent: int | None = Field(default=None, gt=0)
+    """Sandboxes running at once over all hosts; the sum of the hosts' when unset."""
+    max_queued: int = Field(default=4096, gt=0)
+    """Runs waiting for a sandbox; beyond this a submitter waits (back-pressure)."""
+    retry_backoff_seconds: float = Field(default=0.2, gt=0)
+    """First retry delay after a host failure; doubled on each retry (with jitter), capped at 30 s."""
+    probe_after_failures: int = Field(default=3, gt=0)
+    """Consecutive failures of a host before its health is probed; a failed probe (or a lost connection) removes it."""
+    readmit_seconds: float = Field(default=30.0, gt=0)
+    """Cool-down of a removed host before a probe may re-admit it."""
+    remote_python: str | None = None
+    """Python of the composer installation on remote sandbox hosts; the driver's own interpreter path when unset."""
+
+    @model_validator(mode="after")
+    def _hosts_once(self) -> SandboxSection:
+        if repeated := sorted({h for h in self.hosts if self.hosts.count(h) > 1}):
+            raise ValueError(f"hosts: {', '.join(repeated)} listed more than once (sandboxes_per_host sets how many each runs)")
+        return self
 
 
 class GuardsSection(Section):

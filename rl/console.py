@@ -41,6 +41,14 @@ def alarms(record: dict) -> list[str]:
     return found
 
 
+def sandbox_line(stats: dict) -> str:
+    """The sandbox fleet in one line: hosts up, latency tails, what failed."""
+    failures = ", ".join(f"{cause} {n}" for cause, n in sorted(stats["sandbox_failures"].items())) or "none"
+    return (f"hosts {stats['sandbox_hosts_up']}/{stats['sandbox_hosts']} up   queue wait p95 {stats['sandbox_queue_wait_p95']:.2f} s   "
+            f"start p95 {stats['sandbox_start_p95']:.3f} s   retries {stats['sandbox_retries']}   "
+            f"infra {stats['sandbox_infra_failures']}   failures {failures}")
+
+
 def _number(value: object) -> float:
     if isinstance(value, str):  # MetricsWriter records nan/inf as strings
         return float(value) if value in ("nan", "inf", "-inf") else 0.0
@@ -91,6 +99,8 @@ class RLConsole:
         self.step = 0
         self.clock: StepClock | None = None
         self.groups = 0
+        self._sandboxes: dict = {}
+        """The sandbox fleet's figures, as of the newest group."""
         self._recent: deque[tuple[float, float]] = deque()
         """(time, generated tokens) of the groups of the last RECENT_SECONDS."""
         self._lock = threading.Lock()
@@ -129,6 +139,8 @@ class RLConsole:
     def group(self, group: str, stats: dict) -> None:
         with self._lock:
             self.groups += 1
+            if "sandbox_hosts" in stats:
+                self._sandboxes = stats
             now = time.monotonic()
             self._recent.append((now, stats["generated_tokens_per_s"] * stats["group_seconds"]))
             while self._recent and self._recent[0][0] < now - RECENT_SECONDS:
@@ -184,6 +196,8 @@ class RLConsole:
             rows.append(("last sync", f"v{self.step}   ratio {value('sync_ratio', '.1f')}x   {value('sync_seconds', '.2f')} s"))
         waiting = f"   waiting {value('wait_seconds', '.1f')} s of the last step" if r else ""
         rows.append(("groups", f"{self.groups} made here{waiting}"))
+        if self._sandboxes:
+            rows.append(("sandboxes", sandbox_line(self._sandboxes)))
         found = alarms(r) if r else []
         rows.append(("alarms", ", ".join(found) if found else "none"))
         return rows
@@ -204,5 +218,5 @@ class RLConsole:
         return Group(line, table)
 
     def plain_line(self) -> str:
-        figures = "  ".join(f"{label} {value}" for label, value in self.figures() if label != "groups")
+        figures = "  ".join(f"{label} {value}" for label, value in self.figures() if label not in ("groups", "sandboxes"))
         return f"rl step {self.step}/{self.steps}  eta {self.clock.eta_text(self.step)}  " + " ".join(figures.split())

@@ -100,7 +100,7 @@ def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: Job, view: RLConsol
             routed_experts=recipe.model.is_moe and recipe.rl.router_replay == "r3",
             hosts=hosts, tokenizer_dir=tokenizer_dir, queue=queue, files=files,
             on_group=view.group, evaluation=recipe.rl.eval, steps=recipe.train.steps,
-            on_eval=lambda version, record: view.evaluation(summary_line(version, record)))
+            on_eval=lambda version, record: view.evaluation(summary_line(version, record)), ssh=recipe.cluster.ssh)
         stack.callback(worker.close)
         view.note(f"rolling out on {len(worker.slots)} engine(s)")
 

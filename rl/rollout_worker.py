@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from recipes.runs import MetricsWriter
-from recipes.schema import EnvSection, RLEvalSection, RolloutSection
+from recipes.schema import EnvSection, RLEvalSection, RolloutSection, SSHSection
 from rl.evaluation import Evaluator
 from rl.protocol import POLL_SECONDS, RLRunFiles, RolloutQueue, group_id
 from rl.rollout_hosts import LocalHost, RemoteHost
@@ -43,12 +43,16 @@ class RolloutWorker:
                  hosts: list[LocalHost | RemoteHost], tokenizer_dir: str, queue: RolloutQueue, files: RLRunFiles,
                  on_group: Callable[[str, dict], None] = lambda gid, stats: None,
                  evaluation: RLEvalSection | None = None, steps: int = 0,
-                 on_eval: Callable[[int, dict], None] = lambda version, record: None):
+                 on_eval: Callable[[int, dict], None] = lambda version, record: None, ssh: SSHSection | None = None):
         self.rollout, self.group_size, self.seed = rollout, group_size, seed
         self.queue, self.files, self.on_group, self.on_eval = queue, files, on_group, on_eval
-        self.env = CodingEnvironment(env, seed=seed, sandbox_root=files.root / "sandbox")
-        self.evaluator = Evaluator(evaluation, env.tasks, self.env, steps, seed, files.root) if evaluation else None
-        self.slots = self._start_engines(hosts, tokenizer_dir, routed_experts)
+        self.env = CodingEnvironment(env, seed=seed, sandbox_root=files.root / "sandbox", ssh=ssh)
+        try:
+            self.evaluator = Evaluator(evaluation, env.tasks, self.env, steps, seed, files.root) if evaluation else None
+            self.slots = self._start_engines(hosts, tokenizer_dir, routed_experts)
+        except BaseException:
+            self.env.close()  # its sandbox hosts' connections
+            raise
         self.metrics = MetricsWriter(files.root / "rollout_metrics.jsonl")
         self._metrics_lock = threading.Lock()
 
@@ -144,6 +148,7 @@ class RolloutWorker:
             "generated_tokens_per_s": generated / max(seconds, 1e-9),
             "group_seconds": seconds,
             **episode_stats(trajectories, self.rollout.max_context),
+            **self.env.sandbox.metrics(),
         }
         with self._metrics_lock:
             self.metrics.write(index, group=group_id(index), **stats)
@@ -153,3 +158,4 @@ class RolloutWorker:
         self.metrics.close()
         if self.evaluator:
             self.evaluator.close()
+        self.env.close()

@@ -15,7 +15,6 @@ The summary is generated (and trained) in the segment that ends with it, under t
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -132,8 +131,8 @@ class EpisodeRunner:
         self._next_turn = tokenizer.encode(NEXT_TURN)
         self._summary_request = tokenizer.encode(SUMMARY_REQUEST)
         self._summary_header = tokenizer.encode(SUMMARY_HEADER)
-        # A group's episodes are graded at once (the sandbox is thread-safe), one sandbox per core.
-        self._graders = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="grade")
+        # A group's episodes are graded at once, as many as the sandbox fleet runs at a time.
+        self._graders = ThreadPoolExecutor(max_workers=env.sandbox.max_concurrent, thread_name_prefix="grade")
 
     def run_group(self, task: Task, group_id: str, group_size: int, policy_version: int, seed: int) -> list[Trajectory]:
         return self.run_tasks([task], group_id, group_size, policy_version, seed)[0]

@@ -9,21 +9,28 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipes.schema import EnvSection
+from recipes.schema import EnvSection, SSHSection
+from rollout.sandbox_hosts import SandboxFleet
 from rollout.graders import Statement, guarded_reward
-from rollout.sandbox import Sandbox, SandboxResult, ScriptRun, case_tests
+from rollout.sandbox import SandboxResult, ScriptRun, case_tests
 from rollout.tasks import Task, TaskPool
 
 log = logging.getLogger("composer.env")
 
 
 class CodingEnvironment:
-    """Draws tasks and grades completions by running them against the hidden tests in the sandbox; the
-    recipe's guards decide what a flagged episode earns, and a canary that scores raises the alarm."""
+    """Draws tasks and grades completions by running them against the hidden tests in the sandbox fleet
+    (`env.sandbox.hosts`, remote ones reached with `ssh`); the recipe's guards decide what a flagged episode
+    earns, and a canary that scores raises the alarm."""
 
-    def __init__(self, config: EnvSection, seed: int, sandbox_root: Path | None = None):
-        self.sandbox = Sandbox(config.sandbox, root=sandbox_root)
-        self.pool = TaskPool(config.tasks, self.sandbox, seed, canaries=config.canaries)
+    def __init__(self, config: EnvSection, seed: int, sandbox_root: Path | None = None, ssh: SSHSection | None = None):
+        self.sandbox = SandboxFleet(config.sandbox, ssh or SSHSection(), root=sandbox_root,
+                                    weights={t.name: t.weight for t in config.tasks})
+        try:
+            self.pool = TaskPool(config.tasks, self.sandbox, seed, canaries=config.canaries)
+        except BaseException:
+            self.sandbox.close()
+            raise
         self.reward = config.reward
         self.guards = config.guards
 
@@ -34,7 +41,7 @@ class CodingEnvironment:
         return self.grade_program(task, task.program(completion))
 
     def grade_program(self, task: Task, program: str) -> SandboxResult:
-        result = self.sandbox.run(program, task.tests, "all_or_nothing" if task.canary else self.reward)
+        result = self.sandbox.run(program, task.tests, "all_or_nothing" if task.canary else self.reward, task_set=task.family)
         flags = result.flags
         if task.canary and result.reward > 0:
             log.warning("cheating alarm: canary %s scored %.2f (%d/%d); flags %s", task.id, result.reward,
@@ -45,7 +52,10 @@ class CodingEnvironment:
 
     def run(self, task: Task, completion: str) -> SandboxResult:
         """Run the program a completion makes for `task` as a script, no tests (the policy's RUN tool)."""
-        return self.sandbox.run(task.program(completion), ScriptRun())
+        return self.sandbox.run(task.program(completion), ScriptRun(), task_set=task.family)
+
+    def close(self) -> None:
+        self.sandbox.close()
 
 
 @dataclass

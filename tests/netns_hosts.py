@@ -79,6 +79,8 @@ class Host:
     """The host's address: what the recipe lists in cluster.hosts."""
     namespace: str
     sshd: subprocess.Popen
+    command: tuple[str, ...] = ()
+    """How its sshd is started (`restart`)."""
 
 
 class Hosts:
@@ -122,7 +124,7 @@ class Hosts:
             # its own mount namespace, so its bind mounts are seen by its sessions only
             command = ["ip", "netns", "exec", namespace, "unshare", "--mount", "--propagation", "private", "sh", "-c", inner]
             log = open(d / f"sshd-{index}.log", "wb")
-            self.hosts.append(Host(address, namespace, subprocess.Popen(command, stderr=log)))
+            self.hosts.append(Host(address, namespace, subprocess.Popen(command, stderr=log), tuple(command)))
             known.append(f"{address} {' '.join(host_pub.split()[:2])}")
         (d / "known_hosts").write_text("\n".join(known) + "\n")
         for index, host in enumerate(self.hosts):
@@ -174,6 +176,19 @@ class Hosts:
             if pattern in cmdline and "sshd" not in cmdline and not cmdline.startswith(("bash ", "sh ")):
                 out.append(int(pid))  # the process itself, not the shell that started it
         return out
+
+    def kill(self, host: Host) -> None:
+        """SIGKILL every process of `host` (its sshd, the sessions and what they run): the host is gone."""
+        _kill_namespace_processes(host.namespace)
+
+    def restart(self, host: Host) -> None:
+        """Start a killed host's sshd again (the same address and host key): the host is back."""
+        host.sshd.wait()
+        index = self.hosts.index(host)
+        log = self.dir / f"sshd-{index}.log"
+        with open(log, "ab") as err:
+            host.sshd = subprocess.Popen(list(host.command), stderr=err)
+        self._wait_listening(host, log)
 
     def close(self) -> None:
         for host in self.hosts:

@@ -1,0 +1,367 @@
+"""The real sandbox hosts of the fleet and the fleet the environment uses (`SandboxFleet`): this machine
+(`localhost`: the Sandbox in this process, one thread per run) and hosts reached over SSH (cluster.ssh, host keys
+checked), each running one `rollout.sandbox_server` with its own composer, which grades there and ends with the
+connection. The scheduling is `rollout.fleet.SandboxPool`'s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shlex
+import sys
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from recipes.errors import UserError
+from recipes.schema import SandboxSection, SSHSection
+from rollout.fleet import Failure, Outcome, Provider, RealClock, SandboxPool
+from rollout.sandbox import AssertionTests, Isolation, RewardMode, Sandbox, SandboxResult, Tests
+from rollout.sandbox_server import MODULE as SERVER_MODULE
+from rollout.sandbox_server import (ProtocolError, RunRequest, SandboxRequest, frame_bytes, from_wire, read_frame, serve_request,
+                                    to_wire)
+
+log = logging.getLogger("composer.fleet")
+
+LOCALHOST = "localhost"
+PROBE = RunRequest("def probe():\n    return 1\n", AssertionTests(entry_point="probe", setup="", cases=("assert candidate() == 1",)))
+"""The health probe: a real run of a trivial program."""
+PROBE_SECONDS = 60.0
+CONNECT_SECONDS = 120.0
+"""A new host's server: SSH, its composer's imports, its sandbox's isolation probe."""
+
+
+class SandboxHost(ABC):
+    """One host's sandboxes, as the `HostsProvider` reaches them."""
+
+    name: str
+    capacity: int
+    isolation: Isolation
+
+    @abstractmethod
+    def start(self, number: int, request: SandboxRequest, started: Callable[[], None], done: Callable[[Outcome], None]) -> None: ...
+
+    def cancel(self, number: int) -> None:
+        """Forget a run; the host's own wall-clock limit ends it."""
+
+    @abstractmethod
+    def probe(self, done: Callable[[Failure | None], None]) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def _probe_verdict(outcome: Outcome) -> Failure | None:
+    if isinstance(outcome, Failure):
+        return outcome
+    if outcome.reward == 1.0:
+        return None
+    return Failure("probe_failed", f"the probe program scored {outcome.reward} ({outcome.status}: {outcome.detail})")
+
+
+class LocalSandboxHost(SandboxHost):
+    """Sandboxes on this machine: the real Sandbox, one thread per concurrent run."""
+
+    def __init__(self, config: SandboxSection, root: Path | None, capacity: int | None):
+        self.name = LOCALHOST
+        self.sandbox = Sandbox(config.model_copy(update={"infra_retries": 0}), root=root)
+        self.isolation = self.sandbox.isolation
+        self.capacity = capacity or os.cpu_count() or 1
+        self._threads = ThreadPoolExecutor(max_workers=self.capacity + 1, thread_name_prefix="sandbox")
+
+    def start(self, number: int, request: SandboxRequest, started: Callable[[], None], done: Callable[[Outcome], None]) -> None:
+        def run() -> None:
+            started()
+            try:
+                outcome: Outcome = serve_request(self.sandbox, request)
+            except Exception as e:
+                outcome = Failure("error", f"{type(e).__name__}: {e}")
+            done(outcome)
+        self._threads.submit(run)
+
+    def probe(self, done: Callable[[Failure | None], None]) -> None:
+        self.start(0, PROBE, lambda: None, lambda outcome: done(_probe_verdict(outcome)))
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+class RemoteSandboxHost(SandboxHost):
+    """A host over SSH (cluster.ssh, host keys checked), running one `rollout.sandbox_server` started with its
+    composer; runs are frames over the session's stdin/stdout, answered by id. The server ends with the connection."""
+
+    def __init__(self, name: str, config: SandboxSection, ssh: SSHSection, python: str, capacity: int | None):
+        self.name, self._config, self._ssh, self._python, self._asked = name, config, ssh, python, capacity
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        """One frame at a time on the channel (runs and probes are sent from different threads)."""
+        self._pending: dict[int, tuple[object, Callable[[], None], Callable[[Outcome], None]]] = {}
+        """Runs sent and not answered: the channel they went out on, and their callbacks."""
+        self._probes = itertools.count(-1, -1)
+        self._host = self._channel = None
+        self._errors: deque[str] = deque(maxlen=20)
+        self._connect()
+        self.capacity = capacity or self._cpus
+
+    def _connect(self) -> None:
+        """SSH to the host, start its server and wait for it to be ready (UserError when it cannot be)."""
+        from cluster.ssh import SSHHost
+
+        host = SSHHost(self.name, self._ssh)
+        self.where = host.where
+        try:
+            channel = host.conn.client.get_transport().open_session()
+            channel.exec_command(shlex.join([self._python, "-m", SERVER_MODULE]))
+            channel.settimeout(CONNECT_SECONDS)
+            channel.sendall(frame_bytes({"op": "hello", "sandbox": self._config.model_dump(), "threads": self._asked}))
+            threading.Thread(target=self._drain_errors, args=(channel,), daemon=True, name=f"sandbox-{self.name}-stderr").start()
+            reply = read_frame(_channel_reader(channel))
+        except Exception as e:
+            host.close()
+            if isinstance(e, (OSError, ProtocolError)):
+                raise UserError(f"sandbox host {self.where}: its sandbox server did not start ({e}) {self._said()}") from None
+            raise host.explain(e) from None
+        if reply is None or reply["op"] != "ready":
+            host.close()
+            said = reply.get("error") if reply else self._said()
+            raise UserError(f"sandbox host {self.where}: its sandbox server ({self._python} -m {SERVER_MODULE}) did not start: {said}; "
+                            "env.sandbox.remote_python names the Python of the composer installed there")
+        try:
+            self._cpus = int(reply["cpus"])
+            self.isolation = Isolation(**reply["isolation"])
+        except (KeyError, TypeError, ValueError) as e:
+            host.close()
+            raise UserError(f"sandbox host {self.where}: its sandbox server's greeting is not one this composer reads ({e})") from None
+        channel.settimeout(None)
+        with self._lock:
+            self._host, self._channel = host, channel
+        threading.Thread(target=self._read, args=(channel,), daemon=True, name=f"sandbox-{self.name}").start()
+
+    def _said(self) -> str:
+        time.sleep(0.2)  # the server's last words may still be on their way
+        return f"(the host said: {' | '.join(self._errors)})" if self._errors else ""
+
+    def _drain_errors(self, channel) -> None:
+        """The server's stderr (its logs): into this log, the last lines kept for error messages."""
+        buffer = b""
+        while True:
+            try:
+                chunk = channel.recv_stderr(1 << 16)
+            except TimeoutError:  # the channel's timeout while the server starts
+                continue
+            except OSError:
+                return
+            if not chunk:
+                return
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                text = line.decode(errors="replace").strip()
+                if text:
+                    self._errors.append(text[:300])
+                    log.info("sandbox host %s: %s", self.name, text)
+
+    def _read(self, channel) -> None:
+        read = _channel_reader(channel)
+        reason = "the SSH connection ended"
+        while True:
+            try:
+                message = read_frame(read)
+            except (ProtocolError, OSError) as e:
+                reason = f"the connection broke ({e})"
+                break
+            if message is None:
+                break
+            number = message.get("id")
+            if type(number) is not int:
+                reason = "the server sent a frame without a run id"
+                break
+            with self._lock:
+                callbacks = self._pending.get(number)
+                if message["op"] in ("result", "failed"):
+                    self._pending.pop(number, None)
+            if callbacks is None:
+                continue
+            _, started, done = callbacks
+            if message["op"] == "started":
+                started()
+            elif message["op"] == "failed":
+                done(Failure("server_error", str(message.get("error"))[:500]))
+            else:
+                try:
+                    result = from_wire(message.get("result"))
+                    if not isinstance(result, SandboxResult):
+                        raise ProtocolError("not a result")
+                except (ProtocolError, ValueError) as e:
+                    done(Failure("protocol", f"a result that is not one: {e}"))
+                    continue
+                done(result)
+        self._lost(channel, f"{reason} {self._said()}".strip())
+
+    def _lost(self, channel, reason: str) -> None:
+        """`channel` is gone: the runs sent on it fail (a newer connection's runs are not its)."""
+        with self._lock:
+            if self._channel is channel:
+                self._channel = None
+            lost = [n for n, (sent_on, _, _) in self._pending.items() if sent_on is channel]
+            callbacks = [self._pending.pop(n)[2] for n in lost]
+        for done in callbacks:
+            done(Failure("connection_lost", f"{self.where}: {reason}"))
+
+    def start(self, number: int, request: SandboxRequest, started: Callable[[], None], done: Callable[[Outcome], None]) -> None:
+        frame = frame_bytes({"op": "run", "id": number, "request": to_wire(request)})
+        with self._lock:
+            channel = self._channel
+            if channel is not None:
+                self._pending[number] = (channel, started, done)
+        if channel is None:
+            return done(Failure("connection_lost", f"{self.where}: not connected"))
+        try:
+            with self._send_lock:
+                channel.sendall(frame)
+        except OSError as e:
+            self._lost(channel, f"sending failed ({e})")
+
+    def cancel(self, number: int) -> None:
+        with self._lock:
+            self._pending.pop(number, None)
+
+    def probe(self, done: Callable[[Failure | None], None]) -> None:
+        def check() -> None:
+            if self._channel is None:
+                self._hang_up()
+                try:
+                    self._connect()
+                except UserError as e:
+                    return done(Failure("unreachable", str(e)))
+            finished = threading.Event()
+            outcome: list[Outcome] = []
+            number = next(self._probes)
+            self.start(number, PROBE, lambda: None, lambda o: (outcome.append(o), finished.set()))
+            if not finished.wait(PROBE_SECONDS):
+                self.cancel(number)
+                return done(Failure("probe_failed", f"no probe result within {PROBE_SECONDS:.0f} s"))
+            done(_probe_verdict(outcome[0]))
+        threading.Thread(target=check, daemon=True, name=f"sandbox-{self.name}-probe").start()
+
+    def _hang_up(self) -> None:
+        with self._lock:
+            host, channel, self._host, self._channel = self._host, self._channel, None, None
+        if channel is not None:
+            try:
+                channel.shutdown_write()  # the server's stdin ends: it exits
+                deadline = time.monotonic() + 5
+                while not channel.exit_status_ready() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            except OSError:
+                pass
+        if host is not None:
+            host.close()
+
+    def close(self) -> None:
+        channel = self._channel
+        self._hang_up()
+        if channel is not None:
+            self._lost(channel, "the fleet closed")
+
+
+def _channel_reader(channel):
+    def read_exactly(n: int) -> bytes:
+        chunks, left = [], n
+        while left:
+            chunk = channel.recv(left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    return read_exactly
+
+
+class HostsProvider(Provider):
+    """The provider of real hosts: each run goes to its host's `SandboxHost`."""
+
+    def __init__(self, hosts: list[SandboxHost]):
+        self.by_name = {host.name: host for host in hosts}
+
+    def start(self, host, number, request, started, done):
+        self.by_name[host].start(number, request, started, done)
+
+    def cancel(self, host, number):
+        self.by_name[host].cancel(number)
+
+    def probe(self, host, done):
+        self.by_name[host].probe(done)
+
+    def close(self) -> None:
+        for host in self.by_name.values():
+            host.close()
+
+
+# --- the fleet the environment uses -------------------------------------------------------------------
+
+
+class SandboxFleet:
+    """`run` like a Sandbox's, on whichever host of the fleet has room; `submit` for a Future."""
+
+    def __init__(self, config: SandboxSection, ssh: SSHSection, root: Path | None = None, weights: dict[str, float] | None = None):
+        hosts = _open_hosts(config, ssh, root)
+        self.provider = HostsProvider(hosts)
+        self.isolations = {host.name: host.isolation for host in hosts}
+        self.capacities = {host.name: host.capacity for host in hosts}
+        self.clock = RealClock()
+        self.pool = SandboxPool(
+            self.provider, self.capacities, self.clock, max_concurrent=config.max_concurrent, max_queued=config.max_queued,
+            retries=config.infra_retries, backoff_seconds=config.retry_backoff_seconds,
+            probe_after_failures=config.probe_after_failures, readmit_seconds=config.readmit_seconds,
+            # well past the run's own limits (two wall-clock limits: loading, then the tests) and the round trip
+            request_timeout=3 * config.wall_seconds + 60, weights=weights)
+
+    @property
+    def max_concurrent(self) -> int:
+        return self.pool.max_concurrent
+
+    def submit(self, request: SandboxRequest, task_set: str = "default") -> Future:
+        """Queue `request` (waiting while the queue is full); the Future holds its SandboxResult."""
+        future: Future = Future()
+        self.pool.submit(request, task_set, future.set_result)
+        return future
+
+    def run(self, program: str, tests: Tests, reward: RewardMode = "fraction", task_set: str = "default") -> SandboxResult:
+        return self.submit(RunRequest(program, tests, reward), task_set).result()
+
+    def metrics(self) -> dict:
+        return self.pool.snapshot()
+
+    def close(self) -> None:
+        self.pool.close()
+        self.clock.close()
+        self.provider.close()
+
+
+def _open_hosts(config: SandboxSection, ssh: SSHSection, root: Path | None) -> list[SandboxHost]:
+    """Every host of `config.hosts`, connected in parallel; a host that cannot be reached is an error (a wrong
+    host list should stop the run, not shrink the fleet without a word), and the others are closed again."""
+    names = config.hosts
+    python = config.remote_python or sys.executable
+
+    def open_one(name: str) -> SandboxHost:
+        if name == LOCALHOST:
+            return LocalSandboxHost(config, root, config.sandboxes_per_host)
+        return RemoteSandboxHost(name, config, ssh, python, config.sandboxes_per_host)
+
+    with ThreadPoolExecutor(max_workers=len(names)) as threads:
+        futures = [threads.submit(open_one, name) for name in names]
+    opened = [f.result() for f in futures if f.exception() is None]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for host in opened:
+            host.close()
+        raise errors[0] if isinstance(errors[0], UserError) else UserError(f"env.sandbox.hosts: {errors[0]}")
+    return opened

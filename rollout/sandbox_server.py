@@ -1,0 +1,196 @@
+"""A sandbox host's server, and the framed protocol the fleet (`rollout.fleet`) speaks to it over SSH.
+
+The fleet starts `python -m rollout.sandbox_server` once per host over SSH, with the composer installed there, and
+talks to it over the SSH channel's stdin/stdout. The server runs the real `Sandbox` on its host, so grading stays
+trusted there; it runs the requests it is sent concurrently (the fleet keeps them within the host's limit) and
+exits when its stdin closes, i.e. when the driver's SSH connection ends (the sandbox's fork server then kills the
+runs still going). A frame is a 4-byte big-endian length and a JSON object:
+
+  driver -> server   {"op": "hello", "sandbox": <SandboxSection>, "threads": n}
+                     {"op": "run", "id": n, "request": <wire>}
+  server -> driver   {"op": "ready", "cpus": n, "isolation": {...}} or {"op": "refused", "error": "..."}
+                     {"op": "started", "id": n}    {"op": "result", "id": n, "result": <wire>}
+                     {"op": "failed", "id": n, "error": "..."}
+
+Requests and results cross as data, never as pickles: dataclasses of an allow-list (`WIRE_TYPES`) with their
+values in `plain_data`, decoded strictly on each side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from recipes.schema import SandboxSection
+from rollout import plain_data
+from rollout.graders import Call, CaseTests, Statement
+from rollout.sandbox import (MAX_RESULT_BYTES, AssertionTests, CallTests, CaseResult, GeneratedCalls, RewardMode,
+                             Sandbox, SandboxResult, ScriptRun, Tests)
+
+MODULE = __spec__.name
+_HEADER = struct.Struct(">I")
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """Grade `program` against `tests` (`Sandbox.run`)."""
+
+    program: str
+    tests: Tests
+    reward: RewardMode = "fraction"
+
+
+SandboxRequest = RunRequest
+"""What a sandbox host is asked to do; each kind is served by `serve_request`."""
+
+
+def serve_request(sandbox: Sandbox, request: SandboxRequest) -> SandboxResult:
+    """Run `request` in `sandbox` (on whichever host holds it)."""
+    return sandbox.run(request.program, request.tests, request.reward)
+
+
+# --- the wire codec ------------------------------------------------------------------------------
+
+WIRE_TYPES = {cls.__name__: cls for cls in (RunRequest, AssertionTests, CallTests, GeneratedCalls, ScriptRun, CaseTests,
+                                            Call, Statement, SandboxResult, CaseResult)}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not what the protocol allows."""
+
+
+def to_wire(value) -> object:
+    """`value` (an allow-listed dataclass, a tuple of them, or plain data) as JSON-ready data."""
+    if dataclasses.is_dataclass(value) and type(value).__name__ in WIRE_TYPES:
+        return {"$dc": type(value).__name__, "fields": {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if type(value) is tuple and any(dataclasses.is_dataclass(v) for v in value):
+        return {"$dcs": [to_wire(v) for v in value]}
+    return {"$v": plain_data.encode(value)}
+
+
+def from_wire(node: object) -> object:
+    """The value `to_wire` made; anything else (another type, a stray key) is a ProtocolError."""
+    keys = set(node) if isinstance(node, dict) else None
+    if keys == {"$v"} and isinstance(node["$v"], str):
+        return plain_data.decode(node["$v"])
+    if keys == {"$dcs"} and isinstance(node["$dcs"], list):
+        return tuple(from_wire(v) for v in node["$dcs"])
+    if keys != {"$dc", "fields"}:
+        raise ProtocolError("not a wire value")
+    cls = WIRE_TYPES.get(node["$dc"]) if isinstance(node["$dc"], str) else None
+    fields = node["fields"]
+    if cls is None or not isinstance(fields, dict) or set(fields) - {f.name for f in dataclasses.fields(cls)}:
+        raise ProtocolError(f"not an allowed value: {str(node['$dc'])[:60]}")
+    try:
+        return cls(**{name: from_wire(v) for name, v in fields.items()})
+    except TypeError as e:
+        raise ProtocolError(str(e)) from None
+
+
+def frame_bytes(message: dict) -> bytes:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    return _HEADER.pack(len(data)) + data
+
+
+def read_frame(read_exactly) -> dict | None:
+    """The next message, read with `read_exactly(n)` (which returns fewer bytes only at the end); None at the end."""
+    header = read_exactly(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    (size,) = _HEADER.unpack(header)
+    if size > MAX_RESULT_BYTES:
+        raise ProtocolError(f"a frame of {size} bytes (at most {MAX_RESULT_BYTES})")
+    data = read_exactly(size)
+    if len(data) < size:
+        return None
+    try:
+        message = json.loads(data)
+    except ValueError as e:
+        raise ProtocolError(f"a frame that is not JSON ({e})") from None
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise ProtocolError("a frame without an op")
+    return message
+
+
+def _reader(stream: BinaryIO):
+    def read_exactly(n: int) -> bytes:
+        chunks, left = [], n
+        while left:
+            chunk = stream.read(left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    return read_exactly
+
+
+# --- the server ------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but frames on the channel
+    read = _reader(stdin)
+    write_lock = threading.Lock()
+
+    def send(message: dict) -> None:
+        with write_lock:
+            stdout.write(frame_bytes(message))
+            stdout.flush()
+
+    hello = read_frame(read)
+    if hello is None:
+        return
+    try:
+        # The fleet retries infrastructure failures itself, on any host.
+        config = SandboxSection.model_validate(hello.get("sandbox")).model_copy(update={"infra_retries": 0})
+        sandbox = Sandbox(config)
+    except Exception as e:  # a composer there that refuses these settings, or a sandbox that cannot run
+        send({"op": "refused", "error": f"{type(e).__name__}: {e}"[:2000]})
+        return
+    threads = hello.get("threads")
+    send({"op": "ready", "cpus": os.cpu_count() or 1, "isolation": dataclasses.asdict(sandbox.isolation)})
+    # the fleet sends at most `threads` runs at once, and a health probe may come on top
+    workers = ThreadPoolExecutor(max_workers=(threads if isinstance(threads, int) and threads > 0 else os.cpu_count() or 1) + 1)
+
+    def run(number: int, request: SandboxRequest) -> None:
+        send({"op": "started", "id": number})
+        try:
+            reply = {"op": "result", "id": number, "result": to_wire(serve_request(sandbox, request))}
+        except Exception as e:
+            reply = {"op": "failed", "id": number, "error": f"{type(e).__name__}: {e}"[:2000]}
+        send(reply)
+
+    while True:
+        try:
+            message = read_frame(read)
+        except ProtocolError as e:
+            print(f"sandbox server: {e}; closing", file=sys.stderr)
+            break
+        if message is None:
+            break
+        number = message.get("id")
+        if message["op"] == "run":
+            try:
+                request = from_wire(message.get("request"))
+                if not isinstance(request, RunRequest):
+                    raise ProtocolError("not a request")
+            except (ProtocolError, ValueError) as e:
+                send({"op": "failed", "id": number, "error": f"bad request: {e}"})
+                continue
+            workers.submit(run, number, request)
+    # The driver hung up: end now; the sandbox's fork server kills the runs still going as its socket closes.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
