@@ -329,9 +329,11 @@ class RolloutSection(Section):
     """Context window of the engines (vLLM max_model_len)."""
     max_turns: int = Field(default=1, gt=0)
     """Agent turns per episode (1 = single-turn)."""
-    tools: bool = False
-    """Multi-turn episodes with tools: a ```python block writes solution.py, a last line RUN runs it and shows
-    its output, TEST (the default) runs the hidden tests; the reward scores the last solution.py."""
+    harness: Literal["reply", "tools"] = "reply"
+    """What a reply does. `reply`: its code is the solution, graded at once, the test results shown at the next turn
+    (function tasks). `tools`: it calls the agent's tools (read_file, search, edit, write_file, shell, run_tests,
+    finish) as `<tool_call>` JSON in the chat template, on the episode's workspace (solution.py, or the task's
+    repository); the workspace is graded when the episode ends."""
     summarize_at: float | None = Field(default=None, gt=0, lt=1)
     """Self-summarize when the context reaches this fraction of max_context; off when unset."""
     max_summaries: int = Field(default=4, ge=0)

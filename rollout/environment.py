@@ -1,9 +1,12 @@
-"""The coding environment of RL: a seeded task pool, a sandbox, and the recipe's reward rule."""
+"""The coding environment of RL: a seeded task pool, a sandbox, the recipe's reward rule, and the workspaces episodes
+work in (a function task's is one file, solution.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -11,10 +14,15 @@ from pathlib import Path
 
 from recipes.schema import EnvSection
 from rollout.graders import Statement, guarded_reward
-from rollout.sandbox import Sandbox, SandboxResult, ScriptRun, case_tests
-from rollout.tasks import Task, TaskPool
+from rollout.harness import PathRefused, read_text, write_text
+from rollout.sandbox import CommandResult, Sandbox, SandboxResult, case_tests
+from rollout.tasks import Task, TaskPool, defines
 
 log = logging.getLogger("composer.env")
+
+SOLUTION_FILE = "solution.py"
+FUNCTION_TOOLS_NOTE = ("\n\n[Your workspace holds solution.py, which starts as the code above. Make `{entry_point}` in "
+                       "solution.py correct with the tools; the hidden tests call it once you finish.]\n")
 
 
 class CodingEnvironment:
@@ -43,9 +51,47 @@ class CodingEnvironment:
         reward = guarded_reward(result.reward, flags, tuple(self.guards.flags), self.guards.reward)
         return dataclasses.replace(result, reward=reward, flags=flags)
 
-    def run(self, task: Task, completion: str) -> SandboxResult:
-        """Run the program a completion makes for `task` as a script, no tests (the policy's RUN tool)."""
-        return self.sandbox.run(task.program(completion), ScriptRun())
+    def task_prompt(self, task: Task, tools: bool) -> str:
+        """What the policy is told of `task` (with tools, where its work goes)."""
+        return task.prompt + FUNCTION_TOOLS_NOTE.format(entry_point=task.entry_point) if tools else task.prompt
+
+    def open_workspace(self, task: Task, tools: bool) -> FunctionWorkspace:
+        """A fresh workspace for an episode of `task`; the caller closes it."""
+        return FunctionWorkspace(self, task, tools)
+
+
+class FunctionWorkspace:
+    """The one-file workspace of a function task: solution.py in a directory of its own, graded as the program the
+    hidden tests score (through the guards). With tools it starts as the task's code (the signature and docstring to
+    complete), and the prompt's imports and helpers go before it at grading as they do for a reply; without tools each
+    reply's program replaces it whole."""
+
+    def __init__(self, env: CodingEnvironment, task: Task, tools: bool):
+        self._env = env
+        self._task = task
+        self._preamble = f"{task.preamble}\n\n" if tools and task.preamble else ""
+        self.root = Path(tempfile.mkdtemp(prefix="composer-workspace-"))
+        write_text(self.root, SOLUTION_FILE, task.continues if tools and defines(task.continues, task.entry_point) else "")
+
+    def shell(self, command: str, timeout_s: float) -> CommandResult:
+        return self._env.sandbox.run_command(command, self.root, timeout_s)
+
+    def run_tests(self) -> CommandResult:
+        """The hidden tests' verdict on solution.py: how many pass and the first failure's reason, never the tests."""
+        result = self.grade()
+        lines = [f"{result.passed}/{result.total} tests passed ({result.status})."] + ([result.detail[:400]] if result.detail else [])
+        return CommandResult(0 if result.reward == 1.0 else 1, result.status, "\n".join(lines), result.wall_seconds,
+                             infra_failure=result.infra_failure)
+
+    def grade(self) -> SandboxResult:
+        try:
+            solution = read_text(self.root, SOLUTION_FILE)
+        except (PathRefused, OSError):  # removed, made a symlink or a directory: nothing to score
+            solution = ""
+        return self._env.grade_program(self._task, self._preamble + solution)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 @dataclass
