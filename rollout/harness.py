@@ -193,9 +193,11 @@ def _open_parent(root: Path, parts: list[str], create: bool) -> int:
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for part in parts[:-1]:
+            made = False
             if create:
                 try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
+                    os.mkdir(part, dir_fd=fd)
+                    made = True
                 except FileExistsError:
                     pass
             try:
@@ -204,6 +206,8 @@ def _open_parent(root: Path, parts: list[str], create: bool) -> int:
                 raise _refusal(parts, part, e) from None
             os.close(fd)
             fd = child
+            if made:
+                os.fchmod(fd, 0o777)  # each sandboxed command runs as another uid
         return fd
     except BaseException:
         os.close(fd)
@@ -274,6 +278,8 @@ def write_text(root: Path, path: str, text: str) -> None:
             raise PathRefused(f"{path}: not a regular file")
         if info.st_nlink > 1:
             raise PathRefused(f"{path}: a hard link to another file; write a new file instead")
+        # Writable by the sandbox's commands, which run as other uids (Sandbox.run_command).
+        os.fchmod(f.fileno(), stat.S_IMODE(info.st_mode) | 0o666)
         f.truncate(0)
         f.write(data)
 
@@ -337,8 +343,9 @@ class ToolBox:
 
     def _search(self, ws: Workspace, pattern: str, path: str = ".") -> ToolOutput:
         where = "/".join(workspace_relative(path)) or "."
+        # Without a path grep -r searches the working directory and names files without a leading ./
         command = (f"grep -rnIE --color=never --exclude-dir=.git --exclude-dir=__pycache__ -e {shlex.quote(pattern)} "
-                   f"-- {shlex.quote(where)} | head -n {MAX_SEARCH_MATCHES + 1}")
+                   f"{'' if where == '.' else '-- ' + shlex.quote(where)} | head -n {MAX_SEARCH_MATCHES + 1}")
         result = ws.shell(command, self.shell_seconds)
         lines = [line for line in result.output.splitlines() if line.strip()]
         if result.status != "ok" and not lines:
@@ -391,7 +398,7 @@ def command_text(result: CommandOutcome) -> str:
         head = f"[killed: {result.status}, {result.wall_seconds:.1f} s]"
     else:
         head = f"[exit {result.exit_code}, {result.wall_seconds:.1f} s]"
-    return f"{head}\n{result.output}" if result.output.strip() else f"{head} (no output)"
+    return f"{head}\n{result.output.rstrip()}" if result.output.strip() else f"{head} (no output)"
 
 
 # --- rendering ---------------------------------------------------------------------------------
