@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +31,7 @@ from rollout.harness import ChatFormat, ToolBox, run_reply, write_text
 from rollout.sandbox import SandboxResult
 from rollout.tasks import Task
 from rollout.trajectories import Segment, Trajectory
+from rollout.workspace import Workspace
 
 SUMMARY_REQUEST = "\n\n[The context is nearly full. Summarize the task, what you tried and what the tests said, so you can continue from the summary alone.]\nSummary:"
 SUMMARY_HEADER = "\n\n[Summary of your earlier work]\n"
@@ -102,7 +103,7 @@ class _Episode:
     prompt_ids: list[int]
     segments: list[_SegmentBuilder]
     task: Task
-    workspace: object = None
+    workspace: Workspace | None = None
     result: SandboxResult | None = None
     """The grade of the workspace, once graded."""
     graded: bool = False
@@ -169,18 +170,20 @@ class EpisodeRunner:
             prefix = group_id if len(tasks) == 1 else f"{group_id}-{t}"
             for i in range(group_size):
                 episodes.append(_Episode(f"{prefix}-{i}", seed * 1000 + t * group_size + i, prompt_ids, [_SegmentBuilder()], task))
+        opened = [self._graders.submit(self.env.open_workspace, e.task, self.tools) for e in episodes]
         try:
-            for e, workspace in zip(episodes, self._graders.map(lambda e: self.env.open_workspace(e.task, tools=self.tools), episodes)):
-                e.workspace = workspace
+            for e, workspace in zip(episodes, opened):
+                e.workspace = workspace.result()
                 e.current.observe(e.prompt_ids)
             self._play(episodes, temperature)
             ungraded = [e for e in episodes if not e.graded]
             for e, result in zip(ungraded, self._graders.map(lambda e: e.workspace.grade(), ungraded)):
                 e.result, e.graded = result, True
         finally:
-            for e in episodes:
-                if e.workspace is not None:
-                    e.workspace.close()
+            wait(opened)  # each opened workspace is closed, even when opening another failed
+            for workspace in opened:
+                if workspace.exception() is None:
+                    workspace.result().close()
         trajectories = [self._trajectory(group_id, e, policy_version) for e in episodes]
         return [trajectories[t * group_size : (t + 1) * group_size] for t in range(len(tasks))]
 

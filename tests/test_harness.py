@@ -232,6 +232,10 @@ def test_malformed_calls_get_error_observations_and_the_episode_goes_on(tok, env
     assert "unknown argument reason" in policy.prompts[4]
     assert trajectory.info["end_reason"] == "finished" and trajectory.info["tool_errors"] == 5
     assert trajectory.info["tests_total"] == 4  # graded; the call after finish did not run
+    from rollout.trajectories import episode_stats
+
+    stats = episode_stats([trajectory], TOOLS.max_context)
+    assert stats["tool_calls_per_episode"] == 7 and stats["tool_error_rate"] == 5 / 7
 
 
 def test_long_observations_are_cut_to_the_budget_with_a_note(tok, env):
