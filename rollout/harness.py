@@ -22,11 +22,13 @@ import re
 import shlex
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from recipes.errors import UserError
+from rollout.sandbox import CommandResult
+from rollout.workspace import Workspace
 
 MAX_CALLS_PER_REPLY = 8
 MAX_READ_LINES = 400
@@ -287,25 +289,6 @@ def write_text(root: Path, path: str, text: str) -> None:
 # --- the tools ---------------------------------------------------------------------------------
 
 
-class CommandOutcome(Protocol):
-    """What rollout.sandbox.CommandResult holds that the harness shows."""
-
-    exit_code: int | None
-    status: str
-    output: str
-    wall_seconds: float
-
-
-class Workspace(Protocol):
-    """rollout.workspace.Workspace, as far as the tools use it."""
-
-    root: Path
-
-    def shell(self, command: str, timeout_s: float) -> CommandOutcome: ...
-
-    def run_tests(self) -> CommandOutcome: ...
-
-
 @dataclass(frozen=True)
 class ToolOutput:
     text: str
@@ -393,7 +376,7 @@ class ToolBox:
         return ToolOutput("finished: the workspace is graded as it is", finished=True)
 
 
-def command_text(result: CommandOutcome) -> str:
+def command_text(result: CommandResult) -> str:
     if result.exit_code is None:
         head = f"[killed: {result.status}, {result.wall_seconds:.1f} s]"
     else:

@@ -7,7 +7,7 @@ import pytest
 
 from recipes.schema import EnvSection, RolloutSection, SamplingSection, TaskSet
 from rollout.engine import Completion
-from rollout.harness import CallError, ToolBox, ToolCall, parse_tool_calls, run_reply, truncate
+from rollout.harness import CallError, ToolBox, ToolCall, parse_tool_calls, truncate
 
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
 {{ messages[0].content if messages[0].role == 'system' else '' }}
