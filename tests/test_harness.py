@@ -161,6 +161,9 @@ def test_file_tools_refuse_every_way_out_of_the_workspace(workspace, tmp_path):
     assert outside.read_text() == "secret\n"
     assert "not a regular file" in tool(workspace, "read_file", path="pipe")  # and it did not block
     assert "symlink" in tool(workspace, "read_file", path="dir/outside.txt")
+    # a hard link made by a command is not written through (it could be a file the harness must not change)
+    assert tool(workspace, "shell", command="ln solution.py twin && echo ok").endswith("ok")
+    assert "hard link" in tool(workspace, "write_file", path="twin", content="x\n")
 
 
 def test_edit_replaces_one_exact_match_and_explains_the_others(workspace):
