@@ -112,17 +112,16 @@ class CallError:
     message: str
 
 
-_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _JSON_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 
 
 def parse_tool_calls(reply: str) -> list[ToolCall | CallError]:
     """Every `<tool_call>...</tool_call>` of a reply in order (text around them is ignored), each checked against its
     schema; an empty list when there is none."""
-    calls: list[ToolCall | CallError] = []
-    for number, body in enumerate(_CALL.findall(reply), 1):
-        calls.append(_parse_call(body.strip(), number))
-    return calls
+    # Split at each opening tag: a call whose closing tag is missing ends where the next one opens.
+    bodies = [chunk.split(CALL_CLOSE, 1)[0] for chunk in reply.split(CALL_OPEN)[1:]]
+    return [_parse_call(body.strip(), number) for number, body in enumerate(bodies, 1)]
 
 
 def _parse_call(body: str, number: int) -> ToolCall | CallError:

@@ -102,9 +102,11 @@ def test_tool_calls_are_parsed_from_text_around_them_in_order():
     reply = ("Let me look first.\n" + call("read_file", path="a.py", start_line=2) + "\nthen\n"
              + '<tool_call>\n```json\n{"name": "run_tests", "arguments": {}}\n```\n</tool_call>'
              + '<tool_call>{"name": "edit", "arguments": "{\\"path\\": \\"a.py\\", \\"old_string\\": \\"x\\", \\"new_string\\": \\"y\\"}"}</tool_call>'
+             + '<tool_call>{"name": "search", "arguments": {"pattern": "x"}}\n'  # its closing tag forgotten
              + '<tool_call>{"name": "finish"}')
     assert parse_tool_calls(reply) == [ToolCall("read_file", {"path": "a.py", "start_line": 2}), ToolCall("run_tests", {}),
-                                       ToolCall("edit", {"path": "a.py", "old_string": "x", "new_string": "y"}), ToolCall("finish", {})]
+                                       ToolCall("edit", {"path": "a.py", "old_string": "x", "new_string": "y"}),
+                                       ToolCall("search", {"pattern": "x"}), ToolCall("finish", {})]
     assert parse_tool_calls("no call here, ```python\nprint(1)\n```") == []
 
 
