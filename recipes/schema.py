@@ -347,9 +347,39 @@ class RolloutSection(Section):
     (instruct models such as SmolLM2-Instruct); off: the prompt as plain text."""
 
 
+class RepoTaskSettings(Section):
+    projects: list[Literal["networkx", "sympy"]] = Field(default_factory=lambda: ["networkx", "sympy"], min_length=1)
+    """Projects whose own test suites make the tasks (installed packages: their version is part of the cache key)."""
+    kinds: list[Literal["bug", "feature"]] = Field(default_factory=lambda: ["bug", "feature"], min_length=1)
+    """`bug`: a seeded mutation of a function (comparison, boundary, operator, negated condition, removed branch,
+    constant) that some of its tests catch; `feature`: a function's body removed, signature and docstring kept."""
+    num_tasks: int = Field(default=500, gt=0)
+    """Validated tasks to build (`composer env build`): the first ones in the seeded candidate order."""
+    seed: int = 0
+    """Seed of the candidate order."""
+    include: list[str] = Field(default_factory=list)
+    """Glob patterns of the modules that may be changed, relative to the project root (`networkx/algorithms/*`); all
+    when empty."""
+    max_test_seconds: float = Field(default=10.0, gt=0)
+    """Test files whose run on the original needs more CPU time than this (in the sandbox, pytest's start included)
+    make no tasks."""
+    pass_to_pass: Literal["required", "scored"] = "required"
+    """`required`: reward = fraction of fail-to-pass tests passing, 0 when any pass-to-pass test breaks; `scored`:
+    every expected test counts alike (reward = passed / all)."""
+    cache_dir: str = ".cache/composer/repo-tasks"
+    """Project copies, test surveys, verdicts and built sets (keyed by the settings above and the project versions)."""
+
+    @field_validator("projects", "kinds")
+    @classmethod
+    def _no_repeats(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"{value}: each at most once")
+        return value
+
+
 class TaskSet(Section):
-    name: Literal["humaneval", "codeio", "smoke"]
-    """Task family: HumanEval, CodeI/O, or the small learnable smoke family."""
+    name: Literal["humaneval", "codeio", "smoke", "repo"]
+    """Task family: HumanEval, CodeI/O, the small learnable smoke family, or repository tasks (`repo`)."""
     weight: float = Field(default=1.0, gt=0)
     """Sampling weight among task sets."""
     limit: int | None = Field(default=None, gt=0)
@@ -357,6 +387,14 @@ class TaskSet(Section):
     held_out: int = Field(default=0, ge=0)
     """Tasks of the set held out for `rl.eval`: a fixed choice (seeded by the set's name) among its tasks in use,
     never drawn for training."""
+    repo: RepoTaskSettings = Field(default_factory=RepoTaskSettings)
+    """name: repo only: which repository tasks (built by `composer env build`)."""
+
+    @model_validator(mode="after")
+    def _repo_settings_for_repo_only(self) -> TaskSet:
+        if "repo" in self.model_fields_set and self.name != "repo":
+            raise ValueError(f"`repo` settings belong to the repo task set, not to {self.name}")
+        return self
 
 
 class SandboxSection(Section):
@@ -380,8 +418,9 @@ class SandboxSection(Section):
 
 class GuardsSection(Section):
     flags: list[Literal["harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes",
-                        "timeout", "output_limit", "canary_passed"]] = Field(default_factory=lambda: [
-        "harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes", "canary_passed"])
+                        "timeout", "output_limit", "canary_passed", "tests_modified"]] = Field(default_factory=lambda: [
+        "harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes", "canary_passed",
+        "tests_modified"])
     """Grader flags that make an episode flagged (all flags are recorded either way)."""
     reward: float | None = 0.0
     """Reward of a flagged episode; null keeps the tests' score."""
@@ -401,7 +440,7 @@ class EnvSection(Section):
 
 
 class RLEvalSection(Section):
-    tasks: list[Literal["humaneval", "codeio", "smoke"]] = Field(min_length=1)
+    tasks: list[Literal["humaneval", "codeio", "smoke", "repo"]] = Field(min_length=1)
     """Task sets to evaluate on: for a set in env.tasks, its held-out split (`held_out`); a set env.tasks does not
     name is held out whole."""
     limit: int | None = Field(default=None, gt=0)

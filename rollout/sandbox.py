@@ -174,6 +174,8 @@ class CommandResult:
     flags: tuple[str, ...] = ()
     """`timeout`, `output_limit` (`graders.FLAGS`)."""
     infra_failure: bool = False
+    cpu_seconds: float = 0.0
+    """CPU time of everything the command ran (steadier than wall time on a busy host)."""
 
 
 def reward_for(passed: int, total: int, mode: RewardMode) -> float:
@@ -701,7 +703,7 @@ def _command_result(session: _Session, config: SandboxSection, uid: int | None) 
         status = "crash"
     else:
         status = "ok"
-    return CommandResult(exit_code, status, text, wall, tuple(sorted(flags)))
+    return CommandResult(exit_code, status, text, wall, tuple(sorted(flags)), cpu_seconds=session.cpu_seconds)
 
 
 class _CandidateFailed(BaseException):

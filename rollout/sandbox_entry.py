@@ -61,14 +61,14 @@ def _mount(source, target: str, fstype, flags: int, data=None) -> None:
     _check(_libc.mount(_bytes(source), _bytes(target), _bytes(fstype), flags, _bytes(data)), f"mount {target}")
 
 
-def _bind(source: str, target: str, read_only: bool) -> None:
+def _bind(source: str, target: str, read_only: bool, recursive: bool = False) -> None:
     if os.path.isdir(source):
         os.makedirs(target, 0o755, exist_ok=True)
     else:
         os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
         if not os.path.exists(target):
             os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
-    _mount(source, target, None, MS_BIND)
+    _mount(source, target, None, MS_BIND | (MS_REC if recursive else 0))
     flags = MS_BIND | MS_REMOUNT | MS_NOSUID | (MS_RDONLY | MS_NODEV if read_only else 0)
     _mount(None, target, None, flags)
 
@@ -86,7 +86,8 @@ def _build_root(plan: dict) -> None:
             _bind(plan["empty_file"], root + path, read_only=True)
     for link, target in plan["symlinks"]:
         os.symlink(target, root + link)
-    _bind(plan["work"], root + WORK_DIR, read_only=False)
+    # Recursive: a work directory may hold mounts of its own (a grading run's read-only view of a repository).
+    _bind(plan["work"], root + WORK_DIR, read_only=False, recursive=True)
     _bind(plan["tmp"], root + "/tmp", read_only=False)
     os.makedirs(root + "/dev", 0o755)
     _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
