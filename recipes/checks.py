@@ -200,6 +200,8 @@ def _check_rl(r: Recipe) -> list[Problem]:
         out.append(Problem("rl.router_replay", "`r3` needs an MoE model (model.num_experts > 0); set it to `off`"))
     if r.rollout and r.rollout.harness == "tools" and r.rollout.max_turns == 1:
         out.append(Problem("rollout.harness", "tools act over several turns; set rollout.max_turns > 1"))
+    if r.rollout and r.env and r.rollout.harness == "reply" and any(t.name == "repo" for t in r.env.tasks):
+        out.append(Problem("rollout.harness", "repository tasks are worked on with tools; set rollout.harness: tools"))
     if r.rollout and r.rollout.summarize_at is not None and r.rollout.max_turns == 1:
         out.append(Problem("rollout.summarize_at", "self-summarization happens between turns; set rollout.max_turns > 1"))
     if r.rl and r.rl.eval and r.env:

@@ -177,7 +177,7 @@ class EpisodeRunner:
                 e.current.observe(e.prompt_ids)
             self._play(episodes, temperature)
             ungraded = [e for e in episodes if not e.graded]
-            for e, result in zip(ungraded, self._graders.map(lambda e: e.workspace.grade(), ungraded)):
+            for e, result in zip(ungraded, self._graders.map(lambda e: self.env.grade_workspace(e.workspace), ungraded)):
                 e.result, e.graded = result, True
         finally:
             wait(opened)  # each opened workspace is closed, even when opening another failed
@@ -217,7 +217,7 @@ class EpisodeRunner:
 
         def grade_reply() -> _Outcome:
             write_text(e.workspace.root, SOLUTION_FILE, e.task.program(reply))
-            result = e.workspace.grade()
+            result = self.env.grade_workspace(e.workspace)
             return _Outcome([], self.tok.encode(OBSERVATION_HEADER + _feedback(result))[: self._observation_cap] + self._next_turn,
                             result=result)
         return grade_reply

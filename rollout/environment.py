@@ -15,8 +15,11 @@ from pathlib import Path
 from recipes.schema import EnvSection
 from rollout.graders import Statement, guarded_reward
 from rollout.harness import PathRefused, read_text, write_text
+from rollout.repo_tasks import RepoTests
+from rollout.repo_tasks import open_workspace as open_repo_workspace
 from rollout.sandbox import CommandResult, Sandbox, SandboxResult, case_tests
 from rollout.tasks import Task, TaskPool, defines
+from rollout.workspace import Workspace
 
 log = logging.getLogger("composer.env")
 
@@ -48,16 +51,28 @@ class CodingEnvironment:
             log.warning("cheating alarm: canary %s scored %.2f (%d/%d); flags %s", task.id, result.reward,
                         result.passed, result.total, ", ".join(flags) or "none")
             flags = tuple(sorted({*flags, "canary_passed"}))
-        reward = guarded_reward(result.reward, flags, tuple(self.guards.flags), self.guards.reward)
-        return dataclasses.replace(result, reward=reward, flags=flags)
+        return self._guarded(dataclasses.replace(result, flags=flags))
+
+    def _guarded(self, result: SandboxResult) -> SandboxResult:
+        """`result` with the reward the recipe's guards give its flags (applying them twice changes nothing)."""
+        return dataclasses.replace(result, reward=guarded_reward(result.reward, result.flags, tuple(self.guards.flags), self.guards.reward))
 
     def task_prompt(self, task: Task, tools: bool) -> str:
-        """What the policy is told of `task` (with tools, where its work goes)."""
-        return task.prompt + FUNCTION_TOOLS_NOTE.format(entry_point=task.entry_point) if tools else task.prompt
+        """What the policy is told of `task` (with tools, where a function task's work goes)."""
+        if isinstance(task.tests, RepoTests) or not tools:
+            return task.prompt
+        return task.prompt + FUNCTION_TOOLS_NOTE.format(entry_point=task.entry_point)
 
-    def open_workspace(self, task: Task, tools: bool) -> FunctionWorkspace:
-        """A fresh workspace for an episode of `task`; the caller closes it."""
+    def open_workspace(self, task: Task, tools: bool) -> Workspace:
+        """A fresh workspace for an episode of `task` (a repository task's view of its project, else solution.py);
+        the caller closes it."""
+        if isinstance(task.tests, RepoTests):
+            return open_repo_workspace(task.tests, self.sandbox, self.reward)
         return FunctionWorkspace(self, task, tools)
+
+    def grade_workspace(self, workspace: Workspace) -> SandboxResult:
+        """The workspace's grade, through the recipe's guards (a repository task's flags, e.g. `tests_modified`)."""
+        return self._guarded(workspace.grade())
 
 
 class FunctionWorkspace:
