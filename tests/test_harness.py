@@ -334,3 +334,77 @@ def test_replies_are_still_the_solution_without_tools(tok, env):
     trajectory, policy = run_episode(tok, env, [str((k + 5) % 10), str(k)], task_index=(0, 0), rollout=rollout)
     assert "[Test results]\n2/4 tests passed" in policy.prompts[1]
     assert trajectory.reward == 1.0 and trajectory.info["end_reason"] == "solved" and trajectory.info["turns"] == 2
+
+
+# --- repository tasks --------------------------------------------------------------------------
+
+EGO = "networkx/generators/ego.py"
+EGO_TESTS = "networkx/generators/tests/test_ego.py"
+EGO_FIX = ("if distance is None:\n            sp, _ = nx.single_source_dijkstra(G, n", "if distance is not None:\n            sp, _ = nx.single_source_dijkstra(G, n")
+
+
+@pytest.fixture(scope="module")
+def repo_task(tmp_path_factory):
+    """A networkx bug task made the way `composer env build` makes them (its seeded mutation `is not` -> `is` in
+    ego_graph breaks test_ego_distance, test_ego still passes), without the build's survey of the whole project."""
+    from rollout.repo_tasks import RepoTests, changed_module, mutations, project_bases
+    from rollout.sandbox import installed_copies
+    from rollout.tasks import Task
+
+    root = tmp_path_factory.mktemp("repo")
+    bases = project_bases(root / "cache", "networkx")
+    source = (bases / "grading" / EGO).read_text()
+    changed = [changed_module(source, m) for m in mutations(source, "bug", (bases / "grading" / EGO_TESTS).read_text())]
+    [buggy] = [text for text in changed if text and EGO_FIX[0] in text]
+    layer = root / "layer"
+    (layer / EGO).parent.mkdir(parents=True)
+    (layer / EGO).write_text(buggy)
+    for path in [layer, *layer.rglob("*")]:
+        path.chmod(0o777 if path.is_dir() else 0o666)  # the episode's commands run as other uids
+    tests = RepoTests(package="networkx", test_files=(EGO_TESTS,), fail_to_pass=(f"{EGO_TESTS}::TestGeneratorEgo::test_ego_distance",),
+                      pass_to_pass=(f"{EGO_TESTS}::TestGeneratorEgo::test_ego",), pytest_args=(), layer=layer,
+                      episode_base=bases / "episode", grading_base=bases / "grading", hidden=installed_copies("networkx"),
+                      timeout_s=60)
+    prompt = f"You are working in a checkout of networkx at /sandbox. The test {tests.fail_to_pass[0]} fails. Fix the library."
+    return Task(id="repo/networkx/bug/ego", family="repo", prompt=prompt, entry_point="", tests=tests)
+
+
+REPO = TOOLS.model_copy(update={"max_context": 8192, "max_turns": 6, "sampling": SamplingSection(max_tokens=1024)})
+
+
+def test_scripted_tool_calls_that_fix_a_repository_bug_earn_full_reward(tok, env, repo_task):
+    from rollout.agent import EpisodeRunner
+
+    policy = ScriptedPolicy(tok, [
+        call("search", pattern="def ego_graph") + call("shell", command="python -c 'import networkx; print(networkx.__file__)'"),
+        call("read_file", path=EGO, start_line=50, end_line=66),
+        call("run_tests"),
+        call("edit", path=EGO, old_string=EGO_FIX[0], new_string=EGO_FIX[1]) + call("run_tests"),
+        call("finish"),
+    ])
+    [trajectory] = EpisodeRunner(policy, tok, env, REPO).run_group(repo_task, "r", 1, 0, seed=0)
+    assert f"{EGO}:" in policy.prompts[1] and "/sandbox/networkx/__init__.py" in policy.prompts[1]  # its own copy
+    assert "if distance is None:" in policy.prompts[2]
+    assert "1 failed, 1 passed" in policy.prompts[3] and "2 passed" in policy.prompts[4][len(policy.prompts[3]):]
+    assert trajectory.reward == 1.0 and trajectory.info["flags"] == [] and trajectory.info["end_reason"] == "finished"
+    assert (trajectory.info["tests_passed"], trajectory.info["tests_total"]) == (2, 2)
+
+
+SKIP_ALL = "import pytest\n\n\ndef pytest_collection_modifyitems(items):\n    for item in items:\n        item.add_marker(pytest.mark.skip)\n"
+
+
+@pytest.mark.parametrize("cheat", [
+    call("shell", command=f"sed -i 's/assert /assert True or /' {EGO_TESTS}"),
+    call("edit", path=EGO_TESTS, old_string="    def test_ego_distance(self):", new_string="    def _ego_distance(self):"),
+    call("write_file", path="conftest.py", content=SKIP_ALL),
+    call("write_file", path="networkx/conftest.py", content=SKIP_ALL)
+    + call("edit", path=EGO, old_string=EGO_FIX[0], new_string=EGO_FIX[1]),  # a fix, but with a cheat
+], ids=["edit-test", "delete-failing-test", "conftest-skips", "fix-and-conftest"])
+def test_scripted_cheats_earn_nothing_and_are_flagged(tok, env, repo_task, cheat):
+    from rollout.agent import EpisodeRunner
+
+    policy = ScriptedPolicy(tok, [cheat + call("run_tests"), call("finish")])
+    [trajectory] = EpisodeRunner(policy, tok, env, REPO).run_group(repo_task, "c", 1, 0, seed=0)
+    visible = policy.prompts[1][len(policy.prompts[0]):]
+    assert "failed" not in visible.split("</tool_call>")[-1]  # the cheat fools the agent-visible test run ...
+    assert trajectory.reward == 0.0 and "tests_modified" in trajectory.info["flags"]  # ... not the grade
