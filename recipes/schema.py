@@ -360,7 +360,7 @@ class RepoTaskSettings(Section):
     include: list[str] = Field(default_factory=list)
     """Glob patterns of the modules that may be changed, relative to the project root (`networkx/algorithms/*`); all
     when empty."""
-    max_test_seconds: float = Field(default=10.0, gt=0)
+    max_test_seconds: float = Field(default=5.0, gt=0)
     """Test files whose run on the original needs more CPU time than this (in the sandbox, pytest's start included)
     make no tasks."""
     pass_to_pass: Literal["required", "scored"] = "required"

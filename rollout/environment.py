@@ -131,6 +131,8 @@ def check_references(env: CodingEnvironment, max_tasks: int | None, workers: int
     reports = []
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for set_index, task_set in enumerate(env.pool.task_sets):
+            if task_set.name == "repo":
+                continue  # no reference solutions: `repo_tasks.check_repo_tasks` tests originals and changes
             report = ReferenceReport(task_set.name)
             indices = env.pool.indices(set_index)[:max_tasks]
 

@@ -58,7 +58,9 @@ from rollout.workspace import PassToPass, RepoWorkspace, TestReport, run_tests_g
 log = logging.getLogger("composer.repo_tasks")
 
 # Bump when candidates, validation or records change: it is part of every set's cache key.
-ENGINE_VERSION = 1
+ENGINE_VERSION = 2
+# Bump when a survey's record or the runner that makes it changes.
+SURVEY_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,6 @@ def project_bases(cache_dir: Path, name: str) -> Path:
         for kind, (file_mode, dir_mode) in {"episode": (0o666, 0o777), "grading": (0o644, 0o755)}.items():
             shutil.copytree(source, staging / kind / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
             _chmod_tree(staging / kind, file_mode, dir_mode)
-        (staging / "survey").mkdir()
         os.chmod(staging, 0o755)
         try:
             os.rename(staging, target)
@@ -224,9 +225,9 @@ def _plus(node: ast.expr, delta: int) -> ast.expr:
 
 def _bug_sites(function_name: str, function: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> Iterator[Mutation]:
     docstring = _docstring_node(function)
-    for node in ast.walk(function):
-        if node is docstring or node is function:
-            continue
+    yield from _branch_removals(function_name, function.body, lines)
+    # The body only: decorators and default values run when the module is imported, not when the function is called.
+    for node in (n for statement in function.body if statement is not docstring for n in ast.walk(statement)):
         if isinstance(node, ast.Compare):
             for i, op in enumerate(node.ops):
                 if type(op) in _COMPARE_SWAPS:
@@ -471,6 +472,19 @@ def _file_name(text: str) -> str:
     return text.replace("/", "__")
 
 
+def _survey_path(bases: Path, test_file: str) -> Path:
+    return bases / f"survey-{SURVEY_VERSION}" / f"{_file_name(test_file)}.json"
+
+
+def _read_json(path: Path, required: str) -> dict | None:
+    """A cached record, or None when it is missing or unreadable (a torn or foreign file is redone, not trusted)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) and required in record else None
+
+
 @dataclass
 class BuildReport:
     validated: int = 0
@@ -523,19 +537,15 @@ def build_repo_tasks(settings: RepoTaskSettings, sandbox: SandboxSection, sandbo
         c = next(stream, None)
         if c is not None:
             ordered.append(c)
-            path = directory / "verdicts" / f"{_file_name(c.id)}.json"
-            if path.is_file():
-                verdicts[c.id] = json.loads(path.read_text())
+            if found := _read_json(directory / "verdicts" / f"{_file_name(c.id)}.json", "verdict"):
+                verdicts[c.id] = found
                 report.resumed += 1
         return c
 
-    def survey_path(c: Candidate) -> Path:
-        return bases[c.project] / "survey" / f"{_file_name(c.test_file)}.json"
-
     def survey_of(c: Candidate) -> dict | None:
         key = (c.project, c.test_file)
-        if key not in surveys and survey_path(c).is_file():
-            surveys[key] = json.loads(survey_path(c).read_text())
+        if key not in surveys and (found := _read_json(_survey_path(bases[c.project], c.test_file), "cpu_seconds")):
+            surveys[key] = found
         return surveys.get(key)
 
     def record(c: Candidate, verdict: dict) -> None:
@@ -617,7 +627,7 @@ def build_repo_tasks(settings: RepoTaskSettings, sandbox: SandboxSection, sandbo
                         for c in waiting.pop(item):
                             record(c, {"verdict": "infra", "reason": "sandbox failure"})
                         continue
-                    atomic_write_text(bases[item[0]] / "survey" / f"{_file_name(item[1])}.json", json.dumps(result))
+                    atomic_write_text(_survey_path(bases[item[0]], item[1]), json.dumps(result))
                     surveys[item] = result
                     for c in waiting.pop(item):
                         dispatch(c)
@@ -655,7 +665,7 @@ def _write_index(settings: RepoTaskSettings, directory: Path, ordered: list[Cand
             break
         if v["verdict"] != "validated":
             continue
-        survey_record = json.loads((bases[c.project] / "survey" / f"{_file_name(c.test_file)}.json").read_text())
+        survey_record = json.loads(_survey_path(bases[c.project], c.test_file).read_text())
         tasks.append({"id": c.id, "project": c.project, "version": versions[c.project], "kind": c.mutation.kind,
                       "operator": c.mutation.operator, "path": c.path, "function": c.mutation.function,
                       "description": c.mutation.description, "test_file": c.test_file,
@@ -704,3 +714,58 @@ def repo_tests(record: dict, settings: RepoTaskSettings) -> RepoTests:
         hidden=installed_copies(record["project"]), timeout_s=max(60.0, 4 * record["test_seconds"]),
         pass_to_pass_policy=settings.pass_to_pass)
 
+
+
+# --- checking a built set -------------------------------------------------------------------------
+
+
+@dataclass
+class RepoCheckReport:
+    """`composer env check` on a repository task set: every task's original and changed module, tested again."""
+
+    checked: int = 0
+    originals_passing: int = 0
+    """Tasks whose original passes every expected test."""
+    changed_failing: int = 0
+    """Tasks whose changed module fails every fail-to-pass test and passes every pass-to-pass test."""
+    failures: list[tuple[str, str]] = None
+
+    def __post_init__(self):
+        self.failures = self.failures or []
+
+
+def check_task(config: dict, sandbox_root: str, tests: RepoTests, path: str) -> tuple[bool, bool, str]:
+    """(original passes, changed fails as recorded, why not) for one built task."""
+    sandbox = _sandbox(config, sandbox_root)
+    run = lambda changes: run_tests_guarded(sandbox, tests.grading_base, changes, tests.test_files, tests.pytest_args,
+                                            tests.timeout_s, tests.hidden, _area(sandbox))
+    expected = (*tests.fail_to_pass, *tests.pass_to_pass)
+    original = run({})
+    original_ok = original.complete and not original.flags and all(original.outcomes.get(i) == "passed" for i in expected)
+    changed = run({path: (tests.layer / path).read_bytes()})
+    changed_ok = (changed.complete and not changed.flags and all(changed.outcomes.get(i) != "passed" for i in tests.fail_to_pass)
+                  and all(changed.outcomes.get(i) == "passed" for i in tests.pass_to_pass))
+    why = []
+    if not original_ok:
+        why.append(f"original: {original.detail or [i for i in expected if original.outcomes.get(i) != 'passed'][:3]}")
+    if not changed_ok:
+        why.append(f"changed: {changed.detail or 'outcomes differ from the recorded ones'}")
+    return original_ok, changed_ok, "; ".join(why)
+
+
+def check_repo_tasks(settings: RepoTaskSettings, sandbox: SandboxSection, sandbox_root: Path, max_tasks: int | None,
+                     workers: int, on_task: Callable[[], None] = lambda: None) -> RepoCheckReport:
+    records = load_tasks(settings)[:max_tasks]
+    report = RepoCheckReport()
+    config = sandbox.model_dump()
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(check_task, config, str(sandbox_root), repo_tests(r, settings), r["path"]): r["id"] for r in records}
+        for future in futures:
+            original_ok, changed_ok, why = future.result()
+            report.checked += 1
+            report.originals_passing += original_ok
+            report.changed_failing += changed_ok
+            if why:
+                report.failures.append((futures[future], why))
+            on_task()
+    return report

@@ -200,7 +200,8 @@ class TestReport:
     outcomes: dict[str, str]
     """Test id -> passed / failed / error / skipped / xfailed, as the trusted plugin reported them."""
     complete: bool
-    """The report ended with its end line (pytest finished; the program did not end the process)."""
+    """The report is whole and trusted: it ended with its end line (pytest finished, the program did not end the
+    process), holds only the plugin's lines, and pytest's reporting was not patched."""
     flags: tuple[str, ...]
     detail: str
     output: str
@@ -309,6 +310,8 @@ def _read_report(path: Path, nonce: str, result: CommandResult) -> TestReport:
             previous = outcomes.get(record["id"])
             outcomes[record["id"]] = str(record.get("outcome")) if previous in (None, "passed") else previous
     detail = ""
+    # A report the program wrote into or whose reporting it patched proves nothing: every test counts as failed.
+    trusted = end is not None and not end.get("tampered") and "forged_records" not in flags
     if end is None:
         if result.status == "ok":
             flags.add("early_exit")
@@ -318,7 +321,9 @@ def _read_report(path: Path, nonce: str, result: CommandResult) -> TestReport:
     elif end.get("tampered"):
         flags.add("harness_touched")
         detail = "pytest's reporting was tampered with: " + ", ".join(map(str, end["tampered"]))[:300]
-    return TestReport(outcomes, end is not None, tuple(sorted(flags)), detail, result.output, result.status,
+    elif "forged_records" in flags:
+        detail = "the report holds lines the trusted plugin did not write"
+    return TestReport(outcomes, trusted, tuple(sorted(flags)), detail, result.output, result.status,
                       result.wall_seconds, result.cpu_seconds, result.infra_failure)
 
 
@@ -350,7 +355,9 @@ def score(report: TestReport, tests: RepoTests, reward: RewardMode) -> SandboxRe
 class RepoWorkspace:
     """One episode's copy-on-write view of a repository task (see the module docstring)."""
 
-    def __init__(self, tests: RepoTests, sandbox: Sandbox, area: Path, reward: RewardMode = "fraction"):
+    def __init__(self, tests: RepoTests, sandbox: Sandbox, area: Path, reward: RewardMode = "fraction",
+                 overlay: bool | None = None):
+        """A view in `area`: overlayfs where it works (`overlay` None), else (or with `overlay` False) a copy."""
         self.tests = tests
         self.sandbox = sandbox
         self.reward = reward
@@ -358,7 +365,7 @@ class RepoWorkspace:
         self._area = area
         self._dir = Path(tempfile.mkdtemp(prefix="ws-", dir=area))
         self.root = self._dir / "root"
-        self.overlay = overlay_supported(area)
+        self.overlay = overlay_supported(area) if overlay is None else overlay
         self._mounted = False
         try:
             self.root.mkdir()
@@ -429,7 +436,7 @@ class RepoWorkspace:
                                    self.tests.pytest_args, self.tests.timeout_s, self.tests.hidden, self._area)
         result = score(report, self.tests, self.reward)
         if changes.protected:
-            shown = ", ".join(changes.protected[:5]) + (f" and {len(changes.protected) - 5} more" if len(changes.protected) > 5 else "")
+            shown = ", ".join(changes.protected[:10]) + (f" and {len(changes.protected) - 10} more" if len(changes.protected) > 10 else "")
             result = _with_flag(result, "tests_modified", f"changed {shown} (ignored: graded with the trusted copies)")
         return result
 
