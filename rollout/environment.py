@@ -85,7 +85,9 @@ class FunctionWorkspace:
         self._env = env
         self._task = task
         self._preamble = f"{task.preamble}\n\n" if tools and task.preamble else ""
-        self.root = Path(tempfile.mkdtemp(prefix="composer-workspace-"))
+        area = env.sandbox.root / "workspaces"  # beside the repository tasks' views
+        area.mkdir(parents=True, exist_ok=True)
+        self.root = Path(tempfile.mkdtemp(prefix="solution-", dir=area))
         write_text(self.root, SOLUTION_FILE, task.continues if tools and defines(task.continues, task.entry_point) else "")
 
     def shell(self, command: str, timeout_s: float) -> CommandResult:
