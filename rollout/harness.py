@@ -133,6 +133,8 @@ def _parse_call(body: str, number: int) -> ToolCall | CallError:
     except json.JSONDecodeError as e:
         return CallError(f"{where}: malformed JSON ({e.msg} at character {e.pos}); write "
                          '{"name": TOOL, "arguments": {...}} between <tool_call> and </tool_call>')
+    except RecursionError:
+        return CallError(f"{where}: JSON nested too deeply")
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return CallError(f'{where}: expected a JSON object {{"name": TOOL, "arguments": {{...}}}}')
     name = call["name"]
@@ -145,8 +147,8 @@ def _parse_call(body: str, number: int) -> ToolCall | CallError:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string (OpenAI's wire format)
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
-            return CallError(f"{where} ({name}): arguments are a string that is not JSON ({e.msg})")
+        except (json.JSONDecodeError, RecursionError) as e:
+            return CallError(f"{where} ({name}): arguments are a string that is not JSON ({getattr(e, 'msg', 'nested too deeply')})")
     if not isinstance(arguments, dict):
         return CallError(f"{where} ({name}): \"arguments\" must be a JSON object")
     problem = _argument_problem(name, arguments)
@@ -167,7 +169,18 @@ def _argument_problem(name: str, arguments: dict) -> str | None:
         kind = props[key]["type"]
         if not isinstance(value, _JSON_TYPES[kind]) or (kind == "integer" and isinstance(value, bool)):
             return f"argument {key} must be a{'n' if kind[0] in 'aeiou' else ''} {kind}, not {type(value).__name__}"
+        if isinstance(value, str) and not _is_text(value):
+            return f"argument {key} must be text: no NUL characters or unpaired surrogates (\\u0000, \\ud800)"
     return None
+
+
+def _is_text(value: str) -> bool:
+    """UTF-8 text a file, a command line or a pattern can hold (JSON allows "\\u0000" and lone surrogates)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in value
 
 
 # --- files inside the workspace ----------------------------------------------------------------

@@ -121,6 +121,10 @@ def test_tool_calls_are_parsed_from_text_around_them_in_order():
     ('{"name": "read_file", "arguments": {"path": "a", "start_line": true}}', "start_line must be an integer, not bool"),
     ('{"name": "shell", "arguments": ["ls"]}', '"arguments" must be a JSON object'),
     ('{"name": "shell", "command": "ls"}', "unexpected keys ['command']"),
+    ('{"name": "shell", "arguments": {"command": "echo a\\u0000b"}}', "argument command must be text"),
+    ('{"name": "write_file", "arguments": {"path": "x", "content": "\\ud800"}}', "argument content must be text"),
+    ("[" * 100_000, "nested too deeply"),
+    ('{"name": "finish", "arguments": "' + "[" * 100_000 + '"}', "nested too deeply"),
 ])
 def test_malformed_calls_are_errors_that_say_what_is_wrong(body, message):
     [error] = parse_tool_calls(f"text <tool_call>{body}</tool_call> more")
