@@ -414,7 +414,8 @@ def truncate(text: str, max_tokens: int, tok: TextTokenizer, more: str) -> str:
     note_room = 40  # the note's own tokens
     keep = max(max_tokens - note_room, 2)
     head, tail = tok.decode(ids[: keep // 3]), tok.decode(ids[len(ids) - (keep - keep // 3):])
-    cut = text[len(head): len(text) - len(tail)]
+    # (a token boundary inside a multi-byte character decodes to a replacement character: lengths are approximate there)
+    cut = text[len(head): max(len(text) - len(tail), len(head))]
     note = f"\n[... {len(cut)} characters ({cut.count(chr(10))} lines) cut{': ' + more if more else ''} ...]\n"
     return head + note + tail
 
