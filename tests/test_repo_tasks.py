@@ -186,6 +186,9 @@ def test_a_build_killed_mid_way_resumes_to_the_same_set(built, tmp_path, compose
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "3 validated" in result.stdout
     assert [t["id"] for t in load_tasks(settings(tmp_path / "cache"))] == [t["id"] for t in built[1]]
+    check = composer("env", "check", str(recipe), "--max-tasks", "1")
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
+    assert "originals passing every expected test 1/1" in check.stdout and "(pass-to-pass passing) 1/1" in check.stdout
 
 
 # --- episodes: the original is out of reach ----------------------------------------------------
