@@ -270,10 +270,9 @@ def test_a_scripted_fix_earns_full_reward(built, cache, sandbox):
 def test_an_implemented_feature_in_a_copy_workspace_earns_full_reward(built, cache, sandbox):
     tests = repo_tests(task_of(built, "feature"), settings(cache))
     with RepoWorkspace(tests, sandbox, sandbox.root / "views-test", overlay=False) as ws:
-        # The base's size and mtime on the task's own file: it is still compared by content.
-        os.utime(ws.root / MODULE, ns=(os.stat(tests.episode_base / MODULE).st_mtime_ns,) * 2)
-        assert MODULE in ws.changed()
+        assert ws.changed() == {}  # the task's own state: nothing changed yet
         ws.shell(fix(tests), 30)
+        assert set(ws.changed()) == {MODULE}
         result = ws.grade()
     assert (result.reward, result.flags) == (1.0, ())
 
@@ -329,6 +328,21 @@ def test_cheats_from_the_code_earn_nothing_and_are_flagged(built, cache, sandbox
         result = ws.grade()
     assert flag in result.flags, (result.flags, result.detail, result.stdout_tail[-1500:])
     assert (result.reward, result.passed) == (0.0, 0)  # a report it ended, forged or patched counts nothing
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="the mount table shows the bases' host paths only with overlayfs")
+def test_a_symlink_to_the_original_is_never_followed(built, cache, sandbox):
+    """The mount table names the bases' host paths: a symlink there resolves on the host, never for the grader."""
+    tests = repo_tests(task_of(built, "bug"), settings(cache))
+    with open_workspace(tests, sandbox) as ws:
+        lowers = ws.shell("grep -o 'lowerdir=[^,]*' /proc/self/mountinfo | head -1", 30).output.strip()
+        base = lowers.removeprefix("lowerdir=").split(":")[-1]
+        assert base == str(tests.episode_base)
+        ws.shell(f"rm {MODULE} && ln -s {tests.grading_base}/{MODULE} {MODULE} && "
+                 f"ln -s {tests.grading_base}/networkx/algorithms networkx/algorithms2", 30)
+        assert ws.changed() == {}
+        result = ws.grade()
+    assert result.reward == 0.0  # graded with the task's changed module, not the original the link points to
 
 
 def test_a_fix_with_an_edited_test_is_flagged(built, cache, sandbox):
