@@ -300,9 +300,10 @@ def _read_report(path: Path, nonce: str, result: CommandResult) -> TestReport:
     outcomes: dict[str, str] = {}
     end = None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # Not following a link, not blocking on a FIFO: the run's code could have put either there.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
-            data = f.read(MAX_REPORT_BYTES + 1)
+            data = f.read(MAX_REPORT_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
     except OSError:
         data = b""
     if len(data) > MAX_REPORT_BYTES:
