@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from recipes.errors import UserError
+from recipes.loader import load_recipe, recipe_to_yaml, validate_recipe
 from recipes.schema import RepoTaskSettings, SandboxSection, TaskSet
 from rollout.graders import DEFAULT_GUARDED, guarded_reward
 from rollout.repo_tasks import (
@@ -134,6 +135,10 @@ def test_repo_settings_are_checked_strictly():
         RepoTaskSettings(num_task=3)
     with pytest.raises(ValueError):
         RepoTaskSettings(projects=["numpy"])
+    assert TaskSet(name="repo").repo == RepoTaskSettings()
+    # A run's saved recipe loads again (the smoke set's `repo: null`, the repo set's full settings).
+    for recipe in (load_recipe(REPO / "recipes" / "smoke-rl.yaml", ["env.tasks=[{name: smoke}, {name: repo}]"]),):
+        assert validate_recipe(yaml.safe_load(recipe_to_yaml(recipe)), "saved") == recipe
 
 
 # --- the build ---------------------------------------------------------------------------------
