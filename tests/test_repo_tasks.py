@@ -137,7 +137,7 @@ def test_repo_settings_are_checked_strictly():
         RepoTaskSettings(projects=["numpy"])
     assert TaskSet(name="repo").repo == RepoTaskSettings()
     # A run's saved recipe loads again (the smoke set's `repo: null`, the repo set's full settings).
-    for recipe in (load_recipe(REPO / "recipes" / "smoke-rl.yaml", ["env.tasks=[{name: smoke}, {name: repo}]"]),):
+    for recipe in (load_recipe(REPO / "recipes" / "smoke-rl.yaml", ["env.tasks=[{name: smoke, held_out: 20}, {name: repo}]"]),):
         assert validate_recipe(yaml.safe_load(recipe_to_yaml(recipe)), "saved") == recipe
 
 
