@@ -387,13 +387,15 @@ class TaskSet(Section):
     held_out: int = Field(default=0, ge=0)
     """Tasks of the set held out for `rl.eval`: a fixed choice (seeded by the set's name) among its tasks in use,
     never drawn for training."""
-    repo: RepoTaskSettings = Field(default_factory=RepoTaskSettings)
-    """name: repo only: which repository tasks (built by `composer env build`)."""
+    repo: RepoTaskSettings | None = None
+    """name: repo only: which repository tasks (built by `composer env build`); the defaults when unset."""
 
     @model_validator(mode="after")
     def _repo_settings_for_repo_only(self) -> TaskSet:
-        if "repo" in self.model_fields_set and self.name != "repo":
+        if self.repo is not None and self.name != "repo":
             raise ValueError(f"`repo` settings belong to the repo task set, not to {self.name}")
+        if self.name == "repo" and self.repo is None:
+            self.repo = RepoTaskSettings()
         return self
 
 

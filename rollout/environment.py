@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recipes.errors import UserError
 from recipes.schema import EnvSection
 from rollout.graders import Statement, guarded_reward
 from rollout.harness import PathRefused, read_text, write_text
@@ -45,6 +46,9 @@ class CodingEnvironment:
         return self.grade_program(task, task.program(completion))
 
     def grade_program(self, task: Task, program: str) -> SandboxResult:
+        if isinstance(task.tests, RepoTests):
+            raise UserError(f"{task.id}: a repository task is graded through its workspace "
+                            "(rollout.repo_tasks.open_workspace), not as one program")
         result = self.sandbox.run(program, task.tests, "all_or_nothing" if task.canary else self.reward)
         flags = result.flags
         if task.canary and result.reward > 0:

@@ -1,6 +1,7 @@
 """The trusted pytest entry of repository tasks: run pytest and report every test's outcome with a secret.
 
-Run as `python -I -B -c <this file's text> ROOT REPORT NONCE_FILE PYTEST_ARGS...` (stdlib and pytest only). Before
+Run as `python -s -P -B -c <this file's text> ROOT REPORT NONCE_FILE PYTEST_ARGS...` (stdlib and pytest only; not
+-I, which would drop PYTHONHASHSEED, and tests' set orders with it), in a directory the run cannot write to. Before
 any code of the repository runs it reads the run's nonce from NONCE_FILE and deletes the file, opens REPORT, drops
 pytest's plugin autoloading and the PYTEST_* variables, and takes references to what reports outcomes. Then pytest
 runs with this module's plugin, which writes one JSON line per test, {"nonce", "id", "outcome"}, and at the

@@ -135,14 +135,34 @@ def _files_under(base: Path, relative: str) -> list[str]:
     return [str(Path(d, f).relative_to(base)) for d, _, files in os.walk(top) for f in files]
 
 
-def _read_entry(path: Path) -> bytes | str | None:
-    """A file's bytes, a symlink's target (str: recreated, never followed), None when absent or not a file."""
+class _Unsafe:
+    """A path reached through a symlink, or a symlink itself: never read by the host, never graded."""
+
+
+UNSAFE = _Unsafe()
+
+
+def _read_entry(root: Path, relative: str) -> bytes | None | _Unsafe:
+    """A regular file's bytes, None when absent (or not a regular file), UNSAFE when the path is a symlink or goes
+    through one: the grader runs on the host as root, and a symlink an episode planted would point it anywhere."""
+    path = root
+    for part in PurePosixPath(relative).parts[:-1]:
+        path = path / part
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            return UNSAFE
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+    path = root / relative
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return None
     if stat.S_ISLNK(st.st_mode):
-        return os.readlink(path)
+        return UNSAFE
     if not stat.S_ISREG(st.st_mode):
         return None
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -170,13 +190,13 @@ def is_protected(relative: str) -> bool:
 class Changes:
     """What an episode changed against the grading base: the changes grading takes, and those it ignores."""
 
-    graded: dict[str, bytes | str | None] = field(default_factory=dict)
-    """Path -> new bytes (str: a symlink's target; None: deleted), inside the project's package, not protected."""
+    graded: dict[str, bytes | None] = field(default_factory=dict)
+    """Path -> new bytes (None: deleted), inside the project's package, not protected (symlinks are never graded)."""
     protected: tuple[str, ...] = ()
     """Protected paths the episode changed, added or deleted (ignored; flagged `tests_modified`)."""
 
 
-def classify_changes(changed: dict[str, bytes | str | None], package: str) -> Changes:
+def classify_changes(changed: dict[str, bytes | None], package: str) -> Changes:
     graded, protected = {}, []
     for path, content in sorted(changed.items()):
         if is_protected(path):
@@ -186,8 +206,6 @@ def classify_changes(changed: dict[str, bytes | str | None], package: str) -> Ch
     return Changes(graded, tuple(protected))
 
 
-def _differs(base: Path, relative: str, content: bytes | str | None) -> bool:
-    return _read_entry(base / relative) != content
 
 
 # --- grading -----------------------------------------------------------------------------------
@@ -211,21 +229,19 @@ class TestReport:
     infra_failure: bool = False
 
 
-def _write_layer(layer: Path, changes: dict[str, bytes | str | None]) -> None:
+def _write_layer(layer: Path, changes: dict[str, bytes | None]) -> None:
     """A read-only lower layer with `changes` (root-owned, 0644/0755; a deletion is an overlay whiteout)."""
     for relative, content in changes.items():
         path = layer / relative
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         if content is None:
             os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(0, 0))
-        elif isinstance(content, str):
-            os.symlink(content, path)
         else:
             path.write_bytes(content)
             os.chmod(path, 0o644)
 
 
-def _apply_to_copy(root: Path, changes: dict[str, bytes | str | None]) -> None:
+def _apply_to_copy(root: Path, changes: dict[str, bytes | None]) -> None:
     for relative, content in changes.items():
         path = root / relative
         if path.is_symlink() or path.is_file():
@@ -235,14 +251,11 @@ def _apply_to_copy(root: Path, changes: dict[str, bytes | str | None]) -> None:
         if content is None:
             continue
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        if isinstance(content, str):
-            os.symlink(content, path)
-        else:
-            path.write_bytes(content)
-            os.chmod(path, 0o644)
+        path.write_bytes(content)
+        os.chmod(path, 0o644)
 
 
-def run_tests_guarded(sandbox: Sandbox, grading_base: Path, changes: dict[str, bytes | str | None],
+def run_tests_guarded(sandbox: Sandbox, grading_base: Path, changes: dict[str, bytes | None],
                       test_files: tuple[str, ...], pytest_args: tuple[str, ...], timeout_s: float,
                       hidden: tuple[str, ...], area: Path) -> TestReport:
     """Run pytest on `test_files` in the sandbox over a fresh read-only view of `grading_base` with `changes`
@@ -287,9 +300,10 @@ def _read_report(path: Path, nonce: str, result: CommandResult) -> TestReport:
     outcomes: dict[str, str] = {}
     end = None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # Not following a link, not blocking on a FIFO: the run's code could have put either there.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
-            data = f.read(MAX_REPORT_BYTES + 1)
+            data = f.read(MAX_REPORT_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
     except OSError:
         data = b""
     if len(data) > MAX_REPORT_BYTES:
@@ -382,6 +396,9 @@ class RepoWorkspace:
         except BaseException:
             self.close()
             raise
+        # The task's own state: what grading takes wherever the episode's change is not taken (the base's file is
+        # the unchanged original: falling back to it would be the fix).
+        self._task_files = {relative: _read_entry(tests.layer, relative) for relative in _files_under(tests.layer, "")}
 
     def shell(self, command: str, timeout_s: float) -> CommandResult:
         return self.sandbox.run_command(command, self.root, timeout_s=timeout_s, hidden=self.tests.hidden)
@@ -392,8 +409,9 @@ class RepoWorkspace:
                                                       *self.tests.pytest_args, *self.tests.test_files])
         return self.shell(command, self.tests.timeout_s)
 
-    def changed(self) -> dict[str, bytes | str | None]:
-        """Every path whose content differs from the grading base: new bytes, a symlink's target, or None (gone)."""
+    def changed(self) -> dict[str, bytes | None]:
+        """Every path whose content differs from the task's state (the base with the task's changed file): new
+        bytes, or None (gone). Symlinks, and paths through them, are left out: grading keeps the task's file there."""
         candidates = set(_files_under(self.tests.layer, ""))
         if self.overlay:
             upper = self._dir / "upper"
@@ -425,14 +443,16 @@ class RepoWorkspace:
             candidates.update(p for p in _files_under(episode_base, "") if p not in seen)
         changes = {}
         for relative in candidates:
-            content = _read_entry(self.root / relative)
-            if _differs(self.tests.grading_base, relative, content):
+            content = _read_entry(self.root, relative)
+            task_state = self._task_files[relative] if relative in self._task_files else _read_entry(self.tests.grading_base, relative)
+            if content is not UNSAFE and content != task_state:
                 changes[relative] = content
         return changes
 
     def grade(self) -> SandboxResult:
         changes = classify_changes(self.changed(), self.tests.package)
-        report = run_tests_guarded(self.sandbox, self.tests.grading_base, changes.graded, self.tests.test_files,
+        graded = {**self._task_files, **changes.graded}
+        report = run_tests_guarded(self.sandbox, self.tests.grading_base, graded, self.tests.test_files,
                                    self.tests.pytest_args, self.tests.timeout_s, self.tests.hidden, self._area)
         result = score(report, self.tests, self.reward)
         if changes.protected:

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from recipes.errors import UserError
+from recipes.loader import load_recipe, recipe_to_yaml, validate_recipe
 from recipes.schema import RepoTaskSettings, SandboxSection, TaskSet
 from rollout.graders import DEFAULT_GUARDED, guarded_reward
 from rollout.repo_tasks import (
@@ -134,6 +135,10 @@ def test_repo_settings_are_checked_strictly():
         RepoTaskSettings(num_task=3)
     with pytest.raises(ValueError):
         RepoTaskSettings(projects=["numpy"])
+    assert TaskSet(name="repo").repo == RepoTaskSettings()
+    # A run's saved recipe loads again (the smoke set's `repo: null`, the repo set's full settings).
+    for recipe in (load_recipe(REPO / "recipes" / "smoke-rl.yaml", ["env.tasks=[{name: smoke, held_out: 20}, {name: repo}]"]),):
+        assert validate_recipe(yaml.safe_load(recipe_to_yaml(recipe)), "saved") == recipe
 
 
 # --- the build ---------------------------------------------------------------------------------
@@ -186,6 +191,9 @@ def test_a_build_killed_mid_way_resumes_to_the_same_set(built, tmp_path, compose
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "3 validated" in result.stdout
     assert [t["id"] for t in load_tasks(settings(tmp_path / "cache"))] == [t["id"] for t in built[1]]
+    check = composer("env", "check", str(recipe), "--max-tasks", "1")
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
+    assert "originals passing every expected test 1/1" in check.stdout and "(pass-to-pass passing) 1/1" in check.stdout
 
 
 # --- episodes: the original is out of reach ----------------------------------------------------
@@ -267,10 +275,9 @@ def test_a_scripted_fix_earns_full_reward(built, cache, sandbox):
 def test_an_implemented_feature_in_a_copy_workspace_earns_full_reward(built, cache, sandbox):
     tests = repo_tests(task_of(built, "feature"), settings(cache))
     with RepoWorkspace(tests, sandbox, sandbox.root / "views-test", overlay=False) as ws:
-        # The base's size and mtime on the task's own file: it is still compared by content.
-        os.utime(ws.root / MODULE, ns=(os.stat(tests.episode_base / MODULE).st_mtime_ns,) * 2)
-        assert MODULE in ws.changed()
+        assert ws.changed() == {}  # the task's own state: nothing changed yet
         ws.shell(fix(tests), 30)
+        assert set(ws.changed()) == {MODULE}
         result = ws.grade()
     assert (result.reward, result.flags) == (1.0, ())
 
@@ -326,6 +333,21 @@ def test_cheats_from_the_code_earn_nothing_and_are_flagged(built, cache, sandbox
         result = ws.grade()
     assert flag in result.flags, (result.flags, result.detail, result.stdout_tail[-1500:])
     assert (result.reward, result.passed) == (0.0, 0)  # a report it ended, forged or patched counts nothing
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="the mount table shows the bases' host paths only with overlayfs")
+def test_a_symlink_to_the_original_is_never_followed(built, cache, sandbox):
+    """The mount table names the bases' host paths: a symlink there resolves on the host, never for the grader."""
+    tests = repo_tests(task_of(built, "bug"), settings(cache))
+    with open_workspace(tests, sandbox) as ws:
+        lowers = ws.shell("grep -o 'lowerdir=[^,]*' /proc/self/mountinfo | head -1", 30).output.strip()
+        base = lowers.removeprefix("lowerdir=").split(":")[-1]
+        assert base == str(tests.episode_base)
+        ws.shell(f"rm {MODULE} && ln -s {tests.grading_base}/{MODULE} {MODULE} && "
+                 f"ln -s {tests.grading_base}/networkx/algorithms networkx/algorithms2", 30)
+        assert ws.changed() == {}
+        result = ws.grade()
+    assert result.reward == 0.0  # graded with the task's changed module, not the original the link points to
 
 
 def test_a_fix_with_an_edited_test_is_flagged(built, cache, sandbox):
