@@ -24,7 +24,8 @@ def check(
     max_tasks: int = typer.Option(50, "--max-tasks", min=0, help="Check the first N tasks of each task set; 0 checks all."),
     workers: int = typer.Option(2, "--workers", min=1, help="Sandboxes run at once."),
 ) -> None:
-    """Run each task set's reference solutions against their hidden tests in the sandbox; report pass rates."""
+    """Run each task set's reference solutions against their hidden tests in the sandbox; report pass rates. Repository
+    task sets: each built task's original must pass its expected tests, its change fail its fail-to-pass tests."""
     from rollout.environment import CodingEnvironment, check_references
 
     recipe = load_recipe(file, overrides)
@@ -44,13 +45,19 @@ def check(
                 highlight=False,
             )
         limit = max_tasks or None
-        total = sum(len(env.pool.indices(i)[:limit]) for i in range(len(env.pool.task_sets)))
+        repo_sets = [ts for ts in env.pool.task_sets if ts.name == "repo"]
+        total = sum(len(env.pool.indices(i)[:limit]) for i, ts in enumerate(env.pool.task_sets) if ts.name != "repo")
         with Progress(console=console, transient=True) as progress:
             bar = progress.add_task("reference solutions", total=total)
             reports = check_references(env, limit, workers, on_task=lambda _: progress.advance(bar))
     finally:
         env.close()
 
+    if not reports:
+        failed = sum(_check_repo(ts, recipe.env.sandbox, env.sandbox.local.root, limit, workers) for ts in repo_sets)
+        if failed:
+            raise UserError(f"{failed} repository task(s) failed their checks")
+        return
     table = Table(title="reference solutions in the sandbox")
     for column in ("task set", "checked", "passed", "failed", "skipped", "pass rate", "mean wall s"):
         table.add_column(column, justify="left" if column == "task set" else "right")
@@ -77,5 +84,64 @@ def check(
             flags = f", flags: {escape('; '.join(result.flag_details))}" if result.flags else ""
             console.print(f"[red]✗[/] {escape(task_id)}: {result.status} {escape(result.detail)}, {result.passed}/{result.total} tests{flags}", highlight=False)
     failed = sum(len(r.failures) for r in reports)
+    failed += sum(_check_repo(ts, recipe.env.sandbox, env.sandbox.local.root, limit, workers) for ts in repo_sets)
     if failed:
-        raise UserError(f"{failed} reference solution(s) failed their own tests")
+        raise UserError(f"{failed} reference solution(s) or repository task(s) failed their checks")
+
+
+def _check_repo(task_set, sandbox, sandbox_root: Path, limit: int | None, workers: int) -> int:
+    """Test each built repository task again: its original passes, its change fails as recorded; the failures."""
+    from rollout.repo_tasks import check_repo_tasks, load_tasks
+
+    total = len(load_tasks(task_set.repo)[:limit])
+    with Progress(console=console, transient=True) as progress:
+        bar = progress.add_task("repository tasks: originals and changes", total=total)
+        report = check_repo_tasks(task_set.repo, sandbox, sandbox_root, limit, workers, on_task=lambda: progress.advance(bar))
+    console.print(f"repo: {report.checked} task(s) checked: originals passing every expected test "
+                  f"{report.originals_passing}/{report.checked}, changed failing every fail-to-pass test (pass-to-pass "
+                  f"passing) {report.changed_failing}/{report.checked}", highlight=False)
+    for task_id, why in report.failures:
+        console.print(f"[red]✗[/] {escape(task_id)}: {escape(why)}", highlight=False)
+    return len(report.failures)
+
+
+@app.command()
+def build(
+    file: Path = typer.Argument(..., help="Recipe file whose `env.tasks` has a `repo` task set."),
+    overrides: list[str] = typer.Option([], "--set", "-s", help="Override a key: --set env.tasks.0.repo.num_tasks=50 (value parsed as YAML). Repeatable."),
+    workers: int = typer.Option(2, "--workers", min=1, help="Processes validating tasks at once."),
+) -> None:
+    """Build the recipe's repository task sets: seeded changes of real projects, each validated against the project's
+    own tests (the original passes, the change fails). Cached; an interrupted build resumes where it stopped."""
+    import tempfile
+
+    from rollout.repo_tasks import build_repo_tasks, set_dir
+
+    recipe = load_recipe(file, overrides)
+    sets = [ts for ts in (recipe.env.tasks if recipe.env else []) if ts.name == "repo"]
+    if not sets:
+        raise UserError(f"{file}: env.tasks has no `repo` task set to build")
+    sandbox_root = Path(tempfile.gettempdir()) / "composer-sandbox"
+    for ts in sets:
+        settings = ts.repo
+        with Progress(console=console, transient=True) as progress:
+            bar = progress.add_task("validated repo tasks", total=settings.num_tasks)
+
+            def show(report) -> None:
+                progress.update(bar, completed=report.validated,
+                                description=f"validated repo tasks ({report.tried} tried, {sum(report.rejected.values())} rejected)")
+
+            report = build_repo_tasks(settings, recipe.env.sandbox, sandbox_root, workers, on_progress=show)
+        table = Table(title=f"repository tasks ({set_dir(settings)})")
+        for column in ("project", "kind", "tasks"):
+            table.add_column(column, justify="left" if column != "tasks" else "right")
+        for (project, kind), count in sorted(report.by_project_kind.items()):
+            table.add_row(project, kind, str(count))
+        console.print(table)
+        console.print(f"{report.validated} validated of {report.tried} candidates tried ({report.resumed} verdicts from the "
+                      f"cache) in {report.seconds:.0f} s", highlight=False)
+        for reason, count in report.rejected.most_common():
+            console.print(f"[dim]  rejected: {escape(reason)}: {count}[/]", highlight=False)
+        if report.validated < settings.num_tasks:
+            raise UserError(f"only {report.validated} of num_tasks {settings.num_tasks} candidates validated: every candidate "
+                            "was tried; widen `projects`, `kinds` or `include`")

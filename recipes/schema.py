@@ -341,9 +341,11 @@ class RolloutSection(Section):
     """Context window of the engines (vLLM max_model_len)."""
     max_turns: int = Field(default=1, gt=0)
     """Agent turns per episode (1 = single-turn)."""
-    tools: bool = False
-    """Multi-turn episodes with tools: a ```python block writes solution.py, a last line RUN runs it and shows
-    its output, TEST (the default) runs the hidden tests; the reward scores the last solution.py."""
+    harness: Literal["reply", "tools"] = "reply"
+    """What a reply does. `reply`: its code is the solution, graded at once, the test results shown at the next turn
+    (function tasks). `tools`: it calls the agent's tools (read_file, search, edit, write_file, shell, run_tests,
+    finish) as `<tool_call>` JSON in the chat template, on the episode's workspace (solution.py, or the task's
+    repository); the workspace is graded when the episode ends."""
     summarize_at: float | None = Field(default=None, gt=0, lt=1)
     """Self-summarize when the context reaches this fraction of max_context; off when unset."""
     max_summaries: int = Field(default=4, ge=0)
@@ -357,9 +359,39 @@ class RolloutSection(Section):
     (instruct models such as SmolLM2-Instruct); off: the prompt as plain text."""
 
 
+class RepoTaskSettings(Section):
+    projects: list[Literal["networkx", "sympy"]] = Field(default_factory=lambda: ["networkx", "sympy"], min_length=1)
+    """Projects whose own test suites make the tasks (installed packages: their version is part of the cache key)."""
+    kinds: list[Literal["bug", "feature"]] = Field(default_factory=lambda: ["bug", "feature"], min_length=1)
+    """`bug`: a seeded mutation of a function (comparison, boundary, operator, negated condition, removed branch,
+    constant) that some of its tests catch; `feature`: a function's body removed, signature and docstring kept."""
+    num_tasks: int = Field(default=500, gt=0)
+    """Validated tasks to build (`composer env build`): the first ones in the seeded candidate order."""
+    seed: int = 0
+    """Seed of the candidate order."""
+    include: list[str] = Field(default_factory=list)
+    """Glob patterns of the modules that may be changed, relative to the project root (`networkx/algorithms/*`); all
+    when empty."""
+    max_test_seconds: float = Field(default=5.0, gt=0)
+    """Test files whose run on the original needs more CPU time than this (in the sandbox, pytest's start included)
+    make no tasks."""
+    pass_to_pass: Literal["required", "scored"] = "required"
+    """`required`: reward = fraction of fail-to-pass tests passing, 0 when any pass-to-pass test breaks; `scored`:
+    every expected test counts alike (reward = passed / all)."""
+    cache_dir: str = ".cache/composer/repo-tasks"
+    """Project copies, test surveys, verdicts and built sets (keyed by the settings above and the project versions)."""
+
+    @field_validator("projects", "kinds")
+    @classmethod
+    def _no_repeats(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"{value}: each at most once")
+        return value
+
+
 class TaskSet(Section):
-    name: Literal["humaneval", "codeio", "smoke"]
-    """Task family: HumanEval, CodeI/O, or the small learnable smoke family."""
+    name: Literal["humaneval", "codeio", "smoke", "repo"]
+    """Task family: HumanEval, CodeI/O, the small learnable smoke family, or repository tasks (`repo`)."""
     weight: float = Field(default=1.0, gt=0)
     """Sampling weight among task sets."""
     limit: int | None = Field(default=None, gt=0)
@@ -367,6 +399,16 @@ class TaskSet(Section):
     held_out: int = Field(default=0, ge=0)
     """Tasks of the set held out for `rl.eval`: a fixed choice (seeded by the set's name) among its tasks in use,
     never drawn for training."""
+    repo: RepoTaskSettings | None = None
+    """name: repo only: which repository tasks (built by `composer env build`); the defaults when unset."""
+
+    @model_validator(mode="after")
+    def _repo_settings_for_repo_only(self) -> TaskSet:
+        if self.repo is not None and self.name != "repo":
+            raise ValueError(f"`repo` settings belong to the repo task set, not to {self.name}")
+        if self.name == "repo" and self.repo is None:
+            self.repo = RepoTaskSettings()
+        return self
 
 
 class SandboxSection(Section):
@@ -416,8 +458,9 @@ class SandboxSection(Section):
 
 class GuardsSection(Section):
     flags: list[Literal["harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes",
-                        "timeout", "output_limit", "canary_passed"]] = Field(default_factory=lambda: [
-        "harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes", "canary_passed"])
+                        "timeout", "output_limit", "canary_passed", "tests_modified"]] = Field(default_factory=lambda: [
+        "harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes", "canary_passed",
+        "tests_modified"])
     """Grader flags that make an episode flagged (all flags are recorded either way)."""
     reward: float | None = 0.0
     """Reward of a flagged episode; null keeps the tests' score."""
@@ -437,7 +480,7 @@ class EnvSection(Section):
 
 
 class RLEvalSection(Section):
-    tasks: list[Literal["humaneval", "codeio", "smoke"]] = Field(min_length=1)
+    tasks: list[Literal["humaneval", "codeio", "smoke", "repo"]] = Field(min_length=1)
     """Task sets to evaluate on: for a set in env.tasks, its held-out split (`held_out`); a set env.tasks does not
     name is held out whole."""
     limit: int | None = Field(default=None, gt=0)

@@ -1,43 +1,41 @@
 """The agent loop: episodes of a task, single- or multi-turn, with self-summarization past the context.
 
-A turn: the policy writes a reply; if it holds code, the environment writes it as the solution, runs the
-hidden tests and returns their output as the next observation (tokens the learner does not train on).
-The episode ends when every test passes, the turns run out, or the context cannot hold another turn.
+Every episode works in a workspace (`CodingEnvironment.open_workspace`: solution.py for a function task, the task's
+repository for a repo task) and earns the workspace's grade when it ends. The recipe's harness says what a reply does:
 
-With tools (`rollout.tools`) the policy works on a file, solution.py: a ```python block in a reply replaces
-it, and the reply's last line chooses the tool: RUN runs solution.py in the sandbox and shows its output,
-TEST (the default) runs the hidden tests. The episode's reward is the hidden tests' score of the last solution.
+- `rollout.harness: reply` (function tasks): the reply's code becomes solution.py and is graded at once; the test
+  results are the next observation, and the episode ends when every test passes or the turns run out.
+- `rollout.harness: tools`: the reply calls tools (rollout.harness: read, search, edit, write, shell, run the tests,
+  finish) in the chat template's tool-call form; their results are tool messages of the template. The episode ends at
+  finish, at the turn limit or when the context is full; the workspace as it is then is graded.
 
-Self-summarization: when the context reaches `summarize_at * max_context` at a turn boundary, the policy is
-asked to summarize its work; the context restarts as [task, summary, latest observation] in a new segment.
-The summary is generated (and trained) in the segment that ends with it, under the episode's reward.
+Observations are tokens the learner does not train on. Self-summarization: when the context reaches
+`summarize_at * max_context` at a turn boundary, the policy is asked to summarize its work; the context restarts as
+[task, summary, latest observation] in a new segment. The summary is generated (and trained) in the segment that ends
+with it, under the episode's reward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
-from recipes.errors import UserError
 from recipes.schema import RolloutSection
 from rollout.engine import Completion, Engine
-from rollout.environment import CodingEnvironment
+from rollout.environment import CodingEnvironment, SOLUTION_FILE
+from rollout.harness import ChatFormat, ToolBox, run_reply, write_text
 from rollout.sandbox import SandboxResult
-from rollout.tasks import Task, fenced_code
+from rollout.tasks import Task
 from rollout.trajectories import Segment, Trajectory
+from rollout.workspace import Workspace
 
 SUMMARY_REQUEST = "\n\n[The context is nearly full. Summarize the task, what you tried and what the tests said, so you can continue from the summary alone.]\nSummary:"
 SUMMARY_HEADER = "\n\n[Summary of your earlier work]\n"
 OBSERVATION_HEADER = "\n\n[Test results]\n"
 NEXT_TURN = "\n\n[Fix the code and reply with the complete solution.]\n"
-TOOLS_GUIDE = ("\n\n[Tools: a ```python block in your reply replaces solution.py. End the reply with a line RUN to run "
-               "solution.py and read its output, or TEST to run the hidden tests on it; every reply ends with TEST unless "
-               "it says RUN.]\n")
-RUN_HEADER = "\n\n[Output of solution.py]\n"
 
 
 class Tokenizer:
@@ -51,11 +49,13 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
-    def chat_prompt(self, text: str) -> list[int]:
-        """`text` as a user turn in the tokenizer's chat template, followed by the opening of the assistant's reply."""
-        if not self._tok.chat_template:
-            raise UserError("rollout.chat_template: the policy's tokenizer has no chat template")
-        return self.encode(self._tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False))
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._tok.chat_template)
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False) -> str:
+        """`messages` in the tokenizer's chat template (with the tool schemas where it renders `tools`)."""
+        return self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -101,23 +101,39 @@ class _Episode:
     seed: int
     prompt_ids: list[int]
     segments: list[_SegmentBuilder]
-    task: Task | None = None
+    task: Task
+    workspace: Workspace | None = None
     result: SandboxResult | None = None
+    """The grade of the workspace, once graded."""
+    graded: bool = False
+    """`result` grades the workspace as it is now."""
     turns: int = 0
     summaries: int = 0
     summary_tokens: list[int] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_errors: int = 0
     done: bool = False
     end_reason: str = ""
     last_observation: list[int] = field(default_factory=list)
+    """The latest observation without the end of the reply before it (what a restart from a summary shows again)."""
     summarizing: bool = False
-    solution: str = ""
-    """The code the hidden tests score (with tools: solution.py as the policy last wrote it)."""
-    graded: str | None = None
-    """The solution `result` belongs to."""
 
     @property
     def current(self) -> _SegmentBuilder:
         return self.segments[-1]
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What the sandbox side of one turn produced."""
+
+    closing: list[int]
+    """The end of the reply's turn the policy did not write (chat templates)."""
+    observation: list[int]
+    result: SandboxResult | None = None
+    finished: bool = False
+    calls: int = 0
+    errors: int = 0
 
 
 class EpisodeRunner:
@@ -128,10 +144,14 @@ class EpisodeRunner:
         self.tok = tokenizer
         self.env = env
         self.cfg = rollout
+        self.tools = rollout.harness == "tools"
+        self.chat = ChatFormat(tokenizer, rollout.chat_template, tools=self.tools)
+        self.toolbox = ToolBox(shell_seconds=env.sandbox.config.wall_seconds)
         self._next_turn = tokenizer.encode(NEXT_TURN)
         self._summary_request = tokenizer.encode(SUMMARY_REQUEST)
         self._summary_header = tokenizer.encode(SUMMARY_HEADER)
-        # A group's episodes are graded at once, as many as the sandbox fleet runs at a time.
+        self._message_overhead = self._tool_message_overhead() if self.tools else 0
+        # Sandbox work of a turn (grading, tools) runs for all of a batch's episodes at once, as many as the fleet runs.
         self._graders = ThreadPoolExecutor(max_workers=env.sandbox.max_concurrent, thread_name_prefix="grade")
 
     def run_group(self, task: Task, group_id: str, group_size: int, policy_version: int, seed: int) -> list[Trajectory]:
@@ -143,15 +163,30 @@ class EpisodeRunner:
         overrides the recipe's (held-out evaluation samples greedily with 0)."""
         episodes: list[_Episode] = []
         for t, task in enumerate(tasks):
-            text = task.prompt + (TOOLS_GUIDE if self.cfg.tools else "")
-            prompt_ids = self.tok.chat_prompt(text) if self.cfg.chat_template else self.tok.encode(text)
+            prompt_ids = self.chat.prompt(self.env.task_prompt(task, tools=self.tools))
             if len(prompt_ids) + self.cfg.sampling.max_tokens > self.cfg.max_context:
                 raise ValueError(f"task {task.id}: prompt of {len(prompt_ids)} tokens leaves no room in max_context={self.cfg.max_context}")
             prefix = group_id if len(tasks) == 1 else f"{group_id}-{t}"
             for i in range(group_size):
-                episodes.append(_Episode(f"{prefix}-{i}", seed * 1000 + t * group_size + i, prompt_ids, [_SegmentBuilder()], task=task))
-        for e in episodes:
-            e.current.observe(e.prompt_ids)
+                episodes.append(_Episode(f"{prefix}-{i}", seed * 1000 + t * group_size + i, prompt_ids, [_SegmentBuilder()], task))
+        opened = [self._graders.submit(self.env.open_workspace, e.task, self.tools) for e in episodes]
+        try:
+            for e, workspace in zip(episodes, opened):
+                e.workspace = workspace.result()
+                e.current.observe(e.prompt_ids)
+            self._play(episodes, temperature)
+            ungraded = [e for e in episodes if not e.graded]
+            for e, result in zip(ungraded, self._graders.map(lambda e: self.env.grade_workspace(e.workspace), ungraded)):
+                e.result, e.graded = result, True
+        finally:
+            wait(opened)  # each opened workspace is closed, even when opening another failed
+            for workspace in opened:
+                if workspace.exception() is None:
+                    workspace.result().close()
+        trajectories = [self._trajectory(group_id, e, policy_version) for e in episodes]
+        return [trajectories[t * group_size : (t + 1) * group_size] for t in range(len(tasks))]
+
+    def _play(self, episodes: list[_Episode], temperature: float | None) -> None:
         while active := [e for e in episodes if not e.done]:
             completions = self.engine.generate(
                 [e.current.tokens for e in active], seeds=[e.seed + 7919 * (e.turns + e.summaries) for e in active],
@@ -163,51 +198,47 @@ class EpisodeRunner:
                 if episode.summarizing:
                     self._restart_from_summary(episode, completion)
                 else:
-                    turns.append((episode, self._turn(episode.task, episode, completion)))
-            for (episode, (tool, _)), result in zip(turns, self._graders.map(lambda turn: turn[1][1](), turns)):
-                self._after_turn(episode.task, episode, tool, result)
-        # An episode that ended on a RUN or a summary is scored on the solution it left.
-        ungraded = [e for e in episodes if e.graded != e.solution]
-        for e, result in zip(ungraded, self._graders.map(lambda e: self.env.grade(e.task, e.solution), ungraded)):
-            e.result, e.graded = result, e.solution
-        trajectories = [self._trajectory(e.task, group_id, e, policy_version) for e in episodes]
-        return [trajectories[t * group_size : (t + 1) * group_size] for t in range(len(tasks))]
+                    episode.turns += 1
+                    turns.append((episode, self._turn(episode, completion)))
+            for (episode, _), outcome in zip(turns, self._graders.map(lambda turn: turn[1](), turns)):
+                self._after_turn(episode, outcome)
 
-    def _turn(self, task: Task, e: _Episode, completion: Completion) -> tuple[str, Callable[[], SandboxResult]]:
-        """The tool a reply asks for and the sandbox work it needs (run by the caller, concurrently)."""
-        e.turns += 1
-        reply = self.tok.decode(completion.token_ids)
-        if not self.cfg.tools:
-            e.solution = reply
-        elif (code := fenced_code(reply, task.entry_point)) is not None:
-            e.solution = code
-        solution = e.solution
-        if self.cfg.tools and reply_tool(reply) == "run" and e.turns < self.cfg.max_turns:
-            return "run", lambda: self.env.run(task, solution)
-        return "test", lambda: self.env.grade(task, solution)
+    def _turn(self, e: _Episode, completion: Completion) -> Callable[[], _Outcome]:
+        """The sandbox work a reply asks for (run by the caller, concurrently with the other episodes')."""
+        reply_ids = completion.token_ids
+        reply = self.tok.decode(reply_ids)
+        if self.tools:
+            def use_tools() -> _Outcome:
+                turn = run_reply(reply, e.workspace, self.toolbox, self.tok, self._observation_cap, self._message_overhead)
+                closing, body = self.chat.after_reply(reply_ids, turn.messages)
+                return _Outcome(closing, body, finished=turn.finished, calls=turn.calls, errors=turn.errors)
+            return use_tools
 
-    def _after_turn(self, task: Task, e: _Episode, tool: str, result: SandboxResult) -> None:
-        if tool == "run":
-            return self._observe(e, self._run_output(result))
-        e.result, e.graded = result, e.solution
-        if e.result.reward == 1.0:
+        def grade_reply() -> _Outcome:
+            write_text(e.workspace.root, SOLUTION_FILE, e.task.program(reply))
+            result = self.env.grade_workspace(e.workspace)
+            return _Outcome([], self.tok.encode(OBSERVATION_HEADER + _feedback(result))[: self._observation_cap] + self._next_turn,
+                            result=result)
+        return grade_reply
+
+    def _after_turn(self, e: _Episode, outcome: _Outcome) -> None:
+        e.tool_calls += outcome.calls
+        e.tool_errors += outcome.errors
+        e.graded = outcome.result is not None
+        if outcome.result is not None:
+            e.result = outcome.result
+        if outcome.result is not None and outcome.result.reward == 1.0:
             return self._end(e, "solved")
+        if outcome.finished:
+            return self._end(e, "finished")
         if e.turns >= self.cfg.max_turns:
             return self._end(e, "max_turns")
-        self._observe(e, self.tok.encode(OBSERVATION_HEADER + _feedback(e.result))[: self._observation_cap])
+        self._observe(e, outcome.closing, outcome.observation)
 
-    def _run_output(self, result: SandboxResult) -> list[int]:
-        """The status, then as much of the end of the program's output as fits (where its error is)."""
-        status = "exit 0" if result.status == "ok" else f"{result.status}: {result.detail}"
-        head = self.tok.encode(f"{RUN_HEADER}[{status}]\n")
-        room = max(self._observation_cap - len(head), 0)
-        output = self.tok.encode(result.stdout_tail + result.stderr_tail)
-        return head + (output[-room:] if room else [])
-
-    def _observe(self, e: _Episode, observation: list[int]) -> None:
+    def _observe(self, e: _Episode, closing: list[int], observation: list[int]) -> None:
         """Show the policy `observation` and open its next turn (summarizing first when the context asks for it)."""
-        e.last_observation = observation + self._next_turn
-        e.current.observe(e.last_observation)
+        e.last_observation = observation
+        e.current.observe(closing + observation)
         if self._needs_summary(e):
             if e.summaries >= self.cfg.max_summaries:
                 return self._end(e, "max_summaries")
@@ -219,6 +250,12 @@ class EpisodeRunner:
     @property
     def _observation_cap(self) -> int:
         return self.cfg.sampling.max_tokens
+
+    def _tool_message_overhead(self) -> int:
+        """Tokens the chat format adds around a tool message, the opening of the next reply included (an upper bound)."""
+        empty = {"role": "tool", "name": "t", "content": ""}
+        one, two = (len(self.chat.after_reply([], [empty] * n)[1]) for n in (1, 2))
+        return max(one, two - one)
 
     def _needs_summary(self, e: _Episode) -> bool:
         """At the trigger, or when one more turn would leave no room to summarize after it."""
@@ -235,7 +272,8 @@ class EpisodeRunner:
         e.summary_tokens.append(len(summary.token_ids))
         e.summarizing = False
         fresh = _SegmentBuilder()
-        fresh.observe(e.prompt_ids + self._summary_header + summary.token_ids + e.last_observation)
+        closing = self.chat.after_reply(summary.token_ids, [])[0] if self.tools else []
+        fresh.observe(e.prompt_ids + self._summary_header + summary.token_ids + closing + e.last_observation)
         e.segments.append(fresh)
         if len(fresh.tokens) + self.cfg.sampling.max_tokens > self.cfg.max_context:
             self._end(e, "summary_too_long")
@@ -245,12 +283,12 @@ class EpisodeRunner:
         e.done = True
         e.end_reason = reason
 
-    def _trajectory(self, task: Task, group_id: str, e: _Episode, policy_version: int) -> Trajectory:
+    def _trajectory(self, group_id: str, e: _Episode, policy_version: int) -> Trajectory:
         result = e.result
         return Trajectory(
             id=e.id,
             group_id=group_id,
-            task_id=task.id,
+            task_id=e.task.id,
             policy_version=policy_version,
             reward=result.reward if result else 0.0,
             segments=[s.build() for s in e.segments],
@@ -259,20 +297,16 @@ class EpisodeRunner:
                 "turns": e.turns,
                 "summaries": e.summaries,
                 "summary_tokens": e.summary_tokens,
+                "tool_calls": e.tool_calls,
+                "tool_errors": e.tool_errors,
                 "tests_passed": result.passed if result else 0,
                 "tests_total": result.total if result else 0,
                 "sandbox_status": result.status if result else "none",
                 "flags": list(result.flags) if result else [],
                 "infra_failure": result.infra_failure if result else False,
-                "canary": task.canary,
+                "canary": e.task.canary,
             },
         )
-
-
-def reply_tool(reply: str) -> Literal["run", "test"]:
-    """The tool a reply asks for on its last non-empty line: RUN, else TEST."""
-    lines = [line.strip() for line in reply.strip().splitlines() if line.strip()]
-    return "run" if lines and lines[-1] == "RUN" else "test"
 
 
 def _feedback(result: SandboxResult) -> str:

@@ -1,21 +1,33 @@
-"""The coding environment of RL: a seeded task pool, a sandbox, and the recipe's reward rule."""
+"""The coding environment of RL: a seeded task pool, a sandbox, the recipe's reward rule, and the workspaces episodes
+work in (a function task's is one file, solution.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recipes.errors import UserError
 from recipes.schema import EnvSection, SSHSection
-from rollout.sandbox_hosts import SandboxFleet
 from rollout.graders import Statement, guarded_reward
-from rollout.sandbox import SandboxResult, ScriptRun, case_tests
-from rollout.tasks import Task, TaskPool
+from rollout.harness import PathRefused, read_text, write_text
+from rollout.repo_tasks import RepoTests
+from rollout.repo_tasks import open_workspace as open_repo_workspace
+from rollout.sandbox import CommandResult, Sandbox, SandboxResult, case_tests
+from rollout.sandbox_hosts import SandboxFleet
+from rollout.tasks import Task, TaskPool, defines
+from rollout.workspace import Workspace
 
 log = logging.getLogger("composer.env")
+
+SOLUTION_FILE = "solution.py"
+FUNCTION_TOOLS_NOTE = ("\n\n[Your workspace holds solution.py, which starts as the code above. Make `{entry_point}` in "
+                       "solution.py correct with the tools; the hidden tests call it once you finish.]\n")
 
 
 class CodingEnvironment:
@@ -41,21 +53,76 @@ class CodingEnvironment:
         return self.grade_program(task, task.program(completion))
 
     def grade_program(self, task: Task, program: str) -> SandboxResult:
+        if isinstance(task.tests, RepoTests):
+            raise UserError(f"{task.id}: a repository task is graded through its workspace "
+                            "(rollout.repo_tasks.open_workspace), not as one program")
         result = self.sandbox.run(program, task.tests, "all_or_nothing" if task.canary else self.reward, task_set=task.family)
         flags = result.flags
         if task.canary and result.reward > 0:
             log.warning("cheating alarm: canary %s scored %.2f (%d/%d); flags %s", task.id, result.reward,
                         result.passed, result.total, ", ".join(flags) or "none")
             flags = tuple(sorted({*flags, "canary_passed"}))
-        reward = guarded_reward(result.reward, flags, tuple(self.guards.flags), self.guards.reward)
-        return dataclasses.replace(result, reward=reward, flags=flags)
-
-    def run(self, task: Task, completion: str) -> SandboxResult:
-        """Run the program a completion makes for `task` as a script, no tests (the policy's RUN tool)."""
-        return self.sandbox.run(task.program(completion), ScriptRun(), task_set=task.family)
+        return self._guarded(dataclasses.replace(result, flags=flags))
 
     def close(self) -> None:
         self.sandbox.close()
+
+    def _guarded(self, result: SandboxResult) -> SandboxResult:
+        """`result` with the reward the recipe's guards give its flags (applying them twice changes nothing)."""
+        return dataclasses.replace(result, reward=guarded_reward(result.reward, result.flags, tuple(self.guards.flags), self.guards.reward))
+
+    def task_prompt(self, task: Task, tools: bool) -> str:
+        """What the policy is told of `task` (with tools, where a function task's work goes)."""
+        if isinstance(task.tests, RepoTests) or not tools:
+            return task.prompt
+        return task.prompt + FUNCTION_TOOLS_NOTE.format(entry_point=task.entry_point)
+
+    def open_workspace(self, task: Task, tools: bool) -> Workspace:
+        """A fresh workspace for an episode of `task` (a repository task's view of its project, else solution.py);
+        the caller closes it."""
+        if isinstance(task.tests, RepoTests):
+            return open_repo_workspace(task.tests, self.sandbox.local, self.reward)
+        return FunctionWorkspace(self, task, tools)
+
+    def grade_workspace(self, workspace: Workspace) -> SandboxResult:
+        """The workspace's grade, through the recipe's guards (a repository task's flags, e.g. `tests_modified`)."""
+        return self._guarded(workspace.grade())
+
+
+class FunctionWorkspace:
+    """The one-file workspace of a function task: solution.py in a directory of its own, graded as the program the
+    hidden tests score (through the guards). With tools it starts as the task's code (the signature and docstring to
+    complete), and the prompt's imports and helpers go before it at grading as they do for a reply; without tools each
+    reply's program replaces it whole."""
+
+    def __init__(self, env: CodingEnvironment, task: Task, tools: bool):
+        self._env = env
+        self._task = task
+        self._preamble = f"{task.preamble}\n\n" if tools and task.preamble else ""
+        area = env.sandbox.local.root / "workspaces"  # beside the repository tasks' views
+        area.mkdir(parents=True, exist_ok=True)
+        self.root = Path(tempfile.mkdtemp(prefix="solution-", dir=area))
+        write_text(self.root, SOLUTION_FILE, task.continues if tools and defines(task.continues, task.entry_point) else "")
+
+    def shell(self, command: str, timeout_s: float) -> CommandResult:
+        return self._env.sandbox.local.run_command(command, self.root, timeout_s)
+
+    def run_tests(self) -> CommandResult:
+        """The hidden tests' verdict on solution.py: how many pass and the first failure's reason, never the tests."""
+        result = self.grade()
+        lines = [f"{result.passed}/{result.total} tests passed ({result.status})."] + ([result.detail[:400]] if result.detail else [])
+        return CommandResult(0 if result.reward == 1.0 else 1, result.status, "\n".join(lines), result.wall_seconds,
+                             infra_failure=result.infra_failure)
+
+    def grade(self) -> SandboxResult:
+        try:
+            solution = read_text(self.root, SOLUTION_FILE)
+        except (PathRefused, OSError):  # removed, made a symlink or a directory: nothing to score
+            solution = ""
+        return self._env.grade_program(self._task, self._preamble + solution)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 @dataclass
@@ -80,6 +147,8 @@ def check_references(env: CodingEnvironment, max_tasks: int | None, workers: int
     reports = []
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for set_index, task_set in enumerate(env.pool.task_sets):
+            if task_set.name == "repo":
+                continue  # no reference solutions: `repo_tasks.check_repo_tasks` tests originals and changes
             report = ReferenceReport(task_set.name)
             indices = env.pool.indices(set_index)[:max_tasks]
 

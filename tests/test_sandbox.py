@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from recipes.schema import SandboxSection
-from rollout.sandbox import AssertionTests, Isolation, Sandbox, root_layout
+from rollout.sandbox import AssertionTests, Isolation, Sandbox, installed_copies, root_layout
 from tests.conftest import REPO
 
 LIMITS = dict(cpu_seconds=2, wall_seconds=4, memory_mb=512, max_processes=16, max_file_mb=2, max_output_kb=8)
@@ -194,3 +194,87 @@ def test_the_weaker_isolations_off_root_still_judge_outside(tmp_path, isolation)
     assert weaker.run("def f(x):\n    return x * x\n", SQUARE_TESTS).reward == 1.0
     forged = weaker.run("import os\ndef f(x):\n    os.write(4, b'{\"id\": 1, \"value\": \"4\"}\\n')\n    os._exit(0)\n", SQUARE_TESTS)
     assert forged.reward < 1.0 and "early_exit" in forged.flags
+
+
+# --- shell commands (Sandbox.run_command) ---
+
+
+def running_with(marker: str) -> list[int]:
+    """Host processes whose command line holds `marker`."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in open(f"/proc/{entry.name}/cmdline", "rb").read():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_a_command_gives_its_output_and_exit_code(sandbox, tmp_path):
+    (tmp_path / "data.txt").write_text("from the host\n")
+    result = sandbox.run_command("cat data.txt; echo to-stderr >&2; echo to-stdout; exit 3", tmp_path)
+    assert (result.exit_code, result.status, result.flags) == (3, "ok", ())
+    assert result.output == "from the host\nto-stderr\nto-stdout\n"  # one stream, in order
+    assert sandbox.run_command("true", tmp_path).exit_code == 0
+
+
+def test_a_command_past_its_timeout_is_killed_with_its_children(sandbox, tmp_path):
+    result = sandbox.run_command("sleep 4321.5 & setsid sleep 4321.5 & echo started; sleep 4321.5", tmp_path, timeout_s=1)
+    assert (result.exit_code, result.status, result.flags) == (None, "timeout", ("timeout",))
+    assert result.output.startswith("started\n") and "limit of 1 s" in result.output
+    # A command that ends leaves nothing behind either.
+    assert sandbox.run_command("(sleep 4321.7 &); echo done", tmp_path).output == "done\n"
+    assert running_with("4321.5") == [] and running_with("4321.7") == []
+
+
+def test_command_output_is_capped_with_a_note(sandbox, tmp_path):
+    result = sandbox.run_command("seq 1 100000", tmp_path)
+    assert result.exit_code == 0
+    assert result.output.startswith("[output cut: the first ")
+    assert result.output.endswith("99999\n100000\n")
+    assert len(result.output) < (LIMITS["max_output_kb"] << 10) + 100
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="a root of its own needs root")
+def test_a_command_writes_only_in_its_work_directory(sandbox, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    outside = [tmp_path / "escape.txt", REPO / "escape.txt", "/root/escape.txt", "/usr/bin/escape"]
+    command = "; ".join(f"echo x > {p}" for p in outside) + "; echo kept > /sandbox/inside.txt; echo gone > /tmp/t; pwd"
+    result = sandbox.run_command(command, work)
+    assert result.output.endswith("/sandbox\n")
+    assert (work / "inside.txt").read_text() == "kept\n"
+    assert not any(os.path.exists(p) for p in outside)
+    # The next command (another uid) may change what the last one wrote.
+    assert sandbox.run_command("echo again >> inside.txt && rm -v inside.txt", work).exit_code == 0
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="hiding paths needs a root of its own")
+def test_hidden_paths_are_unreadable_in_a_command(sandbox, tmp_path):
+    import networkx
+
+    hidden = installed_copies("networkx")
+    assert os.path.dirname(networkx.__file__) in hidden
+    source = networkx.__file__
+    command = f"cat {source}; ls {os.path.dirname(source)} | wc -l; find / -path '*shortest_paths/weighted.py' 2>/dev/null; echo end"
+    shown = sandbox.run_command(command, tmp_path, timeout_s=60).output
+    assert "__version__" in shown and "shortest_paths/weighted.py" in shown  # without `hidden` the installed copy is there
+    result = sandbox.run_command(command, tmp_path, timeout_s=60, hidden=hidden)
+    assert "No such file" in result.output and "__version__" not in result.output
+    assert result.output.endswith("0\nend\n")
+
+
+@pytest.mark.parametrize("isolation", [Isolation(dedicated_uid=False, namespaces=True), Isolation(dedicated_uid=False, namespaces=False)],
+                         ids=["user-namespace", "no-namespaces"])
+def test_commands_in_the_weaker_isolations(tmp_path, isolation):
+    work = tmp_path / "work"
+    work.mkdir()
+    weaker = Sandbox(SandboxSection(**LIMITS), root=tmp_path / "sandboxes", isolation=isolation)
+    result = weaker.run_command("pwd; echo $HOME; echo made > made.txt; exit 4", work)
+    assert (result.exit_code, result.output) == (4, f"{work}\n{work}\n")
+    assert (work / "made.txt").read_text() == "made\n"
+    slow = weaker.run_command("sleep 4321.9 & sleep 4321.9", work, timeout_s=1)
+    assert (slow.status, slow.exit_code) == ("timeout", None)
+    assert running_with("4321.9") == []

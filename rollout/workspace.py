@@ -1,0 +1,479 @@
+"""Workspaces: an episode's writable files and the sandboxed commands that act on them.
+
+A `Workspace` is what the agent harness works with, whatever the task: the one-file workspace of function tasks
+(HumanEval, CodeI/O, smoke) or a repository task's copy-on-write view of its project (`RepoWorkspace`).
+
+Repository views. A project is kept twice per build (`rollout.repo_tasks`): an *episode base* (files 0666,
+directories 0777: every command of an episode runs as another uid, so the agent's view must be writable by any)
+and a *grading base* (root's 0644/0755: nothing a sandboxed run does can change it). As root an episode gets an
+overlayfs view, its task's changed file and the episode base as read-only lower layers and an upper layer of its
+own; else a plain copy. Grading never trusts the episode's files: it builds a fresh read-only view of the grading
+base plus the episode's changes to the project's own package, less any change to tests, conftest.py, pytest
+configuration, sitecustomize/usercustomize or .pth files (ignored and flagged `tests_modified`), and runs
+pytest there in the sandbox through `rollout.pytest_report`, whose report carries a per-run secret.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import errno
+import json
+import logging
+import os
+import secrets
+import shlex
+import shutil
+import stat
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from rollout.sandbox import CommandResult, RewardMode, Sandbox, SandboxResult, reward_for
+
+if TYPE_CHECKING:
+    from rollout.repo_tasks import RepoTests
+
+log = logging.getLogger("composer.workspace")
+
+PassToPass = Literal["required", "scored"]
+# Names pytest or Python load on their own from a directory: never taken from an episode.
+PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "setup.py",
+                             "sitecustomize.py", "usercustomize.py", "__main__.py"})
+# Top-level modules an episode could shadow for the test run (beyond the standard library's).
+SHADOWED = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "hypothesis", "_hypothesis_pytestplugin"})
+MAX_REPORT_BYTES = 32 << 20
+_PYTEST_REPORT = Path(__file__).with_name("pytest_report.py")
+
+
+class Workspace(Protocol):
+    root: Path
+    """The episode's writable view of the task's files, on the host (at /sandbox inside the sandbox)."""
+
+    def shell(self, command: str, timeout_s: float) -> CommandResult:
+        """Run `command` in the sandbox, in `root`."""
+        ...
+
+    def run_tests(self) -> CommandResult:
+        """The agent-visible test run (what "run the tests" shows)."""
+        ...
+
+    def grade(self) -> SandboxResult:
+        """The trusted, guarded grade of the final state (reward, flags)."""
+        ...
+
+    def close(self) -> None:
+        """Destroy the view and everything the episode started."""
+        ...
+
+
+# --- mounts ------------------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY = 1
+MNT_DETACH = 2
+
+
+@cache
+def overlay_supported(area: Path) -> bool:
+    """Whether overlayfs views can be mounted in `area` (root, a kernel with overlayfs, a fitting filesystem)."""
+    if os.geteuid() != 0:
+        return False
+    probe = Path(tempfile.mkdtemp(prefix="overlay-probe-", dir=area))
+    try:
+        for name in ("lower", "upper", "work", "merged"):
+            (probe / name).mkdir()
+        mount_overlay(probe / "merged", [probe / "lower"], probe / "upper", probe / "work")
+        unmount(probe / "merged")
+        return True
+    except OSError as e:
+        log.warning("workspace: overlayfs is not available in %s (%s); episodes get plain copies", area, e)
+        return False
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+def mount_overlay(target: Path, lowers: list[Path], upper: Path | None = None, work: Path | None = None) -> None:
+    """An overlayfs at `target`: `lowers` top first; read-only when there is no `upper`."""
+    options = "lowerdir=" + ":".join(str(p) for p in lowers)
+    if upper is not None:
+        options += f",upperdir={upper},workdir={work}"
+    flags = 0 if upper is not None else MS_RDONLY
+    if _libc.mount(b"overlay", str(target).encode(), b"overlay", flags, options.encode()) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mount overlay on {target}: {os.strerror(code)}")
+
+
+def unmount(target: Path) -> None:
+    if _libc.umount2(str(target).encode(), 0) != 0:
+        code = ctypes.get_errno()
+        if code == errno.EINVAL:  # not a mount point (any more)
+            return
+        if _libc.umount2(str(target).encode(), MNT_DETACH) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"unmount {target}: {os.strerror(code)}")
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _is_opaque(path: Path) -> bool:
+    try:
+        return os.getxattr(path, "trusted.overlay.opaque", follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def _files_under(base: Path, relative: str) -> list[str]:
+    top = base / relative
+    if not top.is_dir() or top.is_symlink():
+        return [relative] if top.is_file() or top.is_symlink() else []
+    return [str(Path(d, f).relative_to(base)) for d, _, files in os.walk(top) for f in files]
+
+
+class _Unsafe:
+    """A path reached through a symlink, or a symlink itself: never read by the host, never graded."""
+
+
+UNSAFE = _Unsafe()
+
+
+def _read_entry(root: Path, relative: str) -> bytes | None | _Unsafe:
+    """A regular file's bytes, None when absent (or not a regular file), UNSAFE when the path is a symlink or goes
+    through one: the grader runs on the host as root, and a symlink an episode planted would point it anywhere."""
+    path = root
+    for part in PurePosixPath(relative).parts[:-1]:
+        path = path / part
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            return UNSAFE
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+    path = root / relative
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return UNSAFE
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+# --- what an episode changed -------------------------------------------------------------------
+
+
+def is_protected(relative: str) -> bool:
+    """Whether a path of the workspace belongs to the test run rather than the program: tests, pytest's
+    configuration, files Python loads by itself, top-level modules that would shadow pytest or the stdlib."""
+    parts = PurePosixPath(relative).parts
+    name = parts[-1]
+    if name in PROTECTED_NAMES or name.endswith(".pth"):
+        return True
+    if any(p in ("tests", "testing") for p in parts[:-1]) or name.startswith("test_") or name.endswith("_test.py"):
+        return True
+    top = parts[0].removesuffix(".py")
+    return top in SHADOWED or top in sys.stdlib_module_names
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What an episode changed against the grading base: the changes grading takes, and those it ignores."""
+
+    graded: dict[str, bytes | None] = field(default_factory=dict)
+    """Path -> new bytes (None: deleted), inside the project's package, not protected (symlinks are never graded)."""
+    protected: tuple[str, ...] = ()
+    """Protected paths the episode changed, added or deleted (ignored; flagged `tests_modified`)."""
+
+
+def classify_changes(changed: dict[str, bytes | None], package: str) -> Changes:
+    graded, protected = {}, []
+    for path, content in sorted(changed.items()):
+        if is_protected(path):
+            protected.append(path)
+        elif PurePosixPath(path).parts[0] == package:
+            graded[path] = content
+    return Changes(graded, tuple(protected))
+
+
+
+
+# --- grading -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TestReport:
+    """The outcomes of one guarded pytest run (`run_tests_guarded`)."""
+
+    outcomes: dict[str, str]
+    """Test id -> passed / failed / error / skipped / xfailed, as the trusted plugin reported them."""
+    complete: bool
+    """The report is whole and trusted: it ended with its end line (pytest finished, the program did not end the
+    process), holds only the plugin's lines, and pytest's reporting was not patched."""
+    flags: tuple[str, ...]
+    detail: str
+    output: str
+    status: str
+    wall_seconds: float
+    cpu_seconds: float
+    infra_failure: bool = False
+
+
+def _write_layer(layer: Path, changes: dict[str, bytes | None]) -> None:
+    """A read-only lower layer with `changes` (root-owned, 0644/0755; a deletion is an overlay whiteout)."""
+    for relative, content in changes.items():
+        path = layer / relative
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        if content is None:
+            os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(0, 0))
+        else:
+            path.write_bytes(content)
+            os.chmod(path, 0o644)
+
+
+def _apply_to_copy(root: Path, changes: dict[str, bytes | None]) -> None:
+    for relative, content in changes.items():
+        path = root / relative
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+        if content is None:
+            continue
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        path.write_bytes(content)
+        os.chmod(path, 0o644)
+
+
+def run_tests_guarded(sandbox: Sandbox, grading_base: Path, changes: dict[str, bytes | None],
+                      test_files: tuple[str, ...], pytest_args: tuple[str, ...], timeout_s: float,
+                      hidden: tuple[str, ...], area: Path) -> TestReport:
+    """Run pytest on `test_files` in the sandbox over a fresh read-only view of `grading_base` with `changes`
+    (trusted tests and configuration: the caller passes only changes it grades), and read the trusted plugin's
+    report. Used to validate tasks (the changed file as the only change) and to grade episodes."""
+    area.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="grade-", dir=area))
+    repo, report_dir, layer = work / "repo", work / "report", work / "layer"
+    mounted = False
+    try:
+        os.chmod(work, 0o755)
+        repo.mkdir(mode=0o755)
+        report_dir.mkdir(mode=0o777)
+        os.chmod(report_dir, 0o777)
+        if overlay_supported(area):
+            layer.mkdir(mode=0o755)
+            _write_layer(layer, changes)
+            mount_overlay(repo, [layer, grading_base])
+            mounted = True
+        else:
+            shutil.copytree(grading_base, repo, symlinks=True, dirs_exist_ok=True)
+            _apply_to_copy(repo, changes)
+        nonce = secrets.token_hex(16)
+        (report_dir / "nonce").write_text(nonce)
+        os.chmod(report_dir / "nonce", 0o644)
+        (report_dir / "pytest.ini").write_text("[pytest]\n")
+        os.chmod(report_dir / "pytest.ini", 0o644)
+        command = " ".join(shlex.quote(a) for a in [
+            "python", "-s", "-P", "-B", "-c", _PYTEST_REPORT.read_text(), "repo", "report/report.jsonl", "report/nonce",
+            "-c", "../report/pytest.ini", "--rootdir=.", "--confcutdir=.", "-p", "no:cacheprovider", "-q", "--tb=short",
+            "-W", "ignore::pytest.PytestUnknownMarkWarning", *pytest_args, *test_files])
+        result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden)
+        return _read_report(report_dir / "report.jsonl", nonce, result)
+    finally:
+        if mounted:
+            unmount(repo)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _read_report(path: Path, nonce: str, result: CommandResult) -> TestReport:
+    flags = set(result.flags)
+    outcomes: dict[str, str] = {}
+    end = None
+    try:
+        # Not following a link, not blocking on a FIFO: the run's code could have put either there.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_REPORT_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        data = b""
+    if len(data) > MAX_REPORT_BYTES:
+        flags.add("forged_records")
+        data = b""
+    for line in data.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or record.get("nonce") != nonce:
+            flags.add("forged_records")
+            continue
+        if record.get("end"):
+            end = record
+        elif "id" in record and isinstance(record["id"], str):
+            # A test reported twice keeps its worst outcome.
+            previous = outcomes.get(record["id"])
+            outcomes[record["id"]] = str(record.get("outcome")) if previous in (None, "passed") else previous
+    detail = ""
+    # A report the program wrote into or whose reporting it patched proves nothing: every test counts as failed.
+    trusted = end is not None and not end.get("tampered") and "forged_records" not in flags
+    if end is None:
+        if result.status == "ok":
+            flags.add("early_exit")
+            detail = "the test run ended without its report's end (the process was ended early)"
+        else:
+            detail = f"the test run did not finish ({result.status})"
+    elif end.get("tampered"):
+        flags.add("harness_touched")
+        detail = "pytest's reporting was tampered with: " + ", ".join(map(str, end["tampered"]))[:300]
+    elif "forged_records" in flags:
+        detail = "the report holds lines the trusted plugin did not write"
+    return TestReport(outcomes, trusted, tuple(sorted(flags)), detail, result.output, result.status,
+                      result.wall_seconds, result.cpu_seconds, result.infra_failure)
+
+
+def score(report: TestReport, tests: RepoTests, reward: RewardMode) -> SandboxResult:
+    """Reward of a test run: the fraction of fail-to-pass tests passing (`reward` all_or_nothing: all of them),
+    0 when any pass-to-pass test broke (`pass_to_pass` required) or counting them as tests too (`scored`). Every
+    expected id must be reported passed: a missing test fails; a report without its end fails them all."""
+    def passed(ids: tuple[str, ...]) -> int:
+        return sum(report.complete and report.outcomes.get(i) == "passed" for i in ids)
+
+    f2p, p2p = passed(tests.fail_to_pass), passed(tests.pass_to_pass)
+    total = len(tests.fail_to_pass) + len(tests.pass_to_pass)
+    if tests.pass_to_pass_policy == "scored":
+        value = reward_for(f2p + p2p, total, reward)
+    else:
+        value = reward_for(f2p, len(tests.fail_to_pass), reward) if p2p == len(tests.pass_to_pass) else 0.0
+    missing = [i for i in (*tests.fail_to_pass, *tests.pass_to_pass) if i not in report.outcomes]
+    detail = report.detail or (f"{len(missing)} expected test(s) not reported, e.g. {missing[0]}" if missing and report.complete else "")
+    status = report.status if report.status != "ok" or report.complete else "crash"
+    return SandboxResult(
+        reward=0.0 if report.infra_failure else value, passed=f2p + p2p, total=total, status=status, detail=detail,
+        stdout_tail=report.output, stderr_tail="", wall_seconds=report.wall_seconds, flags=report.flags,
+        flag_details=tuple(f"{f}: {report.detail}" for f in report.flags if report.detail), infra_failure=report.infra_failure)
+
+
+# --- an episode's view of a repository task ----------------------------------------------------
+
+
+class RepoWorkspace:
+    """One episode's copy-on-write view of a repository task (see the module docstring)."""
+
+    def __init__(self, tests: RepoTests, sandbox: Sandbox, area: Path, reward: RewardMode = "fraction",
+                 overlay: bool | None = None):
+        """A view in `area`: overlayfs where it works (`overlay` None), else (or with `overlay` False) a copy."""
+        self.tests = tests
+        self.sandbox = sandbox
+        self.reward = reward
+        area.mkdir(parents=True, exist_ok=True)
+        self._area = area
+        self._dir = Path(tempfile.mkdtemp(prefix="ws-", dir=area))
+        self.root = self._dir / "root"
+        self.overlay = overlay_supported(area) if overlay is None else overlay
+        self._mounted = False
+        try:
+            self.root.mkdir()
+            if self.overlay:
+                upper, work = self._dir / "upper", self._dir / "work"
+                upper.mkdir()
+                work.mkdir()
+                mount_overlay(self.root, [tests.layer, tests.episode_base], upper, work)
+                self._mounted = True
+            else:
+                shutil.copytree(tests.episode_base, self.root, symlinks=True, dirs_exist_ok=True)
+                shutil.copytree(tests.layer, self.root, symlinks=True, dirs_exist_ok=True)
+            os.chmod(self.root, 0o777)
+        except BaseException:
+            self.close()
+            raise
+        # The task's own state: what grading takes wherever the episode's change is not taken (the base's file is
+        # the unchanged original: falling back to it would be the fix).
+        self._task_files = {relative: _read_entry(tests.layer, relative) for relative in _files_under(tests.layer, "")}
+
+    def shell(self, command: str, timeout_s: float) -> CommandResult:
+        return self.sandbox.run_command(command, self.root, timeout_s=timeout_s, hidden=self.tests.hidden)
+
+    def run_tests(self) -> CommandResult:
+        command = " ".join(shlex.quote(a) for a in ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
+                                                      "-W", "ignore::pytest.PytestUnknownMarkWarning",
+                                                      *self.tests.pytest_args, *self.tests.test_files])
+        return self.shell(command, self.tests.timeout_s)
+
+    def changed(self) -> dict[str, bytes | None]:
+        """Every path whose content differs from the task's state (the base with the task's changed file): new
+        bytes, or None (gone). Symlinks, and paths through them, are left out: grading keeps the task's file there."""
+        candidates = set(_files_under(self.tests.layer, ""))
+        if self.overlay:
+            upper = self._dir / "upper"
+            for directory, dirs, files in os.walk(upper):
+                for name in [*files, *dirs]:
+                    path = Path(directory, name)
+                    relative = str(path.relative_to(upper))
+                    st = os.lstat(path)
+                    if _is_whiteout(st) or (stat.S_ISDIR(st.st_mode) and _is_opaque(path)):
+                        candidates.update(_files_under(self.tests.grading_base, relative))
+                    if not stat.S_ISDIR(st.st_mode):
+                        candidates.add(relative)
+        else:
+            episode_base = self.tests.episode_base
+            seen = set()
+            for directory, _, files in os.walk(self.root):
+                for name in files:
+                    path = Path(directory, name)
+                    relative = str(path.relative_to(self.root))
+                    seen.add(relative)
+                    try:
+                        mine, theirs = os.lstat(path), os.lstat(episode_base / relative)
+                        # Copies keep size and mtime; the task's own files are always compared by content.
+                        if (mine.st_size, mine.st_mtime_ns) == (theirs.st_size, theirs.st_mtime_ns) and relative not in candidates:
+                            continue
+                    except FileNotFoundError:
+                        pass
+                    candidates.add(relative)
+            candidates.update(p for p in _files_under(episode_base, "") if p not in seen)
+        changes = {}
+        for relative in candidates:
+            content = _read_entry(self.root, relative)
+            task_state = self._task_files[relative] if relative in self._task_files else _read_entry(self.tests.grading_base, relative)
+            if content is not UNSAFE and content != task_state:
+                changes[relative] = content
+        return changes
+
+    def grade(self) -> SandboxResult:
+        changes = classify_changes(self.changed(), self.tests.package)
+        graded = {**self._task_files, **changes.graded}
+        report = run_tests_guarded(self.sandbox, self.tests.grading_base, graded, self.tests.test_files,
+                                   self.tests.pytest_args, self.tests.timeout_s, self.tests.hidden, self._area)
+        result = score(report, self.tests, self.reward)
+        if changes.protected:
+            shown = ", ".join(changes.protected[:10]) + (f" and {len(changes.protected) - 10} more" if len(changes.protected) > 10 else "")
+            result = _with_flag(result, "tests_modified", f"changed {shown} (ignored: graded with the trusted copies)")
+        return result
+
+    def close(self) -> None:
+        if self._mounted:
+            unmount(self.root)
+            self._mounted = False
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> RepoWorkspace:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _with_flag(result: SandboxResult, flag: str, detail: str) -> SandboxResult:
+    return dataclasses.replace(result, flags=tuple(sorted({*result.flags, flag})),
+                               flag_details=(*result.flag_details, f"{flag}: {detail}"))
+
