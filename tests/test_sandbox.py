@@ -2,6 +2,7 @@
 
 import os
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -199,17 +200,21 @@ def test_the_weaker_isolations_off_root_still_judge_outside(tmp_path, isolation)
 # --- shell commands (Sandbox.run_command) ---
 
 
-def running_with(marker: str) -> list[int]:
-    """Host processes whose command line holds `marker`."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if marker.encode() in open(f"/proc/{entry.name}/cmdline", "rb").read():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
+def running_with(marker: str, patience: float = 5.0) -> list[int]:
+    """Host processes whose command line holds `marker`, once those being killed had `patience` seconds to go."""
+    deadline = time.monotonic() + patience
+    while True:
+        pids = []
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    if marker.encode() in open(f"/proc/{entry.name}/cmdline", "rb").read():
+                        pids.append(int(entry.name))
+                except OSError:
+                    continue
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.05)
 
 
 def test_a_command_gives_its_output_and_exit_code(sandbox, tmp_path):
