@@ -346,8 +346,8 @@ class RolloutSection(Section):
 
 
 class TaskSet(Section):
-    name: Literal["humaneval", "codeio", "smoke"]
-    """Task family: HumanEval, CodeI/O, or the small learnable smoke family."""
+    name: Literal["humaneval", "codeio", "rgym", "smoke"]
+    """Task family: HumanEval, CodeI/O, reasoning-gym problems answered by a program, or the small learnable smoke family."""
     weight: float = Field(default=1.0, gt=0)
     """Sampling weight among task sets."""
     limit: int | None = Field(default=None, gt=0)
@@ -399,7 +399,7 @@ class EnvSection(Section):
 
 
 class RLEvalSection(Section):
-    tasks: list[Literal["humaneval", "codeio", "smoke"]] = Field(min_length=1)
+    tasks: list[Literal["humaneval", "codeio", "rgym", "smoke"]] = Field(min_length=1)
     """Task sets to evaluate on: for a set in env.tasks, its held-out split (`held_out`); a set env.tasks does not
     name is held out whole."""
     limit: int | None = Field(default=None, gt=0)
