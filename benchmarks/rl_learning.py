@@ -99,6 +99,12 @@ def report(run: Path, wall: float, seed: int) -> None:
     lo, hi = bootstrap_interval(a - b)
     print(f"improvement (paired, same tasks): {a.mean() - b.mean():+.3f}  95% CI [{lo:+.3f}, {hi:+.3f}]  "
           f"-> {'LEARNED: the interval lies above 0' if lo > 0 else 'NOT shown: the interval includes 0 or lies below'}")
+    print(f"  tasks solved after but not before: {int((a > b).sum())}, before but not after: {int((b > a).sum())}")
+    kinds = sorted({t.rsplit("/", 1)[0] for t in tasks})  # rgym/<generator>/<i> -> rgym/<generator>
+    if 1 < len(kinds) < len(tasks):
+        solved = {k: [(b[i], a[i]) for i, t in enumerate(tasks) if t.rsplit("/", 1)[0] == k] for k in kinds}
+        print("  solved before -> after: " + ", ".join(f"{k} {sum(x for x, _ in v):.0f}->{sum(y for _, y in v):.0f}/{len(v)}"
+                                                     for k, v in solved.items()))
     if samples:
         sb = np.array([before[t]["correct"] / samples for t in tasks])
         sa = np.array([after[t]["correct"] / samples for t in tasks])

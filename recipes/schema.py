@@ -390,8 +390,9 @@ class RepoTaskSettings(Section):
 
 
 class TaskSet(Section):
-    name: Literal["humaneval", "codeio", "smoke", "repo"]
-    """Task family: HumanEval, CodeI/O, the small learnable smoke family, or repository tasks (`repo`)."""
+    name: Literal["humaneval", "codeio", "rgym", "smoke", "repo"]
+    """Task family: HumanEval, CodeI/O, reasoning-gym problems answered by a program, the small learnable smoke
+    family, or repository tasks (`repo`)."""
     weight: float = Field(default=1.0, gt=0)
     """Sampling weight among task sets."""
     limit: int | None = Field(default=None, gt=0)
@@ -480,7 +481,7 @@ class EnvSection(Section):
 
 
 class RLEvalSection(Section):
-    tasks: list[Literal["humaneval", "codeio", "smoke", "repo"]] = Field(min_length=1)
+    tasks: list[Literal["humaneval", "codeio", "rgym", "smoke", "repo"]] = Field(min_length=1)
     """Task sets to evaluate on: for a set in env.tasks, its held-out split (`held_out`); a set env.tasks does not
     name is held out whole."""
     limit: int | None = Field(default=None, gt=0)

@@ -1,5 +1,5 @@
-"""Coding tasks with hidden tests: HumanEval, CodeI/O, the learnable smoke family, repository tasks (built by
-`rollout.repo_tasks`), and a seeded pool.
+"""Coding tasks with hidden tests: HumanEval, CodeI/O, reasoning-gym problems solved by a program, the learnable
+smoke family, repository tasks (built by `rollout.repo_tasks`), and a seeded pool.
 
 A `Task` carries what the model sees (`prompt`) and what the sandbox runs (`tests`); `Task.program`
 turns a model completion into the program that is tested. CodeI/O tasks get their tests only when
@@ -60,7 +60,7 @@ def defines(code: str, name: str) -> bool:
 @dataclass(frozen=True)
 class Task:
     id: str
-    family: Literal["humaneval", "codeio", "smoke", "repo"]
+    family: Literal["humaneval", "codeio", "rgym", "smoke", "repo"]
     prompt: str
     """What the model sees."""
     entry_point: str
@@ -204,6 +204,50 @@ class CodeIOSource:
         )
 
 
+# --- reasoning-gym problems, answered by a program ----------------------------------------------
+
+# reasoning-gym generators whose answers are an integer or a word and are computed by a short program;
+# a problem the model cannot work out in its head it can compute (`bin(n).count("1")`, `math.gcd`, `s[::-1]`).
+RGYM_DATASETS = ("basic_arithmetic", "chain_sum", "count_bits", "gcd", "lcm", "leg_counting", "letter_counting",
+                 "spell_backward")
+RGYM_PER_DATASET = 200
+
+
+class ReasoningGymSource:
+    """Procedural reasoning-gym problems (seeded, so the same on every machine) as coding tasks: the model writes
+    `answer()`, the sandbox runs it, and its return value is compared with the generator's answer."""
+
+    name = "rgym"
+
+    def __init__(self):
+        try:
+            import reasoning_gym
+        except ImportError:
+            raise UserError("env.tasks: the rgym task set needs the reasoning-gym package (pip install reasoning-gym==0.1.25)") from None
+        self._rows = [(dataset, i, entry["question"], entry["answer"])
+                      for dataset in RGYM_DATASETS
+                      for i, entry in enumerate(reasoning_gym.create_dataset(dataset, size=RGYM_PER_DATASET, seed=_stable_seed(dataset)))]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def task(self, index: int, sandbox: Sandbox) -> Task | None:
+        dataset, i, question, answer = self._rows[index]
+        expected = int(answer) if re.fullmatch(r"-?\d+", answer.strip()) else answer.strip()
+        return Task(
+            id=f"rgym/{dataset}/{i}",
+            family="rgym",
+            prompt=(f"{question.strip()}\n\nWrite a Python function `answer()` that computes and returns the answer "
+                    f"({'an int' if isinstance(expected, int) else 'a str'}). Answer with the code in a ```python code block.\n"),
+            entry_point="answer",
+            # Half the credit for an `answer()` that runs and returns the asked type: the signal a small model
+            # needs first (it names its function otherwise); all of it for the generator's answer.
+            tests=AssertionTests(entry_point="answer", setup="", cases=(
+                f"assert isinstance(candidate(), {type(expected).__name__})", f"assert candidate() == {expected!r}")),
+            reference=f"def answer():\n    return {expected!r}\n",
+        )
+
+
 # --- smoke -------------------------------------------------------------------------------------
 
 
@@ -328,11 +372,13 @@ def build_task_source(task_set: TaskSet) -> TaskSource:
         return HumanEvalSource()
     if name == "codeio":
         return CodeIOSource()
+    if name == "rgym":
+        return ReasoningGymSource()
     if name == "smoke":
         return SmokeSource()
     if name == "repo":
         return RepoSource(task_set)
-    raise UserError(f"env.tasks: unknown task set {name!r} (humaneval, codeio, smoke, repo)")
+    raise UserError(f"env.tasks: unknown task set {name!r} (humaneval, codeio, rgym, smoke, repo)")
 
 
 def held_out_split(task_set: TaskSet, size: int) -> tuple[list[int], list[int]]:

@@ -1,4 +1,4 @@
-"""Tasks with real hidden tests in the real sandbox: HumanEval, CodeI/O, smoke, the pool, code extraction, the CLI."""
+"""Tasks with real hidden tests in the real sandbox: HumanEval, CodeI/O, rgym, smoke, the pool, code extraction, the CLI."""
 
 import json
 import random
@@ -10,7 +10,7 @@ import pytest
 from recipes.schema import EnvSection, SandboxSection, TaskSet
 from rollout.environment import CodingEnvironment
 from rollout.sandbox import Sandbox
-from rollout.tasks import CodeIOSource, HumanEvalSource, TaskPool, extract_code, smoke_task
+from rollout.tasks import RGYM_DATASETS, RGYM_PER_DATASET, CodeIOSource, HumanEvalSource, ReasoningGymSource, TaskPool, extract_code, smoke_task
 from tests.conftest import RECIPES
 
 WORKERS = 4
@@ -121,6 +121,38 @@ def test_codeio_tests_are_deterministic_and_hide_expected_outputs(sandbox, codei
     seen = " ".join(case.output or "" for case in result.cases)
     assert next(iter(json.loads(first.tests.inputs[0]))) in seen and result.reward == 0.0
     assert not any(expected in seen for expected in first.tests.expected)
+
+
+# --- rgym ---------------------------------------------------------------------------------------
+
+
+def test_rgym_answers_are_computed_by_the_program_and_checked_against_the_generator(sandbox):
+    source = ReasoningGymSource()
+    assert len(source) == len(RGYM_DATASETS) * RGYM_PER_DATASET
+    tasks = [source.task(i, sandbox) for i in range(0, len(source), RGYM_PER_DATASET)]  # one per generator
+    assert len({t.id for t in tasks}) == len(RGYM_DATASETS) and all("`answer()`" in t.prompt for t in tasks)
+    bits = next(t for t in tasks if "count_bits" in t.id)
+    number = int(bits.prompt.split("the number ")[1].split("?")[0])
+    backward = next(t for t in tasks if "spell_backward" in t.id)
+    word = backward.prompt.split("): ")[1].split()[0]
+    completions = [(t, f"```python\n{t.reference}```", 1.0) for t in tasks] + [
+        (bits, f"```python\ndef answer():\n    return bin({number}).count('1')\n```", 1.0),
+        (bits, f"```python\ndef answer():\n    return bin({number}).count('0')\n```", 0.5),  # runs, returns an int
+        (bits, f"```python\ndef answer():\n    return str(bin({number}).count('1'))\n```", 0.0),
+        (bits, f"```python\ndef count_bits(n):\n    return bin(n).count('1')\n```", 0.0),
+        (backward, f"Here:\n```python\ndef answer():\n    return {word!r}[::-1]\n```", 1.0),
+        (backward, f"```python\ndef answer():\n    return {word!r}\n```", 0.5 if word != word[::-1] else 1.0),
+        (backward, "I do not know.", 0.0),
+    ]
+    results = grade_all(sandbox, [(t.program(c), t.tests) for t, c, _ in completions])
+    assert [r.reward for r in results] == [reward for _, _, reward in completions]
+
+
+def test_rgym_tasks_are_the_same_on_every_machine(sandbox):
+    first, second = ReasoningGymSource(), ReasoningGymSource()
+    assert [first.task(i, sandbox) for i in range(0, len(first), 97)] == [second.task(i, sandbox) for i in range(0, len(second), 97)]
+    chain_sum = first.task(RGYM_DATASETS.index("chain_sum") * RGYM_PER_DATASET, sandbox)  # seeded by the generator's name
+    assert chain_sum.id == "rgym/chain_sum/0" and "9 + 1 =" in chain_sum.prompt and chain_sum.tests.cases[-1] == "assert candidate() == 10"
 
 
 # --- smoke -------------------------------------------------------------------------------------
