@@ -312,6 +312,7 @@ class SandboxFleet:
     """`run` like a Sandbox's, on whichever host of the fleet has room; `submit` for a Future."""
 
     def __init__(self, config: SandboxSection, ssh: SSHSection, root: Path | None = None, weights: dict[str, float] | None = None):
+        self.config = config
         hosts = _open_hosts(config, ssh, root)
         self.provider = HostsProvider(hosts)
         self.isolations = {host.name: host.isolation for host in hosts}

@@ -137,7 +137,7 @@ def test_repo_settings_are_checked_strictly():
         RepoTaskSettings(projects=["numpy"])
     assert TaskSet(name="repo").repo == RepoTaskSettings()
     # A run's saved recipe loads again (the smoke set's `repo: null`, the repo set's full settings).
-    for recipe in (load_recipe(REPO / "recipes" / "smoke-rl.yaml", ["env.tasks=[{name: smoke, held_out: 20}, {name: repo}]"]),):
+    for recipe in (load_recipe(REPO / "recipes" / "smoke-rl.yaml", ["env.tasks=[{name: smoke, held_out: 20}, {name: repo}]", "rollout.harness=tools", "rollout.max_turns=2"]),):
         assert validate_recipe(yaml.safe_load(recipe_to_yaml(recipe)), "saved") == recipe
 
 
@@ -173,6 +173,7 @@ def test_a_build_killed_mid_way_resumes_to_the_same_set(built, tmp_path, compose
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "extends": str(REPO / "recipes" / "smoke-rl.yaml"),
+        "rollout": {"harness": "tools", "max_turns": 2},
         "env": {"sandbox": SANDBOX.model_dump(include={"cpu_seconds", "wall_seconds", "memory_mb"}),
                 "tasks": [{"name": "repo", "repo": settings(tmp_path / "cache").model_dump(include={"projects", "num_tasks", "include", "cache_dir"})}]},
     }))
