@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -751,10 +752,28 @@ class Sandbox:
                         ", retrying" if attempt < self.config.infra_retries else "; the run is marked infra_failure")
         return result
 
-    def _command_once(self, command: str, workdir: Path, timeout_s: float, hidden: tuple[str, ...]) -> CommandResult:
-        run_dir = Path(tempfile.mkdtemp(prefix="cmd-", dir=self.root))
+    @contextmanager
+    def _run_slot(self, prefix: str):
+        """A fresh run directory and, with dedicated uids, a uid no other run holds; at the end (after the run's
+        session is killed) every process of the uid is killed, the uid released and the directory removed."""
+        run_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=self.root))
         lease = _UidLease(UID_LOCK_DIR) if self.isolation.dedicated_uid else None
-        uid = lease.uid if lease else None
+        try:
+            yield run_dir, (lease.uid if lease else None)
+        finally:
+            if lease:
+                # Before the uid serves another run: forks can outlive the process group, and a PID
+                # namespace's processes die only as its init's exit reaches them.
+                _kill_uid(lease.uid)
+                lease.release()
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _command_once(self, command: str, workdir: Path, timeout_s: float, hidden: tuple[str, ...]) -> CommandResult:
+        with self._run_slot("cmd-") as (run_dir, uid):
+            return self._command_in(run_dir, uid, command, workdir, timeout_s, hidden)
+
+    def _command_in(self, run_dir: Path, uid: int | None, command: str, workdir: Path, timeout_s: float,
+                    hidden: tuple[str, ...]) -> CommandResult:
         started = time.monotonic()
         session = None
         config = self.config.model_copy(update={"wall_seconds": timeout_s,
@@ -786,31 +805,19 @@ class Sandbox:
         finally:
             if session is not None:
                 session.kill()
-            if lease:
-                _kill_uid(lease.uid)
-                lease.release()
-            shutil.rmtree(run_dir, ignore_errors=True)
 
     def _run_once(self, program: str, tests: Tests, reward: RewardMode) -> SandboxResult:
-        run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=self.root))
-        lease = _UidLease(UID_LOCK_DIR) if self.isolation.dedicated_uid else None
-        uid = lease.uid if lease else None
-        started = time.monotonic()
-        session = None
-        try:
-            session = _Session(self.config, self._zygote, self._plan(run_dir, uid, self.config))
-            return self._grade(session, program, tests, reward, uid)
-        except _InfraError as e:
-            return SandboxResult(0.0, 0, 0, "infra", str(e), "", "", time.monotonic() - started, uid, infra_failure=True)
-        finally:
-            if session is not None:
-                session.kill()
-            if lease:
-                # Before the uid serves another run: forks can outlive the process group, and a PID
-                # namespace's processes die only as its init's exit reaches them.
-                _kill_uid(lease.uid)
-                lease.release()
-            shutil.rmtree(run_dir, ignore_errors=True)
+        with self._run_slot("run-") as (run_dir, uid):
+            started = time.monotonic()
+            session = None
+            try:
+                session = _Session(self.config, self._zygote, self._plan(run_dir, uid, self.config))
+                return self._grade(session, program, tests, reward, uid)
+            except _InfraError as e:
+                return SandboxResult(0.0, 0, 0, "infra", str(e), "", "", time.monotonic() - started, uid, infra_failure=True)
+            finally:
+                if session is not None:
+                    session.kill()
 
     def _plan(self, run_dir: Path, uid: int | None, c: SandboxSection) -> dict:
         iso = self.isolation

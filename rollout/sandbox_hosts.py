@@ -24,8 +24,8 @@ from recipes.schema import SandboxSection, SSHSection
 from rollout.fleet import Failure, Outcome, Provider, RealClock, SandboxPool
 from rollout.sandbox import AssertionTests, Isolation, RewardMode, Sandbox, SandboxResult, Tests
 from rollout.sandbox_server import MODULE as SERVER_MODULE
-from rollout.sandbox_server import (ProtocolError, RunRequest, SandboxRequest, frame_bytes, from_wire, read_frame, serve_request,
-                                    to_wire)
+from rollout.sandbox_server import (ProtocolError, RunRequest, SandboxRequest, exact_reader, frame_bytes, from_wire, read_frame,
+                                    serve_request, to_wire)
 
 log = logging.getLogger("composer.fleet")
 
@@ -122,7 +122,7 @@ class RemoteSandboxHost(SandboxHost):
             channel.settimeout(CONNECT_SECONDS)
             channel.sendall(frame_bytes({"op": "hello", "sandbox": self._config.model_dump(), "threads": self._asked}))
             threading.Thread(target=self._drain_errors, args=(channel,), daemon=True, name=f"sandbox-{self.name}-stderr").start()
-            reply = read_frame(_channel_reader(channel))
+            reply = read_frame(exact_reader(channel.recv))
         except Exception as e:
             host.close()
             if isinstance(e, (OSError, ProtocolError)):
@@ -169,7 +169,7 @@ class RemoteSandboxHost(SandboxHost):
                     log.info("sandbox host %s: %s", self.name, text)
 
     def _read(self, channel) -> None:
-        read = _channel_reader(channel)
+        read = exact_reader(channel.recv)
         reason = "the SSH connection ended"
         while True:
             try:
@@ -270,19 +270,6 @@ class RemoteSandboxHost(SandboxHost):
         self._hang_up()
         if channel is not None:
             self._lost(channel, "the fleet closed")
-
-
-def _channel_reader(channel):
-    def read_exactly(n: int) -> bytes:
-        chunks, left = [], n
-        while left:
-            chunk = channel.recv(left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    return read_exactly
 
 
 class HostsProvider(Provider):

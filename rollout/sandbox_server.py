@@ -24,9 +24,9 @@ import os
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO
 
 from recipes.schema import SandboxSection
 from rollout import plain_data
@@ -119,11 +119,12 @@ def read_frame(read_exactly) -> dict | None:
     return message
 
 
-def _reader(stream: BinaryIO):
+def exact_reader(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
+    """`read(n)` (a stream's read, a channel's recv) made to return exactly n bytes, or fewer only at the end."""
     def read_exactly(n: int) -> bytes:
         chunks, left = [], n
         while left:
-            chunk = stream.read(left)
+            chunk = read(left)
             if not chunk:
                 break
             chunks.append(chunk)
@@ -138,7 +139,7 @@ def _reader(stream: BinaryIO):
 def main() -> None:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the channel
-    read = _reader(stdin)
+    read = exact_reader(stdin.read)
     write_lock = threading.Lock()
 
     def send(message: dict) -> None:
