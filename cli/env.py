@@ -132,14 +132,14 @@ def build(
                                 description=f"validated repo tasks ({report.tried} tried, {sum(report.rejected.values())} rejected)")
 
             report = build_repo_tasks(settings, recipe.env.sandbox, sandbox_root, workers, on_progress=show)
-        table = Table(title=f"repository tasks ({set_dir(settings)})")
+        table = Table(title="repository tasks")
         for column in ("project", "kind", "tasks"):
             table.add_column(column, justify="left" if column != "tasks" else "right")
         for (project, kind), count in sorted(report.by_project_kind.items()):
             table.add_row(project, kind, str(count))
         console.print(table)
         console.print(f"{report.validated} validated of {report.tried} candidates tried ({report.resumed} verdicts from the "
-                      f"cache) in {report.seconds:.0f} s", highlight=False)
+                      f"cache) in {report.seconds:.0f} s; the set: {set_dir(settings)}", highlight=False)
         for reason, count in report.rejected.most_common():
             console.print(f"[dim]  rejected: {escape(reason)}: {count}[/]", highlight=False)
         if report.validated < settings.num_tasks:

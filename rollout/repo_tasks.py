@@ -404,8 +404,18 @@ def _sandbox(config: dict, root: str) -> Sandbox:
     return _worker_sandbox
 
 
+def _process_start(pid: int | str) -> str | None:
+    """A live process's start time (ticks since boot), None when it is gone or a zombie (pids are reused)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
 def _area(sandbox: Sandbox) -> Path:
-    return sandbox.root / f"views-{os.getpid()}"
+    """This process's grading views (named by pid and start time, so a later build can tell they are stale)."""
+    return sandbox.root / f"views-{os.getpid()}-{_process_start(os.getpid())}"
 
 
 def survey(config: dict, sandbox_root: str, bases: str, project: str, test_file: str, timeout_s: float) -> dict:
@@ -680,8 +690,8 @@ def _clean_stale_views(sandbox_root: Path) -> None:
     from rollout.workspace import unmount
 
     for area in sandbox_root.glob("views-*"):
-        pid = area.name.removeprefix("views-")
-        if pid.isdigit() and Path(f"/proc/{pid}").exists():
+        pid, _, start = area.name.removeprefix("views-").partition("-")
+        if pid.isdigit() and _process_start(pid) == start:
             continue
         for view in area.glob("grade-*/repo"):
             if os.path.ismount(view):

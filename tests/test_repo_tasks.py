@@ -191,6 +191,7 @@ def test_a_build_killed_mid_way_resumes_to_the_same_set(built, tmp_path, compose
     result = composer("env", "build", str(recipe), "--workers", "1")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "3 validated" in result.stdout
+    assert str(tmp_path / "cache") not in Path("/proc/mounts").read_text()  # the killed workers' views are gone
     assert [t["id"] for t in load_tasks(settings(tmp_path / "cache"))] == [t["id"] for t in built[1]]
     check = composer("env", "check", str(recipe), "--max-tasks", "1")
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
