@@ -54,7 +54,7 @@ def check(
         env.close()
 
     if not reports:
-        failed = sum(_check_repo(ts, recipe.env.sandbox, env.sandbox.local.root, limit, workers) for ts in repo_sets)
+        failed = sum(_check_repo(ts, recipe.env.sandbox, env.sandbox.root, limit, workers) for ts in repo_sets)
         if failed:
             raise UserError(f"{failed} repository task(s) failed their checks")
         return
@@ -84,7 +84,7 @@ def check(
             flags = f", flags: {escape('; '.join(result.flag_details))}" if result.flags else ""
             console.print(f"[red]✗[/] {escape(task_id)}: {result.status} {escape(result.detail)}, {result.passed}/{result.total} tests{flags}", highlight=False)
     failed = sum(len(r.failures) for r in reports)
-    failed += sum(_check_repo(ts, recipe.env.sandbox, env.sandbox.local.root, limit, workers) for ts in repo_sets)
+    failed += sum(_check_repo(ts, recipe.env.sandbox, env.sandbox.root, limit, workers) for ts in repo_sets)
     if failed:
         raise UserError(f"{failed} reference solution(s) or repository task(s) failed their checks")
 
@@ -113,15 +113,14 @@ def build(
 ) -> None:
     """Build the recipe's repository task sets: seeded changes of real projects, each validated against the project's
     own tests (the original passes, the change fails). Cached; an interrupted build resumes where it stopped."""
-    import tempfile
-
     from rollout.repo_tasks import build_repo_tasks, set_dir
+    from rollout.sandbox import DEFAULT_ROOT
 
     recipe = load_recipe(file, overrides)
     sets = [ts for ts in (recipe.env.tasks if recipe.env else []) if ts.name == "repo"]
     if not sets:
         raise UserError(f"{file}: env.tasks has no `repo` task set to build")
-    sandbox_root = Path(tempfile.gettempdir()) / "composer-sandbox"
+    sandbox_root = DEFAULT_ROOT
     for ts in sets:
         settings = ts.repo
         with Progress(console=console, transient=True) as progress:

@@ -99,7 +99,7 @@ class FunctionWorkspace:
         self._env = env
         self._task = task
         self._preamble = f"{task.preamble}\n\n" if tools and task.preamble else ""
-        area = env.sandbox.local.root / "workspaces"  # beside the repository tasks' views
+        area = env.sandbox.root / "workspaces"  # beside the repository tasks' views
         area.mkdir(parents=True, exist_ok=True)
         self.root = Path(tempfile.mkdtemp(prefix="solution-", dir=area))
         write_text(self.root, SOLUTION_FILE, task.continues if tools and defines(task.continues, task.entry_point) else "")

@@ -61,6 +61,7 @@ SANDBOX_UID_BASE = 1_900_000_000
 MAX_CONCURRENT_RUNS = 4096
 # Leases must be machine-wide (every process, every sandbox root), so their locks live in one place.
 UID_LOCK_DIR = Path("/run/composer-sandbox-uids")
+DEFAULT_ROOT = Path(tempfile.gettempdir()) / "composer-sandbox"
 # Reply bytes beyond this are not results any more.
 MAX_RESULT_BYTES = 64 << 20
 # Packages whose files hold tests or reference solutions: hidden inside the sandbox's root.
@@ -717,7 +718,7 @@ class Sandbox:
     def __init__(self, config: SandboxSection, root: Path | None = None, isolation: Isolation | None = None):
         self.config = config
         # absolute: sandboxed processes start in other working directories
-        self.root = (root or Path(tempfile.gettempdir()) / "composer-sandbox").resolve()
+        self.root = (root or DEFAULT_ROOT).resolve()
         self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
         os.chmod(self.root, 0o711)
         self._zygote = _zygote_for(self.root)

@@ -22,7 +22,7 @@ from pathlib import Path
 from recipes.errors import UserError
 from recipes.schema import SandboxSection, SSHSection
 from rollout.fleet import Failure, Outcome, Provider, RealClock, SandboxPool
-from rollout.sandbox import AssertionTests, Isolation, RewardMode, Sandbox, SandboxResult, Tests
+from rollout.sandbox import DEFAULT_ROOT, AssertionTests, Isolation, RewardMode, Sandbox, SandboxResult, Tests
 from rollout.sandbox_server import MODULE as SERVER_MODULE
 from rollout.sandbox_server import (ProtocolError, RunRequest, SandboxRequest, exact_reader, frame_bytes, from_wire, read_frame,
                                     serve_request, to_wire)
@@ -300,6 +300,8 @@ class SandboxFleet:
 
     def __init__(self, config: SandboxSection, ssh: SSHSection, root: Path | None = None, weights: dict[str, float] | None = None):
         self.config = config
+        self.root = (root or DEFAULT_ROOT).resolve()
+        """This machine's sandbox root (where the episodes' workspaces live)."""
         hosts = _open_hosts(config, ssh, root)
         self.provider = HostsProvider(hosts)
         self.isolations = {host.name: host.isolation for host in hosts}

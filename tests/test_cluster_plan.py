@@ -68,7 +68,7 @@ def test_dry_run_of_the_32_node_rl_recipe(tmp_path):
     assert result.returncode == 0, result.stderr
     out = flat(result.stdout)
     assert "launcher slurm, 32 host(s), world size 256, rendezvous train-00:29400" in out
-    assert "sandbox hosts: sandbox-00, sandbox-01, sandbox-02, sandbox-03 (96 sandboxes per host)" in out
+    assert "sandbox hosts: localhost, sandbox-00, sandbox-01, sandbox-02, sandbox-03 (96 sandboxes per host)" in out
     assert "train-31 31 248-255" in out
     assert "srun: srun --nodes=32 --ntasks=32 --ntasks-per-node=1 --kill-on-bad-exit=1" in out
     assert '--node-rank "$SLURM_NODEID"' in out

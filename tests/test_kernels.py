@@ -74,7 +74,10 @@ def test_parity_under_tensor_and_expert_parallelism(checkpoints, tmp_path):
                 assert_parity(got, (rank, family, layout))
 
 
-def test_auto_picks_the_fast_kernels_and_the_choice_is_logged(checkpoints, capsys):
+def test_auto_picks_the_fast_kernels_and_the_choice_is_logged(checkpoints, capsys, monkeypatch):
+    import trainer.model
+
+    monkeypatch.setattr(trainer.model, "_logged_kernels", set())  # as in a fresh process (other tests built models)
     m = model_section_from_hf(checkpoints["qwen3_moe"])
     assert m.kernels == KernelsSection(experts="auto", attention="auto")
     init_distributed(ParallelismSection())
