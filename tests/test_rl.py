@@ -92,7 +92,7 @@ def test_no_trajectory_lost_or_duplicated(killed_and_resumed):
 
 
 def test_first_step_learner_matches_engine(killed_and_resumed):
-    """At temperature 0.7, on the server fleet (step 1) and the embedded engine (on-policy groups after the resume)."""
+    """At temperature 0.7: step 1 on the server fleet, and every later step with on-policy groups."""
     records = metrics(killed_and_resumed.run)
     first = records[0]
     assert first["step"] == 1 and first["staleness_max"] == 0
