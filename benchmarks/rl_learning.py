@@ -127,6 +127,11 @@ def report(run: Path, wall: float, seed: int) -> None:
     print(f"health: entropy {metrics[0].get('entropy', float('nan')):.3f} -> {metrics[-1].get('entropy', float('nan')):.3f}, "
           f"response tokens {metrics[0]['response_tokens_mean']:.0f} -> {metrics[-1]['response_tokens_mean']:.0f}, "
           f"alarms {alarms:.0f}, uniform groups {np.mean([m['uniform_group_fraction'] for m in metrics]):.2f}")
+    fresh = [m for m in metrics if "on_policy_prob_ratio_error" in m]
+    if fresh:  # engine and learner on the same weights, at the sampling temperature
+        errors, diffs = [m["on_policy_prob_ratio_error"] for m in fresh], [m["on_policy_logprob_abs_diff"] for m in fresh]
+        print(f"on-policy ratio error {min(errors):.2g} .. {max(errors):.2g} (median {statistics.median(errors):.2g}), "
+              f"|dlogprob| {min(diffs):.2g} .. {max(diffs):.2g}, over {len(fresh)} steps")
 
 
 if __name__ == "__main__":

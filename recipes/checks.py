@@ -196,6 +196,10 @@ def _check_rl(r: Recipe) -> list[Problem]:
         out.append(Problem("rollout.hosts", "engines on other hosts are vLLM servers; set rollout.engine: server (or hosts: [localhost])"))
     if r.rollout and r.rollout.engine == "embedded" and r.rollout.engines_per_host > 1:
         out.append(Problem("rollout.engines_per_host", "more than one engine per host needs rollout.engine: server (one embedded engine per process)"))
+    if r.rl and r.rollout and (r.rollout.sampling.top_p < 1 or r.rollout.sampling.top_k > 0):
+        # the engine would report logprobs renormalised over the kept tokens, which the learner does not reproduce
+        out.append(Problem("rollout.sampling", "RL samples from the full tempered distribution the learner scores; "
+                                               "set top_p: 1 and top_k: -1 (use temperature to sharpen)"))
     if r.rl and r.rl.router_replay == "r3" and not r.model.is_moe:
         out.append(Problem("rl.router_replay", "`r3` needs an MoE model (model.num_experts > 0); set it to `off`"))
     if r.rollout and r.rollout.harness == "tools" and r.rollout.max_turns == 1:

@@ -312,11 +312,11 @@ class TrainSection(Section):
 
 class SamplingSection(Section):
     temperature: float = Field(default=1.0, ge=0)
-    """Sampling temperature (RL needs 1.0 for unbiased logprobs)."""
+    """Sampling temperature; the RL learner scores tokens at the same temperature (0: greedy)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass (RL: 1 only; the learner scores the full tempered distribution)."""
     top_k: int = Field(default=-1, ge=-1)
-    """Top-k sampling; -1 disables."""
+    """Top-k sampling; -1 or 0 disables (RL: disabled only)."""
     max_tokens: int = Field(default=512, gt=0)
     """Tokens generated per model turn."""
     stop: list[str] = Field(default_factory=list)

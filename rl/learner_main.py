@@ -122,7 +122,8 @@ def take(queue: LearnerQueue | ReplayQueue, step: int) -> tuple[list[str], int]:
 
 
 def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
-    learner = RLLearner(recipe.model, recipe.parallelism, recipe.optim, recipe.train, recipe.rl, files.checkpoints)
+    learner = RLLearner(recipe.model, recipe.parallelism, recipe.optim, recipe.train, recipe.rl, files.checkpoints,
+                        recipe.rollout.sampling.temperature)
     state = learner.core.resume() or {}
     start = state.get("step", 0)
     queue = learner_queue(files, recipe.rl)

@@ -33,7 +33,7 @@ class Completion:
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
-    """Log-probability of each sampled token under the engine's policy."""
+    """Log-probability of each sampled token under the distribution it was sampled from (see LOGPROBS_MODE)."""
     routed_experts: np.ndarray | None
     """[len(prompt_ids) + len(token_ids) - 1, layers, top_k] expert ids (the last sampled token is never forwarded)."""
     finish_reason: str
@@ -48,6 +48,11 @@ class Engine(Protocol):
     def load_weights(self, weights_dir: str | Path) -> None: ...
 
     def update_weights(self, weights_dir: str | Path, changed: list[str], pieces: dict[str, list]) -> dict: ...
+
+
+LOGPROBS_MODE = "processed_logprobs"
+"""Sampled tokens' logprobs after temperature (vLLM's default reports the untempered ones): the distribution they
+were drawn from, which the learner scores at the same temperature. Greedy requests get the untempered ones."""
 
 
 CPU_MLA_SHAPE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
@@ -98,6 +103,7 @@ class EmbeddedEngine:
             seed=seed,
             skip_tokenizer_init=not (model_dir / "tokenizer.json").is_file(),
             enable_return_routed_experts=routed_experts,
+            logprobs_mode=LOGPROBS_MODE,
             enable_prefix_caching=True,
             # Whole prompts per step: vLLM rewinds a seeded request's generator when a step cuts its prompt,
             # and CPU generators cannot rewind ("CPU Generator does not use offset").
@@ -184,7 +190,7 @@ def server_args(model_dir: str, rollout: RolloutSection, *, seed: int, routed_ex
         "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
         "--dtype", rollout.dtype, "--max-model-len", str(rollout.max_context),
         "--kv-cache-memory-bytes", str(int(rollout.kv_cache_gib * 2**30)),
-        "--enforce-eager", "--seed", str(seed), "--enable-prefix-caching", "--no-enable-chunked-prefill",
+        "--enforce-eager", "--seed", str(seed), "--logprobs-mode", LOGPROBS_MODE, "--enable-prefix-caching", "--no-enable-chunked-prefill",
         "--worker-extension-cls", WORKER_EXTENSION,
     ]
     if routed_experts:

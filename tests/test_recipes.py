@@ -192,6 +192,10 @@ def test_rollout_settings_that_need_each_other(write_recipe):
     repo = "env: {tasks: [{name: repo}]}\nrl: {router_replay: r3}\nrollout: {max_context: 200, sampling: {max_tokens: 64}}\n"
     assert "set rollout.harness: tools" in problems_of(write_recipe(MINIMAL + repo))["rollout.harness"]
     assert "rollout.engine: server" in problems["rollout.engines_per_host"]
+    rl = "env: {tasks: [{name: smoke}]}\nrl: {group_size: 4}\nrollout: {max_context: 200, sampling: {max_tokens: 64}}\n"
+    for truncated in ("rollout.sampling.top_p=0.9", "rollout.sampling.top_k=20"):  # the learner scores the full distribution
+        assert "set top_p: 1 and top_k: -1" in problems_of(write_recipe(MINIMAL + rl), [truncated])["rollout.sampling"]
+    assert load_recipe(write_recipe(MINIMAL + rl), ["rollout.sampling.temperature=0.7"]).rollout.sampling.top_p == 1
 
 
 def test_hosts_times_procs_is_the_world_size(write_recipe):

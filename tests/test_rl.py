@@ -17,13 +17,14 @@ from tests.conftest import COMPOSER, RECIPES, REPO
 pytestmark = pytest.mark.engines
 
 STEPS, PROMPTS = 5, 2
+TEMPERATURE = 0.7  # not 1: engine and learner must both score the tempered distribution the tokens came from
 
 
 def start(run_dir, checkpoint, *extra):
     args = [*COMPOSER, "train", "rl", str(RECIPES / "smoke-rl.yaml"), "--set", f"model.checkpoint={checkpoint}",
             "--set", f"run.dir={run_dir}", "--set", f"sync.store={run_dir}/weights", "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
             "--set", f"rl.prompts_per_step={PROMPTS}", "--set", "rl.group_size=4", "--set", "train.global_batch_size=8",
-            "--set", "rl.kl_coeff=0.05", *extra]
+            "--set", "rl.kl_coeff=0.05", "--set", f"rollout.sampling.temperature={TEMPERATURE}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
@@ -91,10 +92,14 @@ def test_no_trajectory_lost_or_duplicated(killed_and_resumed):
 
 
 def test_first_step_learner_matches_engine(killed_and_resumed):
-    first = metrics(killed_and_resumed.run)[0]
+    """At temperature 0.7: step 1 on the server fleet, and every later step with on-policy groups."""
+    records = metrics(killed_and_resumed.run)
+    first = records[0]
     assert first["step"] == 1 and first["staleness_max"] == 0
     assert first["logprob_abs_diff"] < 1e-5  # same weights, fp32: only numerical noise
     assert abs(first["prob_ratio_max"] - 1) < 1e-4
+    on_policy = [r["on_policy_prob_ratio_error"] for r in records if "on_policy_prob_ratio_error" in r]
+    assert on_policy and max(on_policy) < 1e-4
 
 
 def test_kl_is_measured_against_the_starting_policy_across_the_resume(killed_and_resumed):
@@ -127,6 +132,7 @@ def test_resume_refuses_a_recipe_that_changes_what_the_run_depends_on(killed_and
                       "--set", "model.checkpoint=unused", "--set", "rl.group_size=2", "--set", "rollout.engine=server")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "rl.group_size: 4 -> 2" in result.stderr and "rollout.engine" not in result.stderr  # engines may change
+    assert f"rollout.sampling.temperature: {TEMPERATURE} -> 1.0" in result.stderr  # stored groups were sampled at 0.7
     assert (run / "recipe.yaml").read_text() == saved
 
 

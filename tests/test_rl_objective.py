@@ -199,3 +199,36 @@ def test_alarms_fire_above_their_thresholds():
     assert loud["alarm_ratio_error"] == 1.0 and loud["alarm_logprob_diff"] == 0.0
     assert "ALARM step 3" in alarm_message(3, loud, rl) and "rl.alarm_ratio_error" in alarm_message(3, loud, rl)
     assert health_alarms({}, rl) == quiet  # a step without on-policy tokens raises nothing
+
+
+def test_the_learner_scores_tokens_at_the_sampling_temperature(tmp_path):
+    """At temperature T the learner's logprobs are log_softmax(logits / T) (the distribution the engine sampled
+    from and reports), so on-policy tokens get ratio 1; the untempered ones would be off by far more than noise."""
+    from recipes.loader import load_recipe
+    from recipes.schema import ParallelismSection
+    from tests.conftest import RECIPES
+    from trainer.distributed import init_distributed, shutdown_distributed
+    from trainer.logprobs import token_logprobs
+    from trainer.model import build_model, forward_logits
+
+    moe = load_recipe(RECIPES / "smoke-rl.yaml").model
+    dense = moe.model_copy(update=dict(family="llama", num_experts=0, moe_top_k=0, moe_ffn_hidden_size=0, ffn_hidden_size=64, num_layers=1))
+    init_distributed(ParallelismSection())
+    try:
+        model = build_model(dense, ParallelismSection())
+        tokens = torch.randint(1, dense.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            sampled_from = torch.log_softmax(forward_logits(model, tokens).float() / 0.7, dim=-1)[:, :-1]
+        engine = sampled_from.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        tempered = token_logprobs(model, tokens, temperature=0.7)
+        assert torch.allclose(tempered, engine, atol=1e-5)
+        mask, adv, on_policy = torch.ones_like(engine, dtype=torch.bool), torch.tensor([1.0, -1.0]), torch.tensor([True, True])
+        loss, stats = policy_gradient_loss(tempered, engine, adv, mask, RLSection(), 1.0, on_policy=on_policy)
+        loss.backward()
+        assert stats.finalize()["on_policy_prob_ratio_error"] < 1e-4
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        untempered = token_logprobs(model, tokens, with_grad=False)
+        _, stats = policy_gradient_loss(untempered, engine, adv, mask, RLSection(), 1.0, on_policy=on_policy)
+        assert stats.finalize()["on_policy_logprob_abs_diff"] > 0.01
+    finally:
+        shutdown_distributed()

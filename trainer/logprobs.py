@@ -40,17 +40,25 @@ def pad_micro_batch(sequences: list[np.ndarray], multiple: int = 1, pad_id: int 
     return MicroBatch(tokens, lengths)
 
 
-def token_logprobs(model, tokens: torch.Tensor, *, with_grad: bool = True) -> torch.Tensor:
+def token_logprobs(model, tokens: torch.Tensor, *, with_grad: bool = True, temperature: float = 1.0) -> torch.Tensor:
     """[B, S-1]: log p(tokens[:, t+1] | tokens[:, :t+1]) in fp32; with_grad=False for a no-grad (eval) pass.
 
-    The model's train/eval mode is the caller's; the last position is forwarded too (its route, if replayed,
-    exists) but predicts nothing.
+    `temperature` scores the tokens under softmax(logits / temperature), the distribution the engine sampled
+    them from (and reports logprobs of). The model's train/eval mode is the caller's; the last position is
+    forwarded too (its route, if replayed, exists) but predicts nothing.
     """
+    from megatron.core import tensor_parallel
+
     batch, seq = tokens.shape
     position_ids = torch.arange(seq, device=tokens.device).expand(batch, seq)
     labels = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # the last label is a placeholder, dropped below
     with torch.set_grad_enabled(with_grad):
-        nll = model(tokens, position_ids, causal_mask(seq, tokens.device), labels=labels)
+        if temperature == 1.0:
+            nll = model(tokens, position_ids, causal_mask(seq, tokens.device), labels=labels)
+        else:
+            # the vocab-parallel logits ([B, S, V/tp]), tempered in fp32 as the engine's sampler does
+            logits = model(tokens, position_ids, causal_mask(seq, tokens.device))
+            nll = tensor_parallel.vocab_parallel_cross_entropy(logits.float() / temperature, labels)
         return -nll[:, :-1].float()
 
 

@@ -39,11 +39,18 @@ class LearnerSequence:
 
 class RLLearner:
     """One rank of the learner (run under torchrun; every rank constructs it): the trainer core, plus the frozen
-    starting policy when the objective has a KL term."""
+    starting policy when the objective has a KL term.
+
+    `temperature` is the one the trajectories were sampled at (`rollout.sampling.temperature`): the policy, the
+    reference and so the importance ratio, KL and entropy are all taken of softmax(logits / temperature), the
+    distribution the engine sampled from and reports logprobs of. At temperature 0 (greedy) the engine reports
+    the untempered distribution, so the learner scores at 1.
+    """
 
     def __init__(self, model: ModelSection, parallelism: ParallelismSection, optim: OptimSection, train: TrainSection,
-                 rl: RLSection, checkpoints: Path):
+                 rl: RLSection, checkpoints: Path, temperature: float = 1.0):
         self.rl, self.parallelism, self.micro_batch_size = rl, parallelism, train.micro_batch_size
+        self.temperature = temperature if temperature > 0 else 1.0
         self.core = TrainerCore(model, parallelism, optim, train, checkpoints)
         self.replays_routes = model.is_moe and rl.router_replay == "r3"
         # before any step or resume: the reference is the starting policy, the same on every resume
@@ -54,7 +61,7 @@ class RLLearner:
             return None
         # The reference replays the engine's routes too: the KL compares the two policies on the same experts.
         with routing(self.reference, replay) if replay is not None else contextlib.nullcontext():
-            return token_logprobs(self.reference, tokens, with_grad=False)
+            return token_logprobs(self.reference, tokens, with_grad=False, temperature=self.temperature)
 
     def train_step(self, sequences: list[LearnerSequence]) -> dict[str, float]:
         """One optimizer step on this data-parallel rank's share of the global batch (collective)."""
@@ -84,7 +91,7 @@ class RLLearner:
             reference = self._reference_logprobs(batch.tokens, replay)
             scope = routing(ddp, replay) if replay is not None else contextlib.nullcontext()
             with scope as used:
-                logprobs = token_logprobs(ddp, batch.tokens)
+                logprobs = token_logprobs(ddp, batch.tokens, temperature=self.temperature)
                 rollout, mask = _aligned(chunk, batch.seq_len)
                 advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
                 on_policy = torch.tensor([s.on_policy for s in chunk])
