@@ -120,7 +120,6 @@ def build(
     sets = [ts for ts in (recipe.env.tasks if recipe.env else []) if ts.name == "repo"]
     if not sets:
         raise UserError(f"{file}: env.tasks has no `repo` task set to build")
-    sandbox_root = DEFAULT_ROOT
     for ts in sets:
         settings = ts.repo
         with Progress(console=console, transient=True) as progress:
@@ -130,7 +129,7 @@ def build(
                 progress.update(bar, completed=report.validated,
                                 description=f"validated repo tasks ({report.tried} tried, {sum(report.rejected.values())} rejected)")
 
-            report = build_repo_tasks(settings, recipe.env.sandbox, sandbox_root, workers, on_progress=show)
+            report = build_repo_tasks(settings, recipe.env.sandbox, DEFAULT_ROOT, workers, on_progress=show)
         table = Table(title="repository tasks")
         for column in ("project", "kind", "tasks"):
             table.add_column(column, justify="left" if column != "tasks" else "right")

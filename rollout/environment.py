@@ -18,7 +18,7 @@ from rollout.graders import Statement, guarded_reward
 from rollout.harness import PathRefused, read_text, write_text
 from rollout.repo_tasks import RepoTests
 from rollout.repo_tasks import open_workspace as open_repo_workspace
-from rollout.sandbox import CommandResult, Sandbox, SandboxResult, case_tests
+from rollout.sandbox import CommandResult, SandboxResult, case_tests
 from rollout.sandbox_hosts import SandboxFleet
 from rollout.tasks import Task, TaskPool, defines
 from rollout.workspace import Workspace
