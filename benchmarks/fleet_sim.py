@@ -1,4 +1,4 @@
-"""A SIMULATION of the sandbox fleet under a burst: the pool's real scheduling code (`rollout.fleet.SandboxPool`:
+"""A SIMULATION of the sandbox fleet under a burst: the pool's real scheduling code (`rollout.sandbox.fleet.SandboxPool`:
 limits, queue, fair sharing, retries, host removal and re-admission, metrics) drives a simulated provider on a
 simulated clock. Nothing is sandboxed, nothing sleeps: simulated hosts "start" a sandbox after a drawn start
 latency, "run" it for a drawn time (at most the sandbox's wall-clock limit), fail an attempt with the given probability, and one host is lost for a while
@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout.fleet import Failure, Provider, SandboxPool, SimulatedClock  # noqa: E402
-from rollout.sandbox import AssertionTests, SandboxResult  # noqa: E402
-from rollout.sandbox_server import RunRequest  # noqa: E402
+from rollout.sandbox.fleet import Failure, Provider, SandboxPool, SimulatedClock  # noqa: E402
+from rollout.sandbox.results import AssertionTests, SandboxResult  # noqa: E402
+from rollout.sandbox.server import RunRequest  # noqa: E402
 
 TASK_SETS = {"humaneval": 2.0, "codeio": 1.0, "repo": 1.0}
 RESULT = SandboxResult(1.0, 1, 1, "ok", "", "", "", 0.0)
@@ -180,7 +180,7 @@ def main() -> None:
     cpu_ms = timed["cpu"] / episodes * 1000
     ratio = timed["drain"] / timed["bound"]
     peak_gb = max(traced["peak_memory"], rss_peak) / 1e9
-    print("SIMULATION of the sandbox fleet (rollout.fleet.SandboxPool driving a simulated provider on a simulated clock)")
+    print("SIMULATION of the sandbox fleet (rollout.sandbox.fleet.SandboxPool driving a simulated provider on a simulated clock)")
     print(f"  {episodes} episodes submitted at t=0 to {args.hosts} simulated hosts ({timed['capacity']} sandboxes); start latency "
           f"lognormal median {args.start_median} s, run lognormal median {args.run_median} s, {args.failure_rate:.1%} of attempts fail, "
           f"host-0 lost from t={args.outage_at:.0f} s for {args.outage_seconds:.0f} s")

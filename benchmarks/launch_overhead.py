@@ -78,9 +78,10 @@ def main() -> None:
 
 def empty_job(work: Path, sets: list[str]) -> float:
     """The launcher alone: start ranks of a module that does nothing (`-m site`) on the variant's hosts, wait."""
-    from cluster.launch import build_launcher, run_to_end
+    from cluster.launch import run_to_end
+    from cluster.launchers import build_launcher
     from recipes.loader import load_recipe
-    from recipes.runs import RunDir
+    from runtime.run_dir import RunDir
 
     recipe = load_recipe(REPO / "recipes" / "smoke-midtrain.yaml", sets)
     run = RunDir(work / "empty" / str(time.monotonic_ns()))

@@ -35,7 +35,7 @@ def bare_loop(run_dir: Path, steps: int) -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from recipes.loader import load_recipe
-    from recipes.runs import RunDir
+    from runtime.run_dir import RunDir
     from trainer.distributed import init_distributed
     from trainer.midtrain import prepare_batches
     from trainer.model import build_model, causal_mask
@@ -146,8 +146,8 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace, work: Path) -> None:
-    from recipes.runs import read_metrics
-    from recipes.processes import free_port
+    from runtime.processes import free_port
+    from runtime.run_dir import read_metrics
 
     python = sys.executable
     subprocess.run([python, "-m", "cli", "model", "init", str(work / "init")], cwd=REPO, check=True, capture_output=True)

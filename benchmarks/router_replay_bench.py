@@ -24,8 +24,9 @@ import torch
 
 from recipes.loader import load_recipe
 from recipes.schema import ParallelismSection, RolloutSection, SamplingSection
-from rollout.engine import EmbeddedEngine
-from rollout.trajectories import Segment, Trajectory, encode_group
+from rl.trajectories import encode_group
+from rollout.agent.trajectory import Segment, Trajectory
+from rollout.engines.vllm_engine import EmbeddedEngine
 from trainer.checkpoint_init import init_hf_checkpoint
 from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.logprobs import pad_micro_batch

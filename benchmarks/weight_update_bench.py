@@ -86,7 +86,7 @@ def next_version(src: Path, dst: Path, density: float, layers_touched: float, se
 
 def measure(label: str, m: ModelSection, work: Path, density: float, layers_touched: float, threads: int) -> dict:
     from recipes.schema import SyncSection
-    from rollout.engine import EmbeddedEngine
+    from rollout.engines.vllm_engine import EmbeddedEngine
     from sync.checkpoint import Checkpoint
     from sync.pusher import push_version
     from sync.receiver import pull, update_in_place

@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 from recipes.schema import SandboxSection
-from rollout.repo_tasks import RepoTests, project_bases
-from rollout.sandbox import Sandbox, installed_copies
-from rollout.workspace import RepoWorkspace, overlay_supported
+from rollout.sandbox.isolation import installed_copies
+from rollout.sandbox.runs import Sandbox
+from rollout.tasks.repository import project_bases
+from rollout.tasks.workspace import RepoTests, RepoWorkspace, overlay_supported
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from recipes.loader import load_recipe
-from recipes.runs import RunDir
+from runtime.run_dir import RunDir
 
 app = typer.Typer(help="Training hosts: check them before a run, see how a run reaches them.", no_args_is_help=True)
 console = Console(soft_wrap=True)

@@ -18,7 +18,7 @@ def report(
 ) -> None:
     """Plot a run's metrics.jsonl into RUN_DIR/report/, write RUN_DIR/report.html (self-contained) and summarise the
     headline series (report.html has every one)."""
-    from trainer.report import is_headline, render_report  # imports matplotlib: keep `composer --help` fast
+    from runtime.report import is_headline, render_report  # imports matplotlib: keep `composer --help` fast
 
     result = render_report(run_dir)
     shown = [s for s in result.series if every_series or is_headline(s.name)]

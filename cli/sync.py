@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -19,18 +21,39 @@ from recipes.schema import SSHSection, SyncSection
 app = typer.Typer(help="Distribute weights as lossless compressed deltas to stores and SSH hosts.", no_args_is_help=True)
 console = Console(soft_wrap=True)  # result lines hold paths and ids: never break them
 
-StoreOption = typer.Option(None, "--store", help="Store: a directory, ssh://user@host:port/path (user and port optional) or s3://bucket/prefix; default: the recipe's sync.store.")
-EndpointOption = typer.Option(None, "--endpoint", help="S3-compatible service URL for an s3:// --store (overrides sync.endpoint; default AWS).")
 ToEndpointOption = typer.Option(None, "--to-endpoint", help="S3-compatible service URL for the destination store, when it is s3://.")
-RecipeOption = typer.Option(None, "--recipe", "-r", help="Recipe whose `sync` and `cluster.ssh` sections to use.")
-SetOption = typer.Option([], "--set", "-s", help="Override a recipe key, e.g. --set sync.codec.chunk_mb=128. Repeatable.")
-KeyOption = typer.Option(None, "--ssh-key", help="Private key for ssh:// stores (overrides cluster.ssh.key_file).")
-KnownHostsOption = typer.Option(None, "--known-hosts", help="known_hosts file for ssh:// stores (overrides cluster.ssh.known_hosts).")
 VersionOption = typer.Option(None, "--version", "-v", help="Version id, e.g. v00000012 (default: the newest).")
+
+# The options every command takes to reach its store, declared once (`store_command` adds them).
+_STORE_OPTIONS = [
+    ("store", Optional[str], typer.Option(None, "--store", help="Store: a directory, ssh://user@host:port/path (user and port optional) or s3://bucket/prefix; default: the recipe's sync.store.")),
+    ("recipe", Optional[Path], typer.Option(None, "--recipe", "-r", help="Recipe whose `sync` and `cluster.ssh` sections to use.")),
+    ("overrides", list[str], typer.Option([], "--set", "-s", help="Override a recipe key, e.g. --set sync.codec.chunk_mb=128. Repeatable.")),
+    ("ssh_key", Optional[Path], typer.Option(None, "--ssh-key", help="Private key for ssh:// stores (overrides cluster.ssh.key_file).")),
+    ("known_hosts", Optional[Path], typer.Option(None, "--known-hosts", help="known_hosts file for ssh:// stores (overrides cluster.ssh.known_hosts).")),
+    ("endpoint", Optional[str], typer.Option(None, "--endpoint", help="S3-compatible service URL for an s3:// --store (overrides sync.endpoint; default AWS).")),
+]
+
+
+def store_command(command: Callable) -> Callable:
+    """A sync command with the store options: it is called with `settings=(SyncSection, SSHSection)` instead."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for name, p in signature.parameters.items() if name != "settings"]
+    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
+              for name, kind, option in _STORE_OPTIONS]
+
+    @functools.wraps(command)
+    def with_settings(**arguments):
+        settings = _settings(**{name: arguments.pop(name) for name, _, _ in _STORE_OPTIONS})
+        return command(settings=settings, **arguments)
+
+    with_settings.__signature__ = signature.replace(parameters=own + shared)
+    with_settings.__annotations__ = {p.name: p.annotation for p in own + shared}
+    return with_settings
 
 
 def _settings(store: Optional[str], recipe: Optional[Path], overrides: list[str], ssh_key: Optional[Path],
-              known_hosts: Optional[Path], endpoint: Optional[str] = None) -> tuple[SyncSection, SSHSection]:
+              known_hosts: Optional[Path], endpoint: Optional[str]) -> tuple[SyncSection, SSHSection]:
     """The sync and SSH settings: from the recipe when given, with command-line flags on top."""
     if recipe is not None:
         from recipes.loader import load_recipe
@@ -92,22 +115,18 @@ def _gb(n: int) -> str:
 
 
 @app.command()
+@store_command
 def push(
     checkpoint: Path = typer.Argument(..., help="Safetensors checkpoint directory."),
-    store: Optional[str] = StoreOption,
     anchor_every: Optional[int] = typer.Option(None, "--anchor-every", min=1, help="A full snapshot every N versions."),
     cache: Optional[Path] = typer.Option(None, "--cache", help="Base cache: the last pushed version (default ~/.cache/composer/sync/<store>)."),
-    recipe: Optional[Path] = RecipeOption,
-    overrides: list[str] = SetOption,
-    ssh_key: Optional[Path] = KeyOption,
-    known_hosts: Optional[Path] = KnownHostsOption,
-    endpoint: Optional[str] = EndpointOption,
+    settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Publish CHECKPOINT as the store's next version (a delta against the newest, or an anchor)."""
     from sync.checkpoint import Checkpoint
     from sync.pusher import push_version
 
-    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts, endpoint)
+    sync, ssh = settings
     if anchor_every is not None:
         sync = sync.model_copy(update={"anchor_every": anchor_every})
     with Checkpoint(checkpoint) as ck:
@@ -124,25 +143,21 @@ def push(
 
 
 @app.command()
+@store_command
 def pull(
     to: Path = typer.Option(..., "--to", help="Receiver directory: versions/<id>/ and a `current` symlink."),
-    store: Optional[str] = StoreOption,
     version: Optional[str] = VersionOption,
     relay_store: Optional[str] = typer.Option(None, "--relay-store", help="Also copy the chain into this store, to serve this cluster."),
     to_endpoint: Optional[str] = ToEndpointOption,
     in_place: bool = typer.Option(False, "--in-place", help="Patch the current version's files where the new one differs (one copy on disk, for a live engine that reloads only what changed); a full pull when that cannot be done."),
-    recipe: Optional[Path] = RecipeOption,
-    overrides: list[str] = SetOption,
-    ssh_key: Optional[Path] = KeyOption,
-    known_hosts: Optional[Path] = KnownHostsOption,
-    endpoint: Optional[str] = EndpointOption,
+    settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Rebuild a version from its chain, verify it, and make it current in --to atomically."""
     from sync.receiver import pull as pull_version
     from sync.receiver import relay, update_in_place
     from sync.store import Store
 
-    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts, endpoint)
+    sync, ssh = settings
     with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source:
         target = version or source.head()
         if relay_store is not None:
@@ -171,22 +186,18 @@ def pull(
 
 
 @app.command()
+@store_command
 def relay(
     to_store: str = typer.Option(..., "--to-store", help="Store to copy the chain into."),
     to_endpoint: Optional[str] = ToEndpointOption,
-    store: Optional[str] = StoreOption,
     version: Optional[str] = VersionOption,
-    recipe: Optional[Path] = RecipeOption,
-    overrides: list[str] = SetOption,
-    ssh_key: Optional[Path] = KeyOption,
-    known_hosts: Optional[Path] = KnownHostsOption,
-    endpoint: Optional[str] = EndpointOption,
+    settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Copy a version's chain (manifests and chunks) into another store, e.g. one shared by a remote cluster."""
     from sync.receiver import relay as relay_chain
     from sync.store import Store
 
-    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts, endpoint)
+    sync, ssh = settings
     with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source, Store.open(to_store, ssh, create=True, endpoint=to_endpoint) as dest:
         info = relay_chain(source, dest, version)
     console.print(f"[green]relayed[/] {len(info.versions)} version(s), {info.chunks_copied} chunks, "
@@ -194,19 +205,15 @@ def relay(
 
 
 @app.command()
+@store_command
 def status(
-    store: Optional[str] = StoreOption,
-    recipe: Optional[Path] = RecipeOption,
-    overrides: list[str] = SetOption,
-    ssh_key: Optional[Path] = KeyOption,
-    known_hosts: Optional[Path] = KnownHostsOption,
-    endpoint: Optional[str] = EndpointOption,
+    settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """List the store's versions: parent, anchor, bytes stored and ratio against the full checkpoint."""
     from sync.manifest import version_seq
     from sync.store import Store
 
-    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts, endpoint)
+    sync, ssh = settings
     with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source:
         table = Table(title=f"sync store {escape(sync.store)}", box=box.SIMPLE_HEAD)
         for column in ("version", "parent", "anchor"):
@@ -227,20 +234,16 @@ def status(
 
 
 @app.command()
+@store_command
 def verify(
-    store: Optional[str] = StoreOption,
     version: Optional[str] = VersionOption,
-    recipe: Optional[Path] = RecipeOption,
-    overrides: list[str] = SetOption,
-    ssh_key: Optional[Path] = KeyOption,
-    known_hosts: Optional[Path] = KnownHostsOption,
-    endpoint: Optional[str] = EndpointOption,
+    settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Re-hash every chunk and rebuild every piece in memory, checking each version's hashes."""
     from sync.rebuild import verify as verify_store
     from sync.store import Store
 
-    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts, endpoint)
+    sync, ssh = settings
     with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source, _progress() as track:
         report = verify_store(source, version, sync.codec.threads, track("verifying", None))
     console.print(f"[green]ok[/] {len(report.versions)} version(s): {report.chunks} chunks and {report.pieces} pieces "
@@ -248,20 +251,16 @@ def verify(
 
 
 @app.command()
+@store_command
 def gc(
-    store: Optional[str] = StoreOption,
     keep_anchors: Optional[int] = typer.Option(None, "--keep-anchors", min=1, help="Keep the chains of the newest K anchors."),
     grace_minutes: float = typer.Option(60.0, "--grace-minutes", min=0, help="Keep unreferenced chunks younger than this (pushes in flight)."),
-    recipe: Optional[Path] = RecipeOption,
-    overrides: list[str] = SetOption,
-    ssh_key: Optional[Path] = KeyOption,
-    known_hosts: Optional[Path] = KnownHostsOption,
-    endpoint: Optional[str] = EndpointOption,
+    settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Delete versions older than the newest K anchors' chains, and chunks no remaining version uses."""
     from sync.store import Store
 
-    sync, ssh = _settings(store, recipe, overrides, ssh_key, known_hosts, endpoint)
+    sync, ssh = settings
     with Store.open(sync.store, ssh, endpoint=sync.endpoint) as target:
         report = target.gc(keep_anchors or sync.keep_anchors, grace_minutes * 60)
     console.print(f"[green]gc[/] deleted {len(report.deleted_versions)} version(s) and {report.deleted_chunks} chunk(s); "

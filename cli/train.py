@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from recipes.errors import UserError
 from recipes.loader import load_recipe, recipe_to_yaml
-from recipes.runs import RunDir
+from runtime.run_dir import RunDir
 
 app = typer.Typer(help="Train from a recipe: mid-training with Megatron-Core, RL with vLLM rollouts.", no_args_is_help=True)
 console = Console(soft_wrap=True)
@@ -31,7 +31,7 @@ def _dry_run(kind: str, recipe, launcher, module: str, args: list[str], resume: 
 
 
 def _submit(kind: str, recipe, run: RunDir, resume: bool) -> None:
-    from cluster.launch import build_launcher
+    from cluster.launchers import build_launcher
     from cluster.slurm import SlurmLauncher, submit
 
     launcher = build_launcher(recipe.cluster)
@@ -54,7 +54,8 @@ def midtrain(
     """Continued pre-training: tokenize the corpus, train, checkpoint, evaluate, export an HF checkpoint."""
     recipe = load_recipe(recipe_file, overrides)
     # torch is imported from here on; `composer --help` stays fast
-    from cluster.launch import build_launcher, run_to_end
+    from cluster.launch import run_to_end
+    from cluster.launchers import build_launcher
     from trainer import midtrain
 
     midtrain.check_midtrain_recipe(recipe)

@@ -1,6 +1,6 @@
 """Start a run's ranks with torchrun on its training hosts and watch them as one job.
 
-`build_launcher(cluster).start(module, args, run)` runs `python -m module args...` as `cluster.procs_per_host`
+`build_launcher(cluster).start(module, args, run)` (`cluster.launchers`) runs `python -m module args...` as `cluster.procs_per_host`
 ranks on every host of `cluster.hosts`, started as `cluster.launcher` says:
 
 - `local`: torchrun on this host (one host only);
@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -35,9 +36,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from recipes.errors import RunFailed, UserError
-from recipes.processes import die_with_parent, free_port
-from recipes.runs import RunDir
 from recipes.schema import ClusterSection
+from runtime.processes import die_with_parent, free_port
+from runtime.run_dir import RunDir
 
 ERROR_PREFIX = "error-rank-"
 STOP_GRACE_SECONDS = 10
@@ -111,7 +112,7 @@ def torchrun_argv(python: str, nproc: int, module: str, args: list[str], *, nnod
 # --- one host's torchrun, started somewhere --------------------------------------------------------
 
 
-class HostProcess:
+class HostProcess(ABC):
     """torchrun on one host: its exit code once ended, a way to stop it, the log of its output."""
 
     host: str
@@ -120,12 +121,13 @@ class HostProcess:
     log: Path
     log_offset: int
 
+    @abstractmethod
     def exit_code(self) -> int | None:
-        raise NotImplementedError
+        """torchrun's exit code, None while it runs."""
 
+    @abstractmethod
     def stop(self) -> None:
         """Ask torchrun to stop its ranks (SIGTERM), killing them if they do not within the grace."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Release what reaches the host, once the process has ended."""
@@ -381,22 +383,25 @@ def run_to_end(job: Job) -> None:
 # --- launchers -------------------------------------------------------------------------------------
 
 
-class Launcher:
+class Launcher(ABC):
+    """How a run's ranks reach its training hosts (`cluster.launcher`)."""
+
     def __init__(self, cluster: ClusterSection):
         self.cluster = cluster
         self.python = cluster.python or sys.executable
         self.workdir = cluster.workdir or os.getcwd()
 
+    @abstractmethod
     def plan(self, module: str, args: list[str], run_id: str) -> LaunchPlan:
-        raise NotImplementedError
+        """What each host would run (nothing started): for --dry-run, and checked before a run writes anything."""
 
     def check_startable(self) -> None:
         """Raise UserError when this launcher cannot start ranks from here (checked before a run writes anything)."""
         self.plan("", [], "check")
 
+    @abstractmethod
     def start(self, module: str, args: list[str], run: RunDir, console: Console | None = None) -> Job:
         """Start the ranks; `console` gets every host's output (else it goes to the logs only)."""
-        raise NotImplementedError
 
 
 class LocalLauncher(Launcher):
@@ -479,13 +484,3 @@ def _remote(ssh, command: str) -> str:
         said = (result.stderr.strip() or result.stdout.strip()).splitlines()[-2:]
         raise UserError(f"{ssh.where}: `{command[:100]}` failed (exit {result.exited}): {' '.join(said)}")
     return result.stdout
-
-
-def build_launcher(cluster: ClusterSection) -> Launcher:
-    if cluster.launcher == "ssh":
-        return SSHLauncher(cluster)
-    if cluster.launcher == "slurm":
-        from cluster.slurm import SlurmLauncher
-
-        return SlurmLauncher(cluster)
-    return LocalLauncher(cluster)

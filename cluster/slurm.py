@@ -19,10 +19,20 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cluster.launch import HostCommand, HostProcess, Job, Launcher, LaunchPlan, OutputPump, clear_rank_errors, rank_environment, torchrun_argv
+from cluster.launch import (
+    HostCommand,
+    HostProcess,
+    Job,
+    Launcher,
+    LaunchPlan,
+    OutputPump,
+    clear_rank_errors,
+    rank_environment,
+    torchrun_argv,
+)
 from recipes.errors import UserError
-from recipes.processes import die_with_parent
-from recipes.runs import RunDir, atomic_write_text
+from runtime.processes import die_with_parent
+from runtime.run_dir import RunDir, atomic_write_text
 
 
 def in_allocation() -> bool:

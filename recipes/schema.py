@@ -430,7 +430,7 @@ class SandboxSection(Section):
     infra_retries: int = Field(default=2, ge=0)
     """Retries of a run that failed because of the sandbox or the host, not the program (with backoff, on any
     host of the fleet); after them the run is marked infra_failure, never scored."""
-    # --- the sandbox fleet (rollout/fleet.py) ---
+    # --- the sandbox fleet (rollout/sandbox/fleet.py) ---
     hosts: list[str] = Field(default_factory=lambda: ["localhost"], min_length=1)
     """Sandbox hosts: `localhost` runs sandboxes here; any other host is reached over SSH (cluster.ssh, host keys
     checked) and runs one sandbox server (its composer, `remote_python`) that grades there. Every host must be

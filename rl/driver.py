@@ -11,19 +11,29 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cluster.launch import Job, Launcher, build_launcher, run_to_end
+from cluster.launch import Job, Launcher, run_to_end
+from cluster.launchers import build_launcher
 from recipes.checks import refuse_resume_changes, refuse_unhonoured
 from recipes.errors import RunFailed, UserError
 from recipes.loader import load_recipe, recipe_to_yaml
-from recipes.processes import output_to_log
-from recipes.runs import RunDir
 from recipes.schema import ARCHITECTURE_FIELDS, LAYOUT_KEYS, Recipe
 from rl import learner_main
 from rl.console import RLConsole
 from rl.evaluation import summary_line
-from rl.protocol import POLL_SECONDS, Heartbeat, Policy, ReplayQueue, RLRunFiles, RolloutQueue, StalenessRule, sync_section
+from rl.protocol import (
+    POLL_SECONDS,
+    Heartbeat,
+    Policy,
+    ReplayQueue,
+    RLRunFiles,
+    RolloutQueue,
+    StalenessRule,
+    sync_section,
+)
 from rl.rollout_hosts import LocalHost, open_hosts
 from rl.rollout_worker import RolloutWorker
+from runtime.processes import output_to_log
+from runtime.run_dir import RunDir
 from sync.pusher import push_version
 from trainer.kernels import check_kernels_installed
 

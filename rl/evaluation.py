@@ -19,12 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from recipes.errors import UserError
-from recipes.runs import MetricsWriter, atomic_write_text, read_metrics
 from recipes.schema import RLEvalSection, TaskSet
-from rollout.agent import EpisodeRunner
-from rollout.environment import CodingEnvironment
-from rollout.tasks import Task, TaskPool
-from rollout.trajectories import Trajectory
+from rollout.agent.environment import CodingEnvironment
+from rollout.agent.loop import EpisodeRunner
+from rollout.agent.trajectory import Trajectory
+from rollout.tasks.functions import Task
+from rollout.tasks.pool import TaskPool
+from runtime.run_dir import MetricsWriter, atomic_write_text, read_metrics
 
 EVAL_SEED = 7_777_777
 """Seeds evaluation sampling apart from training groups (which are seeded by train.seed and the group index)."""

@@ -19,15 +19,16 @@ import torch.distributed as dist
 
 from recipes.errors import UserError
 from recipes.loader import load_recipe
-from recipes.processes import die_with_parent
-from recipes.runs import MetricsWriter, RunDir, drop_records_after
 from recipes.schema import Recipe, RLSection
 from rl.protocol import LearnerQueue, Policy, ReplayQueue, RLRunFiles, learner_queue, sync_section
-from rollout.trajectories import Trajectory, episode_stats
+from rl.trajectories import episode_stats
+from rollout.agent.trajectory import Trajectory
+from runtime.processes import die_with_parent
+from runtime.progress import TensorBoard
+from runtime.run_dir import MetricsWriter, RunDir, drop_records_after
 from sync.pusher import push_version
 from trainer.core import Every
 from trainer.launch import record_rank_error, redirect_rank_output
-from trainer.progress import TensorBoard
 from trainer.rl_learner import LearnerSequence, RLLearner
 from trainer.rl_objective import group_advantages, has_signal
 

@@ -2,7 +2,7 @@
 
 They share nothing but files of the run directory, each written atomically:
 
-    trajectories/<stage>/gNNNNNNN.traj   groups of episodes (rollout.trajectories); a group's stage is its directory
+    trajectories/<stage>/gNNNNNNN.traj   groups of episodes (rl.trajectories); a group's stage is its directory
     policy.json                          the newest policy: learner steps done, and its id in the sync store
     driver.heartbeat                     touched every second by a thread of the driver while the driver lives
     replay.json                          present when the run replays another run's trajectories (no rollouts)
@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.errors import UserError
-from recipes.runs import atomic_write_text, read_metrics
-from recipes.schema import RLSection, Recipe, SyncSection
-from rollout.trajectories import Trajectory, TrajectoryStore
+from recipes.schema import Recipe, RLSection, SyncSection
+from rl.trajectories import TrajectoryStore
+from rollout.agent.trajectory import Trajectory
+from runtime.run_dir import atomic_write_text, read_metrics
 
 DRIVER_PATIENCE_SECONDS = 120.0
 """How long the learner waits on a silent driver before it gives up (the driver beats every second)."""

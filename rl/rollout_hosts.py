@@ -22,17 +22,24 @@ from pathlib import Path
 
 from cluster.ssh import SSHHost
 from recipes.errors import UserError
-from recipes.runs import atomic_write_text
 from recipes.schema import Recipe, SSHSection, SyncSection
 from rl.protocol import RLRunFiles, sync_section
-from rollout import server_guard
-from rollout.engine import EmbeddedEngine, Engine, ServerEngine, VllmServer, server_args, wait_healthy
+from rollout.engines import server_guard
+from rollout.engines.vllm_engine import (
+    SERVER_START_SECONDS,
+    Engine,
+    ServerEngine,
+    VllmServer,
+    build_engines,
+    server_args,
+    wait_healthy,
+)
+from runtime.run_dir import atomic_write_text
 from sync.receiver import pull, update_in_place
 from sync.store import Store
 
-SERVER_START_SECONDS = 300
 SERVER_STOP_SECONDS = 30
-_FREE_PORT = "from recipes.processes import free_port; print(free_port())"  # run by the host's composer
+_FREE_PORT = "from runtime.processes import free_port; print(free_port())"  # run by the host's composer
 
 
 class _EngineVersions:
@@ -88,18 +95,8 @@ class LocalHost:
             self.engine_versions.move(engine, store, store_version, str((self.files.receiver / "current").resolve()))
 
     def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
-        rollout = self.recipe.rollout
-        if rollout.engine == "embedded":
-            engines: list[Engine] = [EmbeddedEngine(weights, rollout, seed=seed, routed_experts=routed_experts)]
-            self.engine_versions.started(engines, self._pulled)
-            return engines
-        # Started from the main thread: each server is told to end when the thread that started it does.
-        for number in range(rollout.engines_per_host):
-            self.servers.append(VllmServer(weights, rollout, seed=seed + number, routed_experts=routed_experts,
-                                           log_path=self.files.root / "logs" / f"vllm-{number}.log"))
-        for server in self.servers:
-            server.wait_ready(SERVER_START_SECONDS)
-        engines = [ServerEngine(server.url, rollout, model=weights) for server in self.servers]
+        engines, self.servers = build_engines(self.recipe.rollout, weights, seed=seed, routed_experts=routed_experts,
+                                              log_dir=self.files.root / "logs")
         self.engine_versions.started(engines, self._pulled)
         return engines
 

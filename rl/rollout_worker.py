@@ -14,15 +14,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from recipes.runs import MetricsWriter
 from recipes.schema import EnvSection, RLEvalSection, RolloutSection, SSHSection
 from rl.evaluation import Evaluator
 from rl.protocol import POLL_SECONDS, RLRunFiles, RolloutQueue, group_id
 from rl.rollout_hosts import LocalHost, RemoteHost
-from rollout.agent import EpisodeRunner, Tokenizer
-from rollout.engine import Engine
-from rollout.environment import CodingEnvironment
-from rollout.trajectories import Trajectory, episode_stats
+from rl.trajectories import episode_stats
+from rollout.agent.environment import CodingEnvironment
+from rollout.agent.harness import Tokenizer
+from rollout.agent.loop import EpisodeRunner
+from rollout.agent.trajectory import Trajectory
+from rollout.engines.vllm_engine import Engine
+from runtime.run_dir import MetricsWriter
 
 
 @dataclass

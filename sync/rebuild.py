@@ -20,7 +20,7 @@ import numpy as np
 import zstandard
 
 from recipes.errors import UserError
-from recipes.runs import atomic_write_bytes
+from runtime.run_dir import atomic_write_bytes
 from sync.checkpoint import UINT_OF_WIDTH
 from sync.codec import RAW, CorruptDataError, apply_piece, digest, hasher
 from sync.manifest import Manifest, OpaqueRecord, Piece

@@ -29,12 +29,20 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from recipes.errors import UserError
-from recipes.runs import atomic_write_bytes, fsync_dir
+from runtime.run_dir import atomic_write_bytes, fsync_dir
 from sync.checkpoint import UINT_OF_WIDTH, Checkpoint, create_safetensors, numpy_dtype, parse_header
 from sync.manifest import Manifest, TensorRecord
 from sync.pool import num_threads, ordered_map
-from sync.rebuild import (PiecePlan, Progress, Rebuilder, WrongBaseError, fetch_chunks, needed_chunks, plan_tensor,
-                          restore_opaque)
+from sync.rebuild import (
+    PiecePlan,
+    Progress,
+    Rebuilder,
+    WrongBaseError,
+    fetch_chunks,
+    needed_chunks,
+    plan_tensor,
+    restore_opaque,
+)
 from sync.store import Store
 from sync.transports import LocalTransport
 

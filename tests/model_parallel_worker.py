@@ -9,7 +9,6 @@ rank 0 saves OUT_DIR/results.pt, keyed by family.
 import sys
 
 import torch
-
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
 from recipes.schema import ParallelismSection

@@ -10,7 +10,6 @@ Usage: pipeline_worker.py OUT_DIR CHECKPOINT...; rank 0 saves OUT_DIR/results.pt
 import sys
 
 import torch
-
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
 from recipes.schema import ParallelismSection

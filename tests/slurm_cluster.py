@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from recipes.processes import free_port
+from runtime.processes import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "srun", "sbatch", "salloc")
 

@@ -10,8 +10,8 @@ import pytest
 from cluster.groups import describe_group, parallel_groups
 from cluster.launch import LocalLauncher, RanksFailed, run_to_end
 from recipes.errors import UserError
-from recipes.runs import RunDir
 from recipes.schema import ClusterSection, ParallelismSection
+from runtime.run_dir import RunDir
 from tests.conftest import RECIPES, run_composer
 
 LAYOUTS = [  # tp, cp, pp, ep, etp, world

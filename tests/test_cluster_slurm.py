@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from recipes.processes import free_port
-from recipes.runs import read_metrics
+from runtime.processes import free_port
+from runtime.run_dir import read_metrics
 from tests import slurm_cluster
-from tests.conftest import RECIPES, REPO, run_composer
+from tests.conftest import RECIPES, REPO
 
 pytestmark = [pytest.mark.engines, pytest.mark.skipif(slurm_cluster.why_not() is not None, reason=str(slurm_cluster.why_not()))]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.runs import read_metrics
+from runtime.run_dir import read_metrics
 from tests import netns_hosts
 from tests.conftest import COMPOSER, RECIPES, REPO, run_composer
 

@@ -11,16 +11,15 @@ import textwrap
 import pytest
 from rich.console import Console
 
-from recipes.errors import UserError
-from recipes.runs import MetricsWriter
 from rl.console import RLConsole, alarms
+from runtime.run_dir import MetricsWriter
 from tests.conftest import REPO
 from trainer import progress
 
 SCRIPT = textwrap.dedent("""
     import atexit, logging, os, subprocess, sys
     from pathlib import Path
-    from recipes.processes import output_to_log
+    from runtime.processes import output_to_log
 
     atexit.register(lambda: os.write(2, b"nanobind: leaked 3 functions!\\n"))  # as a library's teardown does, last
     log = Path(sys.argv[1])
@@ -141,8 +140,8 @@ def test_a_driver_crash_ends_in_its_cause_and_the_log_that_holds_the_traceback(t
 
 
 def test_the_view_follows_a_metrics_file_the_resuming_learner_replaced(tmp_path):
-    from recipes.runs import drop_records_after
     from rl.console import MetricsTail
+    from runtime.run_dir import drop_records_after
 
     metrics = tmp_path / "metrics.jsonl"
     write_steps(metrics, [1, 2, 3])

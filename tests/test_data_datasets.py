@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from tests.data_helpers import train_tokenizer, write_jsonl
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from recipes.errors import UserError
 from recipes.schema import DataSection
+from tests.data_helpers import train_tokenizer, write_jsonl
 from trainer.data import PreparedData, prepare_data
 from trainer.datasets import build_gpt_datasets
 

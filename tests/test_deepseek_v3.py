@@ -19,9 +19,10 @@ import torch
 from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.schema import ParallelismSection, RolloutSection, SamplingSection
+from tests.conftest import run_ranks
 from tests.test_model_engines import assert_same_weights
 from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.distributed import init_distributed, run_torchrun, shutdown_distributed
+from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.logprobs import pad_micro_batch, token_logprobs
 from trainer.model import build_model, forward_logits, model_section_from_hf
 from trainer.router_replay import replay_for_micro_batch, routing, routing_disagreement
@@ -131,7 +132,7 @@ def test_import_export_round_trip_is_bit_exact(checkpoint, megatron, tmp_path):
 def served(checkpoint, megatron, tokens, tmp_path_factory) -> dict:
     """The fp32 embedded engine (CPU_MLA backend): teacher-forced logprobs of `tokens` and 2 sampled continuations
     with their routed experts (saved for the torchrun replay worker too)."""
-    from rollout.engine import EmbeddedEngine
+    from rollout.engines.vllm_engine import EmbeddedEngine
 
     rollout = RolloutSection(max_context=64, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=8))
     engine = EmbeddedEngine(checkpoint, rollout, seed=0, routed_experts=True)
@@ -174,8 +175,7 @@ def test_vllm_serves_it_and_router_replay_of_its_routes_agrees(megatron, tokens,
 def test_router_replay_under_tensor_and_expert_parallelism(checkpoint, served, tmp_path):
     """tp=2 (sequence parallel), ep=2 and both: with the learner's routers perturbed, free routing departs from
     vLLM's routes and replay restores them on every MoE layer (tests/router_replay_worker.py)."""
-    result = run_torchrun(2, [str(REPO / "tests/router_replay_worker.py"), str(tmp_path), str(checkpoint), str(served["path"])],
-                          env={"PYTHONPATH": str(REPO)}, timeout=300)
+    result = run_ranks(2, "tests.router_replay_worker", str(tmp_path), str(checkpoint), str(served["path"]))
     assert result.returncode == 0, result.stderr[-4000:]
     for rank in (0, 1):
         for layout, got in torch.load(tmp_path / f"rank{rank}.pt", weights_only=False).items():
@@ -187,8 +187,7 @@ def test_router_replay_under_tensor_and_expert_parallelism(checkpoint, served, t
 def test_tensor_and_expert_parallel_match_single_process(checkpoint, tmp_path):
     """tp=2 (sequence parallel), ep=2 (both dispatchers) and tp=2 x ep=2 against tp=1: logits, the loss before and
     after one SGD step, the updated weights and the expert bias Megatron moved from the step's expert loads."""
-    result = run_torchrun(2, [str(REPO / "tests/model_parallel_worker.py"), str(tmp_path), str(checkpoint)],
-                          env={"PYTHONPATH": str(REPO)}, timeout=300)
+    result = run_ranks(2, "tests.model_parallel_worker", str(tmp_path), str(checkpoint))
     assert result.returncode == 0, result.stderr[-4000:]
     splits = torch.load(tmp_path / "results.pt")["deepseek_v3"]
     reference = splits.pop("tp1")
@@ -213,7 +212,7 @@ def test_tensor_and_expert_parallel_match_single_process(checkpoint, tmp_path):
 def test_layouts_and_shapes_the_provider_cannot_build_are_refused(checkpoint, megatron, tmp_path):
     import shutil
 
-    from rollout.engine import attention_backend
+    from rollout.engines.vllm_engine import attention_backend
     from trainer.model import check_supported
 
     m, _ = megatron
@@ -258,7 +257,7 @@ def composer_ok(*args: str) -> str:
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    from recipes.runs import read_metrics
+    from runtime.run_dir import read_metrics
 
     root = tmp_path_factory.mktemp("chain")
     composer_ok("model", "init", str(root / "init"), "--recipe", str(TWIN))

@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from rollout.fleet import Failure, Provider, SandboxPool, SimulatedClock
-from rollout.sandbox import AssertionTests, SandboxResult
-from rollout.sandbox_server import RunRequest
+from rollout.sandbox.fleet import Failure, Provider, SandboxPool, SimulatedClock
+from rollout.sandbox.results import AssertionTests, SandboxResult
+from rollout.sandbox.server import RunRequest
 
 OK = SandboxResult(1.0, 1, 1, "ok", "", "", "", 0.1)
 INFRA = SandboxResult(0.0, 0, 0, "infra", "the host starved the run", "", "", 0.1, infra_failure=True)
@@ -198,9 +198,8 @@ def test_with_no_host_up_queued_runs_end_as_infra_failure():
 
 
 def test_requests_and_results_cross_the_wire_unchanged_and_nothing_else_does():
-    from rollout.graders import Call, CaseTests, Statement
-    from rollout.sandbox import CallTests, CaseResult, GeneratedCalls, ScriptRun
-    from rollout.sandbox_server import ProtocolError, from_wire, to_wire
+    from rollout.sandbox.results import Call, CallTests, CaseResult, CaseTests, GeneratedCalls, ScriptRun, Statement
+    from rollout.sandbox.server import ProtocolError, from_wire, to_wire
 
     values = [
         RunRequest("x = 1\n", ScriptRun()),
@@ -223,9 +222,8 @@ def test_requests_and_results_cross_the_wire_unchanged_and_nothing_else_does():
 
 def test_a_real_local_fleet_runs_programs_concurrently_up_to_its_limit(tmp_path):
     from recipes.schema import SandboxSection, SSHSection
-    from rollout.sandbox_hosts import SandboxFleet
-
-    from rollout.sandbox import ScriptRun
+    from rollout.sandbox.hosts import SandboxFleet
+    from rollout.sandbox.results import ScriptRun
 
     fleet = SandboxFleet(SandboxSection(sandboxes_per_host=3, max_concurrent=2, wall_seconds=30), SSHSection(), root=tmp_path)
     try:
@@ -283,7 +281,7 @@ def test_the_sandbox_server_grades_what_it_is_sent_and_refuses_what_is_not_a_req
     import sys
 
     from recipes.schema import SandboxSection
-    from rollout.sandbox_server import MODULE, frame_bytes, from_wire, read_frame, to_wire
+    from rollout.sandbox.server import MODULE, frame_bytes, from_wire, read_frame, to_wire
     from tests.conftest import REPO
 
     server = subprocess.Popen([sys.executable, "-m", MODULE], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -47,7 +47,7 @@ def sandbox_section(names: list[str], **more):
 
 def numbered(i: int, seconds: float):
     """A program returning `i` after `seconds`, and tests that pass only for `i`: a result is its own run's."""
-    from rollout.sandbox import AssertionTests
+    from rollout.sandbox.results import AssertionTests
 
     program = f"import time\n\ndef answer():\n    time.sleep({seconds})\n    return {i}\n"
     return program, AssertionTests(entry_point="answer", setup="", cases=(f"assert candidate() == {i}",))
@@ -62,8 +62,9 @@ def wait_for_no_process(hosts, pattern: str, seconds: float = 20) -> list[str]:
 
 def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
     from recipes.schema import SandboxSection
-    from rollout.sandbox_hosts import SandboxFleet
-    from rollout.sandbox import CallTests, GeneratedCalls, Sandbox, ScriptRun
+    from rollout.sandbox.hosts import SandboxFleet
+    from rollout.sandbox.results import CallTests, GeneratedCalls, ScriptRun
+    from rollout.sandbox.runs import Sandbox
 
     cases = [
         numbered(7, 0),
@@ -86,16 +87,16 @@ def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
         assert sum(fleet.metrics()["sandbox_host_runs"].values()) == len(cases)
     finally:
         fleet.close()
-    assert wait_for_no_process(hosts, "rollout.sandbox_server") == []  # closing the fleet ends its servers
+    assert wait_for_no_process(hosts, "rollout.sandbox.server") == []  # closing the fleet ends its servers
 
 
 def test_an_unreachable_host_or_a_missing_composer_at_start_is_one_clear_error(hosts):
     from recipes.errors import UserError
-    from rollout.sandbox_hosts import SandboxFleet
+    from rollout.sandbox.hosts import SandboxFleet
 
     with pytest.raises(UserError, match=f"root@{netns_hosts.UNUSED_ADDRESS}:22: cannot connect"):
         SandboxFleet(sandbox_section([hosts.names[0], netns_hosts.UNUSED_ADDRESS]), ssh_section(hosts))
-    assert wait_for_no_process(hosts, "rollout.sandbox_server") == []  # the reachable host was closed again
+    assert wait_for_no_process(hosts, "rollout.sandbox.server") == []  # the reachable host was closed again
     with pytest.raises(UserError, match=f"sandbox host root@{hosts.names[0]}:22: its sandbox server .* did not start: .*No such file.*env.sandbox.remote_python"):
         SandboxFleet(sandbox_section([hosts.names[0]], remote_python="/nonexistent/python"), ssh_section(hosts))
 
@@ -104,8 +105,8 @@ def test_a_killed_driver_leaves_no_sandbox_server(hosts):
     driver_code = textwrap.dedent(f"""
         import time
         from recipes.schema import SandboxSection, SSHSection
-        from rollout.sandbox_hosts import SandboxFleet
-        from rollout.sandbox_server import RunRequest
+        from rollout.sandbox.hosts import SandboxFleet
+        from rollout.sandbox.server import RunRequest
         from tests.test_fleet_hosts import numbered
 
         ssh = SSHSection(user="root", key_file={str(hosts.client_key)!r}, known_hosts={str(hosts.known_hosts)!r})
@@ -119,12 +120,12 @@ def test_a_killed_driver_leaves_no_sandbox_server(hosts):
     driver = subprocess.Popen([sys.executable, "-c", driver_code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert driver.stdout.readline().strip() == "running"
-        assert len(hosts.processes("rollout.sandbox_server")) == 2
+        assert len(hosts.processes("rollout.sandbox.server")) == 2
     finally:
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
-    assert wait_for_no_process(hosts, "rollout.sandbox_server") == []
-    assert wait_for_no_process(hosts, "sandbox_zygote") == []
+    assert wait_for_no_process(hosts, "rollout.sandbox.server") == []
+    assert wait_for_no_process(hosts, "sandbox/zygote.py") == []
 
 
 def test_env_check_grades_every_reference_on_the_recipes_sandbox_hosts(hosts, write_recipe):
@@ -143,7 +144,7 @@ def test_env_check_grades_every_reference_on_the_recipes_sandbox_hosts(hosts, wr
         assert f"sandbox on {name} (1 at once): a dedicated uid per run, mount, PID and network namespaces" in result.stdout
     rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 5}
     assert "100.0%" in rows["smoke"] and "100.0%" in rows["humaneval"]
-    assert wait_for_no_process(hosts, "rollout.sandbox_server") == []
+    assert wait_for_no_process(hosts, "rollout.sandbox.server") == []
 
     unreachable = run_composer("env", "check", str(recipe), "--set", f"env.sandbox.hosts=[{hosts.names[0]}, {netns_hosts.UNUSED_ADDRESS}]")
     assert unreachable.returncode == 2 and "Traceback" not in unreachable.stderr
@@ -169,13 +170,13 @@ def test_an_rl_run_grades_its_episodes_on_the_sandbox_hosts(hosts, tmp_path):
     last = groups[-1]
     assert set(last["sandbox_host_runs"]) == set(hosts.names[:2]) and all(n > 0 for n in last["sandbox_host_runs"].values())
     assert last["sandbox_infra_failures"] == 0 and last["infra_failure_rate"] == 0 and last["sandbox_hosts_up"] == 2
-    assert wait_for_no_process(hosts, "rollout.sandbox_server") == []
+    assert wait_for_no_process(hosts, "rollout.sandbox.server") == []
 
 
 def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others_and_is_readmitted_when_back(hosts):
     """Last in this module: it kills the third host (and brings it back)."""
-    from rollout.sandbox_hosts import SandboxFleet
-    from rollout.sandbox_server import RunRequest
+    from rollout.sandbox.hosts import SandboxFleet
+    from rollout.sandbox.server import RunRequest
 
     runs = 24
     fleet = SandboxFleet(sandbox_section(hosts.names, readmit_seconds=2), ssh_section(hosts))
@@ -183,7 +184,7 @@ def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others_and_is_readmit
     try:
         futures = [fleet.submit(RunRequest(*numbered(i, 0.5)), task_set="smoke") for i in range(runs)]
         deadline = time.monotonic() + 60
-        while not hosts.pids(victim, "sandbox_zygote") or fleet.metrics()["sandbox_completed"] < 2:
+        while not hosts.pids(victim, "sandbox/zygote.py") or fleet.metrics()["sandbox_completed"] < 2:
             assert time.monotonic() < deadline, fleet.metrics()
             time.sleep(0.05)
         before = fleet.metrics()

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 
 from recipes.schema import EnvSection, SandboxSection, TaskSet
-from rollout import plain_data
-from rollout.environment import CodingEnvironment
-from rollout.graders import Call, Statement, judge_call, rewrite_assertions
-from rollout.sandbox import Sandbox, ScriptRun
-from rollout.tasks import CodeIOSource, HumanEvalSource, canary_of, smoke_task
-from rollout.trajectories import Trajectory, episode_stats
+from rl.trajectories import episode_stats
+from rollout.agent.environment import CodingEnvironment
+from rollout.agent.trajectory import Trajectory
+from rollout.sandbox import plain_data
+from rollout.sandbox.graders import judge_call, rewrite_assertions
+from rollout.sandbox.results import Call, ScriptRun, Statement
+from rollout.sandbox.runs import Sandbox
+from rollout.tasks.functions import CodeIOSource, HumanEvalSource, canary_of, smoke_task
 from trainer.rl_objective import group_advantages
 
 # A wall limit far away, so the CPU limit ends loops however busy this machine is.
@@ -71,7 +73,7 @@ CHEATS = {
     ),
     "monkeypatch_the_harness": (
         "import sys\n"
-        "harness = sys.modules.get('sandbox_runner')\n"
+        "harness = sys.modules.get('runner')\n"
         "if harness:\n"
         "    harness._Harness.call = lambda self, request: {{'id': request['id'], 'value': 'true'}}\n"
         "    harness._Channel.send = lambda self, message: None\n"
@@ -227,7 +229,7 @@ def test_guards_decide_what_a_flagged_episode_earns(tmp_path, tasks):
 
 
 def test_a_sandbox_that_cannot_start_is_an_infrastructure_failure(tmp_path, monkeypatch, caplog):
-    import rollout.sandbox as sandbox_module
+    import rollout.sandbox.runs as sandbox_module
 
     sandbox = Sandbox(LIMITS.model_copy(update={"infra_retries": 1}), root=tmp_path)
     broken = dict(sandbox_module.root_layout(), read_only=["/nonexistent-composer-lib"])

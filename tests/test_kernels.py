@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.schema import KernelsSection, ParallelismSection
+from tests.conftest import run_ranks
 from tests.kernel_parity_worker import kernel_parity
 from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.distributed import init_distributed, run_torchrun, shutdown_distributed
+from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.kernels import check_kernels_installed, resolve_kernels
 from trainer.model import build_model, model_section_from_hf
 
@@ -62,8 +63,7 @@ def test_grouped_experts_and_sdpa_match_the_local_modules(checkpoints, family):
 
 def test_parity_under_tensor_and_expert_parallelism(checkpoints, tmp_path):
     """tp=2 with sequence parallel, ep=2 and tp=2 x ep=2, both families, on each of the 2 ranks."""
-    result = run_torchrun(2, [str(REPO / "tests/kernel_parity_worker.py"), str(tmp_path), *map(str, checkpoints.values())],
-                          env={"PYTHONPATH": str(REPO)}, timeout=300)
+    result = run_ranks(2, "tests.kernel_parity_worker", str(tmp_path), *map(str, checkpoints.values()))
     assert result.returncode == 0, result.stderr[-4000:]
     for rank in (0, 1):
         results = torch.load(tmp_path / f"rank{rank}.pt")

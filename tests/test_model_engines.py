@@ -14,8 +14,9 @@ import torch
 
 from recipes.loader import load_recipe
 from recipes.schema import ParallelismSection
+from tests.conftest import run_ranks
 from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.distributed import init_distributed, run_torchrun, shutdown_distributed
+from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.model import build_model, forward_logits, model_section_from_hf
 from trainer.weights import export_hf, hf_weight_files, load_hf_into
 
@@ -179,10 +180,7 @@ def test_vllm_serves_the_exported_model(megatron, tokens, tmp_path, monkeypatch)
 def test_tensor_and_expert_parallel_match_single_process(checkpoint, dense_checkpoint, tmp_path):
     """MoE: tp=2 (sequence parallel), ep=2 (alltoall and allgather), tp=2 with ep=2 over the same two ranks;
     dense: tp=2; each against tp=1, under torchrun with 2 gloo processes."""
-    result = run_torchrun(
-        2, [str(REPO / "tests/model_parallel_worker.py"), str(tmp_path), str(checkpoint), str(dense_checkpoint)],
-        env={"PYTHONPATH": str(REPO)}, timeout=300,
-    )
+    result = run_ranks(2, "tests.model_parallel_worker", str(tmp_path), str(checkpoint), str(dense_checkpoint))
     assert result.returncode == 0, result.stderr[-4000:]
     results = torch.load(tmp_path / "results.pt")
     assert set(results) == {"qwen3_moe", "llama"}

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from recipes.loader import load_recipe
+from tests.conftest import run_ranks
 from tests.test_model_engines import assert_same_weights
 from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.distributed import run_torchrun
 from trainer.model import model_section_from_hf
 
 pytestmark = pytest.mark.engines
@@ -32,8 +32,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_pp2_step_equals_pp1_and_exports_from_both_stages(checkpoints, tmp_path):
-    result = run_torchrun(2, [str(REPO / "tests/pipeline_worker.py"), str(tmp_path), *map(str, checkpoints.values())],
-                          env={"PYTHONPATH": str(REPO)}, timeout=300)
+    result = run_ranks(2, "tests.pipeline_worker", str(tmp_path), *map(str, checkpoints.values()))
     assert result.returncode == 0, result.stderr[-4000:]
     results = torch.load(tmp_path / "results.pt")
     tokens = 3 * (32 + 20)  # 3 micro-batches of a full and a 20-token sequence
@@ -52,7 +51,7 @@ def test_pp2_step_equals_pp1_and_exports_from_both_stages(checkpoints, tmp_path)
 def test_midtrain_at_pp2_reproduces_pp1(checkpoints, tmp_path):
     """`composer train midtrain` with the twin split over 2 stages (dp=1) against 2 data-parallel replicas (pp=1):
     every recorded metric of 2 steps and 3 evaluations agrees, and the run checkpoints and exports from both stages."""
-    from recipes.runs import read_metrics
+    from runtime.run_dir import read_metrics
     from tests.conftest import run_composer
 
     runs = {}

@@ -16,22 +16,21 @@ import yaml
 from recipes.errors import UserError
 from recipes.loader import load_recipe, recipe_to_yaml, validate_recipe
 from recipes.schema import RepoTaskSettings, SandboxSection, TaskSet
-from rollout.graders import DEFAULT_GUARDED, guarded_reward
-from rollout.repo_tasks import (
-    Mutation,
+from rollout.sandbox.graders import DEFAULT_GUARDED, guarded_reward
+from rollout.sandbox.isolation import installed_copies
+from rollout.sandbox.runs import Sandbox
+from rollout.tasks.mutations import Mutation, changed_module, mutations
+from rollout.tasks.repository import (
     build_repo_tasks,
     candidates,
-    changed_module,
     check_repo_tasks,
     load_tasks,
-    mutations,
     open_workspace,
     project_bases,
     repo_tests,
     set_dir,
 )
-from rollout.sandbox import Sandbox, installed_copies
-from rollout.workspace import RepoWorkspace
+from rollout.tasks.workspace import RepoWorkspace
 from tests.conftest import REPO
 
 AS_ROOT = os.geteuid() == 0

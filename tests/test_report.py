@@ -12,8 +12,8 @@ import pytest
 from matplotlib.image import imread
 
 from recipes.errors import UserError
-from recipes.runs import MetricsWriter
-from trainer.report import render_report
+from runtime.report import render_report
+from runtime.run_dir import MetricsWriter
 
 REPO = Path(__file__).resolve().parents[1]
 

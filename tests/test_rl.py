@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from recipes.run_status import run_status
+from runtime.status import run_status
 from tests.conftest import COMPOSER, RECIPES, REPO
 
 pytestmark = pytest.mark.engines
@@ -190,7 +190,7 @@ def test_a_failed_run_says_why_and_is_listed_failed(tmp_path, composer):
 
 
 def test_held_out_evaluation_at_the_start_and_the_end_on_tasks_never_trained(killed_and_resumed):
-    from rollout.trajectories import TrajectoryStore
+    from rl.trajectories import TrajectoryStore
 
     run = killed_and_resumed.run
     records = [json.loads(line) for line in (run / "eval_metrics.jsonl").read_text().splitlines()]

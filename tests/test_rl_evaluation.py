@@ -10,8 +10,8 @@ import pytest
 from recipes.errors import UserError
 from recipes.schema import EnvSection, RLEvalSection, TaskSet
 from rl.evaluation import bootstrap_interval, held_out_sets, pass_at_k
-from rollout.environment import CodingEnvironment
-from rollout.tasks import held_out_split
+from rollout.agent.environment import CodingEnvironment
+from rollout.tasks.pool import held_out_split
 
 
 def test_pass_at_k_is_the_unbiased_estimator():

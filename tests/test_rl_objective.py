@@ -95,7 +95,7 @@ def test_uniform_groups_carry_no_signal():
 
 def test_learner_leaves_uniform_groups_out():
     from rl.learner_main import learner_sequences
-    from rollout.trajectories import Segment, Trajectory
+    from rollout.agent.trajectory import Segment, Trajectory
 
     def trajectory(reward, version=3):
         seg = Segment(np.arange(4), np.array([0, 1, 1, 1], bool), np.zeros(4))

@@ -10,9 +10,18 @@ import pytest
 
 from recipes.errors import UserError
 from rl.protocol import (
-    Heartbeat, LearnerQueue, Policy, ReplayQueue, RLRunFiles, RolloutQueue, StalenessRule, driver_silent_for, group_id,
+    Heartbeat,
+    LearnerQueue,
+    Policy,
+    ReplayQueue,
+    RLRunFiles,
+    RolloutQueue,
+    StalenessRule,
+    driver_silent_for,
+    group_id,
 )
-from rollout.trajectories import Segment, Trajectory, TrajectoryStore
+from rl.trajectories import TrajectoryStore
+from rollout.agent.trajectory import Segment, Trajectory
 
 PROMPTS = 2
 

@@ -53,7 +53,7 @@ def test_a_remote_rollout_host_serves_every_policy_and_dies_with_the_driver(sshd
 
 def test_an_unreachable_rollout_host_is_one_clear_error(sshd, tmp_path, composer):
     from recipes.loader import load_recipe
-    from recipes.processes import free_port
+    from runtime.processes import free_port
     from trainer.checkpoint_init import init_hf_checkpoint
 
     _, key, known_hosts, _ = sshd

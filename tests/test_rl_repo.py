@@ -12,7 +12,7 @@ pytestmark = pytest.mark.engines
 
 def test_rl_on_repository_tasks_runs_end_to_end(tmp_path, composer):
     from recipes.loader import load_recipe
-    from rollout.trajectories import TrajectoryStore
+    from rl.trajectories import TrajectoryStore
     from trainer.checkpoint_init import init_hf_checkpoint
 
     recipe = RECIPES / "smoke-repo-rl.yaml"

@@ -20,7 +20,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoints):
-    from rollout.engine import EmbeddedEngine
+    from rollout.engines.vllm_engine import EmbeddedEngine
 
     rollout = RolloutSection(max_context=256, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=16))
     return EmbeddedEngine(checkpoints[0], rollout, seed=0, routed_experts=True)
@@ -75,14 +75,14 @@ def test_in_place_update_equals_the_new_weights(engine, checkpoints):
 
 def test_missing_checkpoint_is_a_user_error(tmp_path):
     from recipes.errors import UserError
-    from rollout.engine import EmbeddedEngine
+    from rollout.engines.vllm_engine import EmbeddedEngine
 
     with pytest.raises(UserError, match="is not an HF checkpoint"):
         EmbeddedEngine(tmp_path, RolloutSection(), seed=0, routed_experts=False)
 
 
 def test_server_engine_generates_and_updates_in_place(checkpoints, tmp_path):
-    from rollout.engine import ServerEngine, VllmServer
+    from rollout.engines.vllm_engine import ServerEngine, VllmServer
 
     rollout = RolloutSection(engine="server", max_context=256, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=8))
     with VllmServer(checkpoints[0], rollout, seed=0, routed_experts=True, log_path=tmp_path / "vllm.log") as server:

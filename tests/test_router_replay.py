@@ -17,9 +17,10 @@ import torch
 from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.schema import ParallelismSection, RolloutSection, SamplingSection
+from tests.conftest import run_ranks
 from tests.router_replay_worker import perturb_routers
 from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.distributed import init_distributed, run_torchrun, shutdown_distributed
+from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.logprobs import pad_micro_batch, token_logprobs
 from trainer.model import build_model, forward_logits, model_section_from_hf
 from trainer.replay_layout import ReplayLayoutError
@@ -49,7 +50,7 @@ def megatron_ready(checkpoint):
 @pytest.fixture(scope="module")
 def rollouts(checkpoint, megatron_ready, tmp_path_factory) -> dict:
     """Samples of a bf16 vLLM engine: tokens, per-token engine logprobs and loss masks, routed experts."""
-    from rollout.engine import EmbeddedEngine
+    from rollout.engines.vllm_engine import EmbeddedEngine
 
     rollout = RolloutSection(max_context=64, kv_cache_gib=0.0625, dtype="bfloat16", sampling=SamplingSection(max_tokens=10))
     engine = EmbeddedEngine(checkpoint, rollout, seed=0, routed_experts=True)
@@ -159,8 +160,7 @@ def test_tensor_and_expert_parallel_replay(checkpoint, megatron_ready, rollouts,
     with routing(model, replay):
         reference = token_logprobs(model, reference_batch.tokens, with_grad=False)
 
-    result = run_torchrun(2, [str(REPO / "tests/router_replay_worker.py"), str(tmp_path), str(checkpoint), str(rollouts["path"])],
-                          env={"PYTHONPATH": str(REPO)}, timeout=300)
+    result = run_ranks(2, "tests.router_replay_worker", str(tmp_path), str(checkpoint), str(rollouts["path"]))
     assert result.returncode == 0, result.stderr[-4000:]
     for rank in (0, 1):
         for layout, got in torch.load(tmp_path / f"rank{rank}.pt", weights_only=False).items():

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from recipes.loader import load_recipe, recipe_to_yaml
-from recipes.run_status import find_runs, run_status
-from recipes.runs import MetricsWriter, RunDir
+from runtime.run_dir import MetricsWriter, RunDir
+from runtime.status import find_runs, run_status
 from tests.conftest import RECIPES, REPO
 
 
@@ -66,7 +66,7 @@ def test_status_comes_from_the_files(runs_dir):
 
 def test_a_live_process_holding_the_run_makes_it_running(runs_dir):
     root = runs_dir / "mid-killed"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from recipes.runs import RunDir; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from runtime.run_dir import RunDir; "
                                "run = RunDir(Path(sys.argv[1])); run.prepare(run.recipe_path.read_text(), resume=True); "
                                "print('held', flush=True); sys.stdin.read()", str(root)],
                               cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -6,7 +6,7 @@ import pytest
 
 from recipes.errors import UserError
 from recipes.loader import load_recipe, recipe_to_yaml
-from recipes.runs import MetricsWriter, RunDir, atomic_write_bytes, read_metrics
+from runtime.run_dir import MetricsWriter, RunDir, atomic_write_bytes, read_metrics
 from tests.conftest import RECIPES
 
 
@@ -67,7 +67,7 @@ def test_what_a_rank_forks_dies_with_the_rank():
 
     rank = subprocess.Popen([sys.executable, "-c", (
         "import os, time\n"
-        "from recipes.processes import die_with_parent\n"
+        "from runtime.processes import die_with_parent\n"
         "die_with_parent(forks_too=True)\n"
         "child = os.fork()\n"
         "if child == 0:\n"

@@ -8,7 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from recipes.schema import SandboxSection
-from rollout.sandbox import AssertionTests, Isolation, Sandbox, installed_copies, root_layout
+from rollout.sandbox.isolation import Isolation, installed_copies, root_layout
+from rollout.sandbox.results import AssertionTests
+from rollout.sandbox.runs import Sandbox
 from tests.conftest import REPO
 
 LIMITS = dict(cpu_seconds=2, wall_seconds=4, memory_mb=512, max_processes=16, max_file_mb=2, max_output_kb=8)

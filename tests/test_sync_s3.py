@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from recipes.errors import UserError
-from recipes.processes import free_port
+from runtime.processes import free_port
 from sync.checkpoint import write_safetensors
 from sync.manifest import Manifest
 from sync.pusher import push_version

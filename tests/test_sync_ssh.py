@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from recipes.errors import UserError
-from recipes.processes import free_port
 from recipes.schema import SSHSection
+from runtime.processes import free_port
 from sync.manifest import Manifest
 from sync.pusher import push_version
 from sync.rebuild import verify

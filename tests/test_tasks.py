@@ -8,9 +8,18 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from recipes.schema import EnvSection, SandboxSection, TaskSet
-from rollout.environment import CodingEnvironment
-from rollout.sandbox import Sandbox
-from rollout.tasks import RGYM_DATASETS, RGYM_PER_DATASET, CodeIOSource, HumanEvalSource, ReasoningGymSource, TaskPool, extract_code, smoke_task
+from rollout.agent.environment import CodingEnvironment
+from rollout.sandbox.runs import Sandbox
+from rollout.tasks.functions import (
+    RGYM_DATASETS,
+    RGYM_PER_DATASET,
+    CodeIOSource,
+    HumanEvalSource,
+    ReasoningGymSource,
+    extract_code,
+    smoke_task,
+)
+from rollout.tasks.pool import TaskPool
 from tests.conftest import RECIPES
 
 WORKERS = 4
@@ -139,7 +148,7 @@ def test_rgym_answers_are_computed_by_the_program_and_checked_against_the_genera
         (bits, f"```python\ndef answer():\n    return bin({number}).count('1')\n```", 1.0),
         (bits, f"```python\ndef answer():\n    return bin({number}).count('0')\n```", 0.5),  # runs, returns an int
         (bits, f"```python\ndef answer():\n    return str(bin({number}).count('1'))\n```", 0.0),
-        (bits, f"```python\ndef count_bits(n):\n    return bin(n).count('1')\n```", 0.0),
+        (bits, "```python\ndef count_bits(n):\n    return bin(n).count('1')\n```", 0.0),
         (backward, f"Here:\n```python\ndef answer():\n    return {word!r}[::-1]\n```", 1.0),
         (backward, f"```python\ndef answer():\n    return {word!r}\n```", 0.5 if word != word[::-1] else 1.0),
         (backward, "I do not know.", 0.0),

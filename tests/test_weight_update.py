@@ -60,7 +60,7 @@ def _move(engine, store, receiver: Path, held: str, target: str) -> dict:
 
 
 def test_in_place_updates_equal_a_fresh_engine_embedded_and_server(store, tmp_path):
-    from rollout.engine import EmbeddedEngine, ServerEngine, VllmServer
+    from rollout.engines.vllm_engine import EmbeddedEngine, ServerEngine, VllmServer
 
     store, checkpoints = store
     receiver = tmp_path / "receiver"

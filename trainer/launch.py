@@ -12,8 +12,8 @@ import sys
 from typing import TextIO
 
 from cluster.launch import ERROR_PREFIX
-from recipes.processes import send_output_to
-from recipes.runs import RunDir, atomic_write_text
+from runtime.processes import send_output_to
+from runtime.run_dir import RunDir, atomic_write_text
 
 
 def redirect_rank_output(run: RunDir, rank: int) -> TextIO | None:

@@ -29,9 +29,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from recipes.checks import refuse_resume_changes, refuse_unhonoured
 from recipes.errors import UserError
 from recipes.loader import load_recipe
-from recipes.processes import die_with_parent
-from recipes.runs import RunDir, drop_records_after
 from recipes.schema import ARCHITECTURE_FIELDS, Recipe
+from runtime.processes import die_with_parent
+from runtime.progress import StepClock, TensorBoard
+from runtime.run_dir import RunDir, drop_records_after
 from trainer.checkpointing import Checkpointer, check_layout
 from trainer.core import Every, TrainerCore, export_checkpoint
 from trainer.distributed import shutdown_distributed
@@ -40,7 +41,6 @@ from trainer.launch import record_rank_error, redirect_rank_output
 from trainer.model import causal_mask
 from trainer.optimizer import TrainOptimizer
 from trainer.pipeline import forward_backward
-from trainer.progress import StepClock, TensorBoard
 
 MODULE = __spec__.name
 """This entry point, as `python -m` names it (the CLI starts it under torchrun)."""

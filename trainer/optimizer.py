@@ -84,7 +84,10 @@ class TrainOptimizer:
         """Aux-loss-free balancing as Megatron's finalize_model_grads does it: each bias moves by
         moe_router_bias_update_rate towards balance, from the expert loads of this step's training forwards
         summed over tensor and data parallelism; the loads then restart from zero."""
-        from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias, reset_model_temporary_tensors
+        from megatron.core.distributed.finalize_model_grads import (
+            _update_router_expert_bias,
+            reset_model_temporary_tensors,
+        )
 
         config = self.model.config
         if getattr(config, "moe_router_enable_expert_bias", False):

@@ -25,8 +25,8 @@ from typing import Callable, Iterator
 import torch
 
 from recipes.errors import UserError
-from recipes.runs import atomic_write_text, publish_dir
 from recipes.schema import ModelSection
+from runtime.run_dir import atomic_write_text, publish_dir
 from trainer.model import check_matches_checkpoint, hf_config_from_model_section
 
 TOKENIZER_FILES = (
@@ -194,7 +194,6 @@ class ParamPlan:
 def plan_params(model, m: ModelSection) -> Iterator[tuple[torch.nn.Parameter, ParamPlan]]:
     """Every parameter of `model` with the HF tensors it is made of."""
     from megatron.core import parallel_state
-
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     rules = [(rule, _compile(rule.megatron)) for rule in family_rules(m)]

@@ -14,14 +14,14 @@ from pathlib import Path
 
 from recipes.errors import UserError
 from recipes.schema import EnvSection, SSHSection
-from rollout.graders import Statement, guarded_reward
-from rollout.harness import PathRefused, read_text, write_text
-from rollout.repo_tasks import RepoTests
-from rollout.repo_tasks import open_workspace as open_repo_workspace
-from rollout.sandbox import CommandResult, SandboxResult, case_tests
-from rollout.sandbox_hosts import SandboxFleet
-from rollout.tasks import Task, TaskPool, defines
-from rollout.workspace import Workspace
+from rollout.agent.harness import PathRefused, read_text, write_text
+from rollout.sandbox.graders import case_tests, guarded_reward
+from rollout.sandbox.hosts import SandboxFleet
+from rollout.sandbox.results import CommandResult, SandboxResult, Statement
+from rollout.tasks.functions import Task, defines
+from rollout.tasks.pool import TaskPool
+from rollout.tasks.repository import open_workspace as open_repo_workspace
+from rollout.tasks.workspace import RepoTests, Workspace
 
 log = logging.getLogger("composer.env")
 
@@ -55,7 +55,7 @@ class CodingEnvironment:
     def grade_program(self, task: Task, program: str) -> SandboxResult:
         if isinstance(task.tests, RepoTests):
             raise UserError(f"{task.id}: a repository task is graded through its workspace "
-                            "(rollout.repo_tasks.open_workspace), not as one program")
+                            "(rollout.tasks.repository.open_workspace), not as one program")
         result = self.sandbox.run(program, task.tests, "all_or_nothing" if task.canary else self.reward, task_set=task.family)
         flags = result.flags
         if task.canary and result.reward > 0:
@@ -89,7 +89,7 @@ class CodingEnvironment:
         return self._guarded(workspace.grade())
 
 
-class FunctionWorkspace:
+class FunctionWorkspace(Workspace):
     """The one-file workspace of a function task: solution.py in a directory of its own, graded as the program the
     hidden tests score (through the guards). With tools it starts as the task's code (the signature and docstring to
     complete), and the prompt's imports and helpers go before it at grading as they do for a reply; without tools each

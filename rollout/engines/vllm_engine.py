@@ -12,18 +12,19 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 
 from recipes.errors import UserError
-from recipes.processes import free_port
 from recipes.schema import RolloutSection
-from rollout import server_guard
-from rollout.vllm_worker import WORKER_EXTENSION, fix_cpu_rotary_strides
+from rollout.engines import server_guard
+from rollout.engines.worker_extension import WORKER_EXTENSION, fix_cpu_rotary_strides
+from runtime.processes import free_port
 
 
 @dataclass
@@ -39,15 +40,21 @@ class Completion:
     finish_reason: str
 
 
-class Engine(Protocol):
-    """What the agent loop needs of an inference engine (embedded or server)."""
+class Engine(ABC):
+    """What the agent loop needs of an inference engine (embedded or server; `build_engines` makes them)."""
 
+    @abstractmethod
     def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None,
-                 temperature: float | None = None) -> list[list[Completion]]: ...
+                 temperature: float | None = None) -> list[list[Completion]]:
+        """`n` sampled completions of each prompt (token ids), with their logprobs and routed experts."""
 
-    def load_weights(self, weights_dir: str | Path) -> None: ...
+    @abstractmethod
+    def load_weights(self, weights_dir: str | Path) -> None:
+        """Serve the checkpoint in `weights_dir` from now on (every weight reloaded)."""
 
-    def update_weights(self, weights_dir: str | Path, changed: list[str], pieces: dict[str, list]) -> dict: ...
+    @abstractmethod
+    def update_weights(self, weights_dir: str | Path, changed: list[str], pieces: dict[str, list]) -> dict:
+        """Patch the served weights in place where they changed (`changed` tensors, `pieces` of them); a digest."""
 
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -79,7 +86,7 @@ def attention_backend(model_dir: Path, dtype: str) -> str | None:
     return "CPU_MLA" if dtype == "float32" else None
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(Engine):
     """A vLLM engine in this process (no EngineCore/worker subprocesses)."""
 
     def __init__(self, model_dir: str | Path, rollout: RolloutSection, *, seed: int, routed_experts: bool):
@@ -90,7 +97,7 @@ class EmbeddedEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        fix_cpu_rotary_strides()  # the worker runs in this process, which imported rollout.vllm_worker already
+        fix_cpu_rotary_strides()  # the worker runs in this process, which imported rollout.engines.worker_extension already
 
         self.routed_experts = routed_experts
         backend = attention_backend(model_dir, rollout.dtype)
@@ -263,7 +270,7 @@ class VllmServer:
         self.stop()
 
 
-class ServerEngine:
+class ServerEngine(Engine):
     """Client of one OpenAI-compatible vLLM server: the same interface as `EmbeddedEngine`."""
 
     def __init__(self, url: str, rollout: RolloutSection, model: str):
@@ -325,3 +332,25 @@ def _server_completion(prompt: list[int], choice: dict) -> Completion:
         routed_experts=np.load(io.BytesIO(base64.b64decode(routes))) if routes else None,
         finish_reason=choice.get("finish_reason") or "length",
     )
+
+
+SERVER_START_SECONDS = 300
+
+
+def build_engines(rollout: RolloutSection, weights: str, *, seed: int, routed_experts: bool,
+                  log_dir: Path) -> tuple[list[Engine], list[VllmServer]]:
+    """The engines `rollout.engine` asks for on this host, serving `weights`: one embedded engine, or
+    `rollout.engines_per_host` vLLM servers (returned too: the caller stops them) and a client of each."""
+    if rollout.engine == "embedded":
+        return [EmbeddedEngine(weights, rollout, seed=seed, routed_experts=routed_experts)], []
+    # Each server is told to end when the thread that started it does: call this from the main thread.
+    servers = [VllmServer(weights, rollout, seed=seed + number, routed_experts=routed_experts,
+                          log_path=log_dir / f"vllm-{number}.log") for number in range(rollout.engines_per_host)]
+    try:
+        for server in servers:
+            server.wait_ready(SERVER_START_SECONDS)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return [ServerEngine(server.url, rollout, model=weights) for server in servers], servers

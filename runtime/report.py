@@ -22,8 +22,8 @@ from typing import Callable
 from matplotlib.figure import Figure
 
 from recipes.errors import UserError
-from recipes.run_status import run_status
-from recipes.runs import atomic_write_bytes, atomic_write_text, read_metrics
+from runtime.run_dir import atomic_write_bytes, atomic_write_text, read_metrics
+from runtime.status import run_status
 
 NOT_SERIES = ("step", "time")
 EVAL_METRICS = "eval_metrics.jsonl"

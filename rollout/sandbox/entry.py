@@ -1,4 +1,4 @@
-"""Isolation of one sandboxed run, done in a fresh child of the fork server (`sandbox_zygote`).
+"""Isolation of one sandboxed run, done in a fresh child of the fork server (`zygote`).
 
 The fork server forks a *holder* per run; the holder, still privileged and running no program code:
   1. starts a new session and new namespaces: mount, PID and network as root (network only unless the
@@ -11,7 +11,7 @@ The fork server forks a *holder* per run; the holder, still privileged and runni
   3. forks the run's init (PID 1 of the new PID namespace), which mounts a `/proc` showing only the run
      and forks the harness process; when the init ends, the kernel kills everything left inside;
   4. the harness process: output pipes on fds 1 and 2, resource limits, no new privileges, the run's uid
-     and gid, every other descriptor closed, the clean environment; then the harness (`sandbox_runner`),
+     and gid, every other descriptor closed, the clean environment; then the harness (`runner`),
      or, for a command run (`Sandbox.run_command`), `bash -c command` with stdout and stderr on one pipe
      and umask 0 (a work directory outlives the run, and its next run has another uid).
 The holder reports on the status pipe (which no process of the run can reach): {"setup_error"} when a

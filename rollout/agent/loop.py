@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from recipes.schema import RolloutSection
-from rollout.engine import Completion, Engine
-from rollout.environment import CodingEnvironment, SOLUTION_FILE
-from rollout.harness import ChatFormat, ToolBox, run_reply, write_text
-from rollout.sandbox import SandboxResult
-from rollout.tasks import Task
-from rollout.trajectories import Segment, Trajectory
-from rollout.workspace import Workspace
+from rollout.agent.environment import SOLUTION_FILE, CodingEnvironment
+from rollout.agent.harness import ChatFormat, Tokenizer, ToolBox, run_reply, write_text
+from rollout.agent.trajectory import Segment, Trajectory
+from rollout.engines.vllm_engine import Completion, Engine
+from rollout.sandbox.results import SandboxResult
+from rollout.tasks.functions import Task
+from rollout.tasks.workspace import Workspace
 
 SUMMARY_REQUEST = "\n\n[The context is nearly full. Summarize the task, what you tried and what the tests said, so you can continue from the summary alone.]\nSummary:"
 SUMMARY_HEADER = "\n\n[Summary of your earlier work]\n"
@@ -38,30 +38,6 @@ OBSERVATION_HEADER = "\n\n[Test results]\n"
 NEXT_TURN = "\n\n[Fix the code and reply with the complete solution.]\n"
 
 
-class Tokenizer:
-    """Text <-> token ids with an HF tokenizer, never adding special tokens inside an episode."""
-
-    def __init__(self, model_dir: str):
-        from transformers import AutoTokenizer
-
-        self._tok = AutoTokenizer.from_pretrained(model_dir)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False)
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(self._tok.chat_template)
-
-    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False) -> str:
-        """`messages` in the tokenizer's chat template (with the tool schemas where it renders `tools`)."""
-        return self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-
-@dataclass
 class _SegmentBuilder:
     tokens: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)

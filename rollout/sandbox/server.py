@@ -1,6 +1,6 @@
-"""A sandbox host's server, and the framed protocol the fleet (`rollout.fleet`) speaks to it over SSH.
+"""A sandbox host's server, and the framed protocol the fleet (`rollout.sandbox.fleet`) speaks to it over SSH.
 
-The fleet starts `python -m rollout.sandbox_server` once per host over SSH, with the composer installed there, and
+The fleet starts `python -m rollout.sandbox.server` once per host over SSH, with the composer installed there, and
 talks to it over the SSH channel's stdin/stdout. The server runs the real `Sandbox` on its host, so grading stays
 trusted there; it runs the requests it is sent concurrently (the fleet keeps them within the host's limit) and
 exits when its stdin closes, i.e. when the driver's SSH connection ends (the sandbox's fork server then kills the
@@ -29,10 +29,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from recipes.schema import SandboxSection
-from rollout import plain_data
-from rollout.graders import Call, CaseTests, Statement
-from rollout.sandbox import (MAX_RESULT_BYTES, AssertionTests, CallTests, CaseResult, GeneratedCalls, RewardMode,
-                             Sandbox, SandboxResult, ScriptRun, Tests)
+from rollout.sandbox import plain_data
+from rollout.sandbox.results import (
+    AssertionTests,
+    Call,
+    CallTests,
+    CaseResult,
+    CaseTests,
+    GeneratedCalls,
+    RewardMode,
+    SandboxResult,
+    ScriptRun,
+    Statement,
+    Tests,
+)
+from rollout.sandbox.runs import Sandbox
+from rollout.sandbox.session import MAX_RESULT_BYTES
 
 MODULE = __spec__.name
 _HEADER = struct.Struct(">I")

@@ -1,9 +1,9 @@
 """The sandbox's fork server: a Python started once, which forks a fresh, isolated child per run.
 
-Started by `rollout.sandbox` with a clean environment and a SOCK_SEQPACKET socket (fd in argv[1]); it
+Started by `rollout.sandbox.runs` with a clean environment and a SOCK_SEQPACKET socket (fd in argv[1]); it
 imports the isolation code, the harness and the modules programs commonly import, then waits. Each
 message is a run's plan (JSON) with its pipes attached (SCM_RIGHTS): command, reply, stdout, stderr,
-status. It forks a holder (`sandbox_entry.run`) and answers {"pid": holder}. It never sees a program or a
+status. It forks a holder (`entry.run`) and answers {"pid": holder}. It never sees a program or a
 test: those go from the grader straight to the run over the pipes, so its memory (which every run
 inherits) holds nothing a program could use. It reaps its children, and when the grader's end of the
 socket closes it kills the runs still going and exits.
@@ -19,8 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import sandbox_entry  # noqa: E402
-import sandbox_runner  # noqa: E402
+import entry  # noqa: E402
+import runner  # noqa: E402
 
 sys.path.pop(0)
 # Imported once here instead of in every run.
@@ -63,7 +63,7 @@ def main() -> None:
         if pid == 0:
             try:
                 sock.close()
-                sandbox_entry.run(plan, dict(zip(FD_NAMES, fds)), sandbox_runner.serve)
+                entry.run(plan, dict(zip(FD_NAMES, fds)), runner.serve)
             finally:
                 os._exit(127)
         for fd in fds:

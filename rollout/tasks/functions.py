@@ -1,5 +1,5 @@
 """Coding tasks with hidden tests: HumanEval, CodeI/O, reasoning-gym problems solved by a program, the learnable
-smoke family, repository tasks (built by `rollout.repo_tasks`), and a seeded pool.
+smoke family; each set a `TaskSource` (the pool that draws from them is `rollout.tasks.pool`).
 
 A `Task` carries what the model sees (`prompt`) and what the sandbox runs (`tests`); `Task.program`
 turns a model completion into the program that is tested. CodeI/O tasks get their tests only when
@@ -17,16 +17,16 @@ import importlib.util
 import json
 import random
 import re
-import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 from recipes.errors import UserError
-from recipes.schema import TaskSet
-from rollout.graders import Call, CaseTests
-from rollout.repo_tasks import RepoTests, load_tasks, repo_tests
-from rollout.sandbox import AssertionTests, CallTests, GeneratedCalls, Sandbox, Tests, case_tests
+from rollout.sandbox.graders import case_tests
+from rollout.sandbox.results import AssertionTests, Call, CallTests, CaseTests, GeneratedCalls, Tests
+from rollout.sandbox.runs import Sandbox
+from rollout.tasks.workspace import RepoTests
 
 CODEIO_CASES = 8
 SMOKE_TASKS = 100
@@ -67,7 +67,7 @@ class Task:
     """The function the tests call (empty for repository tasks)."""
     tests: Tests | RepoTests
     """Hidden tests, in the form the sandbox runs; a repository task's tests, run and graded by its workspace
-    (`rollout.repo_tasks.open_workspace`)."""
+    (`rollout.tasks.repository.open_workspace`)."""
     answer: Literal["function", "expression"] = "function"
     """`function`: the completion defines `entry_point` (or continues `continues`); `expression`: its
     first word completes `continues`."""
@@ -93,6 +93,20 @@ class Task:
 
 
 # --- HumanEval ---------------------------------------------------------------------------------
+
+
+class TaskSource(ABC):
+    """A set of tasks by index (`env.tasks[].name`); a task may be None when it cannot be built (counted as skipped)."""
+
+    name: str
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """How many tasks the set holds."""
+
+    @abstractmethod
+    def task(self, index: int, sandbox: Sandbox) -> Task | None:
+        """Task `index`, built with `sandbox` where its tests need running (CodeI/O), or None when it cannot be."""
 
 
 def _statement_cases(check_body: list[ast.stmt]) -> tuple[str, list[str]]:
@@ -132,7 +146,7 @@ def _humaneval_task(problem: dict) -> Task:
     )
 
 
-class HumanEvalSource:
+class HumanEvalSource(TaskSource):
     name = "humaneval"
 
     def __init__(self):
@@ -156,7 +170,7 @@ def _stable_seed(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
 
 
-class CodeIOSource:
+class CodeIOSource(TaskSource):
     """CodeI/O rows from reasoning-gym; tests are built, in the sandbox, when a task is first drawn."""
 
     name = "codeio"
@@ -213,7 +227,7 @@ RGYM_DATASETS = ("basic_arithmetic", "chain_sum", "count_bits", "gcd", "lcm", "l
 RGYM_PER_DATASET = 200
 
 
-class ReasoningGymSource:
+class ReasoningGymSource(TaskSource):
     """Procedural reasoning-gym problems (seeded, so the same on every machine) as coding tasks: the model writes
     `answer()`, the sandbox runs it, and its return value is compared with the generator's answer."""
 
@@ -273,7 +287,7 @@ def smoke_task(index: int) -> Task:
     )
 
 
-class SmokeSource:
+class SmokeSource(TaskSource):
     name = "smoke"
 
     def __len__(self) -> int:
@@ -332,135 +346,3 @@ def canary_of(task: Task) -> Task | None:
                         tests=CaseTests(entry_point=tests.entry_point, cases=(case, other), setup=tests.setup, seed=tests.seed),
                         answer=task.answer, continues=task.continues, preamble=task.preamble, canary=True)
     return None
-
-
-# --- the pool ----------------------------------------------------------------------------------
-
-
-# --- repository tasks ----------------------------------------------------------------------------
-
-
-class RepoSource:
-    """The validated tasks of a built repository task set (`composer env build`)."""
-
-    name = "repo"
-
-    def __init__(self, task_set: TaskSet):
-        self._settings = task_set.repo
-        self._records = load_tasks(task_set.repo)
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def task(self, index: int, sandbox: Sandbox) -> Task | None:
-        record = self._records[index]
-        return Task(id=record["id"], family="repo", prompt=record["prompt"], entry_point="",
-                    tests=repo_tests(record, self._settings))
-
-
-class TaskSource(Protocol):
-    name: str
-
-    def __len__(self) -> int: ...
-
-    def task(self, index: int, sandbox: Sandbox) -> Task | None: ...
-
-
-def build_task_source(task_set: TaskSet) -> TaskSource:
-    name = task_set.name
-    if name == "humaneval":
-        return HumanEvalSource()
-    if name == "codeio":
-        return CodeIOSource()
-    if name == "rgym":
-        return ReasoningGymSource()
-    if name == "smoke":
-        return SmokeSource()
-    if name == "repo":
-        return RepoSource(task_set)
-    raise UserError(f"env.tasks: unknown task set {name!r} (humaneval, codeio, rgym, smoke, repo)")
-
-
-def held_out_split(task_set: TaskSet, size: int) -> tuple[list[int], list[int]]:
-    """(training, held-out) indices of a set of `size` tasks: its first `limit`, of which `held_out` chosen by a
-    generator seeded by the set's name alone, so every run (any train.seed) holds out the same tasks."""
-    in_use = list(range(min(size, task_set.limit or size)))
-    if task_set.held_out >= len(in_use):
-        raise UserError(f"env.tasks: {task_set.name} holds out {task_set.held_out} of its {len(in_use)} tasks in use; "
-                        "leave some to train on")
-    held_out = set(random.Random(f"held-out/{task_set.name}").sample(in_use, task_set.held_out))
-    return [i for i in in_use if i not in held_out], sorted(held_out)
-
-
-class TaskPool:
-    """Draws tasks from the recipe's task sets by weight; the same seed draws the same tasks.
-
-    A set with `limit` uses its first `limit` tasks, less the `held_out` ones kept for evaluation (`held_out`); a share
-    `canaries` of draws is a canary of the drawn task. Tasks are built once and cached; a CodeI/O row whose
-    reference fails is dropped and counted in `skipped`. Safe to call from several threads.
-    """
-
-    def __init__(self, task_sets: list[TaskSet], sandbox: Sandbox, seed: int, canaries: float = 0.0):
-        self._sandbox = sandbox
-        self._canaries = canaries
-        self._rng = random.Random(seed)
-        self._sets = [(ts, build_task_source(ts)) for ts in task_sets]
-        self._indices, self._held_out = [], []
-        for ts, src in self._sets:
-            training, held_out = held_out_split(ts, len(src))
-            self._indices.append(training)
-            self._held_out.append(held_out)
-        self._cache: dict[tuple[int, int], Task | None] = {}
-        self._lock = threading.Lock()
-        self.skipped: dict[str, int] = {ts.name: 0 for ts, _ in self._sets}
-
-    @property
-    def task_sets(self) -> list[TaskSet]:
-        return [ts for ts, _ in self._sets]
-
-    def indices(self, set_index: int) -> list[int]:
-        """The task indices of a set that are in use (its first `limit`, minus those skipped so far)."""
-        with self._lock:
-            return list(self._indices[set_index])
-
-    def held_out(self, set_index: int) -> list[int]:
-        """The task indices of a set held out for evaluation (`held_out`): never drawn, never in `indices`."""
-        return list(self._held_out[set_index])
-
-    def task(self, set_index: int, index: int) -> Task | None:
-        """Task `index` of task set `set_index` (built and cached on first use); None when it was skipped."""
-        key = (set_index, index)
-        with self._lock:
-            if key in self._cache:
-                return self._cache[key]
-        # Built outside the lock so threads build different CodeI/O tasks at once; a task built twice
-        # by a race comes out the same (its tests are seeded by its id).
-        ts, source = self._sets[set_index]
-        task = source.task(index, self._sandbox)
-        with self._lock:
-            if key not in self._cache:
-                self._cache[key] = task
-                if task is None:
-                    self.skipped[ts.name] += 1
-                    if index in self._indices[set_index]:
-                        self._indices[set_index].remove(index)
-            return self._cache[key]
-
-    def draw(self, rng: random.Random | None = None) -> Task:
-        """A task drawn with `rng` (the pool's own seeded generator when None)."""
-        rng = rng or self._rng
-        while True:
-            with self._lock:
-                live = [i for i, indices in enumerate(self._indices) if indices]
-                if not live:
-                    raise UserError("env.tasks: every task of every set was skipped (their reference programs fail)")
-                set_index = rng.choices(live, weights=[self._sets[i][0].weight for i in live])[0]
-                index = rng.choice(self._indices[set_index])
-            task = self.task(set_index, index)
-            if task is not None and self._canaries:
-                with self._lock:
-                    wants_canary = self._rng.random() < self._canaries
-                if wants_canary:
-                    return canary_of(task) or task
-            if task is not None:
-                return task

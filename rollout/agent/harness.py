@@ -3,7 +3,7 @@
 The policy calls tools the way instruct models are trained to (Hermes / Qwen / SmolLM2 style):
 `<tool_call>{"name": "read_file", "arguments": {"path": "solution.py"}}</tool_call>`, any number per reply. The tools
 (`TOOL_SCHEMAS`): read a file (line ranges), search (grep -E), edit (exact string replace), write a file, run a shell
-command, run the tests, finish. They act on a `Workspace` (rollout.workspace): file tools on its host directory,
+command, run the tests, finish. They act on a `Workspace` (rollout.tasks.workspace): file tools on its host directory,
 never outside it (no absolute paths, no `..`, no symlinks: every component is opened with O_NOFOLLOW under the root's
 descriptor); search, shell and tests in the sandbox. A malformed call (bad JSON, unknown tool, missing, extra or
 mistyped arguments) is answered with an error observation, never an exception. Each result comes back as a tool
@@ -22,13 +22,13 @@ import re
 import shlex
 import stat
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any
 
 from recipes.errors import UserError
-from rollout.sandbox import CommandResult
-from rollout.workspace import Workspace
+from rollout.sandbox.results import CommandResult
+from rollout.tasks.workspace import Workspace
 
 MAX_CALLS_PER_REPLY = 8
 MAX_READ_LINES = 400
@@ -399,13 +399,31 @@ def command_text(result: CommandResult) -> str:
 # --- rendering ---------------------------------------------------------------------------------
 
 
-class TextTokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+class Tokenizer:
+    """Text <-> token ids with an HF tokenizer, never adding special tokens inside an episode."""
 
-    def decode(self, ids: list[int]) -> str: ...
+    def __init__(self, model_dir: str):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._tok.chat_template)
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False) -> str:
+        """`messages` in the tokenizer's chat template (with the tool schemas where it renders `tools`)."""
+        return self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def truncate(text: str, max_tokens: int, tok: TextTokenizer, more: str) -> str:
+@dataclass
+def truncate(text: str, max_tokens: int, tok: Tokenizer, more: str) -> str:
     """`text` cut to about `max_tokens` tokens, its start and its end kept (errors are at the end), with a note
     saying how many characters and lines were cut and how to see them."""
     ids = tok.encode(text)
@@ -499,7 +517,7 @@ class TurnResult:
     errors: int
 
 
-def run_reply(reply: str, workspace: Workspace, toolbox: ToolBox, tok: TextTokenizer, budget_tokens: int,
+def run_reply(reply: str, workspace: Workspace, toolbox: ToolBox, tok: Tokenizer, budget_tokens: int,
               message_overhead: int = 0) -> TurnResult:
     """Run the tool calls of one reply in order, up to finish; their outputs as tool messages, each cut to its share of
     `budget_tokens` (less the `message_overhead` tokens the chat format adds to each)."""

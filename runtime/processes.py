@@ -15,7 +15,6 @@ import threading
 from pathlib import Path
 from typing import Iterator, TextIO
 
-
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
 

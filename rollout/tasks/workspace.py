@@ -3,14 +3,14 @@
 A `Workspace` is what the agent harness works with, whatever the task: the one-file workspace of function tasks
 (HumanEval, CodeI/O, smoke) or a repository task's copy-on-write view of its project (`RepoWorkspace`).
 
-Repository views. A project is kept twice per build (`rollout.repo_tasks`): an *episode base* (files 0666,
+Repository views. A project is kept twice per build (`rollout.tasks.repository`): an *episode base* (files 0666,
 directories 0777: every command of an episode runs as another uid, so the agent's view must be writable by any)
 and a *grading base* (root's 0644/0755: nothing a sandboxed run does can change it). As root an episode gets an
 overlayfs view, its task's changed file and the episode base as read-only lower layers and an upper layer of its
 own; else a plain copy. Grading never trusts the episode's files: it builds a fresh read-only view of the grading
 base plus the episode's changes to the project's own package, less any change to tests, conftest.py, pytest
 configuration, sitecustomize/usercustomize or .pth files (ignored and flagged `tests_modified`), and runs
-pytest there in the sandbox through `rollout.pytest_report`, whose report carries a per-run secret.
+pytest there in the sandbox through `rollout.tasks.pytest_report`, whose report carries a per-run secret.
 """
 
 from __future__ import annotations
@@ -27,15 +27,14 @@ import shutil
 import stat
 import sys
 import tempfile
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal
 
-from rollout.sandbox import CommandResult, RewardMode, Sandbox, SandboxResult, reward_for
-
-if TYPE_CHECKING:
-    from rollout.repo_tasks import RepoTests
+from rollout.sandbox.results import CommandResult, RewardMode, SandboxResult, reward_for
+from rollout.sandbox.runs import Sandbox
 
 log = logging.getLogger("composer.workspace")
 
@@ -49,25 +48,46 @@ MAX_REPORT_BYTES = 32 << 20
 _PYTEST_REPORT = Path(__file__).with_name("pytest_report.py")
 
 
-class Workspace(Protocol):
+@dataclass(frozen=True)
+class RepoTests:
+    """What a repository task's workspace needs: its bases, its changed file, its tests and how to score them."""
+
+    package: str
+    test_files: tuple[str, ...]
+    fail_to_pass: tuple[str, ...]
+    pass_to_pass: tuple[str, ...]
+    pytest_args: tuple[str, ...]
+    layer: Path
+    """The task's changed file, at its path in the project (the episode's top lower layer)."""
+    episode_base: Path
+    grading_base: Path
+    hidden: tuple[str, ...]
+    """Installed copies of the project, unreadable in the sandbox."""
+    timeout_s: float
+    pass_to_pass_policy: PassToPass = "required"
+
+
+class Workspace(ABC):
+    """An episode's files and the sandbox that acts on them (the agent's tools and the grader use only this)."""
+
     root: Path
     """The episode's writable view of the task's files, on the host (at /sandbox inside the sandbox)."""
 
+    @abstractmethod
     def shell(self, command: str, timeout_s: float) -> CommandResult:
         """Run `command` in the sandbox, in `root`."""
-        ...
 
+    @abstractmethod
     def run_tests(self) -> CommandResult:
         """The agent-visible test run (what "run the tests" shows)."""
-        ...
 
+    @abstractmethod
     def grade(self) -> SandboxResult:
         """The trusted, guarded grade of the final state (reward, flags)."""
-        ...
 
+    @abstractmethod
     def close(self) -> None:
         """Destroy the view and everything the episode started."""
-        ...
 
 
 # --- mounts ------------------------------------------------------------------------------------
@@ -357,7 +377,7 @@ def score(report: TestReport, tests: RepoTests, reward: RewardMode) -> SandboxRe
 # --- an episode's view of a repository task ----------------------------------------------------
 
 
-class RepoWorkspace:
+class RepoWorkspace(Workspace):
     """One episode's copy-on-write view of a repository task (see the module docstring)."""
 
     def __init__(self, tests: RepoTests, sandbox: Sandbox, area: Path, reward: RewardMode = "fraction",

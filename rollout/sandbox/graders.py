@@ -20,11 +20,29 @@ from __future__ import annotations
 import ast
 import json
 import math
+import signal
+import time
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Literal
+from functools import cache, lru_cache
 
-from rollout import plain_data
+from recipes.schema import SandboxSection
+from rollout.sandbox import plain_data
+from rollout.sandbox.isolation import starved_seconds
+from rollout.sandbox.results import (
+    AssertionTests,
+    Call,
+    CallTests,
+    CaseResult,
+    CaseTests,
+    GeneratedCalls,
+    RewardMode,
+    SandboxResult,
+    ScriptRun,
+    Statement,
+    Tests,
+    reward_for,
+)
+from rollout.sandbox.session import Session
 
 FLAGS = {
     "harness_touched": "the program read the harness or test data, another process's /proc, or patched harness functions",
@@ -44,42 +62,8 @@ FLAGS = {
 DEFAULT_GUARDED = ("harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside",
                    "stray_processes", "canary_passed", "tests_modified")
 
-Compare = Literal["==", "is", "is not", "truthy", "falsy", "close", "within", "isinstance", "json"]
 # isinstance(output, T) for these T, named (a name is plain data, a type is not).
 _TYPES = {t.__name__: t for t in (bool, int, float, str, list, tuple, dict, set, frozenset, type(None))}
-
-
-@dataclass(frozen=True)
-class Call:
-    """Call the entry point on `args`/`kwargs` (plain data); passes when the output compares to `expected`."""
-
-    args: tuple = ()
-    kwargs: tuple[tuple[str, object], ...] = ()
-    expected: object = None
-    compare: Compare = "=="
-    tolerance: float = 0.0
-    """For "close": |output - expected| < tolerance; for "within": <= tolerance."""
-    seed: int | None = None
-    """Reseed `random` (and numpy) before the call; None keeps the state the program left."""
-
-
-@dataclass(frozen=True)
-class Statement:
-    """A statement of the tests, run in the grader with `candidate` calling the entry point in the sandbox."""
-
-    code: str
-    reason: str
-    """Why it is not a Call."""
-
-
-@dataclass(frozen=True)
-class CaseTests:
-    entry_point: str
-    cases: tuple[Call | Statement, ...]
-    setup: str = ""
-    """Trusted code (test helpers, the prompt's helpers) run in the grader before the Statements."""
-    seed: int = 0
-    """Seeds `random` in the sandbox before the program loads."""
 
 
 def outputs_match(got, expected) -> bool:
@@ -251,3 +235,198 @@ def guarded_reward(reward: float, flags: tuple[str, ...], guarded: tuple[str, ..
     if flagged_reward is not None and any(f in guarded for f in flags):
         return flagged_reward
     return reward
+
+
+def case_tests(tests: AssertionTests | CallTests | CaseTests) -> CaseTests:
+    """The cases the grader asks for `tests`."""
+    if isinstance(tests, CaseTests):
+        return tests
+    if isinstance(tests, AssertionTests):
+        return rewrite_assertions(tests.entry_point, tests.setup, tests.cases)
+    return _call_cases(tests)
+
+
+@cache
+def _call_cases(tests: CallTests) -> CaseTests:
+    cases = tuple(Call(kwargs=tuple(json.loads(i).items()), expected=json.loads(e), compare="json", seed=tests.seed + n)
+                  for n, (i, e) in enumerate(zip(tests.inputs, tests.expected)))
+    return CaseTests(entry_point=tests.entry_point, cases=cases, seed=tests.seed)
+
+
+# --- results -----------------------------------------------------------------------------------
+
+
+# --- grading a program run (trusted: no program code runs here) ---------------------------------
+
+
+class _CandidateFailed(BaseException):
+    """The entry point raised, or gave no usable output (a BaseException: test code cannot catch it)."""
+
+
+def grade_program(session: Session, config: SandboxSection, program: str, tests: Tests, reward: RewardMode,
+                  uid: int | None) -> SandboxResult:
+    """Ask the live run for the program's outputs on the tests' inputs and judge them here."""
+    script = isinstance(tests, ScriptRun)
+    cases_of = None if script or isinstance(tests, GeneratedCalls) else case_tests(tests)
+    entry = None if script else tests.entry_point
+    seed = tests.seed if isinstance(tests, (CaseTests, GeneratedCalls, CallTests)) else 0
+    loaded = session.request({"op": "load", "program": program, "entry": entry, "script": script, "seed": seed})
+    results: list[CaseResult] = []
+    total = 0
+    ran_all = False
+    if loaded is not None and loaded.get("exit"):
+        session.flag("early_exit", f"SystemExit while loading: {loaded.get('error', '')[:200]}")
+    if script:
+        ran_all = loaded is not None and loaded.get("op") == "exited"
+        exit_status = loaded.get("status", 1) if ran_all else 1
+    elif isinstance(tests, GeneratedCalls):
+        total = tests.count
+        results = _generated(session, tests, loaded)
+        ran_all = session.live
+    else:
+        total = len(cases_of.cases)
+        results = _cases(session, cases_of, loaded)
+        ran_all = session.live or (loaded is not None and "error" in loaded and not session.stop)
+    exit_code = session.finish()
+    wall = time.monotonic() - session.started
+    return _verdict(session, config, results, total, reward, exit_code, ran_all, wall, uid,
+                    exit_status if script else None)
+
+def _generated(session: Session, tests: GeneratedCalls, loaded: dict | None) -> list[CaseResult]:
+    if loaded is None or "error" in loaded:
+        error = loaded.get("error", "the program did not load") if loaded else "the run ended while loading"
+        return [CaseResult(False, f"program failed to load: {error}")] * tests.count
+    reply = session.request({"op": "inputs", "id": 0, "generator": tests.generator, "count": tests.count, "seed": tests.seed})
+    drawn = reply.get("inputs") if reply else None
+    if not isinstance(drawn, list) or len(drawn) != tests.count:
+        return [CaseResult(False, "input generator failed")] * tests.count
+    results = []
+    for n, text in enumerate(drawn):
+        try:
+            kwargs = json.loads(text)
+            if not isinstance(kwargs, dict):
+                raise ValueError("not keyword arguments")
+        except (TypeError, ValueError):
+            results.append(CaseResult(False, "input generator failed"))
+            continue
+        ok, value, error = _call(session, n + 1, (), tuple(kwargs.items()), tests.seed + n)
+        try:
+            output = json.dumps(value) if ok else None
+        except (TypeError, ValueError) as e:
+            ok, error, output = False, f"output is not JSON: {e}", None
+        results.append(CaseResult(ok, error, input=text, output=output))
+    return results
+
+def _call(session: Session, call_id: int, args: tuple, kwargs: tuple, seed: int | None) -> tuple[bool, object, str | None]:
+    """(answered, decoded output, error) for one call of the entry point in the sandbox."""
+    try:
+        message = {"op": "call", "id": call_id, "args": plain_data.encode(list(args)),
+                   "kwargs": plain_data.encode(dict(kwargs)), "seed": seed}
+    except plain_data.NotPlain as e:
+        return False, None, f"the test's inputs are not plain data ({e})"
+    reply = session.request(message)
+    if reply is None:
+        return False, None, "the run ended before answering"
+    if reply.get("exit"):
+        session.flag("early_exit", f"SystemExit in the entry point: {str(reply.get('error'))[:200]}")
+    if "non_plain" in reply:
+        session.flag("non_plain", f"returned {str(reply['non_plain'])[:100]}")
+    if "value" not in reply:
+        return False, None, str(reply.get("error", "no output"))[:2000]
+    try:
+        if not isinstance(reply["value"], str):
+            raise ValueError("not text")
+        return True, plain_data.decode(reply["value"]), None
+    except (ValueError, TypeError):
+        session.flag("forged_records", "an output that is not plain data")
+        return False, None, "an output that is not plain data"
+
+def _cases(session: Session, tests: CaseTests, loaded: dict | None) -> list[CaseResult]:
+    if loaded is None or "error" in loaded:
+        error = loaded.get("error", "") if loaded else "the run ended while loading"
+        return [CaseResult(False, f"program failed to load: {error}")] * len(tests.cases)
+    namespace = None
+    counter = iter(range(1, 1 << 62))
+
+    def candidate(*args, **kwargs):
+        ok, value, error = _call(session, next(counter), args, tuple(kwargs.items()), None)
+        if not ok:
+            raise _CandidateFailed(error)
+        return value
+
+    results = []
+    for case in tests.cases:
+        if isinstance(case, Call):
+            ok, value, error = _call(session, next(counter), case.args, case.kwargs, case.seed)
+            if ok and not judge_call(case, value):
+                ok, error = False, "wrong output"
+            results.append(CaseResult(ok, error, output=None if value is None else repr(value)[:200]))
+            continue
+        if namespace is None:
+            namespace = {}
+            try:
+                exec(_compiled(tests.setup), namespace)
+            except Exception as e:
+                namespace = {"__setup_error__": repr(e)}
+        if "__setup_error__" in namespace:
+            results.append(CaseResult(False, f"test setup failed: {namespace['__setup_error__']}"))
+            continue
+        # The tests may call the function by its own name too (HumanEval/33 compares it with itself).
+        namespace["candidate"] = namespace[tests.entry_point] = candidate
+        try:
+            exec(_compiled(case.code), namespace)
+            results.append(CaseResult(True))
+        except _CandidateFailed as e:
+            results.append(CaseResult(False, str(e)))
+        except Exception as e:
+            results.append(CaseResult(False, f"{type(e).__name__}: {e}"[:2000]))
+    return results
+
+
+def _verdict(session: Session, config: SandboxSection, cases: list[CaseResult], total: int, reward: RewardMode,
+             exit_code: int | None, ran_all: bool, wall: float, uid: int | None, script_status: int | None) -> SandboxResult:
+    stop = session.stop
+    passed = sum(c.ok for c in cases)
+    memory = any(c.error and "MemoryError" in c.error for c in cases) or "MemoryError" in session.stderr.text()
+    # SIGXCPU, or SIGKILL past the hard limit: the CPU limit ended it (not the program itself).
+    limit_kill = exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and session.cpu_seconds >= config.cpu_seconds)
+    infra = False
+    if session.setup_error or stop == "setup":
+        status, detail, infra = "infra", f"sandbox setup failed: {session.setup_error}", True
+    elif stop == "timeout":
+        status, detail = "timeout", "wall-clock limit"
+        if uid is not None and starved_seconds(uid) > 0.5 * config.wall_seconds:
+            session.flag("host_timeout", "the run waited for a CPU most of its wall-clock limit")
+            status, detail, infra = "infra", "the host starved the run (waiting for a CPU) until its wall-clock limit", True
+    elif limit_kill and not ran_all:
+        status, detail = "timeout", "CPU-time limit"
+    elif stop == "output":
+        status, detail = "crash", f"output exceeded {config.max_file_mb} MB"
+    elif stop == "results":
+        status, detail = "crash", "result stream too large"
+    elif memory:
+        status, detail = "memory", f"memory limit of {config.memory_mb} MB"
+    elif script_status is not None:
+        status, detail = ("ok", "") if ran_all and script_status == 0 else ("crash", f"exit status {script_status if ran_all else exit_code}")
+    elif not ran_all:
+        status, detail = "crash", f"exit status {exit_code}, tests did not finish"
+        session.flag("early_exit", f"the harness ended (exit status {exit_code}) before every case was asked")
+    else:
+        status, detail = "ok", ""
+    if status == "timeout":
+        session.flag("timeout", detail)
+    if stop in ("output", "results"):
+        session.flag("output_limit", detail)
+    flags = tuple(sorted(session.flags))
+    return SandboxResult(
+        reward=0.0 if infra else reward_for(passed, total, reward),
+        passed=passed, total=total, status=status, detail=detail,
+        stdout_tail=session.stdout.text(), stderr_tail=session.stderr.text(), wall_seconds=wall, uid=uid,
+        cases=tuple(cases), flags=flags, flag_details=tuple(f"{f}: {session.flags[f]}" for f in flags),
+        infra_failure=infra,
+    )
+
+
+@cache
+def _compiled(code: str):
+    return compile(code, "tests.py", "exec")

@@ -4,7 +4,7 @@ This is the untrusted side. It runs in the sandboxed process, after the program'
 anything in it (builtins, json, this module), so it decides nothing: it never sees an expected output
 or a test, and it never says whether a case passed. It answers requests from the grader (the parent
 process) with plain data (`plain_data`), and the grader judges them where the program never ran.
-It is loaded once by the fork server (`sandbox_zygote`) and runs in each forked child; stdlib only.
+It is loaded once by the fork server (`zygote`) and runs in each forked child; stdlib only.
 
 Requests (JSON lines on the command pipe) and replies (JSON lines on the reply pipe):
   {"op": "load", "program", "entry", "script", "seed"}  ->  {"op": "loaded"[, "error", "exit"]}

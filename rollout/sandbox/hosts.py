@@ -1,7 +1,7 @@
 """The real sandbox hosts of the fleet and the fleet the environment uses (`SandboxFleet`): this machine
 (`localhost`: the Sandbox in this process, one thread per run) and hosts reached over SSH (cluster.ssh, host keys
-checked), each running one `rollout.sandbox_server` with its own composer, which grades there and ends with the
-connection. The scheduling is `rollout.fleet.SandboxPool`'s.
+checked), each running one `rollout.sandbox.server` with its own composer, which grades there and ends with the
+connection. The scheduling is `rollout.sandbox.fleet.SandboxPool`'s.
 """
 
 from __future__ import annotations
@@ -21,11 +21,22 @@ from pathlib import Path
 
 from recipes.errors import UserError
 from recipes.schema import SandboxSection, SSHSection
-from rollout.fleet import Failure, Outcome, Provider, RealClock, SandboxPool
-from rollout.sandbox import DEFAULT_ROOT, AssertionTests, Isolation, RewardMode, Sandbox, SandboxResult, Tests
-from rollout.sandbox_server import MODULE as SERVER_MODULE
-from rollout.sandbox_server import (ProtocolError, RunRequest, SandboxRequest, exact_reader, frame_bytes, from_wire, read_frame,
-                                    serve_request, to_wire)
+from rollout.sandbox.fleet import Failure, Outcome, Provider, RealClock, SandboxPool
+from rollout.sandbox.isolation import DEFAULT_ROOT, Isolation
+from rollout.sandbox.results import AssertionTests, RewardMode, SandboxResult, Tests
+from rollout.sandbox.runs import Sandbox
+from rollout.sandbox.server import MODULE as SERVER_MODULE
+from rollout.sandbox.server import (
+    ProtocolError,
+    RunRequest,
+    SandboxRequest,
+    exact_reader,
+    frame_bytes,
+    from_wire,
+    read_frame,
+    serve_request,
+    to_wire,
+)
 
 log = logging.getLogger("composer.fleet")
 
@@ -94,7 +105,7 @@ class LocalSandboxHost(SandboxHost):
 
 
 class RemoteSandboxHost(SandboxHost):
-    """A host over SSH (cluster.ssh, host keys checked), running one `rollout.sandbox_server` started with its
+    """A host over SSH (cluster.ssh, host keys checked), running one `rollout.sandbox.server` started with its
     composer; runs are frames over the session's stdin/stdout, answered by id. The server ends with the connection."""
 
     def __init__(self, name: str, config: SandboxSection, ssh: SSHSection, python: str, capacity: int | None):

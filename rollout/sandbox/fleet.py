@@ -1,5 +1,5 @@
 """The sandbox fleet's scheduling core: every sandbox run of a rollout goes through one pool that spreads it over
-the hosts of `env.sandbox.hosts` (the real hosts, this one and SSH-reached ones, are in `rollout.sandbox_hosts`).
+the hosts of `env.sandbox.hosts` (the real hosts, this one and SSH-reached ones, are in `rollout.sandbox.hosts`).
 
 The pool (`SandboxPool`) is independent of the transport: it sees hosts only through a `Provider` and time only
 through a `Clock`, so the simulation (`benchmarks/fleet_sim.py`) drives the same code with a simulated provider on
@@ -29,8 +29,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rollout.sandbox import SandboxResult
-from rollout.sandbox_server import SandboxRequest
+from rollout.sandbox.results import SandboxResult
+from rollout.sandbox.server import SandboxRequest
 
 log = logging.getLogger("composer.fleet")
 

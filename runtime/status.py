@@ -1,6 +1,6 @@
 """What a run directory says about its run, read from its files only: kind, status, steps, last figures, age.
 
-    running    a live process holds the run's lock (recipes.runs.RunDir)
+    running    a live process holds the run's lock (runtime.run_dir.RunDir)
     failed     it last stopped on an error: logs/failure.txt, or a rank's logs/error-rank-N.txt
     finished   every step done and the run's output written (midtrain: export/, RL: the last policy published)
     resumable  stopped before the end (killed, interrupted): `--resume` continues from the newest checkpoint
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from recipes.errors import UserError
 from recipes.loader import load_recipe
-from recipes.runs import FAILURE_FILE, RunDir, read_metrics
+from runtime.run_dir import FAILURE_FILE, RunDir, read_metrics
 
 KEY_FIGURES = {
     "midtrain": ("loss", "eval_loss", "tokens_per_s"),

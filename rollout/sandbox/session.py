@@ -1,0 +1,398 @@
+"""A live sandboxed run: the fork server that starts it, and the pipe session the grader holds with it.
+
+A fork server (`zygote`, started once per sandbox root and process) forks a fresh child per run, which isolates
+itself (`entry`) and serves requests (`runner`). The session sends requests and reads replies, output and the
+exit status under the run's limits; every record on the reply pipe is checked against the request it answers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import select
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from recipes.schema import SandboxSection
+from rollout.sandbox.isolation import WORK_DIR, starved_seconds
+from rollout.sandbox.results import CommandResult
+
+log = logging.getLogger("composer.sandbox")
+
+_HERE = Path(__file__).resolve().parent
+# Reply bytes beyond this are not results any more.
+MAX_RESULT_BYTES = 64 << 20
+_GRACE_SECONDS = 1.0
+_ZYGOTE_START_SECONDS = 60.0
+
+
+class InfraError(Exception):
+    """The sandbox itself failed (not the program)."""
+
+
+# --- the fork server ---------------------------------------------------------------------------
+
+
+def sandbox_environment(home: str) -> dict[str, str]:
+    # Nothing from the parent's environment: no secrets, no proxies, no PYTHONPATH.
+    return {
+        "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin",
+        "HOME": home,
+        "TMPDIR": "/tmp" if home == WORK_DIR else home,
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        # Fixed str hashing: set iteration order, and so many reference outputs, repeat across runs.
+        "PYTHONHASHSEED": "0",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+class Zygote:
+    """The fork server process and its socket; restarted when it has died."""
+
+    def __init__(self, cwd: Path):
+        self._cwd = cwd
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+
+    def _start(self) -> None:
+        self.close()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            # Not -I: that would ignore PYTHONHASHSEED; the environment is ours anyway, and -s -P keep
+            # the user site and the script's directory off sys.path.
+            self._proc = subprocess.Popen(
+                [sys.executable, "-s", "-P", str(_HERE / "zygote.py"), str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                env=sandbox_environment(str(self._cwd)), cwd=self._cwd, start_new_session=True,
+            )
+        finally:
+            theirs.close()
+        ours.settimeout(_ZYGOTE_START_SECONDS)
+        try:
+            ready = ours.recv(4096)
+        except OSError:
+            ready = b""
+        if not ready:
+            ours.close()
+            raise InfraError("the sandbox fork server did not start")
+        ours.settimeout(10.0)
+        self._sock = ours
+
+    def spawn(self, plan: dict, fds: list[int]) -> int:
+        """Fork a run with `plan` and these pipe ends; the pid of its holder."""
+        with self._lock:
+            for attempt in range(2):
+                try:
+                    if self._sock is None or self._proc.poll() is not None:
+                        self._start()
+                    socket.send_fds(self._sock, [json.dumps(plan).encode()], fds)
+                    reply = self._sock.recv(4096)
+                    if reply:
+                        return json.loads(reply)["pid"]
+                except OSError as e:
+                    error = e
+                else:
+                    error = "it closed its socket"
+                log.warning("sandbox: the fork server failed (%s); %s", error, "restarting it" if attempt == 0 else "giving up")
+                self.close()
+            raise InfraError(f"the sandbox fork server failed: {error}")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+            self._proc = None
+
+
+_zygotes: dict[Path, Zygote] = {}
+_zygotes_lock = threading.Lock()
+
+
+def zygote_for(root: Path) -> Zygote:
+    """One fork server per sandbox root and process, stopped when the process exits."""
+    with _zygotes_lock:
+        if root not in _zygotes:
+            _zygotes[root] = Zygote(root)
+            atexit.register(_zygotes[root].close)
+        return _zygotes[root]
+
+
+
+
+# --- one run -----------------------------------------------------------------------------------
+
+
+class Tail:
+    """The last `cap` bytes of a stream, and how many bytes it had."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.data = bytearray()
+        self.total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        self.data += chunk
+        if len(self.data) > self.cap:
+            del self.data[: len(self.data) - self.cap]
+
+    def text(self) -> str:
+        return self.data.decode(errors="replace")
+
+
+class Session:
+    """A live sandboxed child: send a request, wait for its reply (or the run's end), under the limits.
+
+    Every record on the reply pipe is checked against the request it should answer: anything else is
+    flagged `forged_records` and never taken as an answer to a later request."""
+
+    def __init__(self, config: SandboxSection, zygote: Zygote, plan: dict):
+        self.config = config
+        self.flags: dict[str, str] = {}
+        self.stop = ""
+        self.exit_code: int | None = None
+        self.cpu_seconds = 0.0
+        self.setup_error = ""
+        cap = config.max_output_kb << 10
+        self.stdout, self.stderr = Tail(cap), Tail(cap)
+        self._reply_bytes = 0
+        self._pending = bytearray()
+        self._replies: list[dict] = []
+        ends = [os.pipe() for _ in range(5)]  # cmd, reply, stdout, stderr, status
+        (cmd_r, self._cmd), (self._reply, reply_w), (self._out, out_w), (self._err, err_w), (self._status, status_w) = ends
+        child_fds = [cmd_r, reply_w, out_w, err_w, status_w]
+        try:
+            self.pid = zygote.spawn(plan, child_fds)
+        except BaseException:
+            for fd in (self._cmd, self._reply, self._out, self._err, self._status):
+                os.close(fd)
+            raise
+        finally:
+            for fd in child_fds:
+                os.close(fd)
+        os.set_blocking(self._cmd, False)
+        self.started = time.monotonic()
+        self.deadline = self.started + config.wall_seconds
+        self._status_text = bytearray()
+        self._sel = selectors.DefaultSelector()
+        for fd in (self._reply, self._out, self._err, self._status):
+            self._sel.register(fd, selectors.EVENT_READ)
+        self.live = True
+
+    def flag(self, name: str, detail: str) -> None:
+        self.flags.setdefault(name, detail)
+
+    def request(self, message: dict) -> dict | None:
+        """The reply to `message`, or None when the run ended or was stopped first."""
+        if not self.live or not self._send((json.dumps(message) + "\n").encode()):
+            return None
+        while self.live:
+            while self._replies:
+                reply = self._replies.pop(0)
+                if reply.get("malformed"):
+                    return None
+                if ("id" in message and reply.get("id") == message["id"]) or ("id" not in message and "id" not in reply):
+                    return reply
+                self.flag("forged_records", f"an unrequested record: {json.dumps(reply)[:200]}")
+            if not self._pump():
+                break
+        return None
+
+    def _send(self, data: bytes) -> bool:
+        """Write a request without ever blocking past the deadline (a program may stop reading)."""
+        view = memoryview(data)
+        while view:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                self.stop, self.live = "timeout", False
+                return False
+            if not select.select([], [self._cmd], [], min(remaining, 1.0))[1]:
+                continue
+            try:
+                view = view[os.write(self._cmd, view):]
+            except BlockingIOError:
+                continue
+            except OSError:  # the harness is gone
+                self._wait_end()
+                return False
+        return True
+
+    def _pump(self) -> bool:
+        """Read what is there (up to the deadline); False once the run is over or stopped."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            self.stop = "timeout"
+            self.live = False
+            return False
+        for key, _ in self._sel.select(timeout=min(remaining, 1.0)):
+            chunk = os.read(key.fd, 1 << 16)
+            if key.fd == self._reply:
+                if not chunk:
+                    self._sel.unregister(key.fd)
+                    self._wait_end()
+                    return False
+                self._reply_bytes += len(chunk)
+                self._take_replies(chunk)
+            elif key.fd == self._status:
+                if not chunk:
+                    self._sel.unregister(key.fd)
+                else:
+                    self._status_text += chunk
+                    self._read_status()
+            elif not chunk:
+                self._sel.unregister(key.fd)
+            else:
+                (self.stdout if key.fd == self._out else self.stderr).add(chunk)
+        if self.stdout.total + self.stderr.total > self.config.max_file_mb << 20:
+            self.stop = "output"
+        elif self._reply_bytes > MAX_RESULT_BYTES:
+            self.stop = "results"
+        elif self.setup_error:
+            self.stop = "setup"
+        if self.stop:
+            self.live = False
+        return self.live
+
+    def _take_replies(self, chunk: bytes) -> None:
+        self._pending += chunk
+        *lines, rest = self._pending.split(b"\n")
+        self._pending = bytearray(rest)
+        for line in lines:
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError
+            except ValueError:
+                self.flag("forged_records", f"a malformed record: {line[:200]!r}")
+                # It may have swallowed the real reply: what is pending fails now rather than at the deadline.
+                self._replies.append({"id": None, "malformed": True})
+                continue
+            if "flag" in record:
+                self.flag(str(record["flag"]), str(record.get("detail", ""))[:300])
+            else:
+                self._replies.append(record)
+
+    def _read_status(self) -> None:
+        for line in bytes(self._status_text).splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if "setup_error" in record:
+                self.setup_error = str(record["setup_error"])
+            if "exit" in record:
+                self.exit_code = int(record["exit"])
+                self.cpu_seconds = float(record.get("cpu", 0.0))
+
+    def _wait_end(self) -> None:
+        """The harness ended: its holder reports the exit status right after."""
+        self.live = False
+        end = min(self.deadline, time.monotonic() + _GRACE_SECONDS)
+        while self.exit_code is None and not self.setup_error and time.monotonic() < end:
+            if not select.select([self._status], [], [], max(end - time.monotonic(), 0))[0]:
+                break
+            chunk = os.read(self._status, 4096)
+            if not chunk:
+                break
+            self._status_text += chunk
+            self._read_status()
+
+    def wait_exit(self) -> None:
+        """A command run: read its output until the holder reports its exit, the deadline or a limit."""
+        self._sel.unregister(self._reply)
+        while self.live and self.exit_code is None and self._sel.get_map():
+            self._pump()
+        if self.exit_code is None and not self.stop and not self.setup_error:
+            self._wait_end()  # every pipe closed: the status record may still be on its way
+        self.live = False
+        self.finish()
+
+    def finish(self) -> int | None:
+        """Ask the harness to end (it reports processes the program left), then kill what is left."""
+        if self.live:
+            bye = self.request({"op": "exit"})
+            if bye and bye.get("children"):
+                self.flag("stray_processes", f"{bye['children']} process(es) still running at the end")
+            self.live = False
+        # Drain what the program printed before it ended.
+        end = time.monotonic() + 0.05
+        for fd in (self._out, self._err):
+            try:
+                self._sel.unregister(fd)
+            except KeyError:
+                continue
+            os.set_blocking(fd, False)
+            while time.monotonic() < end:
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    break
+                (self.stdout if fd == self._out else self.stderr).add(chunk)
+        return self.exit_code
+
+    def kill(self) -> None:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._sel.close()
+        for fd in (self._cmd, self._reply, self._out, self._err, self._status):
+            os.close(fd)
+
+
+def command_result(session: Session, config: SandboxSection, uid: int | None) -> CommandResult:
+    wall = time.monotonic() - session.started
+    exit_code, stop = session.exit_code, session.stop
+    output = session.stdout
+    cut = output.total - len(output.data)
+    text = (f"[output cut: the first {cut} of {output.total} bytes are not shown]\n" if cut else "") + output.text()
+    flags = []
+    # The CPU limit ended it (SIGXCPU, SIGKILL past the hard limit, or bash reporting either: 128 + signal).
+    cpu_kill = exit_code in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (
+        exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL) and session.cpu_seconds >= config.cpu_seconds)
+    if session.setup_error or stop == "setup":
+        return CommandResult(None, "infra", f"sandbox setup failed: {session.setup_error}", wall, infra_failure=True)
+    if stop == "timeout":
+        if uid is not None and starved_seconds(uid) > 0.5 * config.wall_seconds:
+            return CommandResult(None, "infra", text, wall, ("host_timeout",), infra_failure=True)
+        status, exit_code = "timeout", None
+        flags.append("timeout")
+        text += f"\n[killed: the command ran past its limit of {config.wall_seconds:g} s]"
+    elif cpu_kill:
+        status, exit_code = "timeout", None
+        flags.append("timeout")
+        text += f"\n[killed: the command used its CPU-time limit of {config.cpu_seconds} s]"
+    elif stop == "output":
+        status, exit_code = "crash", None
+        flags.append("output_limit")
+        text += f"\n[killed: the output went past {config.max_file_mb} MB]"
+    elif exit_code is None:
+        return CommandResult(None, "infra", text + "\n[the sandbox lost the command's exit status]", wall, infra_failure=True)
+    elif exit_code != 0 and "MemoryError" in text:
+        status = "memory"
+    elif exit_code < 0:
+        status = "crash"
+    else:
+        status = "ok"
+    return CommandResult(exit_code, status, text, wall, tuple(sorted(flags)), cpu_seconds=session.cpu_seconds)

@@ -1,0 +1,67 @@
+"""The layering DESIGN.md states, read from the code's own imports (every import, lazy ones included):
+`cli -> rl -> {trainer, data, rollout, sync} -> cluster -> runtime -> recipes`, trainer and rollout apart,
+and no two modules importing each other, directly or around a circle."""
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+LAYER = {"cli": 5, "rl": 4, "trainer": 3, "data": 3, "rollout": 3, "sync": 3, "cluster": 2, "runtime": 1, "recipes": 0}
+APART = {("trainer", "rollout"), ("rollout", "trainer"), ("sync", "trainer"), ("sync", "rollout"), ("trainer", "sync"),
+         ("rollout", "sync")}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in LAYER:
+        for path in sorted((REPO / package).rglob("*.py")) if (REPO / package).is_dir() else ():
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            found[name] = path
+    return found
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `path` imports (`from a.b import c` names a.b.c when that is a module, else a.b)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                out.add(full if full in modules else node.module)
+    return {m for m in out if m in modules}
+
+
+def test_no_module_imports_a_package_above_its_own_or_across_the_wall():
+    modules = _modules()
+    wrong = []
+    for name, path in modules.items():
+        mine = name.split(".")[0]
+        for target in _imports(path, modules):
+            theirs = target.split(".")[0]
+            if theirs != mine and (LAYER[theirs] >= LAYER[mine] or (mine, theirs) in APART):
+                wrong.append(f"{name} -> {target}")
+    assert wrong == []
+
+
+def test_no_circle_of_imports():
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    # A package's __init__ is not an edge of its submodules (importing a.b runs a/__init__ first anyway).
+    state, circles = {}, []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                circles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target, stack + [target])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert circles == []
