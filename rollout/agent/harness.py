@@ -422,7 +422,6 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-@dataclass
 def truncate(text: str, max_tokens: int, tok: Tokenizer, more: str) -> str:
     """`text` cut to about `max_tokens` tokens, its start and its end kept (errors are at the end), with a note
     saying how many characters and lines were cut and how to see them."""

@@ -38,6 +38,7 @@ OBSERVATION_HEADER = "\n\n[Test results]\n"
 NEXT_TURN = "\n\n[Fix the code and reply with the complete solution.]\n"
 
 
+@dataclass
 class _SegmentBuilder:
     tokens: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
