@@ -95,8 +95,8 @@ def test_without_slurm_only_the_tests_that_need_it_skip(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", path)
     reason = slurm_cluster.why_not()
     assert reason is not None
-    done = pytest_this_module(path, tmp_path / "pytest", "test_srun_inside_salloc_runs_the_ranks", "test_submit_writes_an_sbatch_script_and_the_job_trains",
-                              "test_submit_outside_slurm_launcher_is_refused")
+    done = pytest_this_module(path, tmp_path / "pytest", "test_srun_inside_salloc_runs_the_ranks",
+                              "test_submit_writes_an_sbatch_script_and_the_job_trains", "test_submit_outside_slurm_launcher_is_refused")
     assert done.returncode == 0, done.stdout[-3000:]
     assert "1 passed, 2 skipped" in done.stdout and reason in done.stdout, done.stdout[-3000:]
 
