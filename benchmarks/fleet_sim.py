@@ -14,6 +14,7 @@ All episodes are submitted at time 0 (all in flight at once). Figures, against t
   orchestrator memory             tracemalloc peak of a second, identical run (Python allocations, the
                                   simulator's included), and the process's RSS peak     target < 2 GB
 Run: python benchmarks/fleet_sim.py [--episodes 100000] (a small --episodes for a smoke test of the script)
+Exits non-zero when a figure misses its target.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout.sandbox.fleet import Failure, Provider, SandboxPool, SimulatedClock  # noqa: E402
-from rollout.sandbox.results import AssertionTests, SandboxResult  # noqa: E402
+from rollout.sandbox.runs.results import AssertionTests, SandboxResult  # noqa: E402
 from rollout.sandbox.server import RunRequest  # noqa: E402
 
 TASK_SETS = {"humaneval": 2.0, "codeio": 1.0, "repo": 1.0}
@@ -206,6 +207,9 @@ def main() -> None:
         print(f"  {name:34s} {value:70s} target {target:8s} {'met' if met else 'MISSED'}")
     if timed["results"] != episodes or timed["infra"]:
         raise SystemExit("the simulation lost episodes or gave some up as infra_failure")
+    missed = [name for name, _, _, met in rows if not met]
+    if missed:
+        raise SystemExit(f"MISSED its target: {', '.join(missed)}")
 
 
 if __name__ == "__main__":

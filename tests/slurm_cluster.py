@@ -1,6 +1,7 @@
 """A one-node SLURM cluster on this machine, for tests: Debian's slurm-wlm (slurmctld + slurmd) and munge, each
 with its own configuration, key, sockets, ports and state under a temporary directory (SLURM_CONF points the
-clients at it). `why_not` says why it cannot start here; `close` stops every daemon it started."""
+clients at it). `why_not` says why it cannot run here at all (SLURM absent from PATH, or not root); where it can,
+a cluster that does not start raises with its daemons' logs. `close` stops every daemon it started."""
 
 from __future__ import annotations
 
@@ -12,19 +13,16 @@ import time
 from pathlib import Path
 
 from runtime.processes import free_port
+from tests.conftest import not_installed
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "srun", "sbatch", "salloc")
+PROGRAMS = ("munged", "slurmctld", "slurmd", "sinfo", "srun", "sbatch", "salloc", "squeue", "scancel")
 
 
 def why_not() -> str | None:
     if os.geteuid() != 0:
         return "the test SLURM cluster runs its daemons as root"
-    missing = [tool for tool in DAEMONS if not shutil.which(tool) and not os.path.exists(f"/usr/sbin/{tool}")]
-    return f"SLURM/munge not installed (apt-get install slurm-wlm munge): missing {', '.join(missing)}" if missing else None
-
-
-def _tool(name: str) -> str:
-    return shutil.which(name) or f"/usr/sbin/{name}"
+    missing = [program for program in PROGRAMS if not shutil.which(program)]
+    return f"{not_installed('slurm-wlm munge')}: {', '.join(missing)} not on PATH" if missing else None
 
 
 class SlurmCluster:
@@ -50,7 +48,7 @@ class SlurmCluster:
         key.chmod(0o400)
         socket_path = d / "munge.socket"
         self.processes.append(subprocess.Popen(
-            [_tool("munged"), "--foreground", "--force", f"--key-file={key}", f"--socket={socket_path}",
+            ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={socket_path}",
              f"--pid-file={d / 'munged.pid'}", f"--log-file={d / 'munged.log'}", f"--seed-file={d / 'munged.seed'}"],
             stdout=subprocess.DEVNULL, stderr=open(d / "munged.err", "wb")))
         self._wait(lambda: socket_path.exists(), "munged", d / "munged.log")
@@ -66,7 +64,7 @@ class SlurmCluster:
             f"NodeName={self.node} CPUs={cpus} State=UNKNOWN",
             f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4", ""]))
         for daemon in ("slurmctld", "slurmd"):
-            self.processes.append(subprocess.Popen([_tool(daemon), "-D", "-f", str(d / "slurm.conf")], env=self.env,
+            self.processes.append(subprocess.Popen([daemon, "-D", "-f", str(d / "slurm.conf")], env=self.env,
                                                    stdout=subprocess.DEVNULL, stderr=open(d / f"{daemon}.err", "wb")))
         self._wait(self._idle, "slurmd", d / "slurmd.log", seconds=40)
 
@@ -79,8 +77,9 @@ class SlurmCluster:
         while not ready():
             dead = [p for p in self.processes if p.poll() is not None]
             if dead or time.monotonic() > deadline:
-                logs = " | ".join(p.read_text()[-500:] for p in sorted(self.dir.glob("*.err")) + [log] if p.exists())
-                raise RuntimeError(f"{what} did not start: {logs}")
+                why = ", ".join(f"{p.args[0]} exited {p.returncode}" for p in dead) or f"not ready after {seconds:.0f} s"
+                logs = " | ".join(f"{p.name}: {p.read_text()[-500:]}" for p in sorted(self.dir.glob("*.err")) + [log] if p.exists())
+                raise RuntimeError(f"{what} did not start ({why}); logs: {logs}")
             time.sleep(0.2)
 
     def close(self) -> None:

@@ -1,9 +1,11 @@
 """The slurm launcher on a real one-node SLURM cluster (Debian's slurm-wlm + munge, started by the test):
-a smoke mid-training through `srun` inside `salloc`, and through `--submit` (sbatch)."""
+a smoke mid-training through `srun` inside `salloc`, and through `--submit` (sbatch). Only the tests that need the
+cluster skip where SLURM is absent; where it is installed, a cluster that does not start fails them with its logs."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,17 +18,16 @@ from runtime.run_dir import read_metrics
 from tests import slurm_cluster
 from tests.conftest import RECIPES, REPO
 
-pytestmark = [pytest.mark.engines, pytest.mark.skipif(slurm_cluster.why_not() is not None, reason=str(slurm_cluster.why_not()))]
+pytestmark = pytest.mark.engines
 
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    try:
-        cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    except RuntimeError as e:
-        pytest.skip(f"the SLURM cluster cannot start here: {e}")
+    if reason := slurm_cluster.why_not():
+        pytest.skip(reason)
+    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
         yield cluster
     finally:
@@ -80,3 +81,33 @@ def test_submit_outside_slurm_launcher_is_refused(init, tmp_path):
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert result.returncode == 2
     assert "--submit needs cluster.launcher: slurm" in result.stderr
+
+
+def pytest_this_module(path: str, basetemp: Path, *tests: str) -> subprocess.CompletedProcess:
+    """Some of this module's tests in a fresh pytest whose PATH is `path` (the SLURM it finds)."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", f"--basetemp={basetemp}",
+                           *(f"{__file__}::{test}" for test in tests)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PATH": path, "COLUMNS": "400"})
+
+
+def test_without_slurm_only_the_tests_that_need_it_skip(monkeypatch, tmp_path):
+    path = "/usr/bin:/bin"  # Debian's SLURM and munge daemons live in /usr/sbin
+    monkeypatch.setenv("PATH", path)
+    reason = slurm_cluster.why_not()
+    assert reason is not None
+    done = pytest_this_module(path, tmp_path / "pytest", "test_srun_inside_salloc_runs_the_ranks",
+                              "test_submit_writes_an_sbatch_script_and_the_job_trains", "test_submit_outside_slurm_launcher_is_refused")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "1 passed, 2 skipped" in done.stdout and reason in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the test SLURM cluster runs its daemons as root")
+def test_a_slurm_cluster_that_does_not_start_fails_with_its_logs(tmp_path):
+    """SLURM's programs all present, but daemons that exit at once (`false` under their names): an error, not a skip."""
+    programs = tmp_path / "bin"
+    programs.mkdir()
+    for program in slurm_cluster.PROGRAMS:
+        (programs / program).symlink_to(shutil.which("false"))
+    done = pytest_this_module(f"{programs}:/usr/bin:/bin", tmp_path / "pytest", "test_srun_inside_salloc_runs_the_ranks")
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "1 error" in done.stdout and "munged did not start (munged exited 1); logs: munged.err:" in done.stdout, done.stdout[-3000:]

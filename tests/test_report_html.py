@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from runtime.processes import free_port
+from tests.conftest import not_installed
 from tests.test_report import write_run
 from tests.test_run_status import make_run
 
@@ -45,7 +46,7 @@ class Browser:
 @pytest.fixture(scope="module")
 def browser():
     if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("chromium and chromedriver not installed (Debian: apt-get install chromium chromium-driver; scripts/setup.sh does as root)")
+        pytest.skip(not_installed("chromium chromium-driver"))
     port = free_port()
     driver = subprocess.Popen([CHROMEDRIVER, f"--port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

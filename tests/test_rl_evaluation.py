@@ -11,7 +11,7 @@ from recipes.errors import UserError
 from recipes.schema import EnvSection, RLEvalSection, TaskSet
 from rl.evaluation import bootstrap_interval, held_out_sets, pass_at_k
 from rollout.agent.environment import CodingEnvironment
-from rollout.tasks.pool import held_out_split
+from rollout.tasks.functions.pool import held_out_split
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
@@ -94,3 +94,30 @@ def test_evaluations_are_due_once_per_window_at_the_start_and_at_the_end(tmp_pat
     resumed = Evaluator(config, tasks, env, steps=25, seed=0, root=tmp_path)
     assert [v for v in (1, 13, 20, 25) if resumed.claim(v)] == [20, 25]
     resumed.close()
+
+
+@pytest.mark.parametrize("after, exit_code", [(1, 0), (0, 1)], ids=["learned", "not-shown"])
+def test_the_learning_benchmark_exits_non_zero_when_learning_is_not_shown(tmp_path, after, exit_code):
+    """benchmarks/rl_learning.py --report on a finished run: all held-out tasks solved after none before is learning;
+    the same results before and after is not, and the benchmark says so in its exit status."""
+    import json
+    import subprocess
+    import sys
+
+    from recipes.loader import load_recipe, recipe_to_yaml
+    from tests.conftest import RECIPES, REPO
+
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "recipe.yaml").write_text(recipe_to_yaml(load_recipe(RECIPES / "smollm2-rl.yaml", ["train.steps=2"])))
+    for version, solved in (("v000000", 0), ("v000002", after)):
+        tasks = {f"rgym/sum/{i}": {"greedy": bool(solved), "samples": 0, "correct": 0} for i in range(20)}
+        (run / "eval" / f"{version}.json").write_text(json.dumps(tasks))
+    (run / "eval_metrics.jsonl").write_text("".join(json.dumps({"step": step, "time": 100.0 * (step + 1), "eval_seconds": 10.0}) + "\n"
+                                                    for step in (0, 2)))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "reward_mean": 0.5, "response_tokens_mean": 40.0,
+                                                           "uniform_group_fraction": 0.0}) + "\n" for step in (1, 2)))
+    done = subprocess.run([sys.executable, "benchmarks/rl_learning.py", "--report", str(run)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == exit_code, done.stdout + done.stderr
+    assert ("LEARNED" if after else "NOT shown") in done.stdout
