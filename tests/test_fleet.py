@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from rollout.sandbox.fleet import Failure, Provider, SandboxPool, SimulatedClock
-from rollout.sandbox.runs.results import AssertionTests, SandboxResult
+from rollout.sandbox.results import AssertionTests, SandboxResult
 from rollout.sandbox.server import RunRequest
 
 OK = SandboxResult(1.0, 1, 1, "ok", "", "", "", 0.1)
@@ -198,7 +198,7 @@ def test_with_no_host_up_queued_runs_end_as_infra_failure():
 
 
 def test_requests_and_results_cross_the_wire_unchanged_and_nothing_else_does():
-    from rollout.sandbox.runs.results import Call, CallTests, CaseResult, CaseTests, GeneratedCalls, ScriptRun, Statement
+    from rollout.sandbox.results import Call, CallTests, CaseResult, CaseTests, GeneratedCalls, ScriptRun, Statement
     from rollout.sandbox.server import ProtocolError, from_wire, to_wire
 
     values = [
@@ -223,7 +223,7 @@ def test_requests_and_results_cross_the_wire_unchanged_and_nothing_else_does():
 def test_a_real_local_fleet_runs_programs_concurrently_up_to_its_limit(tmp_path):
     from recipes.schema import SandboxSection, SSHSection
     from rollout.sandbox.hosts import SandboxFleet
-    from rollout.sandbox.runs.results import ScriptRun
+    from rollout.sandbox.results import ScriptRun
 
     fleet = SandboxFleet(SandboxSection(sandboxes_per_host=3, max_concurrent=2, wall_seconds=30), SSHSection(), root=tmp_path)
     try:
