@@ -1,8 +1,9 @@
 """The learner role of an RL run, one process per rank under torchrun: `python -m rl.learner_main RUN_DIR`.
 
 Each step: take `rl.prompts_per_step` groups (rl.protocol: fresh ones from the rollouts, or a recorded run's on
-replay) -> train on them -> publish the new policy through sync -> save a checkpoint when due -> log. What a
-crash at any point leaves behind is repaired on resume by the protocol.
+replay; rank 0 takes them, the other ranks read which in the run directory) -> train on them -> publish the new
+policy through sync -> save a checkpoint when due -> log. What a crash at any point leaves behind is repaired on
+resume by the protocol.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.schema import Recipe, RLSection
-from rl.protocol import LearnerQueue, Policy, ReplayQueue, RLRunFiles, learner_queue, sync_section
+from rl.protocol import LearnerQueue, Policy, ReplayQueue, RLRunFiles, StepGroups, learner_queue, sync_section
 from rl.trajectories import episode_stats
 from rollout.agent.trajectory import Trajectory
 from runtime.processes import die_with_parent
@@ -115,11 +116,14 @@ def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int)
     return metrics
 
 
-def take(queue: LearnerQueue | ReplayQueue, step: int) -> tuple[list[str], int]:
-    """Rank 0 takes the step's groups; every rank gets their ids (and how many stale ones were dropped)."""
-    picked = [queue.take(step) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(picked, src=0)
-    return picked[0]
+def take(queue: LearnerQueue | ReplayQueue, step_groups: StepGroups, step: int) -> tuple[list[str], int]:
+    """Rank 0 takes the step's groups and records them; every rank gets their ids (and how many stale ones were
+    dropped). No rank waits inside a collective: rollouts may take longer than a collective's timeout."""
+    if dist.get_rank() != 0:
+        return step_groups.wait(step)
+    picked = queue.take(step)
+    step_groups.record(step, *picked)
+    return picked
 
 
 def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
@@ -127,18 +131,20 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
                         recipe.rollout.sampling.temperature)
     state = learner.core.resume() or {}
     start = state.get("step", 0)
-    queue = learner_queue(files, recipe.rl)
+    queue, step_groups = learner_queue(files, recipe.rl), StepGroups(files)
     rank0 = dist.get_rank() == 0
     if rank0:
         queue.repair(state.get("consumed", []))
+        step_groups.clear()
         drop_records_after(files.root / "metrics.jsonl", start)  # those steps are trained again
+    dist.barrier()  # no rank may read step groups recorded before a crash
     metrics = MetricsWriter(files.root / "metrics.jsonl") if rank0 else None
     board = TensorBoard(files.root / "tensorboard", start) if rank0 else None
     save_due = Every(recipe.train.checkpoint_every, recipe.train.steps)
     unsaved: list[str] = []
     for step in range(start, recipe.train.steps):
         started = time.monotonic()
-        group_ids, dropped = take(queue, step)
+        group_ids, dropped = take(queue, step_groups, step)
         groups = queue.load(group_ids)
         waited = time.monotonic() - started
         record = learner.train_step(learner_sequences(groups, recipe.rl, step))

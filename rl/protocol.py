@@ -5,6 +5,7 @@ They share nothing but files of the run directory, each written atomically:
     trajectories/<stage>/gNNNNNNN.traj   groups of episodes (rl.trajectories); a group's stage is its directory
     policy.json                          the newest policy: learner steps done, and its id in the sync store
     driver.heartbeat                     touched every second by a thread of the driver while the driver lives
+    learner_step.json                    the groups of the learner's current step, as its rank 0 took them
     replay.json                          present when the run replays another run's trajectories (no rollouts)
     receiver/  export/  checkpoints/  weights/ (the sync store when the recipe names none)
 
@@ -15,6 +16,10 @@ A group's life, and the one place each move happens:
     ready --LearnerQueue.take, too stale--> dropped
     after a crash (LearnerQueue.repair): trained or ready groups the newest checkpoint covers -> consumed,
     other trained groups -> ready (trained again); claims in flight were never written and are made again.
+
+The learner's other ranks wait for a step's groups in learner_step.json (`StepGroups`), never inside a collective:
+a step may wait for rollouts longer than any collective's timeout. After a crash the step it names is taken again
+from the repaired queue, so it is cleared before any rank reads it.
 
 Staleness (`StalenessRule`): a group made with policy v may be trained at learner steps v .. v + max_staleness.
 The learner drops what falls outside that window; a producer starts a group only while the groups ahead of it
@@ -69,6 +74,7 @@ class RLRunFiles:
         self.checkpoints = root / "checkpoints"
         self.heartbeat = root / "driver.heartbeat"
         self.replay_file = root / "replay.json"
+        self.step_groups = root / "learner_step.json"
 
     def policy(self) -> Policy | None:
         if not self.policy_file.is_file():
@@ -206,9 +212,7 @@ class LearnerQueue:
                 else:
                     self.store.move([group], "ready", "dropped")
                     dropped += 1
-            silent = driver_silent_for(self.files.heartbeat)
-            if silent > self.patience_seconds:
-                raise UserError(f"no rollouts: the driver has been silent for {silent:.0f} s (over {self.patience_seconds:.0f} s)")
+            refuse_silent_driver(self.files.heartbeat, self.patience_seconds)
             time.sleep(POLL_SECONDS)
 
     def load(self, groups: list[str]) -> list[list[Trajectory]]:
@@ -253,6 +257,31 @@ class ReplayQueue:
         pass
 
 
+class StepGroups:
+    """The groups of the learner's current step, from its rank 0 (which takes them from the queue) to the other
+    ranks, through the run directory that every learner host shares."""
+
+    def __init__(self, files: RLRunFiles, patience_seconds: float = DRIVER_PATIENCE_SECONDS):
+        self.files, self.patience_seconds = files, patience_seconds
+
+    def record(self, step: int, groups: list[str], dropped: int) -> None:
+        atomic_write_text(self.files.step_groups, json.dumps({"step": step, "groups": groups, "dropped": dropped}))
+
+    def wait(self, step: int) -> tuple[list[str], int]:
+        """The groups rank 0 took for `step` (and how many stale ones it dropped), once it has recorded them."""
+        while True:
+            if self.files.step_groups.is_file():
+                record = json.loads(self.files.step_groups.read_text())
+                if record["step"] == step:
+                    return record["groups"], record["dropped"]
+            refuse_silent_driver(self.files.heartbeat, self.patience_seconds)
+            time.sleep(POLL_SECONDS)
+
+    def clear(self) -> None:
+        """Before the ranks start: a record left by a crash names a step that is taken again."""
+        self.files.step_groups.unlink(missing_ok=True)
+
+
 def learner_queue(files: RLRunFiles, rl: RLSection) -> LearnerQueue | ReplayQueue:
     source = files.replay_source()
     return ReplayQueue(source) if source else LearnerQueue(files, StalenessRule.of(rl))
@@ -285,3 +314,9 @@ class Heartbeat:
 
 def driver_silent_for(heartbeat: Path) -> float:
     return time.time() - heartbeat.stat().st_mtime if heartbeat.exists() else 0.0
+
+
+def refuse_silent_driver(heartbeat: Path, patience_seconds: float) -> None:
+    silent = driver_silent_for(heartbeat)
+    if silent > patience_seconds:
+        raise UserError(f"no rollouts: the driver has been silent for {silent:.0f} s (over {patience_seconds:.0f} s)")

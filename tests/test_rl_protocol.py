@@ -17,6 +17,7 @@ from rl.protocol import (
     RLRunFiles,
     RolloutQueue,
     StalenessRule,
+    StepGroups,
     driver_silent_for,
     group_id,
 )
@@ -173,6 +174,29 @@ def test_the_learner_gives_up_on_a_silent_driver(run):
     with pytest.raises(UserError, match="driver has been silent"):
         learner.take(0)
     assert driver_silent_for(run.heartbeat) > 0.5
+
+
+def test_the_other_learner_ranks_train_the_groups_rank_0_took_for_their_step(run):
+    producer, learner = queues(run, 1)
+    for index in range(4):
+        producer.store.put(group_id(index), group(index, 0))
+    steps = StepGroups(run)
+    first = learner.take(0)
+    steps.record(0, *first)
+    assert steps.wait(0) == first
+    learner.trained(first[0])
+    threading.Timer(1.0, lambda: steps.record(1, *learner.take(1))).start()  # rank 0 takes step 1 later
+    assert steps.wait(1) == ([group_id(2), group_id(3)], 0)  # not step 0's record, still there meanwhile
+
+
+def test_a_step_record_left_by_a_crash_is_cleared_and_the_ranks_give_up_on_a_silent_driver(run):
+    steps = StepGroups(run, patience_seconds=0.5)
+    steps.record(2, [group_id(4), group_id(5)], 0)  # the learner took step 2, then died
+    steps.clear()  # its rank 0 on resume, before any rank waits: step 2 is taken again from the repaired queue
+    with Heartbeat(run.heartbeat, interval=0.1):
+        pass  # the driver beat once, then died
+    with pytest.raises(UserError, match="driver has been silent"):
+        steps.wait(2)
 
 
 def test_replay_takes_each_recorded_step_and_writes_nothing(run, tmp_path_factory):
