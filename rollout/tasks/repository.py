@@ -332,126 +332,144 @@ def _prompt(candidate: Candidate, version: str, fail_to_pass: list[str]) -> str:
 def build_repo_tasks(settings: RepoTaskSettings, sandbox: SandboxSection, sandbox_root: Path, workers: int,
                      on_progress: Callable[[BuildReport], None] = lambda report: None) -> BuildReport:
     """Build (or finish building) the task set: at least `num_tasks` validated tasks, or every candidate tried."""
-    started = time.monotonic()
-    cache_dir = Path(settings.cache_dir).resolve()
-    bases = {name: project_bases(cache_dir, name) for name in settings.projects}
-    versions = {name: project_version(name) for name in settings.projects}
-    directory = set_dir(settings)
-    (directory / "verdicts").mkdir(parents=True, exist_ok=True)
-    (directory / "layers").mkdir(exist_ok=True)
-    _clean_stale_views(sandbox_root)
-    stream = candidates(settings, bases)
-    ordered: list[Candidate] = []
-    config = sandbox.model_dump()
-    report = BuildReport()
-    verdicts: dict[str, dict] = {}
-    surveys: dict[tuple[str, str], dict] = {}
+    build = _Build(settings, sandbox, sandbox_root, on_progress)
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        build.run(pool, workers)
+    _write_index(settings, build.directory, build.ordered, build.verdicts, build.versions, build.bases)
+    return build.report
 
-    def next_candidate() -> Candidate | None:
+
+class _Build:
+    """One build of a task set: candidates taken in order, each test file surveyed once, candidates validated in
+    worker processes; every verdict recorded as it comes (a killed build resumes from them)."""
+
+    def __init__(self, settings: RepoTaskSettings, sandbox: SandboxSection, sandbox_root: Path,
+                 on_progress: Callable[[BuildReport], None]):
+        self.started = time.monotonic()
+        self.settings, self.sandbox_root, self.on_progress = settings, sandbox_root, on_progress
+        self.config = sandbox.model_dump()
+        cache_dir = Path(settings.cache_dir).resolve()
+        self.bases = {name: project_bases(cache_dir, name) for name in settings.projects}
+        self.versions = {name: project_version(name) for name in settings.projects}
+        self.directory = set_dir(settings)
+        (self.directory / "verdicts").mkdir(parents=True, exist_ok=True)
+        (self.directory / "layers").mkdir(exist_ok=True)
+        _clean_stale_views(sandbox_root)
+        self.stream = candidates(settings, self.bases)
+        self.ordered: list[Candidate] = []
+        self.report = BuildReport()
+        self.verdicts: dict[str, dict] = {}
+        self.surveys: dict[tuple[str, str], dict] = {}
+        self.in_flight: dict[Future, tuple[str, object]] = {}
+        self.waiting: dict[tuple[str, str], list[Candidate]] = {}
+        """Candidates whose test file's survey is running, by (project, test file)."""
+
+    def next_candidate(self) -> Candidate | None:
         """The next candidate in order (its cached verdict loaded), or None when every one was taken."""
-        c = next(stream, None)
+        c = next(self.stream, None)
         if c is not None:
-            ordered.append(c)
-            if found := _read_json(directory / "verdicts" / f"{_file_name(c.id)}.json", "verdict"):
-                verdicts[c.id] = found
-                report.resumed += 1
+            self.ordered.append(c)
+            if found := _read_json(self.directory / "verdicts" / f"{_file_name(c.id)}.json", "verdict"):
+                self.verdicts[c.id] = found
+                self.report.resumed += 1
         return c
 
-    def survey_of(c: Candidate) -> dict | None:
+    def survey_of(self, c: Candidate) -> dict | None:
         key = (c.project, c.test_file)
-        if key not in surveys and (found := _read_json(_survey_path(bases[c.project], c.test_file), "cpu_seconds")):
-            surveys[key] = found
-        return surveys.get(key)
+        if key not in self.surveys and (found := _read_json(_survey_path(self.bases[c.project], c.test_file), "cpu_seconds")):
+            self.surveys[key] = found
+        return self.surveys.get(key)
 
-    def record(c: Candidate, verdict: dict) -> None:
-        verdicts[c.id] = verdict
+    def record(self, c: Candidate, verdict: dict) -> None:
+        self.verdicts[c.id] = verdict
         if verdict["verdict"] == "infra":
             return  # kept in memory only: retried by the next build
         if verdict["verdict"] == "validated":
-            _write_layer(directory / "layers" / _file_name(c.id), c.path, verdict["changed_source"])
-        atomic_write_text(directory / "verdicts" / f"{_file_name(c.id)}.json", json.dumps(verdict))
+            _write_layer(self.directory / "layers" / _file_name(c.id), c.path, verdict["changed_source"])
+        atomic_write_text(self.directory / "verdicts" / f"{_file_name(c.id)}.json", json.dumps(verdict))
 
-    def tally() -> None:
+    def tally(self) -> None:
+        report = self.report
         report.validated = report.tried = 0
         report.rejected, report.by_project_kind = Counter(), Counter()
-        for c in ordered:
-            if c.id not in verdicts or report.validated >= settings.num_tasks:
+        for c in self.ordered:
+            if c.id not in self.verdicts or report.validated >= self.settings.num_tasks:
                 continue
-            v = verdicts[c.id]
+            v = self.verdicts[c.id]
             report.tried += 1
             if v["verdict"] == "validated":
                 report.validated += 1
                 report.by_project_kind[(c.project, c.mutation.kind)] += 1
             else:
                 report.rejected[v["reason"]] += 1
-        report.seconds = time.monotonic() - started
-        on_progress(report)
+        report.seconds = time.monotonic() - self.started
+        self.on_progress(report)
 
-    def enough() -> bool:
+    def enough(self) -> bool:
+        """`num_tasks` validated among the first candidates, every one before them decided."""
         validated = 0
-        for c in ordered:
-            if c.id not in verdicts:
+        for c in self.ordered:
+            if c.id not in self.verdicts:
                 return False
-            validated += verdicts[c.id]["verdict"] == "validated"
-            if validated >= settings.num_tasks:
+            validated += self.verdicts[c.id]["verdict"] == "validated"
+            if validated >= self.settings.num_tasks:
                 return True
         return False
 
-    tally()
-    exhausted = False
-    in_flight: dict[Future, tuple[str, object]] = {}
-    waiting: dict[tuple[str, str], list[Candidate]] = {}
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        def dispatch(c: Candidate) -> None:
-            s = survey_of(c)
-            if s is None:
-                key = (c.project, c.test_file)
-                if key not in waiting:
-                    waiting[key] = []
-                    future = pool.submit(survey, config, str(sandbox_root), str(bases[c.project]), c.project, c.test_file,
-                                         max(60.0, 3 * settings.max_test_seconds))
-                    in_flight[future] = ("survey", key)
-                waiting[key].append(c)
-            elif not s["complete"] or not s["passing"]:
-                record(c, {"verdict": "rejected", "reason": "test file fails or errs on the original"})
-            elif s["cpu_seconds"] > settings.max_test_seconds:
-                record(c, {"verdict": "rejected", "reason": "test file needs more than max_test_seconds of CPU"})
-            else:
-                future = pool.submit(validate, config, str(sandbox_root), str(bases[c.project]),
-                                     {**asdict(c), "mutation": asdict(c.mutation)}, s["passing"], 10 + 3 * s["wall_seconds"])
-                in_flight[future] = ("validate", c)
+    def dispatch(self, pool: ProcessPoolExecutor, c: Candidate) -> None:
+        """Survey the candidate's test file first if needed, reject it on its survey, or validate it."""
+        s = self.survey_of(c)
+        if s is None:
+            key = (c.project, c.test_file)
+            if key not in self.waiting:
+                self.waiting[key] = []
+                future = pool.submit(survey, self.config, str(self.sandbox_root), str(self.bases[c.project]), c.project,
+                                     c.test_file, max(60.0, 3 * self.settings.max_test_seconds))
+                self.in_flight[future] = ("survey", key)
+            self.waiting[key].append(c)
+        elif not s["complete"] or not s["passing"]:
+            self.record(c, {"verdict": "rejected", "reason": "test file fails or errs on the original"})
+        elif s["cpu_seconds"] > self.settings.max_test_seconds:
+            self.record(c, {"verdict": "rejected", "reason": "test file needs more than max_test_seconds of CPU"})
+        else:
+            future = pool.submit(validate, self.config, str(self.sandbox_root), str(self.bases[c.project]),
+                                 {**asdict(c), "mutation": asdict(c.mutation)}, s["passing"], 10 + 3 * s["wall_seconds"])
+            self.in_flight[future] = ("validate", c)
 
+    def take(self, pool: ProcessPoolExecutor, kind: str, item, result: dict) -> None:
+        """A finished survey (its waiting candidates dispatched) or validation (its verdict recorded)."""
+        if kind == "validate":
+            self.record(item, result)
+        elif result["infra_failure"]:
+            for c in self.waiting.pop(item):
+                self.record(c, {"verdict": "infra", "reason": "sandbox failure"})
+        else:
+            atomic_write_text(_survey_path(self.bases[item[0]], item[1]), json.dumps(result))
+            self.surveys[item] = result
+            for c in self.waiting.pop(item):
+                self.dispatch(pool, c)
+
+    def run(self, pool: ProcessPoolExecutor, workers: int) -> None:
+        self.tally()
+        exhausted = False
         while True:
             # Keep the workers busy with the next candidates in order, while more could still be needed.
-            while len(in_flight) < 2 * workers and not exhausted and not enough():
-                c = next_candidate()
+            while len(self.in_flight) < 2 * workers and not exhausted and not self.enough():
+                c = self.next_candidate()
                 if c is None:
                     exhausted = True
-                elif c.id not in verdicts:
-                    dispatch(c)
-            if not in_flight:
-                if exhausted or enough():
+                elif c.id not in self.verdicts:
+                    self.dispatch(pool, c)
+            if not self.in_flight:
+                if exhausted or self.enough():
                     break
                 continue
-            done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            done, _ = wait(self.in_flight, return_when=FIRST_COMPLETED)
             for future in done:
-                kind, item = in_flight.pop(future)
-                result = future.result()
-                if kind == "survey":
-                    if result["infra_failure"]:
-                        for c in waiting.pop(item):
-                            record(c, {"verdict": "infra", "reason": "sandbox failure"})
-                        continue
-                    atomic_write_text(_survey_path(bases[item[0]], item[1]), json.dumps(result))
-                    surveys[item] = result
-                    for c in waiting.pop(item):
-                        dispatch(c)
-                else:
-                    record(item, result)
-            tally()
-    tally()
-    _write_index(settings, directory, ordered, verdicts, versions, bases)
-    return report
+                kind, item = self.in_flight.pop(future)
+                self.take(pool, kind, item, future.result())
+            self.tally()
+        self.tally()
 
 
 def _write_layer(layer: Path, relative: str, text: str) -> None:
