@@ -227,6 +227,21 @@ def root_layout() -> dict:
     return {"read_only": read_only, "hidden": sorted(set(hidden)), "symlinks": symlinks}
 
 
+def _check_root_layout(sandbox_root: Path) -> None:
+    """Refuse, in one message, a root the sandbox cannot build: a read-only bind its own mounts would cover
+    (the work directory, /dev, /proc; binds below the private /tmp go on top of it) or one holding the sandbox
+    root (every run would see the other runs' directories)."""
+    for path in root_layout()["read_only"]:
+        covered = [m for m in (WORK_DIR, "/dev", "/proc", "/tmp") if _inside(m, [path])]
+        covered += [m for m in (WORK_DIR, "/dev", "/proc") if _inside(path, [m])]
+        if covered:
+            raise UserError(f"the sandbox cannot show its runs {path} (the interpreter or its environment): the run's "
+                            f"own {covered[0]} would cover it; install Python and composer's environment elsewhere")
+        if _inside(str(sandbox_root), [path]):
+            raise UserError(f"the sandbox root {sandbox_root} lies inside {path}, which every run sees read-only: "
+                            f"choose a sandbox root outside it")
+
+
 def installed_copies(distribution: str) -> tuple[str, ...]:
     """Every installed file of `distribution` in the interpreter's site-packages (the virtual environment's and
     the base Python's, both inside the sandbox's read-only binds): its packages and modules with their
@@ -266,6 +281,7 @@ def detect_isolation(sandbox_root: Path) -> Isolation:
     """The strongest isolation that runs a trivial program here, found once per process and sandbox root;
     each weaker fallback is logged with the reason the stronger one failed."""
     if os.geteuid() == 0:
+        _check_root_layout(sandbox_root)
         candidates = [Isolation(True, True), Isolation(True, False), Isolation(False, False)]
     else:
         log.warning("sandbox: not running as root, so model code runs as this user with this user's view of the "
