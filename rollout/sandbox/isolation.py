@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from recipes.errors import UserError
+
 # A range of uids no account uses: one per concurrent run, claimed through a lock file.
 SANDBOX_UID_BASE = 1_900_000_000
 MAX_CONCURRENT_RUNS = 4096
@@ -70,6 +72,21 @@ def root_layout() -> dict:
         hidden += [str(p) for p in candidates if p.is_dir() and inside(str(p), read_only)]
     symlinks = [(f"/{n}", os.readlink(f"/{n}")) for n in ("bin", "lib", "lib64", "sbin") if os.path.islink(f"/{n}")]
     return {"read_only": read_only, "hidden": sorted(set(hidden)), "symlinks": symlinks}
+
+
+def check_root_layout(sandbox_root: Path) -> None:
+    """Refuse, in one message, a root the sandbox cannot build: a read-only bind its own mounts would cover
+    (the work directory, /dev, /proc; binds below the private /tmp go on top of it) or one holding the sandbox
+    root (every run would see the other runs' directories)."""
+    for path in root_layout()["read_only"]:
+        covered = [m for m in (WORK_DIR, "/dev", "/proc", "/tmp") if inside(m, [path])]
+        covered += [m for m in (WORK_DIR, "/dev", "/proc") if inside(path, [m])]
+        if covered:
+            raise UserError(f"the sandbox cannot show its runs {path} (the interpreter or its environment): the run's "
+                            f"own {covered[0]} would cover it; install Python and composer's environment elsewhere")
+        if inside(str(sandbox_root), [path]):
+            raise UserError(f"the sandbox root {sandbox_root} lies inside {path}, which every run sees read-only: "
+                            f"choose a sandbox root outside it")
 
 
 def installed_copies(distribution: str) -> tuple[str, ...]:

@@ -58,6 +58,7 @@ def detect_isolation(sandbox_root: Path) -> Isolation:
     """The strongest isolation that runs a trivial program here, found once per process and sandbox root;
     each weaker fallback is logged with the reason the stronger one failed."""
     if os.geteuid() == 0:
+        check_root_layout(sandbox_root)
         candidates = [Isolation(True, True), Isolation(True, False), Isolation(False, False)]
     else:
         log.warning("sandbox: not running as root, so model code runs as this user with this user's view of the "
