@@ -33,6 +33,7 @@ from rollout.sandbox.isolation import (
     WORK_DIR,
     Isolation,
     UidLease,
+    check_root_layout,
     inside,
     kill_uid,
     root_layout,
