@@ -2,7 +2,8 @@
 repositories of code (every file with its repository-relative path, one repository read by one task).
 
 A source's inputs are split into units (a file, or a repository), planned once by the driver; task `r` of `n`
-reads units r, r+n, r+2n, ... in order, so the documents of a task never depend on how many workers run. Files
+reads the r-th of n consecutive shares of them, so the documents keep the inputs' order and a task's documents
+never depend on how many workers run. Files
 left out by `data.files` (excluded patterns, oversized, binary) are counted by rule.
 
 The readers are written here rather than taken from datatrove: its readers shard the files of one folder and skip
@@ -15,7 +16,6 @@ from __future__ import annotations
 import fnmatch
 import glob
 import gzip
-import io
 import json
 import os
 import subprocess
@@ -152,7 +152,8 @@ class SourceReader(PipelineStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from data.cleaning import repository_license  # the licence rules live with the licence filter
 
-        for unit in self.units[rank::world_size]:
+        share = len(self.units) * rank // world_size, len(self.units) * (rank + 1) // world_size
+        for unit in self.units[share[0]:share[1]]:
             with self.track_time():
                 try:
                     if self.source.format == "repository":
@@ -287,12 +288,23 @@ def _jsonl_lines(path: str) -> list[bytes]:
         if path.endswith(".gz"):
             raw = gzip.decompress(raw)
         elif path.endswith(".zst"):
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)) as reader:
-                raw = reader.read()
+            raw = _zstd_frames(raw)
     except (OSError, EOFError, zlib.error, zstandard.ZstdError) as e:
         kind = "gzip" if path.endswith(".gz") else "zstd"
         raise UnreadableInput(f"{path}: not a valid {kind} file ({e})") from None
     return raw.splitlines()
+
+
+def _zstd_frames(raw: bytes) -> bytes:
+    """Every frame of a zstd file, decompressed; a truncated frame is an error (a stream reader would stop quietly)."""
+    out = []
+    while raw:
+        frame = zstandard.ZstdDecompressor().decompressobj()
+        out.append(frame.decompress(raw))
+        if not frame.eof:
+            raise zstandard.ZstdError("truncated: the last frame ends early")
+        raw = frame.unused_data
+    return b"".join(out)
 
 
 def _git_files(root: str) -> Iterator[tuple[str, object]]:

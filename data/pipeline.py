@@ -53,7 +53,6 @@ from datatrove.pipeline.dedup.minhash import (
     MinhashDedupSignature,
 )
 from datatrove.utils.hashing import HashConfig
-from datatrove.utils.stats import PipelineStats
 from datatrove.utils.word_tokenizers import WordTokenizer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -218,14 +217,21 @@ class Publish(PipelineStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-            from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+            from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
         plan, work = self.plan, self.plan.work
         temp = plan.entry.parent / f".tmp-{plan.entry.name}"
         shutil.rmtree(temp, ignore_errors=True)
         temp.mkdir(parents=True)
         builder = IndexedDatasetBuilder(str(temp / f"{ENTRY_PREFIX}.bin"), dtype=plan.tokenizer.token_dtype)
         for shard in range(plan.data.tasks):
-            builder.add_index(str(work / "shards" / f"{shard:05d}"))
+            # document by document: the builder's add_index runs a full gc.collect() per shard (seconds each,
+            # with torch loaded), which thousands of shards cannot afford
+            if (work / "shards" / f"{shard:05d}.bin").stat().st_size == 0:
+                continue  # a task whose documents were all removed (Megatron cannot map an empty file)
+            dataset = IndexedDataset(str(work / "shards" / f"{shard:05d}"))
+            for i in range(len(dataset)):
+                builder.add_document(dataset[i], [int(dataset.sequence_lengths[i])])
+            del dataset
         builder.finalize(str(temp / f"{ENTRY_PREFIX}.idx"))
         summary = summarise(plan)
         if summary["documents"] == 0:
@@ -351,13 +357,13 @@ def run_task(work: Path, stage_name: str, rank: int) -> None:
 
 
 def stage_counters(work: Path, stage: str) -> dict[str, float]:
-    """Every counter of a stage's steps (`label` totals), summed over its tasks."""
-    files = sorted((work / stage / "stats").glob("*.json"))
-    merged = sum((PipelineStats.from_json(json.loads(f.read_text())) for f in files), start=PipelineStats())
+    """Every counter of a stage's steps, summed over its tasks (datatrove's stats/<rank>.json: a list of steps,
+    each with `stats` of label -> a number, or a dict whose `total` is the sum)."""
     out: dict[str, float] = {}
-    for step in merged.stats:
-        for label, metric in step.stats.items():
-            out[label] = out.get(label, 0) + metric.total
+    for file in sorted((work / stage / "stats").glob("*.json")):
+        for step in json.loads(file.read_text()):
+            for label, value in step["stats"].items():
+                out[label] = out.get(label, 0) + (value["total"] if isinstance(value, dict) else value)
     return out
 
 
@@ -401,6 +407,7 @@ def _init_worker(log: str) -> None:
     os.dup2(fd, 1)  # datatrove's task logs and any traceback go to the log, not the terminal
     os.dup2(fd, 2)
     os.close(fd)
+    sys.stdout = sys.stderr = open(2, "w", buffering=1, closefd=False)  # datatrove's logger writes to sys.stderr
 
 
 class WorkerPool:
