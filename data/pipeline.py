@@ -236,8 +236,8 @@ class Publish(PipelineStep):
         summary = summarise(plan)
         if summary["documents"] == 0:
             shutil.rmtree(temp)
-            raise UserError(f"data.sources[{plan.index}] ({plan.source.name}): its {len(plan.units)} input(s) hold no text "
-                            "after cleaning; the corpus would be empty")
+            raise UserError(f"data.sources[{plan.index}] ({plan.source.name}): its {len(plan.units)} input(s) hold no text; "
+                            "the corpus would be empty (see `data.files` and `data.cleaning` for what was left out)")
         with open(temp / "redactions.jsonl", "wb") as report:
             for part in sorted((work / "redactions").glob("*.jsonl")):
                 report.write(part.read_bytes())
@@ -367,6 +367,17 @@ def stage_counters(work: Path, stage: str) -> dict[str, float]:
     return out
 
 
+def stage_seconds(work: Path, stage: str) -> float:
+    """Time the stage's steps took, summed over its tasks (datatrove's per-step timers; a step's time includes
+    pulling documents through the steps before it only where it times its whole run)."""
+    total = 0.0
+    for file in sorted((work / stage / "stats").glob("*.json")):
+        for step in json.loads(file.read_text()):
+            timer = step["time_stats"]
+            total += timer["total"] if isinstance(timer, dict) else timer
+    return total
+
+
 def summarise(plan: SourcePlan) -> dict:
     """What each step did to the source: read, left out, redacted, removed (documents and tokens), kept."""
     work = plan.work
@@ -393,6 +404,7 @@ def summarise(plan: SourcePlan) -> dict:
         "repository_files": int(shaped.get("repository_files", 0)),
         "documents": int(shaped.get("documents_out", 0)),
         "tokens": int(shaped.get("tokens_out", 0)),
+        "stage_seconds": {stage.name: round(stage_seconds(work, stage.name), 3) for stage in stages(plan) if stage.name != "publish"},
     }
 
 
