@@ -73,10 +73,10 @@ def midtrain(
     launcher.check_startable()
     from data.prepare import prepare_data
 
-    prepared = prepare_data(recipe.data, model_checkpoint=recipe.model.checkpoint, model_vocab_size=recipe.model.vocab_size, console=console)
     run.prepare(recipe_to_yaml(recipe), resume)
-    prepared.for_training().write(run.root)
     with run.failures_recorded():
+        prepared = prepare_data(recipe.data, model_checkpoint=recipe.model.checkpoint, model_vocab_size=recipe.model.vocab_size, console=console)
+        prepared.for_training().write(run.root)
         run_to_end(launcher.start(midtrain.MODULE, args, run, console))
     console.print(f"[green]✓[/] run {escape(str(run.root))}: metrics.jsonl, tensorboard/, checkpoints/, export/", highlight=False)
 

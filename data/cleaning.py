@@ -45,7 +45,7 @@ class RemovedTally:
         self.documents, self.tokens, self.reasons = 0, 0, Counter()
         return self
 
-    def write(self, document: Document, rank: int = 0, **_) -> None:
+    def write(self, document: Document, rank: int = 0) -> None:
         self.rank = rank
         self.documents += 1
         self.tokens += count_tokens(self.tokenizer_file, [document.text])

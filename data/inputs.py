@@ -22,7 +22,6 @@ import subprocess
 import sysconfig
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import zstandard
