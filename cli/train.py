@@ -51,7 +51,7 @@ def midtrain(
     submit: bool = SubmitOption,
     overrides: list[str] = SetOption,
 ) -> None:
-    """Continued pre-training: tokenize the corpus, train, checkpoint, evaluate, export an HF checkpoint."""
+    """Continued pre-training: prepare the corpus (cached), train, checkpoint, evaluate, export an HF checkpoint."""
     recipe = load_recipe(recipe_file, overrides)
     # torch is imported from here on; `composer --help` stays fast
     from cluster.launch import run_to_end
@@ -71,8 +71,12 @@ def midtrain(
         _submit("midtrain", recipe, run, resume)
         return
     launcher.check_startable()
+    from data.prepare import prepare_data
+
     run.prepare(recipe_to_yaml(recipe), resume)
     with run.failures_recorded():
+        prepared = prepare_data(recipe.data, model_checkpoint=recipe.model.checkpoint, model_vocab_size=recipe.model.vocab_size, console=console)
+        prepared.for_training().write(run.root)
         run_to_end(launcher.start(midtrain.MODULE, args, run, console))
     console.print(f"[green]✓[/] run {escape(str(run.root))}: metrics.jsonl, tensorboard/, checkpoints/, export/", highlight=False)
 

@@ -227,17 +227,81 @@ class ClusterSection(Section):
 # --- data, optimizer, training -----------------------------------------------------------------
 
 
+EXCLUDED_FILES = [
+    "*/.git/*", "*/node_modules/*", "*/vendor/*", "*/third_party/*", "*/site-packages/*", "*/dist-packages/*",
+    "*/__pycache__/*", "*/.venv/*", "*.min.js", "*.min.css", "*.map", "*_pb2.py", "*.pb.go", "*.lock",
+    "*/package-lock.json", "*/yarn.lock",
+]
+"""Vendored, generated and lock files: `fnmatch` patterns over a file's path (its repository-relative path,
+with a leading `/`, for repositories)."""
+
+
 class DataSource(Section):
     name: str = Field(min_length=1)
     """Name of this corpus in the blend (and in its cache key)."""
     paths: list[str] = Field(min_length=1)
-    """Glob patterns of input files; `{stdlib}` expands to this Python's standard library directory."""
-    format: Literal["text", "jsonl"] = "text"
-    """`text`: one document per file; `jsonl`: one document per line, taken from `jsonl_field`."""
-    jsonl_field: str = "text"
-    """Field holding the document text in JSONL inputs."""
+    """Glob patterns of input files (of repository directories for `repository`); `{stdlib}` expands to this
+    Python's standard library directory."""
+    format: Literal["text", "jsonl", "parquet", "repository"] = "text"
+    """`text`: one document per file; `jsonl` (.jsonl, .jsonl.gz, .jsonl.zst): one document per line;
+    `parquet`: one document per row; `repository`: every file of a directory or git repository (its tracked files
+    at HEAD), paths kept, one document per repository (`repository_documents`) or per file."""
+    text_field: str = "text"
+    """Field (JSONL) or column (Parquet) holding the document text."""
+    path_field: str = "path"
+    """Field or column holding the record's file path, when present (language detection, FIM, statistics)."""
+    repository_documents: bool = True
+    """`repository`: one document per repository, its files in dependency order behind file-path headers."""
     weight: float = Field(default=1.0, gt=0)
-    """Blend weight relative to the other sources."""
+    """Blend weight relative to the other sources (a training setting: changing it reuses the prepared data)."""
+
+
+class InputFilesSection(Section):
+    exclude: list[str] = Field(default_factory=lambda: list(EXCLUDED_FILES))
+    """Files left out of `text` and `repository` sources (`fnmatch` patterns; counted by pattern)."""
+    max_file_bytes: int = Field(default=1_000_000, gt=0)
+    """Larger files are left out (counted)."""
+    on_unreadable: Literal["error", "skip"] = "error"
+    """An input that cannot be read or decoded (a corrupt Parquet, gzip or zstd file): stop with its name, or
+    skip it and count it."""
+
+
+class CleaningSection(Section):
+    exact_dedup: bool = True
+    """Drop documents whose text is identical to an earlier one (content hash)."""
+    near_dedup: bool = True
+    """Drop near-duplicates: MinHash LSH over word n-grams, one document kept per cluster."""
+    near_threshold: float = Field(default=0.7, gt=0, lt=1)
+    """Jaccard similarity of n-gram sets at which LSH catches a pair with probability about one half; its bands
+    are chosen for it (the summary prints bands x rows and the resulting catch probabilities)."""
+    ngram_size: int = Field(default=5, gt=0)
+    """Words per shingle for near-deduplication."""
+    redact_secrets: bool = True
+    """Replace keys, tokens, private keys and passwords in assignments with `<REDACTED_KIND>` (counted by kind)."""
+    redact_pii: bool = True
+    """Replace email addresses and public IP addresses (counted by kind)."""
+    licenses: list[str] | None = Field(
+        default_factory=lambda: ["MIT", "Apache-2.0", "BSD-2-Clause", "BSD-3-Clause", "ISC", "PSF-2.0", "Unlicense",
+                                 "CC0-1.0", "MPL-2.0", "Zlib"])
+    """Licences a repository may declare (a LICENSE/COPYING file); a repository declaring another is dropped.
+    Repositories that declare none are kept; null keeps every repository."""
+    max_line_length: int = Field(default=1000, gt=0)
+    """Drop documents with a longer line (minified or data files)."""
+    max_mean_line_length: float = Field(default=100.0, gt=0)
+    """Drop documents whose lines are longer than this on average."""
+    min_alphanumeric_fraction: float = Field(default=0.25, ge=0, le=1)
+    """Drop documents with a smaller share of letters and digits."""
+    drop_generated: bool = True
+    """Drop documents whose first lines say they are generated ("auto-generated", "do not edit", ...)."""
+
+
+class FimSection(Section):
+    rate: float = Field(default=0.0, ge=0, le=1)
+    """Share of file documents turned into fill-in-the-middle examples (the tokenizer needs the FIM tokens)."""
+    spm_rate: float = Field(default=0.5, ge=0, le=1)
+    """Share of FIM examples in suffix-prefix-middle order; the rest are prefix-suffix-middle."""
+    seed: int = 0
+    """Seed of the FIM choices (each document's own draw, whatever the task or worker)."""
 
 
 class DataSection(Section):
@@ -246,13 +310,22 @@ class DataSection(Section):
     tokenizer: str | None = None
     """HF tokenizer directory; the model checkpoint's tokenizer when unset."""
     seq_length: int = Field(gt=0)
-    """Tokens per training sequence."""
+    """Tokens per training sequence (Megatron packs documents into sequences of this length)."""
     split: tuple[float, float, float] = (98.0, 2.0, 0.0)
     """Train / validation / test proportions of every source."""
     cache_dir: str = ".cache/composer/data"
-    """Where tokenized indexed datasets are cached, keyed by a hash of inputs and tokenizer."""
+    """Where prepared indexed datasets are cached, keyed by a hash of inputs, settings and tokenizer."""
+    files: InputFilesSection = Field(default_factory=InputFilesSection)
+    """Which input files are left out."""
+    cleaning: CleaningSection = Field(default_factory=CleaningSection)
+    """Deduplication, redaction, licence and quality filters."""
+    fim: FimSection = Field(default_factory=FimSection)
+    """Fill-in-the-middle examples."""
+    tasks: int = Field(default=8, gt=0)
+    """Shards of the corpus, each processed by one pipeline task: the prepared tokens depend on it (and are the same
+    for any `num_workers`, or any number of SLURM array jobs)."""
     num_workers: int = Field(default=2, gt=0)
-    """Tokenizer processes."""
+    """Tasks run at once: processes on this machine, or concurrent SLURM array jobs."""
 
     @model_validator(mode="after")
     def _split_has_training(self) -> DataSection:

@@ -11,14 +11,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 EOS = "<|endoftext|>"
+SPECIAL = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|repo_name|>", "<|file_sep|>"]
 
 
-def train_tokenizer(directory: Path, vocab_size: int = 512) -> Path:
-    """An HF tokenizer directory (tokenizer.json + tokenizer_config.json) trained on a few stdlib files."""
+def train_tokenizer(directory: Path, vocab_size: int = 512, special: bool = True) -> Path:
+    """An HF tokenizer directory (tokenizer.json + tokenizer_config.json) trained on a few stdlib files, with the
+    FIM and repository tokens unless `special` is False."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, *(SPECIAL if special else [])], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train([str(p) for p in sorted((STDLIB / "json").glob("*.py"))], trainer)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))

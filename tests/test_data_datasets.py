@@ -13,7 +13,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from recipes.errors import UserError
 from recipes.schema import DataSection
 from tests.data_helpers import train_tokenizer, write_jsonl
-from trainer.data import PreparedData, prepare_data
+from data.prepare import prepare_data
+from runtime.prepared_data import PreparedData
 from trainer.datasets import build_gpt_datasets
 
 SEQ = 32
@@ -35,12 +36,13 @@ def prepared(tmp_path_factory) -> PreparedData:
         tokenizer=str(train_tokenizer(root / "tokenizer")),
         cache_dir=str(root / "cache"),
         seq_length=SEQ,
+        cleaning={"exact_dedup": False, "near_dedup": False, "drop_generated": False},
         sources=[
             {"name": "json-lib", "paths": ["{stdlib}/json/*.py"], "weight": 3},
             {"name": "snippets", "paths": [str(snippets)], "format": "jsonl", "weight": 1},
         ],
     )
-    return prepare_data(data, model_checkpoint=None, model_vocab_size=4096)
+    return prepare_data(data, model_checkpoint=None, model_vocab_size=4096).for_training()
 
 
 def build(prepared: PreparedData, index_cache_dir: Path, seed: int = 7, split=(80.0, 20.0, 0.0)):

@@ -1,12 +1,8 @@
-"""`composer data prepare`: real tokenizer, real Megatron indexed datasets, real files."""
+"""`composer data prepare`: real tokenizer, real Megatron indexed datasets, real files (the pipeline's own steps are
+tested in test_data_pipeline.py; here every cleaning step is off unless a test says otherwise)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +13,10 @@ from tokenizers import Tokenizer
 from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.schema import DataSource
-from tests.conftest import COMPOSER, run_composer
+from tests.conftest import run_composer
 from tests.data_helpers import EOS, STDLIB, train_tokenizer, write_jsonl, write_recipe
-from trainer.data import expand_paths, prepare_data
+from data.inputs import plan_units
+from data.prepare import prepare_data
 
 REPO = Path(__file__).resolve().parents[1]
 JSON_FILES = sorted((STDLIB / "json").glob("*.py"))
@@ -35,8 +32,13 @@ def prepare(tmp_path: Path, data: dict, vocab_size: int = 4096, checkpoint: str 
     return prepare_data(recipe.data, model_checkpoint=checkpoint, model_vocab_size=recipe.model.vocab_size)
 
 
+OFF = {"redact_secrets": False, "redact_pii": False, "exact_dedup": False, "near_dedup": False, "licenses": None,
+       "max_line_length": 100_000, "max_mean_line_length": 100_000, "min_alphanumeric_fraction": 0, "drop_generated": False}
+
+
 def data_section(tmp_path: Path, tokenizer_dir: Path, sources: list[dict], **extra) -> dict:
-    return {"tokenizer": str(tokenizer_dir), "cache_dir": str(tmp_path / "cache"), "num_workers": 2, "sources": sources, **extra}
+    return {"tokenizer": str(tokenizer_dir), "cache_dir": str(tmp_path / "cache"), "num_workers": 2, "tasks": 2,
+            "cleaning": OFF, "sources": sources, **extra}
 
 
 def documents(prefix: Path) -> list[np.ndarray]:
@@ -60,7 +62,7 @@ def test_documents_are_tokenized_in_file_order_and_each_ends_with_eod(tmp_path, 
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     eod = tokenizer.token_to_id(EOS)
     code, snippets = prepared.sources
-    assert (code.name, code.weight, code.num_files, code.cached) == ("json-lib", 3.0, len(JSON_FILES) + 1, False)
+    assert (code.name, code.weight, code.summary["inputs"], code.cached) == ("json-lib", 3.0, len(JSON_FILES) + 1, False)
     dataset = documents(code.prefix)
     assert len(dataset) == code.num_documents == len(JSON_FILES)
     for document, file in zip(dataset, JSON_FILES):
@@ -79,13 +81,13 @@ def test_text_that_is_not_utf8_is_kept_with_replacement_characters_and_counted(t
     (tmp_path / "utf8.txt").write_text("café = 2\n")
     prepared = prepare(tmp_path, data_section(tmp_path, tokenizer_dir, [{"name": "mixed", "paths": [str(tmp_path / "*.txt")]}]))
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    assert prepared.sources[0].num_files_not_utf8 == 1
+    assert prepared.sources[0].summary["not_utf8"] == 1
     assert [tokenizer.decode(d[:-1].tolist()) for d in documents(prepared.sources[0].prefix)] == ["caf\ufffd = 1\n", "café = 2\n"]
-    assert prepare(tmp_path, data_section(tmp_path, tokenizer_dir, [{"name": "mixed", "paths": [str(tmp_path / "*.txt")]}])).sources[0].num_files_not_utf8 == 1
+    assert prepare(tmp_path, data_section(tmp_path, tokenizer_dir, [{"name": "mixed", "paths": [str(tmp_path / "*.txt")]}])).sources[0].summary["not_utf8"] == 1
 
 
 def test_stdlib_placeholder_means_the_standard_library_without_installed_packages():
-    files = expand_paths(DataSource(name="stdlib", paths=["{stdlib}/**/*.py"]), 0)
+    files = [Path(u.path) for u in plan_units(DataSource(name="stdlib", paths=["{stdlib}/**/*.py"]), 0)]
     assert STDLIB / "json" / "decoder.py" in files
     assert not [f for f in files if "site-packages" in f.parts or "dist-packages" in f.parts]
 
@@ -128,7 +130,7 @@ def test_an_error_mid_source_leaves_no_cache_entry(tmp_path, tokenizer_dir):
     data = data_section(tmp_path, tokenizer_dir, [{"name": "mixed", "paths": [str(good), str(bad)], "format": "jsonl"}])
     with pytest.raises(UserError, match=rf"^{bad}:2: invalid JSON"):
         prepare(tmp_path, data)
-    assert cache_entries(tmp_path / "cache") == []
+    assert [e for e in cache_entries(tmp_path / "cache") if not e.startswith(".")] == []  # only the resumable work
 
 
 @pytest.mark.parametrize(
@@ -141,7 +143,7 @@ def test_an_error_mid_source_leaves_no_cache_entry(tmp_path, tokenizer_dir):
 )
 def test_jsonl_records_without_the_text_field_are_named_by_line(tmp_path, tokenizer_dir, records, field, message):
     file = write_jsonl(tmp_path / "docs.jsonl", records)
-    data = data_section(tmp_path, tokenizer_dir, [{"name": "docs", "paths": [str(file)], "format": "jsonl", "jsonl_field": field}])
+    data = data_section(tmp_path, tokenizer_dir, [{"name": "docs", "paths": [str(file)], "format": "jsonl", "text_field": field}])
     with pytest.raises(UserError, match=str(file) + message):
         prepare(tmp_path, data)
 
@@ -165,44 +167,22 @@ def test_bad_inputs_are_user_errors(tmp_path, tokenizer_dir):
     del no_tokenizer["tokenizer"]
     with pytest.raises(UserError, match=r"data.tokenizer and model.checkpoint are both unset"):
         prepare(tmp_path, no_tokenizer)
-    assert cache_entries(tmp_path / "cache") == []
+    assert [e for e in cache_entries(tmp_path / "cache") if not e.startswith(".")] == []
 
 
 def test_cli_prepares_then_reports_a_cache_hit_and_shows_errors_without_traceback(tmp_path, tokenizer_dir):
     recipe = write_recipe(tmp_path / "recipe.yaml", data_section(tmp_path, tokenizer_dir, [{"name": "json-lib", "paths": ["{stdlib}/json/*.py"]}]))
-    first = run_composer("data", "prepare", str(recipe), cwd=tmp_path)
+    first = run_composer("data", "prepare", str(recipe))
     assert first.returncode == 0, first.stderr
     assert "json-lib" in first.stdout and "built" in first.stdout and "nothing to do" not in first.stdout
-    second = run_composer("data", "prepare", str(recipe), cwd=tmp_path)
+    second = run_composer("data", "prepare", str(recipe))
     assert second.returncode == 0, second.stderr
     assert "hit" in second.stdout and "nothing to do" in second.stdout
 
-    failed = run_composer("data", "prepare", str(recipe), "--set", "model.vocab_size=100", cwd=tmp_path)
+    failed = run_composer("data", "prepare", str(recipe), "--set", "model.vocab_size=100")
     assert failed.returncode == 2
     assert "tokenizer/model mismatch" in failed.stderr and "Traceback" not in failed.stderr
-    rl_recipe = run_composer("data", "prepare", str(REPO / "recipes" / "smoke-rl.yaml"), cwd=tmp_path)
+    rl_recipe = run_composer("data", "prepare", str(REPO / "recipes" / "smoke-rl.yaml"))
     assert rl_recipe.returncode == 2 and "no data section" in rl_recipe.stderr
-
-
-def test_a_killed_prepare_leaves_no_entry_and_the_next_one_cleans_up(tmp_path, tokenizer_dir):
-    # Enough input that tokenizing takes seconds: the kill lands while the temporary entry is being written.
-    data = data_section(tmp_path, tokenizer_dir, [{"name": "stdlib", "paths": ["{stdlib}/asyncio/*.py", "{stdlib}/email/**/*.py"]}], num_workers=1)
-    recipe = write_recipe(tmp_path / "recipe.yaml", data)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(
-        [*COMPOSER, "data", "prepare", str(recipe)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    cache = tmp_path / "cache"
-    temp_name = f"-{socket.gethostname()}-{process.pid}"
-    try:
-        while process.poll() is None and not any(name.endswith(temp_name) for name in cache_entries(cache)):
-            time.sleep(0.01)
-        assert process.poll() is None, "prepare finished before it could be killed"
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)  # the prepare and its tokenizer workers
-        process.wait()
-    left = cache_entries(cache)
-    assert len(left) == 1 and left[0].startswith(".tmp-")  # only the temporary directory, never an entry
-
-    prepared = prepare(tmp_path, data)
-    assert cache_entries(cache) == [prepared.sources[0].prefix.parent.name]
+    stats = run_composer("data", "stats", str(recipe))
+    assert stats.returncode == 0 and "json-lib" in stats.stdout and "exact duplicates" in stats.stdout

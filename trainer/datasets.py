@@ -1,4 +1,4 @@
-"""Megatron's blended GPT datasets (train/valid/test) over the sources `trainer.data.prepare_data` wrote."""
+"""Megatron's blended GPT datasets (train/valid/test) over the sources `data` prepared (`runtime.prepared_data`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Callable
 from torch.utils.data import Dataset
 
 from recipes.errors import UserError
-from trainer.data import PreparedData
+from runtime.prepared_data import PreparedData
 
 with warnings.catch_warnings():
     # Importing megatron.core announces that the optional Transformer Engine / Apex kernels are absent.

@@ -30,6 +30,7 @@ from recipes.checks import refuse_resume_changes, refuse_unhonoured
 from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.schema import ARCHITECTURE_FIELDS, Recipe
+from runtime.prepared_data import PreparedData
 from runtime.processes import die_with_parent
 from runtime.progress import StepClock, TensorBoard
 from runtime.run_dir import RunDir, drop_records_after
@@ -62,7 +63,7 @@ def check_midtrain_recipe(recipe: Recipe) -> None:
         raise UserError("train midtrain: the recipe has no data section; add data.sources and data.seq_length")
 
 
-RESUME_FIXED = ("data.sources", "data.tokenizer", "data.seq_length", "data.split", "train.steps", "train.global_batch_size", "train.eval_batches", "train.seed")
+RESUME_FIXED = ("data.sources", "data.tokenizer", "data.seq_length", "data.split", "data.files", "data.cleaning", "data.fim", "data.tasks", "train.steps", "train.global_batch_size", "train.eval_batches", "train.seed")
 """What decides the sample order (Megatron's shuffle depends on the number of samples) and the evaluation set."""
 
 
@@ -247,20 +248,15 @@ class MidtrainData:
     tokenizer_dir: Path
 
 
-def prepare_batches(recipe: Recipe, run: RunDir, console: Console | None) -> MidtrainData:
-    """Tokenize on rank 0 (others wait), then build the blended datasets sized for the whole run on every rank."""
+def prepare_batches(recipe: Recipe, run: RunDir) -> MidtrainData:
+    """The blended datasets over the prepared corpus (`composer train midtrain` prepared it before the launch),
+    sized for the whole run, on every rank."""
     from megatron.core import parallel_state
 
-    from trainer.data import prepare_data
     from trainer.datasets import build_gpt_datasets
 
     data, train = recipe.data, recipe.train
-    args = dict(model_checkpoint=recipe.model.checkpoint, model_vocab_size=recipe.model.vocab_size)
-    if dist.get_rank() == 0:
-        prepared = prepare_data(data, console=console, **args)
-    dist.barrier()
-    if dist.get_rank() != 0:
-        prepared = prepare_data(data, **args)  # a cache hit: reads manifests only
+    prepared = PreparedData.read(run.root)
     num_samples = (train.steps * train.global_batch_size, train.eval_batches * train.global_batch_size, 0)
     datasets = build_gpt_datasets(
         prepared, seq_length=data.seq_length, split=data.split, seed=train.seed, num_samples=num_samples,
@@ -279,7 +275,7 @@ class Midtrainer:
     def __init__(self, recipe: Recipe, run: RunDir, console: Console | None):
         self.recipe, self.run_dir, self.console = recipe, run, console
         self.core = TrainerCore(recipe.model, recipe.parallelism, recipe.optim, recipe.train, run.checkpoints)
-        self.data = prepare_batches(recipe, run, console)
+        self.data = prepare_batches(recipe, run)
         self.expert_load = ExpertLoad(self.core.model, recipe.model.num_experts) if recipe.model.is_moe else None
 
     def resume(self) -> int:
@@ -390,10 +386,8 @@ def train(run: RunDir, resume: bool, terminal: TextIO | None) -> None:
 
 def export(run: RunDir, out_dir: Path) -> None:
     """Export the newest checkpoint of a run as an HF checkpoint."""
-    from trainer.data import load_tokenizer
-
     recipe = load_recipe(run.recipe_path)
-    tokenizer = load_tokenizer(recipe.data, recipe.model.checkpoint, recipe.model.vocab_size)
+    tokenizer = PreparedData.read(run.root).tokenizer
     if not export_checkpoint(recipe.model, recipe.parallelism, recipe.train, run.checkpoints, out_dir, tokenizer.directory):
         raise UserError(f"{run.root}: no checkpoint to export yet")
 
