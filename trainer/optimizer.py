@@ -79,10 +79,16 @@ class TrainOptimizer:
         self.optimizer.zero_grad()
 
     def step(self) -> dict[str, float]:
-        """Reduce gradients, clip, update, advance the schedule, move the routers' expert bias (sigmoid routers),
-        QK-clip; returns lr, the pre-clip grad norm and (QK-clip) the step's largest attention logit."""
-        self.model.finish_grad_sync()
-        self._update_expert_bias()
+        """Finish the gradients, clip, update, advance the schedule, QK-clip; returns lr, the pre-clip grad norm and
+        (QK-clip) the step's largest attention logit.
+
+        Megatron's finalize_model_grads reduces the gradients over data parallelism, sums those of the weights that
+        sequence parallelism leaves partial on each tensor-parallel rank (norms, routers), and moves the routers'
+        expert bias (sigmoid routers: aux-loss-free balancing) by the expert loads of this step's training forwards.
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
         lr = self.optimizer.param_groups[0]["lr"]
         with cuda_calls_on_cpu():
             updated, grad_norm, _ = self.optimizer.step()
@@ -91,17 +97,6 @@ class TrainOptimizer:
         if self.clips_qk:
             metrics["max_attention_logit"] = clip_attention_logits(self.model.module)
         return metrics
-
-    def _update_expert_bias(self) -> None:
-        """Aux-loss-free balancing as Megatron's finalize_model_grads does it: each bias moves by
-        moe_router_bias_update_rate towards balance, from the expert loads of this step's training forwards
-        summed over tensor and data parallelism; the loads then restart from zero."""
-        from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias, reset_model_temporary_tensors
-
-        config = self.model.config
-        if getattr(config, "moe_router_enable_expert_bias", False):
-            _update_router_expert_bias([self.model], config)
-            reset_model_temporary_tensors(config, [self.model])
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
         # dp_reshardable: fully parallel save/load; resharding is possible across data parallelism only.
@@ -147,6 +142,7 @@ def _muon_config(muon: MuonSection) -> dict:
         muon_num_ns_steps=muon.ns_steps,
         muon_scale_mode=muon.scale,
         muon_extra_scale_factor=muon.scale_factor,
+        muon_fp32_matmul_prec=muon.matmul_precision,
         muon_split_qkv=True,  # the fused QKV weight orthogonalized as its query, key and value matrices
         # each tensor-parallel shard gathered and orthogonalized whole: the update of the unsharded matrix
         # (Megatron's default `blockwise` orthogonalizes each shard on its own, which depends on tp)
