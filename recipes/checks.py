@@ -189,6 +189,8 @@ def _check_lengths(r: Recipe) -> list[Problem]:
 def _check_optim(r: Recipe) -> list[Problem]:
     out = []
     o, p = r.optim, r.parallelism
+    if o.muon is not None and o.name != "muon":
+        out.append(Problem("optim.muon", f"Muon settings, but optim.name is {o.name}; set optim.name: muon or remove optim.muon"))
     if o.name == "muon" and p.distributed_optimizer:
         out.append(Problem("parallelism.distributed_optimizer", "Megatron-Core 0.16.1's Muon does not shard optimizer state "
                                                                 "(no distributed optimizer); set it to false with optim.name: muon"))

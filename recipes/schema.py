@@ -274,6 +274,10 @@ class MuonSection(Section):
     scale_factor: float = Field(default=0.2, gt=0)
     """Extra factor on every Muon update. With `spectral`, 0.2 gives about AdamW's update RMS, so one optim.lr
     serves the Muon matrices and the Adam parameters alike (Moonlight's rule)."""
+    matmul_precision: Literal["medium", "high", "highest"] = "medium"
+    """fp32 matmul precision of the Newton-Schulz iterations (torch's set_float32_matmul_precision): `medium` lets
+    the hardware compute them in bf16 (Megatron's default; ample for an orthogonalization), `highest` keeps fp32,
+    so that an update does not depend on how the model is split."""
     router: Literal["muon", "adam"] = "muon"
     """Optimizer of the MoE routers' weight matrices. Megatron's Muon takes every 2-D weight but the embedding
     and output layer; `adam` keeps the routers on Adam with the embeddings, output layer, norms and expert biases."""
@@ -314,13 +318,11 @@ class OptimSection(Section):
     @classmethod
     def _positive_threshold(cls, value: float | None) -> float | None:
         if value is not None and value <= 0:
-            raise ValueError("the QK-clip threshold is a largest attention logit and must be > 0 (e.g. 100); leave it unset for no clipping")
+            raise ValueError("must be > 0: the largest attention logit allowed (e.g. 100); leave it unset for no clipping")
         return value
 
     @model_validator(mode="after")
-    def _muon_settings_for_muon_only(self) -> OptimSection:
-        if self.muon is not None and self.name != "muon":
-            raise ValueError(f"`muon` settings belong to name: muon, not {self.name}; set optim.name: muon or remove optim.muon")
+    def _muon_defaults(self) -> OptimSection:
         if self.name == "muon" and self.muon is None:
             self.muon = MuonSection()
         return self
