@@ -101,6 +101,16 @@ def test_muon_updates_the_same_under_tensor_and_expert_parallelism(parallel):
 
 
 @pytest.mark.engines
+def test_the_rl_learner_takes_the_same_muon_steps_under_expert_parallelism(parallel):
+    """Policy-gradient steps with Muon: the same losses and weights at ep=2 as with all experts on every rank."""
+    run = parallel["rl_learner"]
+    assert run["loss_tp1"] == pytest.approx(run["loss_ep2"], abs=1e-7)
+    assert run["loss_tp1"][0] != pytest.approx(run["loss_tp1"][-1], abs=1e-4)  # the steps moved the policy
+    for name, weight in run["tp1"].items():
+        assert (run["ep2"][name] - weight).abs().max().item() <= 1e-5, name
+
+
+@pytest.mark.engines
 @pytest.mark.parametrize("family, group", [("llama", 2), ("deepseek_v3", 1)])
 def test_qk_clip_scales_back_the_heads_over_the_threshold_only(parallel, family, group):
     """A threshold between the first layer's largest logits (tp=2): in the next step on the same batch, with the

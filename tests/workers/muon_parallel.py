@@ -1,5 +1,6 @@
-"""torchrun worker (2 gloo ranks) for tests/test_muon.py: Megatron's Muon under tensor and expert parallelism,
-and QK-clip on grouped-query (llama) and latent (deepseek_v3) attention at tp=2.
+"""torchrun worker (2 gloo ranks) for tests/test_muon.py: Megatron's Muon under tensor and expert parallelism (in
+mid-training steps and in RL learner steps), and QK-clip on grouped-query (llama) and latent (deepseek_v3)
+attention at tp=2.
 
 Usage: python -m torch.distributed.run --nproc-per-node 2 -m tests.workers.muon_parallel OUT_DIR
 Every split starts from the same weights (a seeded tp=1 model exported as an HF checkpoint). tp=1 runs as two
@@ -9,14 +10,16 @@ data-parallel replicas of the same batch, which is one rank's update. Rank 0 sav
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from recipes.loader import load_recipe
-from recipes.schema import ModelSection, MuonSection, OptimSection, ParallelismSection
+from recipes.schema import ModelSection, MuonSection, OptimSection, ParallelismSection, RLSection, TrainSection
 from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.model import build_model, causal_mask
 from trainer.optimizer import TrainOptimizer, wrap_data_parallel
+from trainer.rl_learner import LearnerSequence, RLLearner
 from trainer.weights import export_hf, iter_hf_tensors, load_hf_into
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -68,20 +71,48 @@ def hf_weights(model, m: ModelSection) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in iter_hf_tensors(model, m)}
 
 
-def muon_updates(m: ModelSection, checkpoint: Path) -> dict:
-    """Each split's weights after MUON_STEPS Muon steps; the initial ones too."""
+def exact_muon() -> OptimSection:
     # fp32 Newton-Schulz: in bf16 one split's update differs from another's by bf16 rounding. The Adam part (embedding,
     # output layer, norms) at eps 1e-4: the splits' gradients differ by rounding (~1e-8), which moves an Adam weight by
     # up to lr * 1e-8 / (4 eps) a step, 5e-7 here; at eps 1e-8 Adam would turn it into steps of lr's size.
-    optim = OptimSection(name="muon", lr=0.02, weight_decay=0.1, eps=1e-4, muon=MuonSection(matmul_precision="highest"))
+    return OptimSection(name="muon", lr=0.02, weight_decay=0.1, eps=1e-4, muon=MuonSection(matmul_precision="highest"))
+
+
+def muon_updates(m: ModelSection, checkpoint: Path) -> dict:
+    """Each split's weights after MUON_STEPS Muon steps; the initial ones too."""
     out = {}
     for name, p in MUON_SPLITS.items():
-        model, ddp, optimizer = build(m, p, checkpoint, optim)
+        model, ddp, optimizer = build(m, p, checkpoint, exact_muon())
         if name == "tp1":
             out["initial"] = hf_weights(model, m)
         for step in range(MUON_STEPS):
             train_step(ddp, optimizer, batch(step, m.vocab_size))
         out[name] = hf_weights(model, m)
+    return out
+
+
+def learner_sequences(step: int, vocab: int) -> list[LearnerSequence]:
+    """Four trajectories of different lengths: the prompt's 8 tokens untrained, the answer's trained."""
+    generator = np.random.default_rng(step)
+    out = []
+    for i, length in enumerate((40, 33, 48, 25)):
+        mask = np.arange(length) >= 8
+        logprobs = np.where(mask, -generator.uniform(1.0, 3.0, length), 0.0).astype(np.float32)
+        out.append(LearnerSequence(generator.integers(0, vocab, length), mask, logprobs, advantage=(-1.0) ** i, routes=None, episode=str(i)))
+    return out
+
+
+def rl_learner_updates(m: ModelSection, checkpoint: Path, root: Path) -> dict:
+    """The RL learner's weights after MUON_STEPS policy-gradient steps with Muon at tp=1 and at ep=2 (each the batch
+    split over two data-parallel ranks), starting from the checkpoint."""
+    m = m.model_copy(update={"checkpoint": str(checkpoint)})
+    out = {}
+    for name in ("tp1", "ep2"):
+        learner = RLLearner(m, MUON_SPLITS[name], exact_muon(),
+                            TrainSection(steps=10, global_batch_size=4, micro_batch_size=2), RLSection(router_replay="off"),
+                            root / f"rl-checkpoints-{name}")
+        out[f"loss_{name}"] = [learner.train_step(learner_sequences(step, m.vocab_size))["loss"] for step in range(MUON_STEPS)]
+        out[name] = hf_weights(learner.core.model, m)
     return out
 
 
@@ -135,6 +166,7 @@ def main() -> None:
     results = {}
     checkpoint = initial_checkpoint(models["qwen3_moe"], out_dir / "init-qwen3_moe")
     results["muon"] = muon_updates(models["qwen3_moe"], checkpoint)
+    results["rl_learner"] = rl_learner_updates(models["qwen3_moe"], checkpoint, out_dir)
     for family in ("llama", "deepseek_v3"):
         results[f"qk_clip_{family}"] = qk_clip(models[family], initial_checkpoint(models[family], out_dir / f"init-{family}"))
     if dist.get_rank() == 0:
