@@ -72,6 +72,8 @@ def clip_attention_logits(model) -> float:
     overall = local.max() if local.numel() else torch.tensor(-torch.inf)
     dist.all_reduce(overall, op=dist.ReduceOp.MAX)  # other tensor-parallel heads, other pipeline stages
     threshold = model.config.qk_clip_threshold
+    # a diverged run's non-finite logits give no scale to clip by: left alone (the logged maximum shows them)
+    local = torch.where(torch.isfinite(local), local, -torch.inf)
     for attention, maxima in zip(attentions, local.split(heads)):
         attention.core_attention.current_max_attn_logits = maxima
         if isinstance(attention, MLASelfAttention):
