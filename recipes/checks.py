@@ -27,6 +27,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_batches(recipe)
     problems += _check_lengths(recipe)
     problems += _check_rl(recipe)
+    problems += _check_optim(recipe)
     return problems
 
 
@@ -182,6 +183,23 @@ def _check_lengths(r: Recipe) -> list[Problem]:
         out.append(Problem("optim.min_lr", f"{r.optim.min_lr} is above optim.lr={r.optim.lr}"))
     if r.optim.warmup_steps > r.train.steps:
         out.append(Problem("optim.warmup_steps", f"{r.optim.warmup_steps} is more than train.steps={r.train.steps}"))
+    return out
+
+
+def _check_optim(r: Recipe) -> list[Problem]:
+    out = []
+    o, p = r.optim, r.parallelism
+    if o.muon is not None and o.name != "muon":
+        out.append(Problem("optim.muon", f"Muon settings, but optim.name is {o.name}; set optim.name: muon or remove optim.muon"))
+    if o.name == "muon" and p.distributed_optimizer:
+        out.append(Problem("parallelism.distributed_optimizer", "Megatron-Core 0.16.1's Muon does not shard optimizer state "
+                                                                "(no distributed optimizer); set it to false with optim.name: muon"))
+    if o.qk_clip is not None and r.model.family == "qwen3_moe":
+        out.append(Problem("optim.qk_clip", "model.family qwen3_moe normalises queries and keys (QK-norm) after the projections that "
+                                            "QK-clip scales, so clipping cannot lower its logits; remove optim.qk_clip"))
+    if o.qk_clip is not None and p.distributed_optimizer and r.model.dtype == "bfloat16":
+        out.append(Problem("optim.qk_clip", "with model.dtype bfloat16 the distributed optimizer holds the fp32 master weights in "
+                                            "shards, which Megatron's QK-clip cannot scale; set parallelism.distributed_optimizer: false"))
     return out
 
 

@@ -334,7 +334,38 @@ class DataSection(Section):
         return self
 
 
+class MuonSection(Section):
+    momentum: float = Field(default=0.95, ge=0, lt=1)
+    """EMA coefficient of the momentum that Newton-Schulz orthogonalizes."""
+    nesterov: bool = True
+    """Nesterov-style momentum: orthogonalize the gradient moved towards the momentum, not the momentum itself."""
+    ns_steps: int = Field(default=5, gt=0)
+    """Newton-Schulz iterations per update (quintic coefficients)."""
+    scale: Literal["spectral", "shape_scaling", "unit_rms_norm"] = "spectral"
+    """Scale of an orthogonalized [out, in] update: `spectral` sqrt(max(out, in)) (Kimi's rule), `shape_scaling`
+    sqrt(max(1, out/in)) (Keller Jordan's), `unit_rms_norm` sqrt(out/in) (Scion's); times `scale_factor`."""
+    scale_factor: float = Field(default=0.2, gt=0)
+    """Extra factor on every Muon update. With `spectral`, 0.2 gives about AdamW's update RMS, so one optim.lr
+    serves the Muon matrices and the Adam parameters alike (Moonlight's rule)."""
+    matmul_precision: Literal["medium", "high", "highest"] = "medium"
+    """fp32 matmul precision of the Newton-Schulz iterations (torch's set_float32_matmul_precision): `medium` lets
+    the hardware compute them in bf16 (Megatron's default; ample for an orthogonalization), `highest` keeps fp32,
+    so that an update does not depend on how the model is split."""
+    router: Literal["muon", "adam"] = "muon"
+    """Optimizer of the MoE routers' weight matrices. Megatron's Muon takes every 2-D weight but the embedding
+    and output layer; `adam` keeps the routers on Adam with the embeddings, output layer, norms and expert biases."""
+
+
 class OptimSection(Section):
+    name: Literal["adam", "muon"] = "adam"
+    """`adam`: AdamW for every parameter. `muon`: Megatron's tensor-parallel Muon (momentum orthogonalized by
+    Newton-Schulz) for the 2-D weight matrices, AdamW for the rest; both at optim.lr and its schedule."""
+    muon: MuonSection | None = None
+    """name: muon only: Muon's settings; the defaults when unset."""
+    qk_clip: float | None = None
+    """QK-clip (MuonClip) threshold: after each step, the query/key projections of every attention head whose
+    largest logit (softmax input) in the step's training forwards exceeded it are scaled back so that it equals the
+    threshold; the largest logit is logged as `max_attention_logit`. Off when unset."""
     lr: float = Field(gt=0)
     """Peak learning rate."""
     min_lr: float = Field(default=0.0, ge=0)
@@ -355,6 +386,19 @@ class OptimSection(Section):
     """Adam beta2."""
     eps: float = Field(default=1e-8, gt=0)
     """Adam epsilon."""
+
+    @field_validator("qk_clip")
+    @classmethod
+    def _positive_threshold(cls, value: float | None) -> float | None:
+        if value is not None and value <= 0:
+            raise ValueError("must be > 0: the largest attention logit allowed (e.g. 100); leave it unset for no clipping")
+        return value
+
+    @model_validator(mode="after")
+    def _muon_defaults(self) -> OptimSection:
+        if self.name == "muon" and self.muon is None:
+            self.muon = MuonSection()
+        return self
 
 
 class TrainSection(Section):

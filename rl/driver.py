@@ -48,10 +48,10 @@ UNHONOURED = {
 ARCHITECTURE = [f"model.{key}" for key in ARCHITECTURE_FIELDS]
 RESUME_FIXED = [
     "train.seed", "train.global_batch_size", "env.tasks", "env.reward", "env.guards", "env.canaries", "rl.group_size", "rl.prompts_per_step",
-    "rollout.sampling.temperature", *(f"parallelism.{key}" for key in LAYOUT_KEYS), *ARCHITECTURE,
+    "rollout.sampling.temperature", "optim.name", *(f"parallelism.{key}" for key in LAYOUT_KEYS), *ARCHITECTURE,
 ]
-"""What the tasks of group n, the rewards already stored and the learner's checkpoints depend on (stored groups
-were sampled at the temperature the learner scores them at)."""
+"""What the tasks of group n, the rewards already stored and the learner's checkpoints (model and optimizer state)
+depend on (stored groups were sampled at the temperature the learner scores them at)."""
 REPLAY_FIXED = ["rl.group_size", "rl.prompts_per_step", "rollout.sampling.temperature", *ARCHITECTURE]
 """What must match the recorded run for its groups to be trained again (the learner's settings may change; the
 sampling temperature is the one its groups were sampled at)."""

@@ -24,6 +24,8 @@ install_python_packages() {
     # numpy first: otherwise the resolver may pick a numpy sdist for megatron-core that fails to build.
     pip_install "numpy>=1.26,<2.4" "packaging>=24.2"
     pip_install -e ".[$flavour,dev]"
+    # Muon (optim.name: muon): the one release on PyPI declares Python >= 3.12 but runs on 3.11 (see pyproject.toml).
+    pip_install --ignore-requires-python "emerging-optimizers==0.3.0"
     if [[ $flavour == cpu ]]; then
         "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi

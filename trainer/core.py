@@ -39,7 +39,7 @@ class TrainerCore:
         self.model_section, self.parallelism = model, parallelism
         init_distributed(parallelism, seed=train.seed)
         torch.manual_seed(train.seed)  # random initialisation is a function of the seed
-        self.model = build_model(model, parallelism, recompute_activations=train.recompute_activations)
+        self.model = build_model(model, parallelism, recompute_activations=train.recompute_activations, qk_clip=optim.qk_clip)
         if model.checkpoint:
             load_hf_into(self.model, model, model.checkpoint)
         self.ddp = wrap_data_parallel(self.model, parallelism)

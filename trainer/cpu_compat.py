@@ -2,9 +2,9 @@
 
 Megatron assumes CUDA in a few well-isolated places (measured list: notes/megatron-on-cpu.md).
 `apply_cpu_patches()` swaps exactly those for CPU equivalents; none changes the maths. It is a
-no-op when CUDA is available and idempotent otherwise. `define_missing_transformer_engine_names()`
-is the one fix that GPUs without Transformer Engine need too. The patches reach into internals,
-which is why pyproject pins megatron-core to one version.
+no-op when CUDA is available and idempotent otherwise. Two fixes are needed on GPUs too:
+`define_missing_transformer_engine_names()` (no Transformer Engine) and `fit_emerging_optimizers_to_megatron()`
+(Muon). The patches reach into internals, which is why megatron-core and emerging-optimizers are pinned.
 """
 
 from __future__ import annotations
@@ -118,3 +118,38 @@ def define_missing_transformer_engine_names() -> None:
     # `isinstance(self.linear_proj, TELinear)` (an fp8 check) raises TypeError.
     if not isinstance(multi_latent_attention.TELinear, type):
         multi_latent_attention.HAVE_TE = False
+
+
+def fit_emerging_optimizers_to_megatron():
+    """Megatron's Muon module, usable with the emerging-optimizers release that PyPI serves. Idempotent.
+
+    Megatron-Core 0.16.1's Muon was written against emerging-optimizers 0.1.0, a git tag never published on PyPI;
+    PyPI has 0.3.0 only, which declares Python >= 3.12 and renamed two keywords. The update rule is the same.
+    """
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        # replaces typing.override (Python 3.12), which emerging-optimizers imports: a marker for type checkers only.
+        typing.override = typing_extensions.override
+    from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer, muon_utils
+    from megatron.core.optimizer import muon
+
+    if not getattr(OrthogonalizedOptimizer.__init__, "takes_use_nesterov", False):
+        init = OrthogonalizedOptimizer.__init__
+
+        def init_taking_use_nesterov(self, *args, use_nesterov: bool, **kwargs):
+            init(self, *args, nesterov=use_nesterov, **kwargs)
+
+        # replaces OrthogonalizedOptimizer.__init__, which TensorParallelMuon calls with 0.1.0's `use_nesterov`
+        # keyword (0.3.0: `nesterov`).
+        init_taking_use_nesterov.takes_use_nesterov = True
+        OrthogonalizedOptimizer.__init__ = init_taking_use_nesterov
+
+    def newton_schulz_tp(x, steps, coefficient_type, tp_group, partition_dim=None, mode="duplicated"):
+        return muon_utils.newton_schulz_tp(x, steps, coefficient_type, tp_group, partition_dim, tp_mode=mode)
+
+    # replaces newton_schulz_tp in Megatron's muon module, which passes 0.1.0's `mode` keyword (0.3.0: `tp_mode`).
+    muon.newton_schulz_tp = newton_schulz_tp
+    return muon

@@ -8,6 +8,8 @@
 - `SDPAttention`: Megatron's DotProductAttention with its unfused softmax(QK^T)V replaced by torch's
   scaled_dot_product_attention (flash / memory-efficient / cuDNN kernels on GPUs): causal, GQA, the module's
   softmax scale (MLA's included).
+- `LocalAttention`: Megatron's unfused DotProductAttention (`attention: local`).
+Both record the largest attention logits when QK-clip is on (trainer.qk_clip).
 
 `resolve_kernels` turns `model.kernels` into the modules used; `check_kernels` refuses a choice this torch cannot run.
 """
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 from recipes.errors import UserError
 from recipes.schema import KernelsSection
+from trainer.qk_clip import MaxLogitRecorder
 
 
 @dataclass(frozen=True)
@@ -118,11 +121,37 @@ def grouped_gemm_experts():
     return GroupedGemmExperts
 
 
+def local_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalAttention(MaxLogitRecorder, DotProductAttention):
+        """Megatron's unfused DotProductAttention, recording the largest logits for QK-clip.
+
+        MLA passes `k_channels`/`v_channels` (keys wider than values), which only Transformer Engine's attention
+        takes in 0.16.1; the local one computes the same from the shapes it gets, with MLA's softmax scale passed
+        explicitly and the output width from kv_channels (= v_head_dim there).
+        """
+
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+        def forward(self, query, key, value, attention_mask, *args, **kwargs):
+            self.record_max_logits(query, key, _logit_scale(self))
+            return super().forward(query, key, value, attention_mask, *args, **kwargs)
+
+    return LocalAttention
+
+
+def _logit_scale(attention) -> float:
+    """What q.k is multiplied by before the softmax (query-key layer scaling folds a layer factor out and back in)."""
+    return attention.softmax_scale * (attention.layer_number if attention.config.apply_query_key_layer_scaling else 1)
+
+
 def sdp_attention():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    class SDPAttention(DotProductAttention):
+    class SDPAttention(MaxLogitRecorder, DotProductAttention):
         """DotProductAttention computed by torch's fused scaled_dot_product_attention.
 
         Causal masking comes from the mask type (`is_causal`), as Transformer Engine's attention does: the explicit
@@ -145,8 +174,9 @@ def sdp_attention():
                 # GQA as the local module does it (query head i reads KV group i // groups); expanded rather than
                 # SDPA's enable_gqa, which not every fused backend takes (a fallback to the unfused math kernel)
                 key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
+            scale = _logit_scale(self)
+            self.record_max_logits(query, key, scale)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, d] -> [b, heads, s, d]
-            scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, dropout_p=self.attention_dropout.p if self.training else 0.0
             )

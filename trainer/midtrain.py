@@ -63,8 +63,10 @@ def check_midtrain_recipe(recipe: Recipe) -> None:
         raise UserError("train midtrain: the recipe has no data section; add data.sources and data.seq_length")
 
 
-RESUME_FIXED = ("data.sources", "data.tokenizer", "data.seq_length", "data.split", "data.files", "data.cleaning", "data.fim", "data.tasks", "train.steps", "train.global_batch_size", "train.eval_batches", "train.seed")
-"""What decides the sample order (Megatron's shuffle depends on the number of samples) and the evaluation set."""
+RESUME_FIXED = ("data.sources", "data.tokenizer", "data.seq_length", "data.split", "data.files", "data.cleaning", "data.fim",
+                "data.tasks", "train.steps", "train.global_batch_size", "train.eval_batches", "train.seed", "optim.name")
+"""What decides the sample order (Megatron's shuffle depends on the number of samples) and the evaluation set, and
+the optimizer whose state the checkpoints hold."""
 
 
 def check_resume(run: RunDir, recipe: Recipe) -> None:

@@ -20,7 +20,8 @@ from pydantic import ValidationError
 from recipes.checks import model_problems, split_problems
 from recipes.errors import UserError
 from recipes.schema import ARCHITECTURE_FIELDS, ModelSection, ParallelismSection
-from trainer.kernels import KernelChoice, grouped_gemm_experts, resolve_kernels, sdp_attention
+from trainer.kernels import KernelChoice, grouped_gemm_experts, local_attention, resolve_kernels, sdp_attention
+from trainer.qk_clip import ALPHA as QK_CLIP_ALPHA
 
 HF_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
@@ -310,7 +311,7 @@ def _deepseek_v3_config(m: ModelSection) -> dict:
     )
 
 
-def transformer_config(m: ModelSection, p: ParallelismSection, recompute_activations: bool = False):
+def transformer_config(m: ModelSection, p: ParallelismSection, recompute_activations: bool = False, qk_clip: float | None = None):
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     dtype = getattr(torch, m.dtype)
@@ -337,6 +338,8 @@ def transformer_config(m: ModelSection, p: ParallelismSection, recompute_activat
     if m.family == "deepseek_v3":
         moe.update(_deepseek_v3_config(m))
     config_class = MLATransformerConfig if m.family == "deepseek_v3" else TransformerConfig
+    # the attention modules record their largest logits, trainer.qk_clip clips them after each step
+    clipping = dict(qk_clip=True, qk_clip_threshold=qk_clip, qk_clip_alpha=QK_CLIP_ALPHA) if qk_clip is not None else {}
     return config_class(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -368,6 +371,7 @@ def transformer_config(m: ModelSection, p: ParallelismSection, recompute_activat
         use_cpu_initialization=not torch.cuda.is_available(),
         **{"kv_channels": m.head_dim, **moe},
         **recompute,
+        **clipping,
     )
 
 
@@ -391,23 +395,6 @@ class RMSNorm(torch.nn.Module):
         return self.weight * x.to(dtype)
 
 
-def _mla_core_attention():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class MLADotProductAttention(DotProductAttention):
-        """Megatron's local attention for MLA, whose keys (nope + rope) are wider than its values.
-
-        MLA passes `k_channels`/`v_channels`, which only Transformer Engine's attention takes in 0.16.1; the local
-        one computes the same from the shapes it gets, with MLA's softmax scale passed explicitly and the output
-        width from kv_channels (= v_head_dim here).
-        """
-
-        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
-            super().__init__(*args, **kwargs)
-
-    return MLADotProductAttention
-
-
 def _layer_spec(m: ModelSection, moe: bool, kernels: KernelChoice):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -428,15 +415,13 @@ def _layer_spec(m: ModelSection, moe: bool, kernels: KernelChoice):
     if m.family == "qwen3_moe":
         attention.q_layernorm = RMSNorm
         attention.k_layernorm = RMSNorm
-    if not mla and kernels.attention == "sdpa":
-        attention.core_attention = sdp_attention()
+    attention.core_attention = sdp_attention() if kernels.attention == "sdpa" else local_attention()
     if mla:
         from megatron.core.post_training.modelopt.layers import Linear
 
         # the norms of the compressed query and key/value latents (HF q_a_layernorm, kv_a_layernorm)
         attention.q_layernorm = RMSNorm
         attention.kv_layernorm = RMSNorm
-        attention.core_attention = _mla_core_attention() if kernels.attention == "local" else sdp_attention()
         # Down-projections replicated over tensor parallelism, as with Transformer Engine. Split column-wise (the
         # local spec), MLA's backward never sums the shared RoPE key's gradient over the tensor-parallel heads:
         # measured, tp=2 moved kv_a_proj_with_mqa differently from tp=1 (loss after one step off by 1.4e-3).
@@ -456,12 +441,13 @@ def layer_block_spec(m: ModelSection, config, kernels: KernelChoice):
     return TransformerBlockSubmodules(layer_specs=everything[offset : offset + get_num_layers_to_build(config)], layer_norm=RMSNorm)
 
 
-def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: bool = False):
+def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: bool = False, qk_clip: float | None = None):
     """A GPTModel for this rank; torch.distributed and Megatron's parallel state must be initialised.
 
     MoE routers have replay enabled (megatron.core.transformer.moe.router_replay): `trainer.router_replay.routing`
     drives this model's own routers; Megatron's static RouterReplay API acts on the newest MoE model built.
-    `recompute_activations` recomputes every layer in backward (train.recompute_activations).
+    `recompute_activations` recomputes every layer in backward (train.recompute_activations); `qk_clip` (a threshold,
+    optim.qk_clip) makes attention record its largest logits for trainer.qk_clip.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -475,7 +461,7 @@ def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: b
     if m.is_moe:
         # Router-replay instances are process-global: the newest MoE model becomes the one recorded and replayed.
         RouterReplay.clear_global_router_replay_instances()
-    config = transformer_config(m, p, recompute_activations)
+    config = transformer_config(m, p, recompute_activations, qk_clip)
     kernels = resolve_kernels(m.kernels, config.params_dtype, "cuda" if torch.cuda.is_available() else "cpu")
     _log_kernels_once(m, kernels)
     model = GPTModel(

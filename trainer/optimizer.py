@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from recipes.schema import OptimSection, ParallelismSection
-from trainer.cpu_compat import cuda_calls_on_cpu
+from recipes.errors import UserError
+from recipes.schema import MuonSection, OptimSection, ParallelismSection
+from trainer.cpu_compat import cuda_calls_on_cpu, fit_emerging_optimizers_to_megatron
+from trainer.qk_clip import clip_attention_logits
 
 _DECAY_STYLE = {"cosine": "cosine", "wsd": "WSD", "constant": "constant"}
 
@@ -26,13 +28,16 @@ def wrap_data_parallel(model, parallelism: ParallelismSection):
 
 
 class TrainOptimizer:
-    """AdamW with gradient clipping and the recipe's schedule (warmup, then cosine / WSD / constant)."""
+    """The recipe's optimizer (optim.name: AdamW, or Muon for the weight matrices chained with AdamW for the rest)
+    with gradient clipping, the schedule (warmup, then cosine / WSD / constant) and QK-clip (optim.qk_clip)."""
 
     def __init__(self, ddp_model, optim: OptimSection, parallelism: ParallelismSection, total_steps: int, dtype: torch.dtype):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.model = ddp_model
+        self.name = optim.name
+        self.clips_qk = optim.qk_clip is not None
         config = OptimizerConfig(
             optimizer="adam",
             lr=optim.lr,
@@ -45,9 +50,13 @@ class TrainOptimizer:
             bf16=dtype == torch.bfloat16,
             params_dtype=dtype,
             use_distributed_optimizer=parallelism.distributed_optimizer,
+            **(_muon_config(optim.muon) if optim.name == "muon" else {}),
         )
         with cuda_calls_on_cpu():
-            self.optimizer = get_megatron_optimizer(config, [ddp_model])
+            if optim.name == "muon":
+                self.optimizer = _build_muon(config, ddp_model, optim.muon)
+            else:
+                self.optimizer = get_megatron_optimizer(config, [ddp_model])
         decay_steps = max(total_steps, optim.warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
@@ -70,29 +79,24 @@ class TrainOptimizer:
         self.optimizer.zero_grad()
 
     def step(self) -> dict[str, float]:
-        """Reduce gradients, clip, update, advance the schedule, move the routers' expert bias (sigmoid routers);
-        returns lr and the pre-clip grad norm."""
-        self.model.finish_grad_sync()
-        self._update_expert_bias()
+        """Finish the gradients, clip, update, advance the schedule, QK-clip; returns lr, the pre-clip grad norm and
+        (QK-clip) the step's largest attention logit.
+
+        Megatron's finalize_model_grads reduces the gradients over data parallelism, sums those of the weights that
+        sequence parallelism leaves partial on each tensor-parallel rank (norms, routers), and moves the routers'
+        expert bias (sigmoid routers: aux-loss-free balancing) by the expert loads of this step's training forwards.
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
         lr = self.optimizer.param_groups[0]["lr"]
         with cuda_calls_on_cpu():
             updated, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
-        return {"lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "skipped": float(not updated)}
-
-    def _update_expert_bias(self) -> None:
-        """Aux-loss-free balancing as Megatron's finalize_model_grads does it: each bias moves by
-        moe_router_bias_update_rate towards balance, from the expert loads of this step's training forwards
-        summed over tensor and data parallelism; the loads then restart from zero."""
-        from megatron.core.distributed.finalize_model_grads import (
-            _update_router_expert_bias,
-            reset_model_temporary_tensors,
-        )
-
-        config = self.model.config
-        if getattr(config, "moe_router_enable_expert_bias", False):
-            _update_router_expert_bias([self.model], config)
-            reset_model_temporary_tensors(config, [self.model])
+        metrics = {"lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "skipped": float(not updated)}
+        if self.clips_qk:
+            metrics["max_attention_logit"] = clip_attention_logits(self.model.module)
+        return metrics
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
         # dp_reshardable: fully parallel save/load; resharding is possible across data parallelism only.
@@ -108,10 +112,9 @@ class TrainOptimizer:
         (used when neither Apex nor Transformer Engine is installed), so it is added here."""
         for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner.init_state_fn(inner.optimizer, inner.config)
-            for group in inner.optimizer.param_groups:
-                for param in group["params"]:
-                    inner.optimizer.state[param].setdefault("step", torch.tensor(0.0))
-
+            for state in inner.optimizer.state.values():
+                if "exp_avg" in state:  # Adam's (Muon keeps a momentum buffer only)
+                    state.setdefault("step", torch.tensor(0.0))
 
     def _inner_optimizers(self) -> list:
         return [inner.optimizer for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
@@ -127,5 +130,47 @@ class TrainOptimizer:
         # initial value without Apex/TE; the count saved with the checkpoint restores it.
         for opt in self._inner_optimizers():
             for state in opt.state.values():
-                state["step"] = torch.tensor(float(adam_steps))
+                if "exp_avg" in state:
+                    state["step"] = torch.tensor(float(adam_steps))
         self.scheduler.load_state_dict(scheduler_state)
+
+
+def _muon_config(muon: MuonSection) -> dict:
+    return dict(
+        muon_momentum=muon.momentum,
+        muon_use_nesterov=muon.nesterov,
+        muon_num_ns_steps=muon.ns_steps,
+        muon_scale_mode=muon.scale,
+        muon_extra_scale_factor=muon.scale_factor,
+        muon_fp32_matmul_prec=muon.matmul_precision,
+        muon_split_qkv=True,  # the fused QKV weight orthogonalized as its query, key and value matrices
+        # each tensor-parallel shard gathered and orthogonalized whole: the update of the unsharded matrix
+        # (Megatron's default `blockwise` orthogonalizes each shard on its own, which depends on tp)
+        muon_tp_mode="duplicated",
+    )
+
+
+def _build_muon(config, ddp_model, muon: MuonSection):
+    """Megatron's chained optimizer: TensorParallelMuon for the 2-D weights but embedding and output layer (and the
+    routers with muon.router: adam), Adam for the rest."""
+    try:
+        megatron_muon = fit_emerging_optimizers_to_megatron()
+    except ImportError as e:
+        raise UserError(f"optim.name: muon needs the emerging-optimizers package ({e}); scripts/setup.sh installs it") from None
+    named = list(ddp_model.named_parameters())
+    routers = [param for name, param in named if name.endswith(".router.weight")] if muon.router == "adam" else []
+    for param in routers:
+        param.is_embedding_or_output_parameter = True  # the mark Megatron's Muon leaves to Adam
+    try:
+        optimizer = megatron_muon.get_megatron_muon_optimizer(config, [ddp_model])
+    finally:
+        for param in routers:
+            del param.is_embedding_or_output_parameter
+    for _, param in named:
+        master = getattr(param, "main_param", None)
+        for mark in ("is_qkv", "expert_tp"):
+            if master is not None and hasattr(param, mark):
+                # Megatron marks the model's bf16 weights, but Muon updates their fp32 master copies: unmarked, it
+                # would orthogonalize the fused QKV as one matrix and gather expert shards over the dense tp group
+                setattr(master, mark, getattr(param, mark))
+    return optimizer
