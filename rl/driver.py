@@ -13,7 +13,7 @@ from rich.console import Console
 
 from cluster.launch import Job, Launcher, run_to_end
 from cluster.launchers import build_launcher
-from cluster.placement import HostDevices, local_devices
+from cluster.placement import local_devices, place_host, planned_devices
 from recipes.checks import refuse_resume_changes, refuse_unhonoured
 from recipes.errors import RunFailed, UserError
 from recipes.loader import load_recipe, recipe_to_yaml
@@ -31,7 +31,7 @@ from rl.protocol import (
     StalenessRule,
     sync_section,
 )
-from rl.rollout_hosts import LocalHost, host_placement, open_hosts, plan_fleet, refuse_engines_over_hosts
+from rl.rollout_hosts import LocalHost, open_hosts, plan_fleet, refuse_engines_over_hosts
 from rl.rollout_worker import RolloutWorker
 from runtime.processes import output_to_log
 from runtime.run_dir import RunDir
@@ -91,15 +91,12 @@ def learner_placement_env(recipe: Recipe) -> dict[str, str]:
     learner takes each host's first devices); checks that host's engines fit, before anything starts."""
     for host in recipe.rollout.hosts:
         if host in recipe.cluster.hosts:
-            return host_placement(host, local_devices() if host == LocalHost.name else _declared(recipe, host), recipe).learner_env()
+            devices = planned_devices(recipe.rollout, host, local_devices() if host == LocalHost.name else None)
+            if devices is None:
+                raise UserError(f"rollout host {host} runs learner ranks too: declare its devices (rollout.devices) so they can "
+                                "be planned before the learner starts, or keep training hosts out of rollout.hosts")
+            return place_host(host, devices, recipe).learner_env()
     return {}
-
-
-def _declared(recipe: Recipe, host: str) -> HostDevices:
-    if recipe.rollout.devices is None:
-        raise UserError(f"rollout host {host} runs learner ranks too: declare its devices (rollout.devices) so they can be "
-                        "planned before the learner starts, or keep training hosts out of rollout.hosts")
-    return HostDevices.declared(recipe.rollout.devices)
 
 
 def start_learner(recipe: Recipe, files: RLRunFiles) -> Job:

@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-from cluster.placement import PROBE, EnginePlacement, HostDevices, HostPlacement, check_found, local_devices, place_fleet, place_host
+from cluster.placement import PROBE, EnginePlacement, HostDevices, HostPlacement, local_devices, place_fleet, place_host, planned_devices
 from cluster.ssh import SSHHost
 from recipes.errors import UserError
 from recipes.schema import Recipe, RolloutSection, SSHSection, SyncSection
@@ -262,11 +262,9 @@ def rollout_plan(recipe: Recipe) -> list[tuple[str, HostPlacement | None, list[s
 
 
 def host_placement(name: str, found: HostDevices, recipe: Recipe) -> HostPlacement:
-    """The placement on rollout host `name`, which has `found` (checked against rollout.devices when the recipe declares them)."""
-    rollout = recipe.rollout
-    check_found(name, found, rollout)
-    return refuse_engines_over_hosts(place_host(name, HostDevices.declared(rollout.devices) if rollout.devices else found, recipe),
-                                     rollout)
+    """The placement on rollout host `name`, which has `found` (checked against rollout.devices when the recipe declares
+    them); engines over several hosts are refused."""
+    return refuse_engines_over_hosts(place_host(name, planned_devices(recipe.rollout, name, found), recipe), recipe.rollout)
 
 
 def refuse_engines_over_hosts(placement: HostPlacement | None, rollout: RolloutSection) -> HostPlacement | None:

@@ -57,6 +57,10 @@ GPUS = "engine: server, devices: {kind: gpu, per_host: 8, memory_gib: 80}"
      "rollout.parallelism.enable_expert_parallel", "its CPU fused-MoE kernel crashes (SIGSEGV)"),
     ("engine: server, devices: {kind: cpu, per_host: 4, memory_gib: 16}, parallelism: {dp: 2}, hosts: [c]", [],
      "rollout.parallelism.dp", "its CPU communicator has no all_gatherv"),
+    ("engine: server, devices: {kind: cpu, per_host: 4, memory_gib: 16}, enforce_eager: false, hosts: [c]", [],
+     "rollout.enforce_eager", "asks for CUDA graphs, which CPU hosts do not have"),
+    ("engine: server, devices: {kind: cpu, per_host: 4, memory_gib: 0.5}, engines_per_host: 4, kv_cache_gib: 0.25, hosts: [c]", [],
+     "rollout", "4 engine rank(s) on each rollout host (rollout.devices.per_host=4) x (0.00 GiB of weights + rollout.kv_cache_gib=0.25)"),
 ])
 def test_engines_that_do_not_fit_the_declared_hosts_are_named(write_recipe, text, overrides, path, fragment):
     problems = problems_of(write_recipe(rollout(text)), overrides)
@@ -149,3 +153,18 @@ def test_engines_that_do_not_fit_this_machine_are_refused_before_anything_starts
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "tp x pp x dp = 4 x 1 x 1 = 4 devices per engine, but rollout host localhost has 2 CPU cores" in result.stderr
     assert not (tmp_path / "smoke-rl").exists()
+
+
+def test_tensor_and_pipeline_groups_over_hosts_use_vllms_multi_node_executor_and_are_not_started_yet():
+    from recipes.errors import UserError
+    from rl.rollout_hosts import refuse_engines_over_hosts, rollout_plan
+
+    recipe = load_recipe(RECIPES / "kimi-k2-rl.yaml", ["rollout.parallelism.pp=2", "rollout.parallelism.dp=1",
+                                                       "rollout.parallelism.enable_expert_parallel=false", "rollout.devices.memory_gib=192"])
+    plan = rollout_plan(recipe)
+    assert len(plan) == 8 and all(len(commands) == 1 for _, _, commands in plan)  # 4 engines of 2 hosts each
+    head, worker = plan[2][2][0], plan[3][2][0]
+    assert "--port '<port>'" in head and "--nnodes 2 --node-rank 0 --master-addr infer-02 --master-port '<port on infer-02>'" in head
+    assert "--port" not in worker and worker.endswith("--nnodes 2 --node-rank 1 --master-addr infer-02 --master-port '<port on infer-02>' --headless")
+    with pytest.raises(UserError, match="spans 2 rollout hosts; composer plans it in vLLM's multi-node modes"):
+        refuse_engines_over_hosts(plan[0][1], recipe.rollout)
