@@ -99,8 +99,9 @@ def print_rollout_plan(plan, engine_kind: str, out: Console) -> None:
             where = f"{engine.number}" + (f" (host {engine.node_rank + 1} of {engine.nodes})" if engine.nodes > 1 else "")
             ranks = " ".join(f"{i}:{describe_devices(r)}" for i, r in enumerate(engine.ranks))
             if engine_kind == "embedded":
-                command = "in the driver's process (a single rank is not bound)" if len(engine.ranks) == 1 else \
-                    f"in the driver's process, its ranks' workers with {' '.join(f'{k}={v}' for k, v in engine.env().items())}"
+                single_cpu_rank = len(engine.ranks) == 1 and engine.kind == "cpu"
+                command = "in the driver's process (a single CPU rank is not bound)" if single_cpu_rank else \
+                    f"in the driver's process, with {' '.join(f'{k}={v}' for k, v in engine.env().items())}"
             table.add_row(escape(host), devices, learner, escape(where), ranks, escape(command))
             devices = learner = ""
         if placement.front_end:

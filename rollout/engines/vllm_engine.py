@@ -127,8 +127,9 @@ class EmbeddedEngine(Engine):
         # The engine core in this process: initialises in seconds instead of ~40 s with worker processes.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         placement = placement or local_placement(rollout)
-        if rollout.parallelism.tp * rollout.parallelism.pp > 1:
-            os.environ.update(placement.env())  # read by vLLM when it starts the worker processes
+        # Read by CUDA when it starts in this process, and by vLLM when it starts worker processes (a single CPU
+        # rank computes in this process, which is not bound: its sandboxes and the agent loop share it).
+        os.environ.update(placement.env())
         from vllm import LLM
 
         fix_cpu_rotary_strides()  # a rank in this process imported rollout.engines.worker_extension already
