@@ -77,23 +77,25 @@ def next_version(src: Path, dst: Path) -> Path:
 
 
 def measure(checkpoint: Path, rollout: RolloutSection, prompts: list[list[int]], tokens: int, work: Path,
-            update: tuple[Path, list[str], dict] | None) -> dict:
+            update: tuple[Path, list[str], dict]) -> dict:
     from rollout.engines.vllm_engine import ServerEngine, VllmServer
 
-    with VllmServer(checkpoint, rollout, seed=0, routed_experts=False, log_path=work / "vllm.log") as server:
+    server = VllmServer(checkpoint, rollout, seed=0, routed_experts=False, log_path=work / "vllm.log")
+    try:
+        server.wait_ready(timeout=1800)  # start-up is not measured; a loaded machine may take long
         engine = ServerEngine(server.url, rollout, model=str(checkpoint))
         engine.generate(prompts[:2], seeds=[0, 1], max_tokens=4)  # warm-up
         started = time.perf_counter()
         out = engine.generate(prompts, seeds=list(range(len(prompts))), max_tokens=tokens)
         seconds = time.perf_counter() - started
-        result = {"tokens_per_s": sum(len(g[0].token_ids) for g in out) / seconds}
-        if update is not None:
-            directory, changed, pieces = update
-            engine.update_weights(directory, changed, pieces)  # warm-up: the layer map is computed once per engine
-            started = time.perf_counter()
-            engine.update_weights(directory, changed, pieces)
-            result["update_s"] = time.perf_counter() - started
-    return result
+        tokens_per_s = sum(len(g[0].token_ids) for g in out) / seconds
+        directory, changed, pieces = update
+        engine.update_weights(directory, changed, pieces)  # warm-up: the layer map is computed once per engine
+        started = time.perf_counter()
+        engine.update_weights(directory, changed, pieces)
+        return {"tokens_per_s": tokens_per_s, "update_s": time.perf_counter() - started}
+    finally:
+        server.stop()
 
 
 def main() -> None:
@@ -135,14 +137,13 @@ def main() -> None:
                     continue
                 prompts = [[(31 * i + 7 * j) % (m.vocab_size - 1) + 1 for j in range(48)] for i in range(args.prompts)]
                 try:
-                    r = measure(checkpoint, rollout, prompts, args.tokens, work / f"{name}-{label}",
-                                update if label != "dp2" else None)
+                    r = measure(checkpoint, rollout, prompts, args.tokens, work / f"{name}-{label}", update)
                 except UserError as e:
                     print(f"{name:<14} {label:<6} failed: {e}", flush=True)
                     continue
                 base = base or r
-                update_s = f"{r['update_s']:8.2f}s {r['update_s'] / base['update_s']:6.2f}x" if "update_s" in r else f"{'-':>9} {'-':>7}"
-                print(f"{name:<14} {label:<6} {r['tokens_per_s']:9.1f} {r['tokens_per_s'] / base['tokens_per_s']:6.2f}x {update_s}", flush=True)
+                print(f"{name:<14} {label:<6} {r['tokens_per_s']:9.1f} {r['tokens_per_s'] / base['tokens_per_s']:6.2f}x "
+                      f"{r['update_s']:8.2f}s {r['update_s'] / base['update_s']:6.2f}x", flush=True)
 
 
 if __name__ == "__main__":
