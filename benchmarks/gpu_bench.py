@@ -41,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recipes.errors import UserError  # noqa: E402
 from recipes.schema import KernelsSection, ModelSection, OptimSection, ParallelismSection  # noqa: E402
+from recipes.sizes import parameter_counts  # noqa: E402
 from trainer.distributed import init_distributed, shutdown_distributed  # noqa: E402
 from trainer.logprobs import token_logprobs  # noqa: E402
-from trainer.model import build_model, parameter_counts  # noqa: E402
+from trainer.model import build_model  # noqa: E402
 from trainer.optimizer import TrainOptimizer, wrap_data_parallel  # noqa: E402
 
 CUDA = torch.cuda.is_available()

@@ -1,3 +1,4 @@
 from cli.main import main
 
-main()
+if __name__ == "__main__":  # the engine workers vLLM spawns (tensor parallelism) import this module again
+    main()

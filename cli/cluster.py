@@ -76,3 +76,34 @@ def print_plan(plan, parallelism, world_size: int, out: Console) -> None:
     out.print(groups)
     if trivial:
         out.print(f"[dim]groups of one rank each: {', '.join(names[k] for k in trivial)}[/]", highlight=False)
+
+
+def print_rollout_plan(plan, engine_kind: str, out: Console) -> None:
+    """Per rollout host for --dry-run: which devices each learner rank and each engine rank gets, and the commands
+    that start the engines."""
+    from cluster.placement import describe_devices
+
+    table = Table(title="rollout placement (devices per rank; engines' environment and command)")
+    for column in ("host", "devices", "learner ranks", "engine", "ranks", "command"):
+        table.add_column(column, overflow="fold")
+    for host, placement, commands in plan:
+        if placement is None:
+            table.add_row(escape(host), "found at start (no rollout.devices)", "-", "-", "-", "-")
+            continue
+        d = placement.devices
+        devices = f"{len(d.ids)} {d.unit}s {describe_devices(d.ids)}, {d.memory_gib:.0f} GiB{' each' if d.kind == 'gpu' else ''}"
+        learner = " ".join(f"{i}:{describe_devices(r)}" for i, r in enumerate(placement.learner)) or "-"
+        if placement.learner_shares:
+            learner += " (shared with the engines)"
+        for engine, command in zip(placement.engines, commands):
+            where = f"{engine.number}" + (f" (host {engine.node_rank + 1} of {engine.nodes})" if engine.nodes > 1 else "")
+            ranks = " ".join(f"{i}:{describe_devices(r)}" for i, r in enumerate(engine.ranks))
+            if engine_kind == "embedded":
+                single_cpu_rank = len(engine.ranks) == 1 and engine.kind == "cpu"
+                command = "in the driver's process (a single CPU rank is not bound)" if single_cpu_rank else \
+                    f"in the driver's process, with {' '.join(f'{k}={v}' for k, v in engine.env().items())}"
+            table.add_row(escape(host), devices, learner, escape(where), ranks, escape(command))
+            devices = learner = ""
+        if placement.front_end:
+            table.add_row("", "", "", "front ends", describe_devices(placement.front_end), "")
+    out.print(table)

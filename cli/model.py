@@ -61,7 +61,8 @@ def _bytes(n: float) -> str:
 @app.command()
 def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (only its config.json is read).")) -> None:
     """Architecture and size of an HF checkpoint from its config.json alone (no weights are loaded): check a download."""
-    from trainer.model import model_section_from_hf, parameter_counts
+    from recipes.sizes import parameter_counts
+    from trainer.model import model_section_from_hf
 
     unbuilt: list[str] = []
     m = model_section_from_hf(checkpoint, unbuilt=unbuilt)

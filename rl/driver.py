@@ -13,6 +13,7 @@ from rich.console import Console
 
 from cluster.launch import Job, Launcher, run_to_end
 from cluster.launchers import build_launcher
+from cluster.placement import local_devices, place_host, planned_devices
 from recipes.checks import refuse_resume_changes, refuse_unhonoured
 from recipes.errors import RunFailed, UserError
 from recipes.loader import load_recipe, recipe_to_yaml
@@ -30,7 +31,7 @@ from rl.protocol import (
     StalenessRule,
     sync_section,
 )
-from rl.rollout_hosts import LocalHost, open_hosts
+from rl.rollout_hosts import LocalHost, open_hosts, plan_fleet, refuse_engines_over_hosts
 from rl.rollout_worker import RolloutWorker
 from runtime.processes import output_to_log
 from runtime.run_dir import RunDir
@@ -64,6 +65,7 @@ def check_rl_recipe(recipe: Recipe) -> None:
         raise UserError("train rl: model.checkpoint must name the HF checkpoint the policy starts from")
     refuse_unhonoured(recipe, "train rl", UNHONOURED)
     check_kernels_installed(recipe.model.kernels)
+    plan_fleet(recipe)  # engines that cannot fit their hosts stop the run here, before anything starts
 
 
 def check_replay(recipe: Recipe, source: Path) -> None:
@@ -75,8 +77,26 @@ def check_replay(recipe: Recipe, source: Path) -> None:
 
 
 def learner_launch(recipe: Recipe) -> tuple[Launcher, str, list[str]]:
-    """How the learner ranks start on the recipe's training hosts (cluster.launcher)."""
-    return build_launcher(recipe.cluster), learner_main.MODULE, [str(RunDir.of(recipe).root)]
+    """How the learner ranks start on the recipe's training hosts (cluster.launcher), kept off the engines' devices
+    where a host runs both (cluster.placement)."""
+    cluster = recipe.cluster
+    binding = learner_placement_env(recipe)
+    if binding:
+        cluster = cluster.model_copy(update={"env": {**binding, **cluster.env}})
+    return build_launcher(cluster), learner_main.MODULE, [str(RunDir.of(recipe).root)]
+
+
+def learner_placement_env(recipe: Recipe) -> dict[str, str]:
+    """The learner ranks' core binding on a CPU host that runs engines too (the same on every training host: the
+    learner takes each host's first devices); checks that host's engines fit, before anything starts."""
+    for host in recipe.rollout.hosts:
+        if host in recipe.cluster.hosts:
+            devices = planned_devices(recipe.rollout, host, local_devices() if host == LocalHost.name else None)
+            if devices is None:
+                raise UserError(f"rollout host {host} runs learner ranks too: declare its devices (rollout.devices) so they can "
+                                "be planned before the learner starts, or keep training hosts out of rollout.hosts")
+            return place_host(host, devices, recipe).learner_env()
+    return {}
 
 
 def start_learner(recipe: Recipe, files: RLRunFiles) -> Job:
@@ -130,6 +150,8 @@ def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bo
     embedded engine print goes to logs/driver.log."""
     check_rl_recipe(recipe)
     learner_launch(recipe)[0].check_startable()
+    for placement in plan_fleet(recipe):
+        refuse_engines_over_hosts(placement, recipe.rollout)
     run = RunDir.of(recipe)
     files = RLRunFiles(run.root)
     if resume and run.recipe_path.is_file():

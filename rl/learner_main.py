@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cluster.placement import bind_this_rank
 from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.schema import Recipe, RLSection
@@ -169,6 +170,7 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
 
 def main() -> None:
     die_with_parent(forks_too=True)
+    bind_this_rank()  # off the engines' cores, where the driver planned it (cluster.placement)
     files = RLRunFiles(Path(sys.argv[1]))
     run, rank = RunDir(files.root), int(os.environ.get("RANK", "0"))
     redirect_rank_output(run, rank)

@@ -20,9 +20,10 @@ import time
 import uuid
 from pathlib import Path
 
+from cluster.placement import PROBE, EnginePlacement, HostDevices, HostPlacement, local_devices, place_fleet, place_host, planned_devices
 from cluster.ssh import SSHHost
 from recipes.errors import UserError
-from recipes.schema import Recipe, SSHSection, SyncSection
+from recipes.schema import Recipe, RolloutSection, SSHSection, SyncSection
 from rl.protocol import RLRunFiles, sync_section
 from rollout.engines import server_guard
 from rollout.engines.vllm_engine import (
@@ -31,6 +32,8 @@ from rollout.engines.vllm_engine import (
     ServerEngine,
     VllmServer,
     build_engines,
+    engine_options,
+    multinode_args,
     server_args,
     wait_healthy,
 )
@@ -94,9 +97,13 @@ class LocalHost:
             update_in_place(store, self.files.receiver, store_version)
             self.engine_versions.move(engine, store, store_version, str((self.files.receiver / "current").resolve()))
 
+    def placement(self) -> HostPlacement:
+        """Which devices this host's engines (and learner ranks) get; refused before anything starts if they do not fit."""
+        return host_placement(self.name, local_devices(), self.recipe)
+
     def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
-        engines, self.servers = build_engines(self.recipe.rollout, weights, seed=seed, routed_experts=routed_experts,
-                                              log_dir=self.files.root / "logs")
+        engines, self.servers = build_engines(self.recipe.rollout, weights, self.placement(), seed=seed,
+                                              routed_experts=routed_experts, log_dir=self.files.root / "logs")
         self.engine_versions.started(engines, self._pulled)
         return engines
 
@@ -170,16 +177,22 @@ class RemoteHost:
         with Store.open(sync.store, self.recipe.cluster.ssh, endpoint=sync.endpoint) as store:
             self.engine_versions.move(engine, store, store_version, self._pulled[1])
 
+    def placement(self) -> HostPlacement:
+        """As `LocalHost.placement`, with the devices the host reports (its own Python asked over SSH)."""
+        return host_placement(self.name, HostDevices.from_probe(self._run(shlex.join([self.python, "-c", PROBE]))), self.recipe)
+
     def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
         rollout = self.recipe.rollout
+        placement = self.placement()
         tokenizer = self._run(f"test -f {shlex.quote(weights + '/tokenizer.json')} && echo yes || echo no").strip() == "yes"
         starting = []
-        for number in range(rollout.engines_per_host):
+        for engine in placement.engines:
             port = int(self._run(shlex.join([self.python, "-c", _FREE_PORT])))
-            args = server_args(weights, rollout, seed=seed + number, routed_experts=routed_experts, port=port, tokenizer=tokenizer)
-            log = posixpath.join(self.dir, f"vllm-{number}.log")
+            server = engine_command(rollout, placement, engine, python=self.python, weights=weights, seed=seed,
+                                    routed_experts=routed_experts, tokenizer=tokenizer, port=port)
+            log = posixpath.join(self.dir, f"vllm-{engine.number}.log")
             # The server runs until this session's stdin closes: when the driver stops or dies.
-            command = (f"cd {shlex.quote(self.dir)} && {{ VLLM_SERVER_DEV_MODE=1 setsid {shlex.join([self.python, '-m', server_guard.MODULE, *args])} "
+            command = (f"cd {shlex.quote(self.dir)} && {{ setsid {server} "
                        f"> {shlex.quote(log)} 2>&1 & server=$!; cat > /dev/null; kill $server; wait $server; }}")
             session = self.ssh.conn.client.get_transport().open_session()
             session.exec_command(command)
@@ -208,6 +221,59 @@ class RemoteHost:
             except Exception as e:  # the host may be gone; its log stays there
                 print(f"rollout host {self.ssh.where}: could not copy {log}: {e}", file=sys.stderr)
         self.ssh.close()
+
+
+def engine_command(rollout: RolloutSection, placement: HostPlacement, engine: EnginePlacement, *, python: str, weights: str,
+                   seed: int, routed_experts: bool, tokenizer: bool, port: int | str | None, head: str = "",
+                   head_port: int | str = "") -> str:
+    """The shell command that starts one engine's server (or, on the other hosts of an engine over several hosts,
+    its headless ranks: `head`:`head_port` is where they meet) on `placement`'s devices."""
+    options = engine_options(weights, rollout, placement.devices.kind, seed=seed + engine.number,
+                             routed_experts=routed_experts, tokenizer=tokenizer)
+    env = shlex.join([f"{k}={v}" for k, v in {"VLLM_SERVER_DEV_MODE": "1", **engine.env()}.items()])
+    node = multinode_args(engine, rollout.parallelism, head, head_port)
+    return f"env {env} {shlex.join([python, '-m', server_guard.MODULE, *server_args(options, port, node)])}"
+
+
+def plan_fleet(recipe: Recipe) -> list[HostPlacement | None]:
+    """Every rollout host's placement as far as it is known before anything starts (the recipe's rollout.devices, or
+    this machine's own); a user error when engines do not fit a host."""
+    rollout = recipe.rollout
+    return place_fleet(recipe, {LocalHost.name: local_devices()} if LocalHost.name in rollout.hosts else {})
+
+
+def rollout_plan(recipe: Recipe) -> list[tuple[str, HostPlacement | None, list[str]]]:
+    """For --dry-run: per rollout host, its placement (None where its devices are found only at start: a remote
+    host the recipe declares no rollout.devices for) and the commands that start its engines."""
+    rollout = recipe.rollout
+    placements = plan_fleet(recipe)
+    python = rollout.remote_python or sys.executable
+    routed = recipe.model.is_moe and recipe.rl.router_replay == "r3"
+    plan = []
+    for host, placement in zip(rollout.hosts, placements):
+        commands = []
+        for engine in placement.engines if placement else ():
+            head = rollout.hosts[rollout.hosts.index(host) - engine.node_rank]
+            commands.append(engine_command(rollout, placement, engine, python=python, weights="<weights>", seed=recipe.train.seed,
+                                           routed_experts=routed, tokenizer=True, port=None if engine.node_rank else "<port>", head=head,
+                                           head_port=f"<port on {head}>"))
+        plan.append((host, placement, commands))
+    return plan
+
+
+def host_placement(name: str, found: HostDevices, recipe: Recipe) -> HostPlacement:
+    """The placement on rollout host `name`, which has `found` (checked against rollout.devices when the recipe declares
+    them); engines over several hosts are refused."""
+    return refuse_engines_over_hosts(place_host(name, planned_devices(recipe.rollout, name, found), recipe), recipe.rollout)
+
+
+def refuse_engines_over_hosts(placement: HostPlacement | None, rollout: RolloutSection) -> HostPlacement | None:
+    """Engines larger than a host are planned (--dry-run prints their vLLM multi-node commands) but not started."""
+    if placement is not None and placement.engines and placement.engines[0].nodes > 1:
+        raise UserError(f"rollout.parallelism: an engine of {rollout.parallelism.devices} devices spans {placement.engines[0].nodes} "
+                        "rollout hosts; composer plans it in vLLM's multi-node modes (`composer train rl --dry-run` prints the "
+                        "commands) but does not start it yet; use engines that fit one host")
+    return placement
 
 
 def _store_args(sync: SyncSection, ssh: SSHSection) -> list[str]:

