@@ -201,3 +201,79 @@ def _comparable(members: list[Series]) -> bool:
     peaks = [max((abs(v) for v in s.finite), default=0.0) for s in members]
     low, high = min(peaks), max(peaks)
     return high == 0 or (low > 0 and high / low <= 10)
+
+
+# --- composer eval's page ----------------------------------------------------------------------
+
+
+def _fraction(value: float | None, interval: list[float] | None = None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    text = f"{value:.3f}"
+    return text + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
+
+
+def _eval_rows(name: str, entry: dict, roles: list[str], pass_k: list[int]) -> list[tuple[str, list[str]]]:
+    """The rows of one set's table: a figure per row, a checkpoint per column."""
+    def figure(fn: Callable[[dict], str]) -> list[str]:
+        return [fn(entry[role]) for role in roles]
+
+    def record(s: dict, key: str) -> float | None:
+        return s["record"].get(f"eval_{name}_{key}")
+
+    rows = [("tasks (skipped)", figure(lambda s: f"{s['tasks']} ({s['skipped']})")),
+            ("greedy pass@1 [95% CI]", figure(lambda s: _fraction(record(s, "greedy_pass@1"),
+                                                                  [record(s, "greedy_pass@1_low"), record(s, "greedy_pass@1_high")]))),
+            ("greedy reward", figure(lambda s: _fraction(record(s, "greedy_reward"))))]
+    rows += [(f"pass@{k} (sampled)", figure(lambda s, k=k: _fraction(record(s, f"pass@{k}")))) for k in pass_k]
+    rows += [("infra failures (episodes)", figure(lambda s: str(s["infra_failures"]))),
+             ("greedy pass@1 without infra failures", figure(lambda s: _fraction(s["greedy_pass@1_without_infra_failures"]))),
+             ("flagged episodes", figure(lambda s: f"{s['flagged_episodes']}" + (f" ({', '.join(f'{f} {n}' for f, n in s['flags'].items())})" if s["flags"] else ""))),
+             ("summaries per episode", figure(lambda s: f"{s['summaries_per_episode']:.2f}")),
+             ("summary tokens (mean)", figure(lambda s: f"{s['summary_tokens_mean']:.1f}" if "summary_tokens_mean" in s else "-")),
+             ("compaction error [95% CI]", figure(lambda s: _fraction(s.get("compaction_error"), s.get("compaction_error_interval")))),
+             ("episode ends (greedy)", figure(lambda s: ", ".join(f"{r} {n}" for r, n in s["end_reasons"].items())))]
+    return rows
+
+
+def eval_report_html(results: dict) -> str:
+    """`composer eval`'s results on one self-contained page: per set a table of figures per checkpoint, the paired
+    differences with --compare, and pass@1 per kind of task."""
+    esc = html.escape
+    roles = list(results["checkpoints"])
+    head = "".join(f"<th>{esc(role)}<br><small>{esc(spec)}</small></th>" for role, spec in results["checkpoints"].items())
+    sections = []
+    for name, entry in results["sets"].items():
+        rows = "".join(f"<tr><td>{esc(label)}</td>" + "".join(f"<td>{esc(v)}</td>" for v in values) + "</tr>"
+                       for label, values in _eval_rows(name, entry, roles, results["pass_k"]))
+        part = f"<h2>{esc(name)}</h2><table><tr><th>figure</th>{head}</tr>{rows}</table>"
+        if "difference" in entry:
+            d = entry["difference"]
+            sampled = (f"<tr><td>sampled pass@1 difference [95% paired bootstrap CI]</td><td>{_signed(d['sampled_pass@1'], d['sampled_pass@1_interval'])}</td></tr>"
+                       if "sampled_pass@1" in d else "")
+            part += (f"<h3>checkpoint - compare (same {d['tasks']} tasks)</h3><table>"
+                     f"<tr><td>greedy pass@1 difference [95% paired bootstrap CI]</td><td>{_signed(d['greedy_pass@1'], d['greedy_pass@1_interval'])}</td></tr>"
+                     f"{sampled}<tr><td>tasks gained</td><td>{len(d['gained'])}: {esc(', '.join(d['gained']))}</td></tr>"
+                     f"<tr><td>tasks lost</td><td>{len(d['lost'])}: {esc(', '.join(d['lost']))}</td></tr></table>")
+        kinds = sorted({k for role in roles for k in entry[role]["kinds"]})
+        if len(kinds) > 1:
+            kind_rows = "".join(f"<tr><td>{esc(k)}</td>" + "".join(
+                f"<td>{_fraction(entry[r]['kinds'][k]['greedy_pass@1'], entry[r]['kinds'][k]['interval'])} of {entry[r]['kinds'][k]['tasks']}</td>"
+                if k in entry[r]["kinds"] else "<td>-</td>" for r in roles) + "</tr>" for k in kinds)
+            part += f"<h3>greedy pass@1 per kind</h3><table><tr><th>kind</th>{head}</tr>{kind_rows}</table>"
+        sections.append(part)
+    return f"""<!DOCTYPE html>
+<html lang=en><head><meta charset=utf-8><title>composer eval</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:70em}} table{{border-collapse:collapse;margin-bottom:1em}}
+td,th{{border:1px solid #ccc;padding:.2em .6em;text-align:right}} td:first-child{{text-align:left}}</style></head>
+<body><h1>composer eval</h1><p>{results['samples']} sampled episode(s) per task; written {time.strftime("%Y-%m-%d %H:%M:%S")}</p>
+{''.join(sections)}</body></html>
+"""
+
+
+def _signed(value: float, interval: list[float]) -> str:
+    return f"{value:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}]"
+
+
+def write_eval_report(path: Path, results: dict) -> None:
+    atomic_write_text(path, eval_report_html(results))

@@ -135,15 +135,16 @@ class EpisodeRunner:
         return self.run_tasks([task], group_id, group_size, policy_version, seed)[0]
 
     def run_tasks(self, tasks: list[Task], group_id: str, group_size: int, policy_version: int, seed: int,
-                  temperature: float | None = None) -> list[list[Trajectory]]:
+                  temperature: float | None = None, task_numbers: list[int] | None = None) -> list[list[Trajectory]]:
         """`group_size` episodes of each task, all in lock-step (one engine call per turn); `temperature`
-        overrides the recipe's (held-out evaluation samples greedily with 0)."""
+        overrides the recipe's (held-out evaluation samples greedily with 0). Episodes are seeded by `seed` and the
+        number of their task (`task_numbers`, default 0, 1, ...: a task keeps its seeds in any batch)."""
         episodes: list[_Episode] = []
-        for t, task in enumerate(tasks):
+        for t, task in zip(task_numbers or range(len(tasks)), tasks):
             prompt_ids = self.chat.prompt(self.env.task_prompt(task, tools=self.tools))
             if len(prompt_ids) + self.cfg.sampling.max_tokens > self.cfg.max_context:
                 raise ValueError(f"task {task.id}: prompt of {len(prompt_ids)} tokens leaves no room in max_context={self.cfg.max_context}")
-            prefix = group_id if len(tasks) == 1 else f"{group_id}-{t}"
+            prefix = group_id if len(tasks) == 1 and task_numbers is None else f"{group_id}-{t}"
             for i in range(group_size):
                 episodes.append(_Episode(f"{prefix}-{i}", seed * 1000 + t * group_size + i, prompt_ids, [_SegmentBuilder()], task))
         opened = [self._graders.submit(self.env.open_workspace, e.task, self.tools) for e in episodes]
