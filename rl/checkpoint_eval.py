@@ -57,7 +57,6 @@ from sync.receiver import pull
 from sync.store import Store
 
 STORE_VERSION = re.compile(r"^(?P<store>.+)@(?P<version>v\d{8})$")
-CONFIG_NOT_ARCHITECTURE = ("torch_dtype", "dtype", "transformers_version", "_name_or_path")
 ROLES = ("checkpoint", "compare")
 
 
@@ -177,12 +176,22 @@ def _check_same_settings(out: Path, wanted: dict) -> None:
             raise UserError(f"{out} holds an evaluation with other {key} settings ({path}); pass another --out to start a new one")
 
 
+def _tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="np") as f:
+            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    return shapes
+
+
 def _same_architecture(a: Path, b: Path) -> None:
-    """--compare reloads the engine with the other checkpoint's weights: both must have the same shape."""
-    configs = [{k: v for k, v in json.loads((p / "config.json").read_text()).items() if k not in CONFIG_NOT_ARCHITECTURE} for p in (a, b)]
-    different = sorted(k for k in set(configs[0]) | set(configs[1]) if configs[0].get(k) != configs[1].get(k))
+    """--compare reloads the engine with the other checkpoint's weights: both must hold the same tensors."""
+    shapes = [_tensor_shapes(p) for p in (a, b)]
+    different = sorted(k for k in set(shapes[0]) | set(shapes[1]) if shapes[0].get(k) != shapes[1].get(k))
     if different:
-        raise UserError(f"--compare: the checkpoints differ in {', '.join(different[:5])} (config.json); "
+        raise UserError(f"--compare: the checkpoints' tensors differ ({', '.join(different[:3])}{', ...' if len(different) > 3 else ''}); "
                         "evaluate each on its own with composer eval")
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import COMPOSER, RECIPES, REPO
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(1800)]  # an RL run, then evaluations: slow on a loaded machine
 
 EVAL_SETTINGS = ["--set", "rl.eval.limit=8", "--set", "rl.eval.samples=2", "--set", "rl.eval.pass_k=[1,2]"]
 
@@ -30,8 +30,9 @@ def rl_run(tmp_path_factory):
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, root / "init", tokenizer_bytes=2**20)
     result = subprocess.run(
         [*COMPOSER, "train", "rl", str(RECIPES / "smoke-rl.yaml"), "--set", f"model.checkpoint={checkpoint}", "--set", f"run.dir={root / 'runs'}",
-         "--set", "train.steps=1", "--set", "rl.prompts_per_step=1", "--set", "rl.group_size=2", "--set", "train.global_batch_size=2", "--set", "train.micro_batch_size=1",
-         "--set", "rollout.sampling.temperature=0.7", *EVAL_SETTINGS],
+         "--set", "train.steps=1", "--set", "rl.prompts_per_step=1", "--set", "rl.group_size=2", "--set", "train.global_batch_size=2", "--set", "train.micro_batch_size=2",
+         "--set", "rollout.sampling.temperature=0.7", "--set", "cluster.procs_per_host=1", "--set", "parallelism.ep=1",
+         *EVAL_SETTINGS],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return root, checkpoint, root / "runs" / "smoke-rl"
