@@ -24,7 +24,7 @@ from rl.protocol import LearnerQueue, Policy, ReplayQueue, RLRunFiles, learner_q
 from rl.trajectories import episode_stats
 from rollout.agent.trajectory import Trajectory
 from runtime.processes import die_with_parent
-from runtime.progress import TensorBoard
+from runtime.progress import Trackers
 from runtime.run_dir import MetricsWriter, RunDir, drop_records_after
 from sync.pusher import push_version
 from trainer.core import Every
@@ -133,7 +133,7 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
         queue.repair(state.get("consumed", []))
         drop_records_after(files.root / "metrics.jsonl", start)  # those steps are trained again
     metrics = MetricsWriter(files.root / "metrics.jsonl") if rank0 else None
-    board = TensorBoard(files.root / "tensorboard", start) if rank0 else None
+    board = Trackers(files.root, recipe.run.name, start) if rank0 else None
     save_due = Every(recipe.train.checkpoint_every, recipe.train.steps)
     unsaved: list[str] = []
     for step in range(start, recipe.train.steps):
