@@ -226,6 +226,9 @@ def _check_rl(r: Recipe) -> list[Problem]:
         out.append(Problem("rollout.harness", "tools act over several turns; set rollout.max_turns > 1"))
     if r.rollout and r.env and r.rollout.harness == "reply" and any(t.name == "repo" for t in r.env.tasks):
         out.append(Problem("rollout.harness", "repository tasks are worked on with tools; set rollout.harness: tools"))
+    evaluated = r.rl.eval.tasks if r.rl and r.rl.eval else []
+    if r.rollout and r.env and r.rollout.harness == "reply" and "recall" in [t.name for t in r.env.tasks] + evaluated:
+        out.append(Problem("rollout.harness", "recall tasks are read from files with tools; set rollout.harness: tools"))
     uses_workspaces = r.env and (any(t.name == "repo" for t in r.env.tasks) or (r.rollout and r.rollout.harness == "tools"))
     if uses_workspaces and "localhost" not in r.env.sandbox.hosts:
         out.append(Problem("env.sandbox.hosts", "repository tasks and rollout.harness: tools keep the episodes' workspaces on "

@@ -513,9 +513,13 @@ class RolloutSection(Section):
     finish) as `<tool_call>` JSON in the chat template, on the episode's workspace (solution.py, or the task's
     repository); the workspace is graded when the episode ends."""
     summarize_at: float | None = Field(default=None, gt=0, lt=1)
-    """Self-summarize when the context reaches this fraction of max_context; off when unset."""
+    """Compact the context when it reaches this fraction of max_context (as `compaction` says); off when unset."""
+    compaction: Literal["summarize", "drop_oldest"] = "summarize"
+    """At `summarize_at`: `summarize`: the policy summarizes its work and the context restarts from the task, the
+    summary and the latest observation (the summary is trained with the episode's reward); `drop_oldest`: the
+    oldest turns are dropped until the rest fits in half the trigger (a baseline to compare summaries with)."""
     max_summaries: int = Field(default=4, ge=0)
-    """Most summaries in one episode."""
+    """Most compactions (summaries or drops) in one episode."""
     kv_cache_gib: float = Field(default=1.0, gt=0)
     """KV-cache memory on each device of an engine (vLLM kv_cache_memory_bytes, per rank)."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -555,10 +559,21 @@ class RepoTaskSettings(Section):
         return value
 
 
+class RecallSettings(Section):
+    parts: int = Field(default=6, gt=0, le=100)
+    """Files of each task, one code each: all needed for the answer."""
+    filler_lines: int = Field(default=4, ge=0, le=400)
+    """Log lines around the code in each file (a file's tokens, and so how soon the context fills)."""
+
+
+TaskSetName = Literal["humaneval", "codeio", "rgym", "smoke", "repo", "recall"]
+
+
 class TaskSet(Section):
-    name: Literal["humaneval", "codeio", "rgym", "smoke", "repo"]
+    name: TaskSetName
     """Task family: HumanEval, CodeI/O, reasoning-gym problems answered by a program, the small learnable smoke
-    family, or repository tasks (`repo`)."""
+    family, repository tasks (`repo`), or the long-horizon `recall` family (codes spread over files, read one per
+    turn, all needed for the answer; needs rollout.harness: tools)."""
     weight: float = Field(default=1.0, gt=0)
     """Sampling weight among task sets."""
     limit: int | None = Field(default=None, gt=0)
@@ -568,13 +583,16 @@ class TaskSet(Section):
     never drawn for training."""
     repo: RepoTaskSettings | None = None
     """name: repo only: which repository tasks (built by `composer env build`); the defaults when unset."""
+    recall: RecallSettings | None = None
+    """name: recall only: the shape of its tasks; the defaults when unset."""
 
     @model_validator(mode="after")
-    def _repo_settings_for_repo_only(self) -> TaskSet:
-        if self.repo is not None and self.name != "repo":
-            raise ValueError(f"`repo` settings belong to the repo task set, not to {self.name}")
-        if self.name == "repo" and self.repo is None:
-            self.repo = RepoTaskSettings()
+    def _settings_of_their_own_set_only(self) -> TaskSet:
+        for name, kind in (("repo", RepoTaskSettings), ("recall", RecallSettings)):
+            if getattr(self, name) is not None and self.name != name:
+                raise ValueError(f"`{name}` settings belong to the {name} task set, not to {self.name}")
+            if self.name == name and getattr(self, name) is None:
+                setattr(self, name, kind())
         return self
 
 
@@ -647,7 +665,7 @@ class EnvSection(Section):
 
 
 class RLEvalSection(Section):
-    tasks: list[Literal["humaneval", "codeio", "rgym", "smoke", "repo"]] = Field(min_length=1)
+    tasks: list[TaskSetName] = Field(min_length=1)
     """Task sets to evaluate on: for a set in env.tasks, its held-out split (`held_out`); a set env.tasks does not
     name is held out whole."""
     limit: int | None = Field(default=None, gt=0)

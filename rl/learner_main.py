@@ -26,7 +26,7 @@ from rl.protocol import LearnerQueue, Policy, ReplayQueue, RLRunFiles, StepGroup
 from rl.trajectories import episode_stats
 from rollout.agent.trajectory import Trajectory
 from runtime.processes import die_with_parent
-from runtime.progress import TensorBoard
+from runtime.progress import Trackers
 from runtime.run_dir import MetricsWriter, RunDir, drop_records_after
 from sync.pusher import push_version
 from trainer.core import Every
@@ -140,7 +140,7 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
         drop_records_after(files.root / "metrics.jsonl", start)  # those steps are trained again
     dist.barrier()  # no rank may read step groups recorded before a crash
     metrics = MetricsWriter(files.root / "metrics.jsonl") if rank0 else None
-    board = TensorBoard(files.root / "tensorboard", start) if rank0 else None
+    board = Trackers(files.root, recipe.run.name, start) if rank0 else None
     save_due = Every(recipe.train.checkpoint_every, recipe.train.steps)
     unsaved: list[str] = []
     for step in range(start, recipe.train.steps):

@@ -82,7 +82,8 @@ def decode_group(data: bytes, source: str = "trajectory file") -> list[Trajector
 
 
 def episode_stats(trajectories: list[Trajectory], max_context: int) -> dict[str, float]:
-    """Self-summarization health (how often, how long, how far past the context, the reward with and without),
+    """Self-summarization health (how often, how long, how far past the context, the reward with and without; the
+    compaction error where tasks know their facts),
     tool use (calls per episode, the share that were errors), grader flags (`flag_<name>_rate`), infrastructure failures and canaries (passes are cheating alarms)."""
     summaries = [t.info["summaries"] for t in trajectories]
     lengths = [n for t in trajectories for n in t.info["summary_tokens"]]
@@ -92,6 +93,12 @@ def episode_stats(trajectories: list[Trajectory], max_context: int) -> dict[str,
     }
     if lengths:
         stats["summary_tokens_mean"] = sum(lengths) / len(lengths)
+    compactions = [t.info.get("compactions", t.info["summaries"]) for t in trajectories]
+    if any(compactions):
+        stats["compactions_per_episode"] = sum(compactions) / len(trajectories)
+    errors = [x for t in trajectories for x in t.info.get("compaction_errors", ())]
+    if errors:  # tasks that know their facts (recall): the share of facts still needed that a compaction dropped
+        stats["compaction_error_mean"] = sum(errors) / len(errors)
     for label, chosen in (("reward_with_summaries", [t for t in trajectories if t.info["summaries"]]),
                           ("reward_without_summaries", [t for t in trajectories if not t.info["summaries"]])):
         if chosen:

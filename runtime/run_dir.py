@@ -167,7 +167,7 @@ class RunDir:
         if resume and not self.root.is_dir():
             raise UserError(f"--resume: no run at {self.root}")
         self.logs.mkdir(parents=True, exist_ok=True)
-        self._hold()
+        self.hold()
         (self.logs / FAILURE_FILE).unlink(missing_ok=True)
         atomic_write_text(self.recipe_path, recipe_yaml)
 
@@ -175,7 +175,7 @@ class RunDir:
     def lock_path(self) -> Path:
         return self.root / ".lock"
 
-    def _hold(self) -> None:
+    def hold(self) -> None:
         """Take the run's lock for the life of this process (the kernel drops it when the process ends)."""
         if self._lock_fd is not None:
             return

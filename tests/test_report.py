@@ -90,3 +90,30 @@ def test_cli_prints_the_summary_and_errors_without_traceback(tmp_path):
     assert "episode_turns" in every.stdout and "more series" not in every.stdout
     failed = subprocess.run([*command, str(tmp_path / "nothing")], env=env, capture_output=True, text=True, timeout=60)
     assert failed.returncode == 2 and "no such run directory" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_plots_are_grouped_into_panels_headline_first(tmp_path):
+    from runtime.report import OTHER_PANEL, PANELS
+
+    write_run(tmp_path)
+    with MetricsWriter(tmp_path / "eval_metrics.jsonl") as evals:
+        for step in (0, 20, 40):
+            evals.write(step, **{"eval_smoke_greedy_pass@1": step / 80, "eval_smoke_greedy_pass@1_low": step / 100,
+                                 "eval_smoke_greedy_pass@1_high": step / 60})
+    page = render_report(tmp_path).html.read_text()
+    titles = [title for title, _ in PANELS] + [OTHER_PANEL]
+    shown = [t for t in titles if f"<h2>{t}</h2>" in page]
+    assert shown == ["Reward and held-out evaluation", "Loss and optimizer", "Throughput and step time", "MoE balance", OTHER_PANEL]
+    assert page.index('alt="eval"') < page.index('alt="loss"') < page.index('alt="moe"') < page.index('alt="episode_turns"')
+
+
+def test_compare_overlays_every_run_in_every_plot(tmp_path):
+    from runtime.report import render_comparison
+
+    for name in ("a", "b"):
+        write_run(tmp_path / "runs" / name)
+    report = render_comparison([tmp_path / "runs" / "a", tmp_path / "runs" / "b"], tmp_path / "both")
+    assert report.html == tmp_path / "both" / "report.html" and len(report.images) == 7
+    assert all(runs == ["a", "b"] for runs in report.plotted.values()) and set(report.plotted) == {p.stem for p in report.images}
+    page = report.html.read_text()
+    assert "<th>run</th>" in page and page.count("<td>loss</td>") == 2

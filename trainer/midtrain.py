@@ -32,7 +32,7 @@ from recipes.loader import load_recipe
 from recipes.schema import ARCHITECTURE_FIELDS, Recipe
 from runtime.prepared_data import PreparedData
 from runtime.processes import die_with_parent
-from runtime.progress import StepClock, TensorBoard
+from runtime.progress import StepClock, Trackers
 from runtime.run_dir import RunDir, drop_records_after
 from trainer.checkpointing import Checkpointer, check_layout
 from trainer.core import Every, TrainerCore, export_checkpoint
@@ -292,7 +292,7 @@ class Midtrainer:
             # a killed run's records past its checkpoint (all of them without one: step 0's evaluation is redone)
             drop_records_after(self.run_dir.metrics_path, first_step if first_step else -1)
         metrics = self.run_dir.metrics() if is_writer else None
-        board = TensorBoard(self.run_dir.root / "tensorboard", first_step) if is_writer else None
+        board = Trackers(self.run_dir.root, self.recipe.run.name, first_step) if is_writer else None
         eval_due, log_due, save_due = (Every(n, t.steps) for n in (t.eval_every, t.log_every, t.checkpoint_every))
         ddp = self.core.ddp
         try:

@@ -103,6 +103,8 @@ class FunctionWorkspace(Workspace):
         area.mkdir(parents=True, exist_ok=True)
         self.root = Path(tempfile.mkdtemp(prefix="solution-", dir=area))
         write_text(self.root, SOLUTION_FILE, task.continues if tools and defines(task.continues, task.entry_point) else "")
+        for path, text in task.files if tools else ():
+            write_text(self.root, path, text)
 
     def shell(self, command: str, timeout_s: float) -> CommandResult:
         return self._env.sandbox.local.run_command(command, self.root, timeout_s)

@@ -9,14 +9,24 @@ repository for a repo task) and earns the workspace's grade when it ends. The re
   finish) in the chat template's tool-call form; their results are tool messages of the template. The episode ends at
   finish, at the turn limit or when the context is full; the workspace as it is then is graded.
 
-Observations are tokens the learner does not train on. Self-summarization: when the context reaches
-`summarize_at * max_context` at a turn boundary, the policy is asked to summarize its work; the context restarts as
-[task, summary, latest observation] in a new segment. The summary is generated (and trained) in the segment that ends
-with it, under the episode's reward.
+Observations are tokens the learner does not train on. Compaction: when the context reaches
+`summarize_at * max_context` at a turn boundary (or one more turn would leave no room to summarize), the context is
+compacted into a new segment, as `rollout.compaction` says:
+
+- `summarize` (self-summarization): the policy is asked to summarize its work (SUMMARY_REQUEST) and the context
+  restarts as [task, SUMMARY_HEADER + summary, latest observation]. The summary is generated (loss mask on) in the
+  segment that ends with it, and every segment of an episode is trained with the episode's advantage: the reward
+  reaches the summary tokens, so RL trains what the summaries keep.
+- `drop_oldest`: the context restarts as [task, DROPPED_NOTE, the newest turns that fit in half the trigger].
+
+For a task that knows the facts an episode needs (`Task.facts`), each compaction records its compaction error: of the
+facts the old context held that the compaction had to carry (those not in the latest observation, which both kinds
+show again), the share the new context lacks.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -36,6 +46,7 @@ SUMMARY_REQUEST = "\n\n[The context is nearly full. Summarize the task, what you
 SUMMARY_HEADER = "\n\n[Summary of your earlier work]\n"
 OBSERVATION_HEADER = "\n\n[Test results]\n"
 NEXT_TURN = "\n\n[Fix the code and reply with the complete solution.]\n"
+DROPPED_NOTE = "\n\n[Earlier turns were dropped to fit the context.]\n"
 
 
 @dataclass
@@ -44,6 +55,8 @@ class _SegmentBuilder:
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     routes: np.ndarray | None = None
+    turn_starts: list[int] = field(default_factory=list)
+    """Where each turn (a reply, then what it was shown) begins in `tokens`."""
 
     def observe(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -87,6 +100,8 @@ class _Episode:
     turns: int = 0
     summaries: int = 0
     summary_tokens: list[int] = field(default_factory=list)
+    compactions: int = 0
+    compaction_errors: list[float] = field(default_factory=list)
     tool_calls: int = 0
     tool_errors: int = 0
     done: bool = False
@@ -127,6 +142,7 @@ class EpisodeRunner:
         self._next_turn = tokenizer.encode(NEXT_TURN)
         self._summary_request = tokenizer.encode(SUMMARY_REQUEST)
         self._summary_header = tokenizer.encode(SUMMARY_HEADER)
+        self._dropped_note = tokenizer.encode(DROPPED_NOTE)
         self._message_overhead = self._tool_message_overhead() if self.tools else 0
         # Sandbox work of a turn (grading, tools) runs for all of a batch's episodes at once, as many as the fleet runs.
         self._graders = ThreadPoolExecutor(max_workers=env.sandbox.max_concurrent, thread_name_prefix="grade")
@@ -135,15 +151,16 @@ class EpisodeRunner:
         return self.run_tasks([task], group_id, group_size, policy_version, seed)[0]
 
     def run_tasks(self, tasks: list[Task], group_id: str, group_size: int, policy_version: int, seed: int,
-                  temperature: float | None = None) -> list[list[Trajectory]]:
+                  temperature: float | None = None, task_numbers: list[int] | None = None) -> list[list[Trajectory]]:
         """`group_size` episodes of each task, all in lock-step (one engine call per turn); `temperature`
-        overrides the recipe's (held-out evaluation samples greedily with 0)."""
+        overrides the recipe's (held-out evaluation samples greedily with 0). Episodes are seeded by `seed` and the
+        number of their task (`task_numbers`, default 0, 1, ...: a task keeps its seeds in any batch)."""
         episodes: list[_Episode] = []
-        for t, task in enumerate(tasks):
+        for t, task in zip(task_numbers or range(len(tasks)), tasks):
             prompt_ids = self.chat.prompt(self.env.task_prompt(task, tools=self.tools))
             if len(prompt_ids) + self.cfg.sampling.max_tokens > self.cfg.max_context:
                 raise ValueError(f"task {task.id}: prompt of {len(prompt_ids)} tokens leaves no room in max_context={self.cfg.max_context}")
-            prefix = group_id if len(tasks) == 1 else f"{group_id}-{t}"
+            prefix = group_id if len(tasks) == 1 and task_numbers is None else f"{group_id}-{t}"
             for i in range(group_size):
                 episodes.append(_Episode(f"{prefix}-{i}", seed * 1000 + t * group_size + i, prompt_ids, [_SegmentBuilder()], task))
         opened = [self._graders.submit(self.env.open_workspace, e.task, self.tools) for e in episodes]
@@ -171,6 +188,8 @@ class EpisodeRunner:
             )
             turns = []
             for episode, [completion] in zip(active, completions):
+                if not episode.summarizing:
+                    episode.current.turn_starts.append(len(episode.current.tokens))
                 episode.current.act(completion)
                 if episode.summarizing:
                     self._restart_from_summary(episode, completion)
@@ -217,8 +236,10 @@ class EpisodeRunner:
         e.last_observation = observation
         e.current.observe(closing + observation)
         if self._needs_summary(e):
-            if e.summaries >= self.cfg.max_summaries:
+            if e.compactions >= self.cfg.max_summaries:
                 return self._end(e, "max_summaries")
+            if self.cfg.compaction == "drop_oldest":
+                return self._drop_oldest(e)
             e.current.observe(self._summary_request)
             e.summarizing = True
         if len(e.current.tokens) + self.cfg.sampling.max_tokens > self.cfg.max_context:
@@ -251,9 +272,39 @@ class EpisodeRunner:
         fresh = _SegmentBuilder()
         closing = self.chat.after_reply(summary.token_ids, [])[0] if self.tools else []
         fresh.observe(e.prompt_ids + self._summary_header + summary.token_ids + closing + e.last_observation)
-        e.segments.append(fresh)
+        self._compacted(e, e.current.tokens[: len(e.current.tokens) - len(summary.token_ids)], fresh)
         if len(fresh.tokens) + self.cfg.sampling.max_tokens > self.cfg.max_context:
             self._end(e, "summary_too_long")
+
+    def _drop_oldest(self, e: _Episode) -> None:
+        """Restart from the task and the newest turns that fit in half the trigger (at least the latest observation)."""
+        old, head = e.current, e.prompt_ids + self._dropped_note
+        budget = self.cfg.summarize_at * self.cfg.max_context / 2
+        start = next((s for s in old.turn_starts if len(head) + len(old.tokens) - s <= budget), None)
+        fresh = _SegmentBuilder()
+        if start is None:
+            fresh.observe(head + e.last_observation)
+        else:
+            fresh.observe(head + old.tokens[start:])
+            fresh.turn_starts = [len(head) + s - start for s in old.turn_starts if s >= start]
+        self._compacted(e, old.tokens, fresh)
+        if len(fresh.tokens) + self.cfg.sampling.max_tokens > self.cfg.max_context:
+            self._end(e, "context_full")
+
+    def _compacted(self, e: _Episode, old_tokens: list[int], fresh: _SegmentBuilder) -> None:
+        """`fresh` continues the episode; its compaction error is recorded when the task knows its facts."""
+        e.segments.append(fresh)
+        e.compactions += 1
+        if not e.task.facts:
+            return
+        to_carry = self._facts_in(e.task, old_tokens) - self._facts_in(e.task, e.last_observation)
+        if to_carry:
+            kept = self._facts_in(e.task, fresh.tokens) & to_carry
+            e.compaction_errors.append(1 - len(kept) / len(to_carry))
+
+    def _facts_in(self, task: Task, tokens: list[int]) -> set[str]:
+        text = self.tok.decode(tokens)
+        return {f for f in task.facts if re.search(rf"(?<![0-9A-Za-z]){re.escape(f)}(?![0-9A-Za-z])", text)}
 
     @staticmethod
     def _end(e: _Episode, reason: str) -> None:
@@ -274,6 +325,8 @@ class EpisodeRunner:
                 "turns": e.turns,
                 "summaries": e.summaries,
                 "summary_tokens": e.summary_tokens,
+                "compactions": e.compactions,
+                "compaction_errors": e.compaction_errors,
                 "tool_calls": e.tool_calls,
                 "tool_errors": e.tool_errors,
                 "tests_passed": result.passed if result else 0,

@@ -60,7 +60,7 @@ def defines(code: str, name: str) -> bool:
 @dataclass(frozen=True)
 class Task:
     id: str
-    family: Literal["humaneval", "codeio", "rgym", "smoke", "repo"]
+    family: Literal["humaneval", "codeio", "rgym", "smoke", "repo", "recall"]
     prompt: str
     """What the model sees."""
     entry_point: str
@@ -80,6 +80,11 @@ class Task:
     language: Literal["python"] = "python"
     canary: bool = False
     """Tests that contradict the statement: no honest program scores on it (see `canary_of`)."""
+    files: tuple[tuple[str, str], ...] = ()
+    """(path, text) of the files a tools episode's workspace starts with besides solution.py (data to read)."""
+    facts: tuple[str, ...] = ()
+    """What an episode must keep in its context to succeed (the `recall` family's codes): each compaction of the
+    context is checked for them (rollout.agent.loop: compaction error)."""
 
     def program(self, completion: str) -> str:
         """The program the sandbox tests for this completion."""

@@ -18,6 +18,7 @@ from rollout.tasks.functions import (
     TaskSource,
     canary_of,
 )
+from rollout.tasks.recall import RecallSource
 from rollout.tasks.repository import load_tasks, repo_tests
 
 
@@ -51,7 +52,9 @@ def build_task_source(task_set: TaskSet) -> TaskSource:
         return SmokeSource()
     if name == "repo":
         return RepoSource(task_set)
-    raise UserError(f"env.tasks: unknown task set {name!r} (humaneval, codeio, rgym, smoke, repo)")
+    if name == "recall":
+        return RecallSource(task_set.recall)
+    raise UserError(f"env.tasks: unknown task set {name!r} (humaneval, codeio, rgym, smoke, repo, recall)")
 
 
 def held_out_split(task_set: TaskSet, size: int) -> tuple[list[int], list[int]]:

@@ -1,0 +1,152 @@
+"""The long-horizon `recall` family through the real agent loop, tools harness and sandbox, with scripted agents in
+place of the policy: an agent whose summaries keep the codes it read succeeds with compaction error 0, one whose
+summaries drop them fails with error 1; dropping the oldest turns loses codes; a context large enough needs no
+compaction. And the reward reaches the summary tokens: they are trained (loss mask) with the episode's advantage."""
+
+import re
+
+import numpy as np
+import pytest
+
+from recipes.schema import EnvSection, RecallSettings, RolloutSection, RLSection, SamplingSection, TaskSet
+from rollout.agent.trajectory import Trajectory
+from rollout.engines.vllm_engine import Completion, Engine
+
+PARTS = 6
+CONTEXT = 1536
+
+
+class ScriptedAgent(Engine):
+    """Plays a recall task from what its context shows: reads the next part, writes the codes it can see at the end,
+    and when asked to summarize writes where it is, with the codes (`keeps_codes`) or without them."""
+
+    def __init__(self, tokenizer, keeps_codes: bool):
+        self.tok, self.keeps_codes = tokenizer, keeps_codes
+        self.summaries: list[str] = []
+
+    def generate(self, prompts, n=1, seeds=None, max_tokens=None, temperature=None):
+        return [[self._reply(prompt)] for prompt in prompts]
+
+    def _reply(self, prompt: list[int]) -> Completion:
+        from rollout.agent.loop import SUMMARY_REQUEST
+
+        context = self.tok.decode(prompt)
+        codes = dict(re.findall(r"CODE of part (\d+): (\d+)", context)) | dict(re.findall(r"part (\d+) = (\d+)", context))
+        read = max([int(k) for k in codes] + [int(k) for k in re.findall(r"read up to part (\d+)", context)], default=0)
+        if context.endswith(SUMMARY_REQUEST):
+            text = f"I read up to part {read}." + (" Codes: " + ", ".join(f"part {k} = {v}" for k, v in sorted(codes.items())) if self.keeps_codes else "")
+            self.summaries.append(text)
+        elif read < PARTS:
+            text = f'<tool_call>{{"name": "read_file", "arguments": {{"path": "notes/part_{read + 1}.txt"}}}}</tool_call>'
+        else:
+            answer = [int(codes.get(str(k), 0)) for k in range(1, PARTS + 1)]
+            program = f"def answer():\n    return {answer}\n".replace("\n", "\\n")
+            text = (f'<tool_call>{{"name": "write_file", "arguments": {{"path": "solution.py", "content": "{program}"}}}}</tool_call>'
+                    '<tool_call>{"name": "finish", "arguments": {}}</tool_call>')
+        ids = self.tok.encode(text)
+        return Completion(list(prompt), ids, [-0.5] * len(ids), None, "stop")
+
+    def load_weights(self, weights_dir):
+        raise NotImplementedError
+
+    def update_weights(self, weights_dir, changed, pieces):
+        raise NotImplementedError
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    from rollout.agent.environment import CodingEnvironment
+    from rollout.agent.harness import Tokenizer
+    from trainer.checkpoint_init import train_tokenizer
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(4096, 2**20).save_pretrained(directory)
+    env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="recall", recall=RecallSettings(parts=PARTS))]), seed=0,
+                            sandbox_root=tmp_path_factory.mktemp("sandbox"))
+    yield Tokenizer(str(directory)), env
+    env.close()
+
+
+def play(parts, keeps_codes: bool, **rollout) -> tuple[Trajectory, ScriptedAgent]:
+    from rollout.agent.loop import EpisodeRunner
+
+    tok, env = parts
+    settings = {"harness": "tools", "max_context": CONTEXT, "max_turns": 3 * PARTS, "summarize_at": 0.5, "max_summaries": 10,
+                "sampling": SamplingSection(max_tokens=160), **rollout}
+    agent = ScriptedAgent(tok, keeps_codes)
+    runner = EpisodeRunner(agent, tok, env, RolloutSection(**settings))
+    [[trajectory]] = runner.run_tasks([env.pool.task(0, 0)], "g", 1, 0, seed=0)
+    return trajectory, agent
+
+
+def test_summaries_that_keep_the_codes_succeed_and_lose_nothing(parts):
+    t, agent = play(parts, keeps_codes=True)
+    assert t.info["end_reason"] == "finished" and t.reward == 1.0 and t.info["tests_passed"] == PARTS + 1
+    assert t.info["summaries"] >= 2 and t.num_tokens > CONTEXT  # the episode needs more than its context
+    assert all(len(s.token_ids) <= CONTEXT for s in t.segments)
+    assert t.info["compaction_errors"] and set(t.info["compaction_errors"]) == {0.0}
+
+
+def test_summaries_that_drop_the_codes_fail_with_compaction_error_1(parts):
+    from rl.trajectories import episode_stats
+
+    t, _ = play(parts, keeps_codes=False)
+    assert t.info["end_reason"] == "finished" and t.reward < 0.5 and t.info["summaries"] >= 2
+    assert t.info["compaction_errors"] and set(t.info["compaction_errors"]) == {1.0}
+    kept, _ = play(parts, keeps_codes=True)
+    stats = episode_stats([kept, t], CONTEXT)
+    assert stats["compaction_error_mean"] == pytest.approx(np.mean(kept.info["compaction_errors"] + t.info["compaction_errors"]))
+    assert stats["compactions_per_episode"] == (kept.info["compactions"] + t.info["compactions"]) / 2
+
+
+def test_dropping_the_oldest_turns_loses_codes_and_a_large_context_needs_no_compaction(parts):
+    from rollout.agent.loop import DROPPED_NOTE
+
+    tok, _ = parts
+    dropped, agent = play(parts, keeps_codes=True, compaction="drop_oldest")
+    assert agent.summaries == [] and dropped.info["summaries"] == 0 and dropped.info["compactions"] >= 2
+    assert dropped.reward < 1.0 and max(dropped.info["compaction_errors"]) > 0
+    for segment in dropped.segments[1:]:
+        assert DROPPED_NOTE in tok.decode(segment.token_ids.tolist()) and len(segment.token_ids) <= CONTEXT
+    whole, _ = play(parts, keeps_codes=False, max_context=8192, summarize_at=None)
+    assert whole.reward == 1.0 and whole.info["compactions"] == 0 and len(whole.segments) == 1
+
+
+def test_the_episode_reward_reaches_the_summary_tokens(parts):
+    """The summary is generated in the segment it ends (loss mask on, the request before it off) and restarts the
+    next; the learner's loss gives every segment its episode's advantage: the summaries that kept the codes are
+    pushed up, those that dropped them down, and no observation token gets a gradient."""
+    import torch
+
+    from rl.learner_main import learner_sequences
+    from rollout.agent.loop import SUMMARY_HEADER, SUMMARY_REQUEST
+    from trainer.rl_learner import _aligned
+    from trainer.rl_objective import policy_gradient_loss
+
+    tok, _ = parts
+    request, header = tok.encode(SUMMARY_REQUEST), tok.encode(SUMMARY_HEADER)
+    played = [play(parts, keeps_codes=True), play(parts, keeps_codes=False)]
+    summary_spans = []  # (trajectory, segment, first summary token, end)
+    for n, (t, agent) in enumerate(played):
+        assert len(agent.summaries) == t.info["summaries"] == len(t.segments) - 1
+        for i, summary in enumerate(agent.summaries):
+            ids, mask = t.segments[i].token_ids.tolist(), t.segments[i].loss_mask
+            start = len(ids) - int(np.argmin(mask[::-1]))  # where the trained tail begins
+            assert tok.decode(ids[start:]) == summary and mask[start:].all()
+            assert ids[start - len(request): start] == request and not mask[start - len(request): start].any()
+            restart, shown = t.segments[i + 1].token_ids.tolist(), header + ids[start:]
+            assert any(restart[j: j + len(shown)] == shown for j in range(len(restart)))  # the next segment starts from it
+            summary_spans.append((n, i, start, len(ids)))
+    (good, _), (bad, _) = played
+    sequences = learner_sequences([[good, bad]], RLSection(advantage="group_mean"), step=0)
+    gap = (good.reward - bad.reward) / 2
+    assert gap > 0 and [s.advantage for s in sequences] == pytest.approx([gap] * len(good.segments) + [-gap] * len(bad.segments))
+    rollout, mask = _aligned(sequences, max(len(s.tokens) for s in sequences))
+    logprobs = rollout.clone().requires_grad_(True)
+    loss, _ = policy_gradient_loss(logprobs, rollout, torch.tensor([s.advantage for s in sequences]), mask, RLSection(), 1.0)
+    loss.backward()
+    assert (logprobs.grad[~mask] == 0).all()
+    for n, i, start, end in summary_spans:
+        row = i if n == 0 else len(good.segments) + i
+        pushed = -logprobs.grad[row, start - 1: end - 1]  # entry t predicts token t + 1
+        assert ((pushed > 0) if n == 0 else (pushed < 0)).all()
