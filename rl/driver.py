@@ -26,6 +26,7 @@ from rl.rollout_hosts import LocalHost, open_hosts
 from rl.rollout_worker import RolloutWorker
 from sync.pusher import push_version
 from trainer.kernels import check_kernels_installed
+from trainer.weights import check_checkpoint_before_launch
 
 UNHONOURED = {
     "parallelism.pp": "the RL learner's step does not run the pipeline schedule (trainer.pipeline) yet",
@@ -54,6 +55,7 @@ def check_rl_recipe(recipe: Recipe) -> None:
         raise UserError("train rl: model.checkpoint must name the HF checkpoint the policy starts from")
     refuse_unhonoured(recipe, "train rl", UNHONOURED)
     check_kernels_installed(recipe.model.kernels)
+    check_checkpoint_before_launch(recipe.model)
 
 
 def check_replay(recipe: Recipe, source: Path) -> None:

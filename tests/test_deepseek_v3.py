@@ -234,13 +234,14 @@ def test_layouts_and_shapes_the_provider_cannot_build_are_refused(checkpoint, me
     for key, value, message in (
         ("rope_interleave", False, "rope_interleave"),
         ("scoring_func", "softmax", "scoring_func"),
-        ("num_nextn_predict_layers", 1, "multi-token prediction"),
+        ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "attention_factor": 1.2},
+         "attention_factor"),
     ):
         (changed / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(UserError, match=f"unsupported setting\\(s\\) for the Megatron provider: .*{message}"):
             model_section_from_hf(changed)
     (changed / "config.json").write_text(json.dumps({**config, "kv_lora_rank": 256}))
-    with pytest.raises(UserError, match="vLLM cannot serve on CPU: kv_lora_rank=256 \\(needs 512\\)"):
+    with pytest.raises(UserError, match="vLLM cannot serve .* on CPU: .*kv_lora_rank=256 \\(needs 512\\)"):
         attention_backend(changed, "float32")
     assert attention_backend(checkpoint, "float32") == "CPU_MLA" and attention_backend(checkpoint, "bfloat16") is None
 

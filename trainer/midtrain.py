@@ -40,6 +40,7 @@ from trainer.launch import record_rank_error, redirect_rank_output
 from trainer.model import causal_mask
 from trainer.optimizer import TrainOptimizer
 from trainer.pipeline import forward_backward
+from trainer.weights import check_checkpoint_before_launch
 from trainer.progress import StepClock, TensorBoard
 
 MODULE = __spec__.name
@@ -60,6 +61,7 @@ def check_midtrain_recipe(recipe: Recipe) -> None:
     check_kernels_installed(recipe.model.kernels)
     if recipe.data is None:
         raise UserError("train midtrain: the recipe has no data section; add data.sources and data.seq_length")
+    check_checkpoint_before_launch(recipe.model)
 
 
 RESUME_FIXED = ("data.sources", "data.tokenizer", "data.seq_length", "data.split", "train.steps", "train.global_batch_size", "train.eval_batches", "train.seed")
