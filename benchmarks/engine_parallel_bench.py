@@ -43,7 +43,7 @@ def smoke_checkpoint(work: Path) -> tuple[Path, ModelSection]:
 
 def smollm2_checkpoint(work: Path) -> tuple[Path, ModelSection]:
     from trainer.checkpoint_init import import_smollm2
-    from trainer.model import model_section_from_hf
+    from trainer.hf_config import model_section_from_hf
 
     out = import_smollm2(work / "smollm2", "float32")
     return out, model_section_from_hf(out)

@@ -29,8 +29,9 @@ from rollout.agent.trajectory import Segment, Trajectory
 from rollout.engines.vllm_engine import EmbeddedEngine
 from trainer.checkpoint_init import init_hf_checkpoint
 from trainer.distributed import init_distributed, shutdown_distributed
+from trainer.hf_config import model_section_from_hf
 from trainer.logprobs import pad_micro_batch
-from trainer.model import build_model, model_section_from_hf
+from trainer.model import build_model
 from trainer.router_replay import replay_metrics
 from trainer.weights import load_hf_into
 

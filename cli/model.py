@@ -59,13 +59,17 @@ def _bytes(n: float) -> str:
 
 
 @app.command()
-def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (only its config.json is read).")) -> None:
-    """Architecture and size of an HF checkpoint from its config.json alone (no weights are loaded): check a download."""
+def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (its config.json and safetensors headers are read, no weights).")) -> None:
+    """Architecture, size and stored format of an HF checkpoint, and whether composer can train it and vLLM serve it
+    (and why not), without loading weights: check a download."""
     from recipes.sizes import parameter_counts
-    from trainer.model import model_section_from_hf
+    from rollout.engines.vllm_engine import cpu_serving_problems
+    from trainer.hf_config import language_config, model_section_from_hf, parse_quantization, read_hf_config
 
     unbuilt: list[str] = []
     m = model_section_from_hf(checkpoint, unbuilt=unbuilt)
+    config = read_hf_config(checkpoint)
+    language = language_config(config, checkpoint / "config.json")
     total, active = parameter_counts(m)
     if m.family == "deepseek_v3":
         q = f"q_lora_rank {m.q_lora_rank}" if m.q_lora_rank else "full-rank queries"
@@ -73,6 +77,10 @@ def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (o
                      f"head dims nope {m.qk_nope_head_dim} + rope {m.qk_rope_head_dim}, v {m.v_head_dim}")
     else:
         attention = f"grouped-query attention: {m.num_attention_heads} heads, {m.num_kv_heads} KV heads, head dim {m.head_dim}"
+    rope = f"theta {m.rope_theta:g}"
+    if m.yarn:
+        rope += (f", YaRN x{m.yarn.factor:g} from {m.yarn.original_max_position_embeddings} (beta {m.yarn.beta_fast:g}/{m.yarn.beta_slow:g}, "
+                 f"mscale {m.yarn.mscale:g}/{m.yarn.mscale_all_dim:g})")
     if m.is_moe:
         dense = f", first {m.first_k_dense} dense" if m.first_k_dense else ""
         shared = f" + {m.num_shared_experts} shared" if m.num_shared_experts else ""
@@ -80,14 +88,29 @@ def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (o
         experts = f"{m.num_experts} routed top-{m.moe_top_k}{shared}{groups} ({len(m.moe_layers)} MoE layers{dense})"
     else:
         experts = "none (dense)"
+    try:
+        quantization = parse_quantization(config, checkpoint / "config.json")
+        stored = quantization.describe() if quantization else f"dense ({language.get('dtype') or language.get('torch_dtype') or 'dtype unstated'})"
+    except UserError as e:
+        stored = f"unreadable by composer: {str(e).split(': ', 1)[-1]}"
+    carried = []
+    if m.num_mtp_layers:
+        carried.append(f"{m.num_mtp_layers} multi-token-prediction layer(s) (model.mtp: carry copies them into every export; not trained)")
+    if language is not config:
+        carried.append(f"{config['model_type']} wrapper: the language model is trained, everything else (vision tower, projector) carried bit-exactly")
+    cpu = cpu_serving_problems(config)
     rows = [
-        ("family", m.family),
+        ("family", f"{m.family} (model_type {config['model_type']})"),
         ("layers", f"{m.num_layers}, hidden {m.hidden_size}, vocab {m.vocab_size}, context {m.max_position_embeddings}"),
         ("attention", attention),
+        ("rope", rope),
         ("experts", experts),
         ("parameters", f"{_billions(total)} total, {_billions(active)} active per token"),
-        ("weights", f"{_bytes(2 * total)} in bf16, {_bytes(total)} in fp8 (without scales)"),
-        ("training", f"not built by composer's provider: {', '.join(unbuilt)}" if unbuilt else "composer's provider builds it"),
+        ("weights", f"{_bytes(2 * total)} in bf16, {_bytes(total)} in fp8 (without scales); stored: {stored}"),
+        *(("carried", line) for line in carried),
+        ("training", f"no: not built by composer's provider: {', '.join(unbuilt)}" if unbuilt else "yes: composer's provider builds it"),
+        ("serving", "vLLM on GPUs: its DeepseekV3 / Qwen3-MoE / Llama models, fp8 blocks and compressed-tensors INT4 included; "
+                    + (f"vLLM on this CPU: no: {'; '.join(cpu)}" if cpu else "vLLM on this CPU: yes")),
     ]
     for key, value in rows:
         console.print(f"[bold]{key:<11}[/] {escape(value)}", highlight=False)

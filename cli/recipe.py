@@ -24,11 +24,13 @@ def validate(
     files: list[Path] = typer.Argument(..., help="Recipe files."),
     overrides: list[str] = SetOption,
 ) -> None:
-    """Check recipes against the schema and the cross-field rules; report every problem at once."""
+    """Check recipes against the schema and the cross-field rules, and a model.checkpoint this machine can read against
+    the recipe (its config.json and tensor files); report every problem at once."""
     failed = 0
     for file in files:
         try:
             recipe = load_recipe(file, overrides)
+            _check_checkpoint(recipe)
         except UserError as e:
             failed += 1
             console.print(f"[red]✗[/] {escape(str(e))}", highlight=False)
@@ -37,6 +39,14 @@ def validate(
         console.print(f"[green]✓[/] {escape(str(file))} [dim]({kind}, world size {recipe.cluster.world_size})[/]", highlight=False)
     if failed:
         raise UserError(f"{failed} of {len(files)} recipe(s) invalid")
+
+
+def _check_checkpoint(recipe: Recipe) -> None:
+    checkpoint = recipe.model.checkpoint
+    if checkpoint and (Path(checkpoint) / "config.json").is_file():
+        from trainer.weights import check_checkpoint_before_launch  # torch: only when there is a checkpoint to read
+
+        check_checkpoint_before_launch(recipe.model)
 
 
 @app.command()

@@ -59,7 +59,8 @@ def model_problems(m: ModelSection) -> list[Problem]:
 
 
 _DEEPSEEK_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense",
-                  "moe_router_groups", "moe_router_group_top_k", "routed_scaling_factor", "moe_router_bias_update_rate")
+                  "moe_router_groups", "moe_router_group_top_k", "routed_scaling_factor", "moe_router_bias_update_rate",
+                  "yarn", "num_mtp_layers")
 
 
 def _no_deepseek_keys(m: ModelSection) -> list[Problem]:
@@ -104,6 +105,11 @@ def _deepseek_v3_problems(m: ModelSection) -> list[Problem]:
         out.append(Problem("model.moe_router_group_top_k", f"must be model.moe_top_k / 2 = {m.moe_top_k / 2:g} with group-limited routing (groups are scored by their two best experts), got {picked}"))
     if groups > 1 and m.num_experts // groups < 2:
         out.append(Problem("model.moe_router_groups", f"each group needs at least 2 experts; {m.num_experts} experts in {groups} groups"))
+    if m.num_mtp_layers and m.mtp == "carry" and not m.checkpoint:
+        out.append(Problem("model.mtp", "`carry` copies the multi-token-prediction layers from model.checkpoint, which is unset; "
+                                        "set it, or mtp: drop (or num_mtp_layers: 0)"))
+    if m.yarn and m.yarn.mscale != 1 and not m.yarn.mscale_all_dim:
+        out.append(Problem("model.yarn.mscale", f"{m.yarn.mscale} acts only with model.yarn.mscale_all_dim (as in HF); set mscale: 1 or mscale_all_dim"))
     return out
 
 
@@ -372,8 +378,8 @@ def _spanning_problems(rollout: RolloutSection, devices: RolloutDevicesSection, 
         out.append(Problem("rollout.hosts", f"{len(rollout.hosts)} hosts do not split into engines of {nodes} hosts each "
                                             f"(tp x pp x dp = {p.devices} devices, {per_host} {unit} per host)"))
     if learner_devices:
-        out.append(Problem("rollout.share_learner_devices", f"an engine over whole hosts leaves no devices for the learner's ranks on "
-                                                            f"its hosts; keep training hosts out of rollout.hosts or set it to true"))
+        out.append(Problem("rollout.share_learner_devices", "an engine over whole hosts leaves no devices for the learner's ranks on "
+                                                            "its hosts; keep training hosts out of rollout.hosts or set it to true"))
     return out
 
 

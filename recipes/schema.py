@@ -56,6 +56,23 @@ class KernelsSection(Section):
     `local` Megatron's unfused DotProductAttention; `auto` takes sdpa."""
 
 
+class YarnSection(Section):
+    """YaRN RoPE scaling, as HF `rope_scaling: {type: yarn, ...}` gives it (DeepSeek-V3, Kimi-K2)."""
+
+    factor: float = Field(ge=1)
+    """Context extension factor [factor]."""
+    original_max_position_embeddings: int = Field(gt=0)
+    """Context length of pre-training, where interpolation starts [original_max_position_embeddings]."""
+    beta_fast: float = Field(default=32.0, gt=0)
+    """Rotations above which a RoPE channel is extrapolated [beta_fast]."""
+    beta_slow: float = Field(default=1.0, gt=0)
+    """Rotations below which a RoPE channel is interpolated [beta_slow]."""
+    mscale: float = Field(default=1.0, gt=0)
+    """Attention temperature numerator of the RoPE cos/sin [mscale]."""
+    mscale_all_dim: float = Field(default=0.0, ge=0)
+    """Attention temperature denominator, also squared into MLA's softmax scale [mscale_all_dim]; 0: none."""
+
+
 class ModelSection(Section):
     family: Literal["qwen3_moe", "llama", "deepseek_v3"] = "qwen3_moe"
     """Architecture family: `qwen3_moe` (MoE, QK-norm), `llama` (dense) or `deepseek_v3` (DeepSeek-V3 / Kimi-K2:
@@ -94,6 +111,8 @@ class ModelSection(Section):
     """Longest sequence the positional encoding supports."""
     rope_theta: float = Field(default=1_000_000.0, gt=0)
     """RoPE base frequency."""
+    yarn: YarnSection | None = None
+    """YaRN RoPE scaling (deepseek_v3: published DeepSeek-V3 and Kimi-K2 configs use it); plain RoPE when unset."""
     rms_norm_eps: float = Field(default=1e-6, gt=0)
     """RMSNorm epsilon."""
     tie_word_embeddings: bool = False
@@ -122,6 +141,11 @@ class ModelSection(Section):
     """Factor on the routed experts' gate weights [routed_scaling_factor]."""
     moe_router_bias_update_rate: float = Field(default=1e-3, ge=0)
     """deepseek_v3 training: step of the aux-loss-free expert-bias update per optimizer step (Megatron's rule)."""
+    num_mtp_layers: int = Field(default=0, ge=0)
+    """deepseek_v3: multi-token-prediction modules stored after the last layer [num_nextn_predict_layers]."""
+    mtp: Literal["carry", "drop"] = "carry"
+    """The checkpoint's multi-token-prediction layers, which are not trained: `carry` copies them bit-exactly from
+    model.checkpoint into every export, `drop` leaves them out (the export says num_nextn_predict_layers 0)."""
     kernels: KernelsSection = Field(default_factory=KernelsSection)
     """Compute kernels of experts and attention (the same function either way; the choice is logged at build)."""
 
@@ -140,6 +164,7 @@ ARCHITECTURE_FIELDS = (
     "num_experts", "moe_top_k", "moe_ffn_hidden_size", "num_shared_experts", "norm_topk_prob", "vocab_size",
     "rope_theta", "rms_norm_eps", "tie_word_embeddings", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "first_k_dense", "moe_router_groups", "moe_router_group_top_k", "routed_scaling_factor",
+    "yarn", "num_mtp_layers",
 )
 """ModelSection fields that change the function the model computes; the rest are training settings."""
 

@@ -37,6 +37,7 @@ from runtime.processes import output_to_log
 from runtime.run_dir import RunDir
 from sync.pusher import push_version
 from trainer.kernels import check_kernels_installed
+from trainer.weights import check_checkpoint_before_launch
 
 UNHONOURED = {
     "parallelism.pp": "the RL learner's step does not run the pipeline schedule (trainer.pipeline) yet",
@@ -65,6 +66,7 @@ def check_rl_recipe(recipe: Recipe) -> None:
         raise UserError("train rl: model.checkpoint must name the HF checkpoint the policy starts from")
     refuse_unhonoured(recipe, "train rl", UNHONOURED)
     check_kernels_installed(recipe.model.kernels)
+    check_checkpoint_before_launch(recipe.model)
     plan_fleet(recipe)  # engines that cannot fit their hosts stop the run here, before anything starts
 
 

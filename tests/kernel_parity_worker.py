@@ -14,8 +14,9 @@ import torch
 
 from recipes.schema import KernelsSection, ParallelismSection
 from trainer.distributed import init_distributed, shutdown_distributed
+from trainer.hf_config import model_section_from_hf
 from trainer.logprobs import pad_micro_batch, token_logprobs
-from trainer.model import build_model, model_section_from_hf
+from trainer.model import build_model
 from trainer.router_replay import replay_for_micro_batch, routing
 from trainer.weights import load_hf_into
 

@@ -13,7 +13,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 from recipes.schema import ParallelismSection
 from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.model import build_model, causal_mask, forward_logits, model_section_from_hf
+from trainer.hf_config import model_section_from_hf
+from trainer.model import build_model, causal_mask, forward_logits
 from trainer.weights import export_hf, iter_hf_tensors, load_hf_into
 
 # name -> (parallel sizes, MoE token dispatcher)

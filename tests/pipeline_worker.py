@@ -14,7 +14,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 from recipes.schema import ParallelismSection
 from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.model import build_model, model_section_from_hf
+from trainer.hf_config import model_section_from_hf
+from trainer.model import build_model
 from trainer.pipeline import forward_backward
 from trainer.weights import export_hf, iter_hf_tensors, load_hf_into
 

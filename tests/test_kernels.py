@@ -23,8 +23,9 @@ from tests.conftest import run_ranks
 from tests.kernel_parity_worker import kernel_parity
 from trainer.checkpoint_init import init_hf_checkpoint
 from trainer.distributed import init_distributed, shutdown_distributed
+from trainer.hf_config import model_section_from_hf
 from trainer.kernels import check_kernels_installed, resolve_kernels
-from trainer.model import build_model, model_section_from_hf
+from trainer.model import build_model
 
 pytestmark = pytest.mark.engines
 

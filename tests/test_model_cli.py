@@ -13,7 +13,8 @@ import pytest
 from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.schema import ParallelismSection
-from trainer.model import check_supported, model_section_from_hf
+from trainer.hf_config import model_section_from_hf
+from trainer.model import check_supported
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -113,18 +114,24 @@ def test_model_info_of_a_config_alone(tmp_path):
 
     model = load_recipe(REPO / "recipes/kimi-k2-rl.yaml", []).model
     config = hf_config_from_model_section(model, torch.bfloat16)
-    # as in Kimi-K2's own config.json: YaRN RoPE scaling, which the provider does not build (yet)
+    # as in Kimi-K2's own config.json: YaRN RoPE scaling in the older rope_scaling key, block fp8 weights
     yarn = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": None, "rope_scaling": {**yarn, "rope_theta": 50000.0}}))
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    published = {**config, "model_type": "kimi_k2", "rope_parameters": None, "rope_scaling": yarn, "rope_theta": 50000.0, "quantization_config": fp8}
+    (tmp_path / "config.json").write_text(json.dumps(published))
     result = composer("model", "info", str(tmp_path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())
-    assert "training not built by composer's provider: rope_parameters.rope_type" in out
-    assert "family deepseek_v3" in out and "layers 61, hidden 7168, vocab 163840" in out
+    assert "training yes: composer's provider builds it" in out
+    assert "family deepseek_v3 (model_type kimi_k2)" in out and "layers 61, hidden 7168, vocab 163840" in out
     assert "multi-head latent attention: 64 heads, kv_lora_rank 512, q_lora_rank 1536" in out
+    assert "rope theta 50000, YaRN x32 from 4096 (beta 1/1, mscale 1/1)" in out
     assert "384 routed top-8 + 1 shared (60 MoE layers, first 1 dense)" in out
     assert "parameters 1026.41 B total, 32.86 B active per token" in out
-    assert "weights 1911.8 GiB in bf16, 955.9 GiB in fp8" in out
+    assert "weights 1911.8 GiB in bf16, 955.9 GiB in fp8 (without scales); stored: fp8 e4m3 blocks 128x128 (weight_scale_inv)" in out
+    (tmp_path / "config.json").write_text(json.dumps({**published, "rope_scaling": {**yarn, "type": "longrope"}}))
+    out = " ".join(composer("model", "info", str(tmp_path), cwd=tmp_path).stdout.split())
+    assert "training no: not built by composer's provider: rope_scaling.type 'longrope'" in out
 
 
 def test_parameter_counts_match_published_sizes_and_stored_weights(tmp_path):
@@ -132,8 +139,8 @@ def test_parameter_counts_match_published_sizes_and_stored_weights(tmp_path):
 
     from safetensors import safe_open
 
-    from trainer.checkpoint_init import init_hf_checkpoint
     from recipes.sizes import parameter_counts
+    from trainer.checkpoint_init import init_hf_checkpoint
 
     qwen = load_recipe(REPO / "recipes/qwen3-30b-a3b-midtrain.yaml", []).model
     assert [round(n / 1e9, 1) for n in parameter_counts(qwen)] == [30.5, 3.4]  # Qwen3-30B-A3B: 30.5B, 3.3B active

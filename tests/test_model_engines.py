@@ -17,7 +17,8 @@ from recipes.schema import ParallelismSection
 from tests.conftest import run_ranks
 from trainer.checkpoint_init import init_hf_checkpoint
 from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.model import build_model, forward_logits, model_section_from_hf
+from trainer.hf_config import model_section_from_hf
+from trainer.model import build_model, forward_logits
 from trainer.weights import export_hf, hf_weight_files, load_hf_into
 
 pytestmark = pytest.mark.engines

@@ -16,7 +16,7 @@ from recipes.loader import load_recipe
 from tests.conftest import run_ranks
 from tests.test_model_engines import assert_same_weights
 from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.model import model_section_from_hf
+from trainer.hf_config import model_section_from_hf
 
 pytestmark = pytest.mark.engines
 

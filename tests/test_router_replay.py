@@ -21,8 +21,9 @@ from tests.conftest import run_ranks
 from tests.router_replay_worker import perturb_routers
 from trainer.checkpoint_init import init_hf_checkpoint
 from trainer.distributed import init_distributed, shutdown_distributed
+from trainer.hf_config import model_section_from_hf
 from trainer.logprobs import pad_micro_batch, token_logprobs
-from trainer.model import build_model, forward_logits, model_section_from_hf
+from trainer.model import build_model, forward_logits
 from trainer.replay_layout import ReplayLayoutError
 from trainer.router_replay import moe_routers, replay_for_micro_batch, replay_metrics, routing, routing_disagreement
 from trainer.weights import load_hf_into

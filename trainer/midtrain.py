@@ -42,6 +42,7 @@ from trainer.launch import record_rank_error, redirect_rank_output
 from trainer.model import causal_mask
 from trainer.optimizer import TrainOptimizer
 from trainer.pipeline import forward_backward
+from trainer.weights import check_checkpoint_before_launch
 
 MODULE = __spec__.name
 """This entry point, as `python -m` names it (the CLI starts it under torchrun)."""
@@ -61,6 +62,7 @@ def check_midtrain_recipe(recipe: Recipe) -> None:
     check_kernels_installed(recipe.model.kernels)
     if recipe.data is None:
         raise UserError("train midtrain: the recipe has no data section; add data.sources and data.seq_length")
+    check_checkpoint_before_launch(recipe.model)
 
 
 RESUME_FIXED = ("data.sources", "data.tokenizer", "data.seq_length", "data.split", "data.files", "data.cleaning", "data.fim",

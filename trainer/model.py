@@ -4,179 +4,21 @@
 the same HF checkpoint (Qwen3-MoE: RMSNorm, QK-norm, GQA, RoPE, SwiGLU experts behind a softmax top-k router;
 Llama: the dense counterpart; DeepSeek-V3 / Kimi-K2: multi-head latent attention, dense first layers, routed and
 shared experts behind a sigmoid router with expert bias and group-limited top-k), or this pipeline stage's part.
-`model_section_from_hf(hf_dir)` reads an HF config.json into a ModelSection and
-`hf_config_from_model_section` writes one back. Anything the provider does not implement is refused.
+`hf_config_from_model_section` writes the config.json of a ModelSection (`trainer.hf_config` reads one).
+Anything the provider does not implement is refused.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
-from pydantic import ValidationError
 
 from recipes.checks import model_problems, split_problems
 from recipes.errors import UserError
-from recipes.schema import ARCHITECTURE_FIELDS, ModelSection, ParallelismSection
+from recipes.schema import ModelSection, ParallelismSection
+from trainer.hf_config import HF_ARCHITECTURES
 from trainer.kernels import KernelChoice, grouped_gemm_experts, local_attention, resolve_kernels, sdp_attention
 from trainer.qk_clip import ALPHA as QK_CLIP_ALPHA
-
-HF_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-
-
-# --- HF config <-> ModelSection ------------------------------------------------------------------
-
-
-def read_hf_config(hf_dir: str | Path) -> dict:
-    path = Path(hf_dir)
-    if not path.is_dir():
-        raise UserError(f"{path}: no such checkpoint directory")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"{path}: not an HF checkpoint (no config.json)")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{config_file}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{config_file}: unreadable ({e})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
-    return config
-
-
-def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32", unbuilt: list[str] | None = None) -> ModelSection:
-    """The ModelSection equal to the HF checkpoint at `hf_dir`; refuses what Megatron would build differently.
-
-    With `unbuilt` (a list), settings the provider does not build are appended to it instead of refused: the
-    section then describes the checkpoint's shape (for `composer model info`), not a model the provider builds.
-    """
-    cfg = read_hf_config(hf_dir)
-    where = Path(hf_dir) / "config.json"
-    family = cfg.get("model_type")
-    if not isinstance(family, str) or family not in HF_ARCHITECTURES:
-        supported = ", ".join(f"{k} ({v})" for k, v in HF_ARCHITECTURES.items())
-        raise UserError(f"{where}: model_type {family!r} is not supported; supported: {supported}")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise UserError(f"{where}: rope_parameters: expected an object, got {type(rope).__name__}")
-    refused = {
-        "attention_bias": bool(cfg.get("attention_bias", False)),
-        "mlp_bias": bool(cfg.get("mlp_bias", False)),
-        "hidden_act": cfg.get("hidden_act", "silu") != "silu",
-        "rope_parameters.rope_type": rope.get("rope_type", rope.get("type", "default")) != "default",
-        "use_sliding_window": bool(cfg.get("use_sliding_window", False)),
-        "decoder_sparse_step": cfg.get("decoder_sparse_step", 1) != 1,
-        "mlp_only_layers": bool(cfg.get("mlp_only_layers")),
-    }
-    if family == "deepseek_v3":
-        refused.update(_deepseek_v3_refusals(cfg))
-    bad = [k for k, is_bad in refused.items() if is_bad]
-    if bad and unbuilt is not None:
-        unbuilt += bad
-    elif bad:
-        raise UserError(f"{where}: unsupported setting(s) for the Megatron provider: {', '.join(bad)}")
-    required = ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"]
-    required += {
-        "qwen3_moe": ["num_experts_per_tok", "moe_intermediate_size"],
-        "llama": ["intermediate_size"],
-        "deepseek_v3": list(DEEPSEEK_V3_REQUIRED),
-    }[family]
-    absent = [key for key in required if key not in cfg]
-    if family == "qwen3_moe" and "num_experts" not in cfg and "num_local_experts" not in cfg:
-        absent.append("num_experts")
-    if absent:
-        raise UserError(f"{where}: missing key(s) for a {family} model: {', '.join(absent)}")
-    try:
-        return ModelSection(**_model_fields(cfg, family, rope, hf_dir, dtype))
-    except ValidationError as e:
-        error = e.errors()[0]
-        raise UserError(f"{where}: {'.'.join(map(str, error['loc']))}: {error['msg']}") from None
-    except (TypeError, ValueError, AttributeError) as e:
-        raise UserError(f"{where}: a value has the wrong type ({e})") from None
-
-
-def _model_fields(cfg: dict, family: str, rope: dict, hf_dir, dtype: str) -> dict:
-    rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    heads = cfg["num_attention_heads"]
-    fields = dict(
-        family=family,
-        checkpoint=str(hf_dir),
-        num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
-        num_attention_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        vocab_size=cfg["vocab_size"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        rope_theta=float(rope_theta),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        dtype=dtype,
-    )
-    if family == "qwen3_moe":
-        fields.update(
-            num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),
-            moe_top_k=cfg["num_experts_per_tok"],
-            moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            moe_aux_loss_coeff=cfg.get("router_aux_loss_coef", 1e-3),
-        )
-    elif family == "deepseek_v3":
-        fields.update(
-            num_kv_heads=heads,
-            head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
-            ffn_hidden_size=cfg["intermediate_size"] if cfg["first_k_dense_replace"] else 0,
-            num_experts=cfg["n_routed_experts"],
-            moe_top_k=cfg["num_experts_per_tok"],
-            moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-            num_shared_experts=cfg["n_shared_experts"],
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            q_lora_rank=cfg.get("q_lora_rank"),
-            kv_lora_rank=cfg["kv_lora_rank"],
-            qk_nope_head_dim=cfg["qk_nope_head_dim"],
-            qk_rope_head_dim=cfg["qk_rope_head_dim"],
-            v_head_dim=cfg["v_head_dim"],
-            first_k_dense=cfg["first_k_dense_replace"],
-            moe_router_groups=cfg.get("n_group") or 1,
-            moe_router_group_top_k=cfg.get("topk_group") or 1,
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        )
-    else:
-        fields.update(ffn_hidden_size=cfg["intermediate_size"])
-    return fields
-
-
-DEEPSEEK_V3_REQUIRED = (
-    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "kv_lora_rank",
-    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "intermediate_size",
-)
-
-
-def _deepseek_v3_refusals(cfg: dict) -> dict[str, bool]:
-    """DeepseekV3 settings the provider would compute differently (real DeepSeek-V3 / Kimi-K2 configs pass)."""
-    return {
-        "scoring_func (only sigmoid)": cfg.get("scoring_func", "sigmoid") != "sigmoid",
-        "topk_method (only noaux_tc)": cfg.get("topk_method", "noaux_tc") != "noaux_tc",
-        "rope_interleave (only true: the layout vLLM and Megatron's MLA apply)": cfg.get("rope_interleave", True) is not True,
-        "moe_layer_freq (only 1)": cfg.get("moe_layer_freq", 1) != 1,
-        "num_nextn_predict_layers (multi-token prediction is not built)": bool(cfg.get("num_nextn_predict_layers", 0)),
-        "ep_size": cfg.get("ep_size", 1) != 1,
-    }
-
-
-def check_matches_checkpoint(m: ModelSection, hf_dir: str | Path) -> None:
-    """Refuse a recipe model section that describes a different architecture than the checkpoint's config.json."""
-    found = model_section_from_hf(hf_dir)
-    differences = [
-        f"model.{key}: recipe {getattr(m, key)!r}, checkpoint {getattr(found, key)!r}"
-        for key in ARCHITECTURE_FIELDS
-        if getattr(m, key) != getattr(found, key)
-    ]
-    if differences:
-        raise UserError(f"{hf_dir}: the recipe's model section does not match config.json: " + "; ".join(differences))
 
 
 def hf_config_from_model_section(m: ModelSection, dtype: torch.dtype, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
@@ -194,7 +36,7 @@ def hf_config_from_model_section(m: ModelSection, dtype: torch.dtype, bos_token_
         hidden_act="silu",
         max_position_embeddings=m.max_position_embeddings,
         rms_norm_eps=m.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        rope_parameters=_rope_parameters(m),
         tie_word_embeddings=m.tie_word_embeddings,
         attention_bias=False,
         bos_token_id=bos_token_id,
@@ -231,7 +73,7 @@ def hf_config_from_model_section(m: ModelSection, dtype: torch.dtype, bos_token_
             qk_rope_head_dim=m.qk_rope_head_dim,
             v_head_dim=m.v_head_dim,
             rope_interleave=True,
-            num_nextn_predict_layers=0,
+            num_nextn_predict_layers=m.num_mtp_layers if m.mtp == "carry" else 0,
         )
         del fields["head_dim"]  # DeepseekV3Config derives it (= qk_rope_head_dim)
     else:
@@ -241,6 +83,12 @@ def hf_config_from_model_section(m: ModelSection, dtype: torch.dtype, bos_token_
         # transformers omits these; vLLM builds no expert bias without noaux_tc (real checkpoints carry both)
         config.update(topk_method="noaux_tc", scoring_func="sigmoid")
     return config
+
+
+def _rope_parameters(m: ModelSection) -> dict:
+    if m.yarn is None:
+        return {"rope_type": "default", "rope_theta": m.rope_theta}
+    return {"rope_type": "yarn", "rope_theta": m.rope_theta, **m.yarn.model_dump()}
 
 
 # --- Megatron model ---------------------------------------------------------------------------------
@@ -264,7 +112,14 @@ def check_supported(m: ModelSection, p: ParallelismSection) -> None:
 
 
 def _deepseek_v3_config(m: ModelSection) -> dict:
-    """MLA with plain (interleaved-pair) RoPE, DeepSeek's sigmoid router with expert bias, shared experts."""
+    """MLA with interleaved-pair RoPE (YaRN-scaled when the checkpoint is), DeepSeek's sigmoid router with expert
+    bias, shared experts."""
+    # without YaRN: softmax scale 1/sqrt(qk head dim), as HF without rope scaling
+    rope = dict(rope_type="rope", rotary_scaling_factor=1.0, mscale_all_dim=0.0)
+    if m.yarn is not None:
+        # Megatron's MLA YaRN: the same frequency blend, cos/sin factor and softmax scale (mscale_all_dim squared) as HF
+        rope = dict(rope_type="yarn", rotary_scaling_factor=m.yarn.factor, original_max_position_embeddings=m.yarn.original_max_position_embeddings,
+                    beta_fast=m.yarn.beta_fast, beta_slow=m.yarn.beta_slow, mscale=m.yarn.mscale, mscale_all_dim=m.yarn.mscale_all_dim)
     return dict(
         q_lora_rank=m.q_lora_rank,
         kv_lora_rank=m.kv_lora_rank,
@@ -272,10 +127,8 @@ def _deepseek_v3_config(m: ModelSection) -> dict:
         qk_pos_emb_head_dim=m.qk_rope_head_dim,
         v_head_dim=m.v_head_dim,
         kv_channels=m.v_head_dim,
-        rope_type="rope",
         rotary_base=m.rope_theta,
-        rotary_scaling_factor=1.0,  # no YaRN: softmax scale 1/sqrt(qk head dim), as HF without rope scaling
-        mscale_all_dim=0.0,
+        **rope,
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
         moe_router_bias_update_rate=m.moe_router_bias_update_rate,

