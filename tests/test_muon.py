@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from runtime.run_dir import read_metrics
-from tests.conftest import COMPOSER, RECIPES, REPO, run_composer
-from trainer.distributed import run_torchrun
+from tests.conftest import COMPOSER, RECIPES, REPO, run_composer, run_ranks
+
 
 # --- recipe keys -------------------------------------------------------------------------------------
 
@@ -82,7 +82,7 @@ def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
 @pytest.fixture(scope="module")
 def parallel(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("muon_parallel")
-    result = run_torchrun(2, ["-m", "tests.workers.muon_parallel", str(out)], env={"PYTHONPATH": str(REPO)}, cwd=REPO, timeout=600)
+    result = run_ranks(2, "tests.workers.muon_parallel", str(out), timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out / "results.pt")
 
