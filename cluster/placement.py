@@ -27,9 +27,9 @@ RANK_CORES_ENV = "COMPOSER_RANK_CORES"
 learner must keep off the engines' cores."""
 
 
-
 def _found_devices() -> dict:
-    """This host's GPUs (torch decides, as vLLM does) or, without any, the CPU cores this process may use."""
+    """This host's GPUs (torch decides, as vLLM does) or, without any, the CPU cores this process may use (its source
+    is also `PROBE`, run on other hosts: it imports what it needs itself)."""
     import os
 
     try:

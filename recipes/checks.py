@@ -253,12 +253,9 @@ def _check_rollout_engines(r: Recipe) -> list[Problem]:
     devices = r.rollout.devices
     if devices is not None:
         for host in dict.fromkeys(r.rollout.hosts):
-            learner = learner_devices_on(host, r)
-            out += engine_fit_problems(r.model, r.rollout, devices, learner_devices=learner,
+            out += engine_fit_problems(r.model, r.rollout, devices, learner_devices=learner_devices_on(host, r),
                                        where=f"each rollout host (rollout.devices.per_host={devices.per_host})")
-            if learner:
-                break  # the hosts that run learner ranks are the tighter ones; one message is enough
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(out))  # hosts alike say the same
 
 
 def learner_devices_on(host: str, r: Recipe) -> int:
@@ -365,7 +362,11 @@ def _spanning_problems(rollout: RolloutSection, devices: RolloutDevicesSection, 
         return [Problem("rollout.parallelism", f"tp x pp x dp = {p.tp} x {p.pp} x {p.dp} = {p.devices} devices per engine, but {where} "
                                                f"has {per_host} {unit} and rollout.hosts lists {len(rollout.hosts)} host(s)")]
     model_parallel = p.tp * p.pp
-    if p.devices % per_host or (per_host % model_parallel if model_parallel <= per_host else model_parallel % per_host or p.dp > 1):
+    if model_parallel <= per_host:
+        whole_hosts = per_host % model_parallel == 0  # data-parallel ranks over hosts
+    else:
+        whole_hosts = model_parallel % per_host == 0 and p.dp == 1  # tensor x pipeline groups over hosts
+    if p.devices % per_host or not whole_hosts:
         out.append(Problem("rollout.parallelism", f"an engine of tp x pp x dp = {p.devices} devices spans hosts of {per_host} {unit}: "
                                                   f"it must fill whole hosts, with tp x pp = {model_parallel} dividing {per_host} "
                                                   f"(data-parallel ranks over hosts) or a multiple of it with dp = 1"))

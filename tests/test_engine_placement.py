@@ -133,19 +133,6 @@ def test_dry_run_prints_each_hosts_learner_and_engine_devices(tmp_path):
     assert not (tmp_path / "smoke-rl").exists()
 
 
-def test_dry_run_of_kimi_plans_engines_over_four_hosts_in_vllms_multi_node_data_parallel_mode(tmp_path):
-    result = run_composer("train", "rl", str(RECIPES / "kimi-k2-rl.yaml"), "--dry-run", "--set", f"run.dir={tmp_path}")
-    assert result.returncode == 0, result.stderr
-    out = flat(result.stdout)
-    assert "each tp 8 x pp 1 x dp 4, expert parallel over 32" in out
-    assert out.count("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7") == 8
-    head = "--data-parallel-size 4 --enable-expert-parallel --distributed-executor-backend mp --data-parallel-size-local 1"
-    assert f"{head} --data-parallel-address infer-00 --data-parallel-rpc-port '<port on infer-00>'" in out
-    for rank, host in ((1, "infer-00"), (2, "infer-00"), (3, "infer-00"), (1, "infer-04")):
-        assert f"--data-parallel-address {host} --data-parallel-rpc-port '<port on {host}>' --headless --data-parallel-start-rank {rank}" in out
-    assert "--enforce-eager" not in out and "chunked-prefill" not in out  # GPUs: vLLM's defaults
-
-
 def test_engines_that_do_not_fit_this_machine_are_refused_before_anything_starts(tmp_path):
     """The same check as --dry-run's, with this machine's devices found."""
     result = run_composer("train", "rl", str(RECIPES / "smoke-rl.yaml"), "--set", f"run.dir={tmp_path}", "--set", "model.checkpoint=unused",
