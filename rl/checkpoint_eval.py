@@ -48,10 +48,9 @@ from rl.protocol import RLRunFiles, sync_section
 from rollout.agent.environment import CodingEnvironment
 from rollout.agent.harness import Tokenizer
 from rollout.agent.loop import EpisodeRunner
-from rollout.engines.vllm_engine import build_engines
+from rollout.engines.vllm_engine import build_engines, with_resolved_dtype
 from runtime.processes import output_to_log
 from runtime.progress import StepClock
-from runtime.report import write_eval_report
 from runtime.run_dir import RunDir, atomic_write_text
 from sync.receiver import pull
 from sync.store import Store
@@ -259,6 +258,7 @@ def evaluate(recipe: Recipe, checkpoint: str, compare: str | None, task_sets: li
              batch_tasks: int = EVAL_BATCH_TASKS) -> EvalOutcome:
     """Evaluate `checkpoint` (and `compare`) on the recipe's task sets; results in the output directory."""
     check_eval_recipe(recipe)
+    recipe = recipe.model_copy(update={"rollout": with_resolved_dtype(recipe.rollout)})  # results say which dtype ran
     config = eval_config(recipe, task_sets)
     refs = {"checkpoint": resolve_checkpoint(checkpoint, recipe)}
     if compare is not None:
@@ -276,6 +276,8 @@ def evaluate(recipe: Recipe, checkpoint: str, compare: str | None, task_sets: li
         finally:
             view.stop()
     atomic_write_text(out / "results.json", json.dumps(results, indent=1) + "\n")
+    from runtime.report import write_eval_report  # matplotlib: not imported before the inputs are checked
+
     write_eval_report(out / "report.html", results)
     return EvalOutcome(out, results, time.monotonic() - started)
 

