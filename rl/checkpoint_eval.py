@@ -164,9 +164,11 @@ def settings(recipe: Recipe, config: RLEvalSection, refs: dict[str, CheckpointRe
 
 
 def _check_same_settings(out: Path, wanted: dict) -> None:
-    """A rerun continues an evaluation only with what its results depend on unchanged."""
+    """A rerun continues an evaluation only with what its results depend on unchanged (one that graded nothing yet
+    is simply started again)."""
     path = out / "eval.json"
-    if not path.is_file():
+    graded = any((out / f"{role}.jsonl").is_file() and (out / f"{role}.jsonl").stat().st_size for role in ROLES)
+    if not path.is_file() or not graded:
         atomic_write_text(path, json.dumps(wanted, indent=1) + "\n")
         return
     held = json.loads(path.read_text())
@@ -205,6 +207,7 @@ class EvalProgress:
         self._bar: Progress | None = None
         self._task = None
         self._clock: StepClock | None = None
+        self.label = ""
 
     def note(self, text: str) -> None:
         self.console.print(f"eval: {text}", highlight=False)
