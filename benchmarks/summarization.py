@@ -8,6 +8,8 @@ for the answer) in a fixed context budget, evaluated with `composer eval` under 
     large_context  a context large enough that nothing is dropped (the upper bound)
 
 before RL and after an RL run with self-summarization (`composer train rl`, its policy then evaluated the same way).
+Run again with the same arguments and `--keep DIR`, a stopped benchmark continues where it was (evaluations keep
+what they graded, the RL run resumes).
 Prints per policy the greedy pass@1 and mean reward (the share of codes returned) with 95% bootstrap intervals, the
 compaction error and summary length, and paired differences (same tasks) between policies and before/after RL.
 
@@ -82,7 +84,10 @@ def main() -> None:
                       *(x for o in extra for x in ("--set", o))], log)
         timings["evaluations before RL"] = time.monotonic() - started
         started = time.monotonic()
-        composer(["train", "rl", str(RECIPE), *sets, "--set", "rl.eval=null"], log)  # evaluated below, as before RL
+        run = work / "runs" / RUN_NAME
+        if not (run / "policy.json").is_file() or json.loads((run / "policy.json").read_text())["version"] < args.steps:
+            # evaluated below, as before RL; a rerun of a stopped benchmark resumes the run (and each evaluation)
+            composer(["train", "rl", str(RECIPE), *sets, "--set", "rl.eval=null", *(["--resume"] if (run / "metrics.jsonl").exists() else [])], log)
         timings["RL run"] = time.monotonic() - started
         started = time.monotonic()
         for policy, extra in POLICIES.items():
