@@ -547,8 +547,10 @@ class RolloutSection(Section):
     """Most compactions (summaries or drops) in one episode."""
     kv_cache_gib: float = Field(default=1.0, gt=0)
     """KV-cache memory on each device of an engine (vLLM kv_cache_memory_bytes, per rank)."""
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Inference dtype; the learner (fp32 master weights) ships every policy in it."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Inference dtype; the learner (fp32 master weights) ships every policy in it. `auto`: bfloat16 with a GPU or a CPU
+    that computes bf16 natively (AVX-512 BF16 or AMX), float32 on other CPUs, where bf16 is emulated and slower;
+    decided on the machine that starts the run (the resolved recipe in the run directory says which)."""
     chat_template: bool = False
     """Put each task prompt in the tokenizer's chat template as a user turn, answered by the assistant
     (instruct models such as SmolLM2-Instruct); off: the prompt as plain text."""

@@ -48,10 +48,9 @@ from rl.protocol import RLRunFiles, sync_section
 from rollout.agent.environment import CodingEnvironment
 from rollout.agent.harness import Tokenizer
 from rollout.agent.loop import EpisodeRunner
-from rollout.engines.vllm_engine import build_engines
+from rollout.engines.vllm_engine import build_engines, with_resolved_dtype
 from runtime.processes import output_to_log
 from runtime.progress import StepClock
-from runtime.report import write_eval_report
 from runtime.run_dir import RunDir, atomic_write_text
 from sync.receiver import pull
 from sync.store import Store
@@ -165,9 +164,11 @@ def settings(recipe: Recipe, config: RLEvalSection, refs: dict[str, CheckpointRe
 
 
 def _check_same_settings(out: Path, wanted: dict) -> None:
-    """A rerun continues an evaluation only with what its results depend on unchanged."""
+    """A rerun continues an evaluation only with what its results depend on unchanged (one that graded nothing yet
+    is simply started again)."""
     path = out / "eval.json"
-    if not path.is_file():
+    graded = any((out / f"{role}.jsonl").is_file() and (out / f"{role}.jsonl").stat().st_size for role in ROLES)
+    if not path.is_file() or not graded:
         atomic_write_text(path, json.dumps(wanted, indent=1) + "\n")
         return
     held = json.loads(path.read_text())
@@ -206,6 +207,7 @@ class EvalProgress:
         self._bar: Progress | None = None
         self._task = None
         self._clock: StepClock | None = None
+        self.label = ""
 
     def note(self, text: str) -> None:
         self.console.print(f"eval: {text}", highlight=False)
@@ -259,6 +261,7 @@ def evaluate(recipe: Recipe, checkpoint: str, compare: str | None, task_sets: li
              batch_tasks: int = EVAL_BATCH_TASKS) -> EvalOutcome:
     """Evaluate `checkpoint` (and `compare`) on the recipe's task sets; results in the output directory."""
     check_eval_recipe(recipe)
+    recipe = recipe.model_copy(update={"rollout": with_resolved_dtype(recipe.rollout)})  # results say which dtype ran
     config = eval_config(recipe, task_sets)
     refs = {"checkpoint": resolve_checkpoint(checkpoint, recipe)}
     if compare is not None:
@@ -276,6 +279,8 @@ def evaluate(recipe: Recipe, checkpoint: str, compare: str | None, task_sets: li
         finally:
             view.stop()
     atomic_write_text(out / "results.json", json.dumps(results, indent=1) + "\n")
+    from runtime.report import write_eval_report  # matplotlib: not imported before the inputs are checked
+
     write_eval_report(out / "report.html", results)
     return EvalOutcome(out, results, time.monotonic() - started)
 

@@ -33,6 +33,7 @@ from rl.protocol import (
 )
 from rl.rollout_hosts import LocalHost, open_hosts, plan_fleet, refuse_engines_over_hosts
 from rl.rollout_worker import RolloutWorker
+from rollout.engines.vllm_engine import with_resolved_dtype
 from runtime.processes import output_to_log
 from runtime.run_dir import RunDir
 from sync.pusher import push_version
@@ -151,6 +152,8 @@ def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bo
     """The run. The terminal shows its live view (group lines too when `verbose`); what the libraries and the
     embedded engine print goes to logs/driver.log."""
     check_rl_recipe(recipe)
+    # The learner ships its policies in the engines' dtype: decided here, once, and kept in the run's recipe.
+    recipe = recipe.model_copy(update={"rollout": with_resolved_dtype(recipe.rollout)})
     learner_launch(recipe)[0].check_startable()
     for placement in plan_fleet(recipe):
         refuse_engines_over_hosts(placement, recipe.rollout)

@@ -189,9 +189,9 @@ def episode_batches(sets: list[EvalSet], samples: int, log: GradedLog, batch_tas
     """The batches still to run: per set its greedy episodes, then its sampled ones, less what `log` holds."""
     batches = []
     for s in sets:
-        for mode, per_task in (("greedy", 1), ("sampled", samples)):
-            todo = [(n, t) for n, t in enumerate(s.tasks) if per_task and not log.has(s.name, t.id, mode, per_task)]
-            size = max(1, batch_tasks // per_task) if mode == "sampled" else batch_tasks
+        for mode, per_task in (("greedy", 1), ("sampled", samples)) if samples else (("greedy", 1),):
+            todo = [(n, t) for n, t in enumerate(s.tasks) if not log.has(s.name, t.id, mode, per_task)]
+            size = max(1, batch_tasks // per_task)
             batches += [_Batch(s.name, mode, todo[i: i + size]) for i in range(0, len(todo), size)]
     return batches
 

