@@ -146,6 +146,9 @@ class ModelSection(Section):
     mtp: Literal["carry", "drop"] = "carry"
     """The checkpoint's multi-token-prediction layers, which are not trained: `carry` copies them bit-exactly from
     model.checkpoint into every export, `drop` leaves them out (the export says num_nextn_predict_layers 0)."""
+    trust_remote_code: bool = False
+    """Run the Python code a checkpoint ships for its tokenizer (Kimi's tiktoken tokenizer is tokenization_kimi.py,
+    named by tokenizer_config.json); without it such a checkpoint is refused before launch."""
     kernels: KernelsSection = Field(default_factory=KernelsSection)
     """Compute kernels of experts and attention (the same function either way; the choice is logged at build)."""
 

@@ -24,6 +24,7 @@ from rl.evaluation import summary_line
 from rl.protocol import POLL_SECONDS, Heartbeat, Policy, ReplayQueue, RLRunFiles, RolloutQueue, StalenessRule, sync_section
 from rl.rollout_hosts import LocalHost, open_hosts
 from rl.rollout_worker import RolloutWorker
+from rollout.agent import check_tokenizer_code
 from sync.pusher import push_version
 from trainer.kernels import check_kernels_installed
 from trainer.weights import check_checkpoint_before_launch
@@ -56,6 +57,8 @@ def check_rl_recipe(recipe: Recipe) -> None:
     refuse_unhonoured(recipe, "train rl", UNHONOURED)
     check_kernels_installed(recipe.model.kernels)
     check_checkpoint_before_launch(recipe.model)
+    if Path(recipe.model.checkpoint).is_dir():
+        check_tokenizer_code(recipe.model.checkpoint, recipe.model.trust_remote_code)  # the agent loop's tokenizer
 
 
 def check_replay(recipe: Recipe, source: Path) -> None:
@@ -104,7 +107,8 @@ def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: Job, view: RLConsol
             routed_experts=recipe.model.is_moe and recipe.rl.router_replay == "r3",
             hosts=hosts, tokenizer_dir=tokenizer_dir, queue=queue, files=files,
             on_group=view.group, evaluation=recipe.rl.eval, steps=recipe.train.steps,
-            on_eval=lambda version, record: view.evaluation(summary_line(version, record)), ssh=recipe.cluster.ssh)
+            on_eval=lambda version, record: view.evaluation(summary_line(version, record)), ssh=recipe.cluster.ssh,
+            trust_remote_code=recipe.model.trust_remote_code)
         stack.callback(worker.close)
         view.note(f"rolling out on {len(worker.slots)} engine(s)")
 

@@ -17,6 +17,7 @@ import torch
 from recipes.errors import UserError
 from tests.conftest import run_composer
 from tests.published_twins import make_twin, twin_config, write_reference
+from tests.tiktoken_checkpoint import write_tiktoken_tokenizer
 from trainer.hf_config import model_section_from_hf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,7 +28,9 @@ QUANTIZE = {"deepseek_v3": "fp8", "kimi_k2": "fp8", "kimi_k2_thinking": "int4", 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("twins")
-    return {kind: make_twin(root / kind, kind) for kind in KINDS}
+    out = {kind: make_twin(root / kind, kind) for kind in KINDS}
+    write_tiktoken_tokenizer(out["kimi_k25"])  # Kimi's tokenizer is tiktoken code it ships
+    return out
 
 
 def stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -198,6 +201,8 @@ def test_import_export_round_trip_is_bit_exact(twins, megatron, tmp_path, kind):
     assert [n for n in original if not same_bits(original[n], exported[n])] == []
     assert json.loads((tmp_path / "export/config.json").read_text()) == json.loads((twins[kind] / "config.json").read_text())
     assert len(list((tmp_path / "export").glob("*.safetensors"))) > 1
+    for other in ("tiktoken.model", "tokenization_kimi.py", "tokenizer_config.json"):  # the tokenizer travels with every policy
+        assert not (twins[kind] / other).exists() or (tmp_path / "export" / other).read_bytes() == (twins[kind] / other).read_bytes()
 
 
 @pytest.mark.engines
@@ -257,3 +262,42 @@ def test_quantized_twins_load_under_tensor_and_expert_parallelism(twins, tmp_pat
         for export in sorted(tmp_path.glob(f"export-{kind}-*")):
             exported = stored_tensors(export)
             assert set(exported) == set(original) and all(same_bits(original[n], exported[n]) for n in original), export.name
+
+
+# --- the tokenizer: Kimi's tiktoken code, offline ----------------------------------------------------------------
+
+
+def test_a_tiktoken_tokenizer_shipped_as_code_loads_offline_only_when_trusted(twins, monkeypatch):
+    """The agent loop's tokenizer of a Kimi-style checkpoint: refused (naming the key) until model.trust_remote_code,
+    then its own tiktoken code runs offline: text round-trips, role tokens are single ids past the ranks, and the
+    chat template (with tool declarations) renders."""
+    from rollout.agent import Tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="tokenization_kimi.TikTokenTokenizer, named by tokenizer_config.json.*set model.trust_remote_code: true"):
+        Tokenizer(str(twins["kimi_k25"]))
+    tok = Tokenizer(str(twins["kimi_k25"]), trust_remote_code=True)
+    text = "def wrap(text, width=70):\n    return text.split()  # ünïcode"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and len(ids) < len(text)
+    prompt = tok.render([{"role": "user", "content": "fix the bug"}], tools=[{"type": "function", "function": {"name": "finish"}}],
+                        add_generation_prompt=True)
+    assert prompt.startswith("<|im_system|>tool_declare<|im_middle|>[{") and prompt.endswith("<|im_assistant|>assistant<|im_middle|>")
+    ids = tok.encode(prompt)
+    assert ids[0] == 300 + 5 and ids.count(300 + 6) == 3  # <|im_system|>, three <|im_middle|>
+    assert tok.decode(ids) == 'tool_declare[{"type": "function", "function": {"name": "finish"}}]userfix the bugassistant'
+
+
+def test_an_rl_recipe_on_such_a_checkpoint_is_refused_before_launch_until_trusted(twins, tmp_path):
+    import yaml
+
+    recipe = yaml.safe_load(recipe_for(twins["kimi_k25"], tmp_path).read_text())
+    del recipe["data"]
+    recipe.update(rollout={"max_context": 256, "sampling": {"max_tokens": 16}}, env={"tasks": [{"name": "smoke"}]}, rl={"group_size": 2, "prompts_per_step": 1},
+                  sync={"store": str(tmp_path / "store")})
+    (tmp_path / "rl.yaml").write_text(yaml.safe_dump(recipe))
+    for command in (["recipe", "validate"], ["train", "rl", "--dry-run"]):
+        result = run_composer(*command[:2], str(tmp_path / "rl.yaml"), *command[2:])
+        assert result.returncode == 2 and "set model.trust_remote_code: true to run it" in " ".join((result.stdout + result.stderr).split()), command
+    result = run_composer("recipe", "validate", str(tmp_path / "rl.yaml"), "--set", "model.trust_remote_code=true")
+    assert result.returncode == 0, result.stdout
