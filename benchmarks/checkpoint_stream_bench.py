@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 HIDDEN, EXPERTS, MOE_FFN, FFN, VOCAB = 1024, 64, 512, 2048, 8192
@@ -82,6 +83,7 @@ def synthesize(out: Path, gib: float, shard_mb: int) -> tuple[int, int]:
     m = model_section_from_hf(out)
     shard, size, files, weight_map, total = {}, 0, [], {}, 0
     gen = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
 
     def flush():
         nonlocal shard, size
@@ -93,9 +95,9 @@ def synthesize(out: Path, gib: float, shard_mb: int) -> tuple[int, int]:
 
     for name, shape in shapes(m).items():
         if ".layers." in name and name.endswith(("_proj.weight", "_proj_with_mqa.weight")):
-            # random e4m3 bit patterns, NaN (0x7f, 0xff) excluded
-            codes = torch.empty(shape, dtype=torch.uint8).random_(0, 0x7F, generator=gen) | (torch.empty(shape, dtype=torch.uint8).random_(0, 2, generator=gen) << 7)
-            tensors = {name: codes.view(torch.float8_e4m3fn),
+            codes = rng.integers(0, 0xFF, size=shape, dtype=np.uint8)  # random e4m3 bit patterns but NaN (0x7f, 0xff)
+            codes[codes == 0x7F] = 0x7E
+            tensors = {name: torch.from_numpy(codes).view(torch.float8_e4m3fn),
                        name.removesuffix(".weight") + ".weight_scale_inv": torch.full((math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)), 0.01)}
         elif name.endswith("e_score_correction_bias"):
             tensors = {name: torch.zeros(shape)}

@@ -380,8 +380,20 @@ class RolloutSection(Section):
     """Most summaries in one episode."""
     kv_cache_gib: float = Field(default=1.0, gt=0)
     """KV-cache memory per engine."""
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Inference dtype; the learner (fp32 master weights) ships every policy in it."""
+    dtype: Literal["float32", "bfloat16", "fp8", "int4"] = "bfloat16"
+    """Inference format; the learner (fp32 master weights) ships every policy in it. `fp8` and `int4` are the
+    published serving layouts of DeepSeek-V3 / Kimi-K2 (block fp8: every linear of the layers) and Kimi-K2-Thinking /
+    K2.5 (compressed-tensors INT4: the routed experts), in the checkpoint's own layout when it is stored so; the other
+    tensors and the engines' activations are bf16."""
+
+    @property
+    def quantize(self) -> Literal["fp8", "int4"] | None:
+        return self.dtype if self.dtype in ("fp8", "int4") else None
+
+    @property
+    def compute_dtype(self) -> Literal["float32", "bfloat16"]:
+        """The engines' activation dtype (vLLM --dtype)."""
+        return "bfloat16" if self.quantize else self.dtype
     chat_template: bool = False
     """Put each task prompt in the tokenizer's chat template as a user turn, answered by the assistant
     (instruct models such as SmolLM2-Instruct); off: the prompt as plain text."""

@@ -4,6 +4,7 @@ the learner's last step; with `--replay RUN`, the learner trains on RUN's record
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 import traceback
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from rl.protocol import POLL_SECONDS, Heartbeat, Policy, ReplayQueue, RLRunFiles
 from rl.rollout_hosts import LocalHost, open_hosts
 from rl.rollout_worker import RolloutWorker
 from rollout.agent import check_tokenizer_code
+from rollout.engine import check_local_serving_format
 from sync.pusher import push_version
 from trainer.kernels import check_kernels_installed
 from trainer.weights import check_checkpoint_before_launch
@@ -138,6 +140,8 @@ def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bo
     if replay is not None:
         replay = replay.resolve()
         check_replay(recipe, replay)
+    else:
+        check_local_serving_format(recipe.rollout)
     run.prepare(recipe_to_yaml(recipe), resume)
     if replay is not None:
         files.record_replay_source(replay)
@@ -149,10 +153,27 @@ def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bo
     return run.root
 
 
+def starting_policy(recipe: Recipe, files: RLRunFiles) -> Path:
+    """model.checkpoint when it is stored in the engines' format (a dense one for dense engines, which cast it),
+    else the checkpoint rewritten in that format, as the learner will export every later policy."""
+    import torch
+
+    from trainer.hf_checkpoint import CheckpointLayout
+    from trainer.weights import convert_hf
+
+    stored = CheckpointLayout.of(recipe.model.checkpoint).quantization
+    rollout = recipe.rollout
+    if (stored.method if stored else None) == rollout.quantize:
+        return Path(recipe.model.checkpoint)
+    out = files.export / "policy-000000"
+    shutil.rmtree(out, ignore_errors=True)
+    return convert_hf(recipe.model, out, quantize=rollout.quantize, dtype=None if rollout.quantize else getattr(torch, rollout.dtype))
+
+
 def drive(recipe: Recipe, files: RLRunFiles, run: RunDir, view: RLConsole, replay: Path | None) -> None:
     if files.policy() is None:
         view.note(f"publishing the initial policy from {recipe.model.checkpoint}")
-        info = push_version(recipe.model.checkpoint, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
+        info = push_version(starting_policy(recipe, files), sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
         files.publish_policy(Policy(0, info.id))
     view.note("starting the learner")
     learner = start_learner(recipe, files)

@@ -76,6 +76,16 @@ def cpu_serving_problems(config: dict) -> list[str]:
     return problems
 
 
+def check_local_serving_format(rollout: RolloutSection) -> None:
+    """Before launch: engines on this machine can run the quantized policy format the recipe asks for."""
+    import torch
+
+    kernels = {"fp8": "block-fp8 linears", "int4": "INT4 MoE"}.get(rollout.quantize)
+    if kernels and "localhost" in rollout.hosts and not torch.cuda.is_available() and not torch.cpu._is_amx_tile_supported():
+        raise UserError(f"rollout.dtype {rollout.dtype}: vLLM on this CPU runs {kernels} only with AMX tiles (Sapphire Rapids or newer), "
+                        "which it lacks; use rollout.dtype: bfloat16 here, or --replay RUN to train on recorded rollouts without engines")
+
+
 def attention_backend(model_dir: Path, dtype: str) -> str | None:
     """The vLLM attention backend to force for this checkpoint, if any; refuses what vLLM on CPU cannot serve.
 
@@ -110,10 +120,10 @@ class EmbeddedEngine:
         fix_cpu_rotary_strides()  # the worker runs in this process, which imported rollout.vllm_worker already
 
         self.routed_experts = routed_experts
-        backend = attention_backend(model_dir, rollout.dtype)
+        backend = attention_backend(model_dir, rollout.compute_dtype)
         self._llm = LLM(
             model=str(model_dir),
-            dtype=rollout.dtype,
+            dtype=rollout.compute_dtype,
             max_model_len=rollout.max_context,
             kv_cache_memory_bytes=int(rollout.kv_cache_gib * 2**30),
             enforce_eager=True,
@@ -205,7 +215,7 @@ def server_args(model_dir: str, rollout: RolloutSection, *, seed: int, routed_ex
     args = [
         "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", rollout.dtype, "--max-model-len", str(rollout.max_context),
+        "--dtype", rollout.compute_dtype, "--max-model-len", str(rollout.max_context),
         "--kv-cache-memory-bytes", str(int(rollout.kv_cache_gib * 2**30)),
         "--enforce-eager", "--seed", str(seed), "--logprobs-mode", LOGPROBS_MODE, "--enable-prefix-caching", "--no-enable-chunked-prefill",
         "--worker-extension-cls", WORKER_EXTENSION,
@@ -247,7 +257,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", server_guard.MODULE,
                 *server_args(str(model_dir), rollout, seed=seed, routed_experts=routed_experts, port=self.port,
-                             tokenizer=(model_dir / "tokenizer.json").is_file(), backend=attention_backend(model_dir, rollout.dtype))]
+                             tokenizer=(model_dir / "tokenizer.json").is_file(), backend=attention_backend(model_dir, rollout.compute_dtype))]
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path

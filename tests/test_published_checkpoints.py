@@ -301,3 +301,46 @@ def test_an_rl_recipe_on_such_a_checkpoint_is_refused_before_launch_until_truste
         assert result.returncode == 2 and "set model.trust_remote_code: true to run it" in " ".join((result.stdout + result.stderr).split()), command
     result = run_composer("recipe", "validate", str(tmp_path / "rl.yaml"), "--set", "model.trust_remote_code=true")
     assert result.returncode == 0, result.stdout
+
+
+# --- the serving formats out: RL policies in fp8 / INT4 ----------------------------------------------------------
+
+
+@pytest.mark.engines
+def test_the_starting_policy_is_converted_as_the_learner_exports(twins, megatron, tmp_path):
+    """The RL starting policy in the engines' format (no model built) has the bytes of the learner's export of the
+    same weights: bf16 from block fp8; INT4 from INT4 (the published bytes); fp8 from INT4 (fresh block scales)."""
+    from trainer.weights import convert_hf, export_hf
+
+    for kind, dtype, quantize in (("kimi_k2", torch.bfloat16, None), ("kimi_k25", None, "int4"), ("kimi_k25", None, "fp8")):
+        m, model = load(twins[kind])
+        converted = convert_hf(m, tmp_path / f"{kind}-{quantize}-converted", dtype=dtype, quantize=quantize)
+        export_hf(model, m, tmp_path / f"{kind}-{quantize}-exported", dtype=dtype, quantize=quantize)
+        a, b = stored_tensors(converted), stored_tensors(tmp_path / f"{kind}-{quantize}-exported")
+        assert set(a) == set(b) and all(same_bits(a[n], b[n]) for n in a), (kind, quantize)
+        assert json.loads((converted / "config.json").read_text()) == json.loads((tmp_path / f"{kind}-{quantize}-exported/config.json").read_text())
+    original = stored_tensors(twins["kimi_k25"])
+    assert all(same_bits(original[n], a[n]) for n in original if n.startswith(("vision_tower.", "mm_projector.")))
+    fp8 = stored_tensors(tmp_path / "kimi_k25-fp8-converted")
+    scaled = {n.removesuffix("_scale_inv") for n in fp8 if n.endswith("weight_scale_inv")}
+    assert scaled and all(fp8[n].dtype == torch.float8_e4m3fn for n in scaled) and not any(n.endswith("weight_packed") for n in fp8)
+    config = json.loads((tmp_path / "kimi_k25-fp8-converted/config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8" and "quantization_config" not in config["text_config"]
+    assert model_section_from_hf(tmp_path / "kimi_k25-fp8-converted") == model_section_from_hf(twins["kimi_k25"]).model_copy(
+        update={"checkpoint": str(tmp_path / "kimi_k25-fp8-converted")})
+
+
+@pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="this CPU runs vLLM's fp8 and INT4 kernels")
+def test_quantized_engines_this_cpu_cannot_run_are_refused_before_launch(twins, tmp_path):
+    import yaml
+
+    recipe = yaml.safe_load(recipe_for(twins["kimi_k25"], tmp_path).read_text())
+    del recipe["data"]
+    recipe["model"]["trust_remote_code"] = True
+    recipe.update(rollout={"max_context": 256, "sampling": {"max_tokens": 16}, "dtype": "int4"}, env={"tasks": [{"name": "smoke"}]},
+                  rl={"group_size": 2, "prompts_per_step": 1}, sync={"store": str(tmp_path / "store")})
+    (tmp_path / "rl.yaml").write_text(yaml.safe_dump(recipe))
+    result = run_composer("train", "rl", str(tmp_path / "rl.yaml"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "rollout.dtype int4: vLLM on this CPU runs INT4 MoE only with AMX tiles" in " ".join(result.stderr.split())
+    assert not (tmp_path / "runs").exists()
