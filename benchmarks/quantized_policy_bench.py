@@ -84,8 +84,7 @@ def main() -> None:
         rows = {}
         for dtype in ("bfloat16", "fp8", "int4"):
             composer("train", "rl", str(path), "--replay", str(recorded), "--set", f"run.name=replay-{dtype}", "--set", f"model.checkpoint={twin}",
-                     "--set", f"rollout.dtype={dtype}", "--set", f"optim.lr={args.lr}", "--set", "model.dtype=float32",
-                     "--set", f"sync.store={work / f'store-{dtype}'}")
+                     "--set", f"rollout.dtype={dtype}", "--set", f"optim.lr={args.lr}", "--set", "model.dtype=float32")
             rows[dtype] = [json.loads(line) for line in (work / f"runs/replay-{dtype}/metrics.jsonl").read_text().splitlines()]
         print(f"Kimi-K2-Thinking twin, {args.steps} replayed steps at lr {args.lr:g}; per step: delta ratio (full / stored bytes), "
               "changed fraction, publish seconds")

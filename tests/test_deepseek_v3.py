@@ -323,14 +323,14 @@ def test_twin_rl_replayed_with_fp8_policies_ships_fp8_deltas(chain):
     root = chain["root"]
     composer_ok(
         "train", "rl", str(REPO / "recipes/smoke-deepseek-v3-rl.yaml"), "--replay", str(root / "runs/smoke-deepseek-v3-rl"), *sum((["--set", kv] for kv in (
-            f"run.dir={root / 'runs'}", "run.name=replay-fp8", f"model.checkpoint={chain['midtrain_export']}", f"sync.store={root / 'store-fp8'}",
+            f"run.dir={root / 'runs'}", "run.name=replay-fp8", f"model.checkpoint={chain['midtrain_export']}",
             "rollout.dtype=fp8", "train.steps=3", "rl.prompts_per_step=2", "rl.group_size=4", "train.global_batch_size=8",
         )), []),
     )
     records = list(read_metrics(root / "runs/replay-fp8/metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(0 < r["sync_changed_fraction"] < 1 and r["sync_ratio"] > 1 for r in records)
-    composer_ok("sync", "pull", "--store", str(root / "store-fp8"), "--to", str(root / "receiver-fp8"))
+    composer_ok("sync", "pull", "--store", str(root / "runs/replay-fp8/weights"), "--to", str(root / "receiver-fp8"))  # a replay's own store
     pulled = root / "receiver-fp8/current"
     layout = CheckpointLayout.of(pulled)
     m = model_section_from_hf(pulled)

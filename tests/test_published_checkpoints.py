@@ -188,6 +188,33 @@ def test_megatron_matches_transformers_past_the_original_context(twins, megatron
 
 
 @pytest.mark.engines
+def test_vllm_on_cpu_serves_the_dense_conversions_as_megatron_computes_them(twins, megatron, tmp_path):
+    """vLLM on CPU runs neither block-fp8 linears nor INT4 MoE without AMX, and the K2.5 twin's vision tower is not
+    MoonViT's; what it serves here are the dense (fp32) conversions of the kimi_k2 and deepseek_v3 twins (YaRN,
+    DeepSeek-V3's carried MTP layer ignored): prompt logprobs equal Megatron's past the original context."""
+    from rollout.engine import EmbeddedEngine
+    from recipes.schema import RolloutSection, SamplingSection
+    from trainer.model import forward_logits
+    from trainer.weights import convert_hf
+
+    tokens = torch.randint(2, 1000, (2, 64), generator=torch.Generator().manual_seed(1))
+    for kind in ("kimi_k2", "deepseek_v3"):
+        dense = convert_hf(model_section_from_hf(twins[kind]), tmp_path / kind, dtype=torch.float32)
+        m, model = load(dense)
+        with torch.no_grad():
+            ours = torch.log_softmax(forward_logits(model, tokens).double(), -1)
+        rollout = RolloutSection(max_context=128, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=4))
+        engine = EmbeddedEngine(dense, rollout, seed=0, routed_experts=False)
+        try:
+            served = engine.prompt_logprobs([row.tolist() for row in tokens])
+        finally:
+            del engine
+        for b in range(len(tokens)):
+            expected = ours[b, torch.arange(tokens.shape[1] - 1), tokens[b, 1:]]
+            assert (torch.tensor(served[b], dtype=torch.float64) - expected).abs().max().item() <= 1e-5, kind
+
+
+@pytest.mark.engines
 @pytest.mark.parametrize("kind", KINDS)
 def test_import_export_round_trip_is_bit_exact(twins, megatron, tmp_path, kind):
     """Exported in the checkpoint's own quantized layout, every stored tensor (MTP layers, vision tower and
