@@ -44,9 +44,12 @@ def validate(
 def _check_checkpoint(recipe: Recipe) -> None:
     checkpoint = recipe.model.checkpoint
     if checkpoint and (Path(checkpoint) / "config.json").is_file():
+        from rollout.agent.harness import check_tokenizer_code
         from trainer.weights import check_checkpoint_before_launch  # torch: only when there is a checkpoint to read
 
         check_checkpoint_before_launch(recipe.model)
+        if recipe.rl:
+            check_tokenizer_code(checkpoint, recipe.model.trust_remote_code)  # the agent loop's tokenizer
 
 
 @app.command()

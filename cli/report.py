@@ -22,7 +22,11 @@ def report(
 ) -> None:
     """Plot a run's metrics.jsonl into RUN_DIR/report/, write RUN_DIR/report.html (self-contained: plots in panels, the
     headline ones first) and summarise the headline series; --compare overlays several runs in one page."""
-    from runtime.report import is_headline, render_comparison, render_report  # imports matplotlib: keep `composer --help` fast
+    from runtime.report import (  # imports matplotlib: keep `composer --help` fast
+        is_headline,
+        render_comparison,
+        render_report,
+    )
 
     if compare and len(run_dirs) < 2:
         raise UserError("--compare needs two runs or more")

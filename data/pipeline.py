@@ -44,7 +44,12 @@ import zstandard
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.executor.base import DistributedEnvVars, PipelineExecutor
 from datatrove.pipeline.base import PipelineStep
-from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupFilter, ExactDedupSignature, ExactFindDedups
+from datatrove.pipeline.dedup.exact_dedup import (
+    ExactDedupConfig,
+    ExactDedupFilter,
+    ExactDedupSignature,
+    ExactFindDedups,
+)
 from datatrove.pipeline.dedup.minhash import (
     MinhashConfig,
     MinhashDedupBuckets,

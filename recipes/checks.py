@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from recipes.errors import UserError
 from recipes.schema import ModelSection, ParallelismSection, Recipe, RolloutDevicesSection, RolloutSection
-from recipes.sizes import engine_weight_bytes_per_device, kv_bytes_per_token_per_device
+from recipes.sizes import engine_weight_bytes_per_device, kv_bytes_per_token_per_device, sized_dtype
 
 
 @dataclass(frozen=True)
@@ -286,12 +286,13 @@ def engine_split_problems(m: ModelSection, rollout: RolloutSection) -> list[Prob
                                                      "(or shard whole experts: enable_expert_parallel)"))
     if (not m.is_moe or m.first_k_dense) and m.ffn_hidden_size % p.tp:
         out.append(Problem("rollout.parallelism.tp", f"{p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}"))
-    one_context = kv_bytes_per_token_per_device(m, p, rollout.dtype) * rollout.max_context
+    dtype = sized_dtype(rollout.dtype, rollout.devices.kind if rollout.devices else None)
+    one_context = kv_bytes_per_token_per_device(m, p, dtype) * rollout.max_context
     if one_context > rollout.kv_cache_gib * 2**30:
         # vLLM refuses to start an engine whose KV cache cannot hold one request of max_model_len tokens
         out.append(Problem("rollout.kv_cache_gib", f"{rollout.kv_cache_gib:g} GiB per device cannot hold one rollout.max_context="
                                                    f"{rollout.max_context} tokens of KV cache ({one_context / 2**30:.2f} GiB at "
-                                                   f"{rollout.dtype} with rollout.parallelism tp={p.tp} pp={p.pp}); raise it or lower max_context"))
+                                                   f"{dtype} with rollout.parallelism tp={p.tp} pp={p.pp}); raise it or lower max_context"))
     if rollout.engine == "embedded" and p.dp > 1:
         out.append(Problem("rollout.parallelism.dp", "data parallelism needs rollout.engine: server (vLLM's offline engine serves one replica)"))
     return out
@@ -321,10 +322,11 @@ def engine_fit_problems(m: ModelSection, rollout: RolloutSection, devices: Rollo
         ranks_on_host = devices.per_host
     if devices.kind == "cpu":
         out += _cpu_engine_problems(m, rollout)
-    weights = engine_weight_bytes_per_device(m, p, rollout.dtype) / 2**30
+    dtype = sized_dtype(rollout.dtype, devices.kind)
+    weights = engine_weight_bytes_per_device(m, p, dtype) / 2**30
     per_rank = weights + rollout.kv_cache_gib
     if devices.kind == "gpu" and per_rank > GPU_MEMORY_UTILIZATION * devices.memory_gib:
-        out.append(Problem("rollout", f"the model does not fit: {weights:.1f} GiB of weights per GPU (at least; rollout.dtype={rollout.dtype} "
+        out.append(Problem("rollout", f"the model does not fit: {weights:.1f} GiB of weights per GPU (at least; rollout.dtype={dtype} "
                                       f"over tp x pp = {p.tp} x {p.pp}{f', experts over ep={p.ep}' if p.enable_expert_parallel else ''}) + "
                                       f"rollout.kv_cache_gib={rollout.kv_cache_gib:g} = {per_rank:.1f} GiB is more than "
                                       f"{GPU_MEMORY_UTILIZATION:.0%} of rollout.devices.memory_gib={devices.memory_gib:g}; "

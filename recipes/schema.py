@@ -146,6 +146,9 @@ class ModelSection(Section):
     mtp: Literal["carry", "drop"] = "carry"
     """The checkpoint's multi-token-prediction layers, which are not trained: `carry` copies them bit-exactly from
     model.checkpoint into every export, `drop` leaves them out (the export says num_nextn_predict_layers 0)."""
+    trust_remote_code: bool = False
+    """Run the Python code a checkpoint ships for its tokenizer (Kimi's tiktoken tokenizer is tokenization_kimi.py,
+    named by tokenizer_config.json); without it such a checkpoint is refused before launch."""
     kernels: KernelsSection = Field(default_factory=KernelsSection)
     """Compute kernels of experts and attention (the same function either way; the choice is logged at build)."""
 
@@ -547,10 +550,24 @@ class RolloutSection(Section):
     """Most compactions (summaries or drops) in one episode."""
     kv_cache_gib: float = Field(default=1.0, gt=0)
     """KV-cache memory on each device of an engine (vLLM kv_cache_memory_bytes, per rank)."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Inference dtype; the learner (fp32 master weights) ships every policy in it. `auto`: bfloat16 with a GPU or a CPU
-    that computes bf16 natively (AVX-512 BF16 or AMX), float32 on other CPUs, where bf16 is emulated and slower;
-    decided on the machine that starts the run (the resolved recipe in the run directory says which)."""
+    dtype: Literal["auto", "float32", "bfloat16", "fp8", "int4"] = "auto"
+    """Inference format; the learner (fp32 master weights) ships every policy in it. `auto`: bfloat16 with a GPU or a
+    CPU that computes bf16 natively (AVX-512 BF16 or AMX), float32 on other CPUs, where bf16 is emulated and slower;
+    decided on the machine that starts the run (the resolved recipe in the run directory says which). `fp8` and `int4`
+    are the published serving layouts of DeepSeek-V3 / Kimi-K2 (block fp8: every linear of the layers) and
+    Kimi-K2-Thinking / K2.5 (compressed-tensors INT4: the routed experts), in the checkpoint's own layout when it is
+    stored so; the other tensors and the engines' activations are bf16."""
+
+    @property
+    def quantize(self) -> Literal["fp8", "int4"] | None:
+        return self.dtype if self.dtype in ("fp8", "int4") else None
+
+    @property
+    def compute_dtype(self) -> Literal["float32", "bfloat16"]:
+        """The engines' activation dtype (vLLM --dtype) once `auto` is resolved."""
+        if self.dtype == "auto":
+            raise ValueError("rollout.dtype auto is resolved on the machine that starts the run (vllm_engine.resolved_dtype)")
+        return "bfloat16" if self.quantize else self.dtype
     chat_template: bool = False
     """Put each task prompt in the tokenizer's chat template as a user turn, answered by the assistant
     (instruct models such as SmolLM2-Instruct); off: the prompt as plain text."""

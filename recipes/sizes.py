@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from recipes.schema import EngineParallelismSection, ModelSection
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+WEIGHT_BYTES = {"float32": (4, 4), "bfloat16": (2, 2), "fp8": (1, 1), "int4": (2, 0.5)}
+"""Bytes per parameter (outside the routed experts, of a routed expert) of each rollout.dtype: fp8 quantizes every
+linear, int4 the routed experts only (their scales and the bf16 embeddings and norms left out: a lower bound)."""
+
+
+def sized_dtype(dtype: str, kind: str | None) -> str:
+    """`rollout.dtype` for sizing before the machine decides `auto`: bfloat16 on GPUs, float32 on CPUs or unknown
+    devices (the larger of the two it may become there)."""
+    return ("bfloat16" if kind == "gpu" else "float32") if dtype == "auto" else dtype
 
 
 def parameter_counts(m: ModelSection) -> tuple[int, int]:
@@ -49,7 +57,8 @@ def engine_weight_bytes_per_device(m: ModelSection, p: EngineParallelismSection,
     experts = routed_expert_parameters(m)
     common = parameter_counts(m)[0] - experts
     expert_split = p.ep if p.enable_expert_parallel else p.tp
-    return (common // (p.tp * p.pp) + experts // (expert_split * p.pp)) * DTYPE_BYTES[dtype]
+    common_bytes, expert_bytes = WEIGHT_BYTES[dtype]
+    return int(common // (p.tp * p.pp) * common_bytes + experts // (expert_split * p.pp) * expert_bytes)
 
 
 def kv_bytes_per_token_per_device(m: ModelSection, p: EngineParallelismSection, dtype: str) -> int:
@@ -61,4 +70,4 @@ def kv_bytes_per_token_per_device(m: ModelSection, p: EngineParallelismSection, 
         per_layer = m.kv_lora_rank + m.qk_rope_head_dim
     else:
         per_layer = 2 * max(m.num_kv_heads // p.tp, 1) * m.head_dim
-    return layers * per_layer * DTYPE_BYTES[dtype]
+    return layers * per_layer * (4 if dtype == "float32" else 2)  # quantized formats keep a bf16 KV cache

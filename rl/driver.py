@@ -4,6 +4,7 @@ the learner's last step; with `--replay RUN`, the learner trains on RUN's record
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 import traceback
 from collections.abc import Iterator
@@ -33,7 +34,8 @@ from rl.protocol import (
 )
 from rl.rollout_hosts import LocalHost, open_hosts, plan_fleet, refuse_engines_over_hosts
 from rl.rollout_worker import RolloutWorker
-from rollout.engines.vllm_engine import with_resolved_dtype
+from rollout.agent.harness import check_tokenizer_code
+from rollout.engines.vllm_engine import check_local_serving_format, with_resolved_dtype
 from runtime.processes import output_to_log
 from runtime.run_dir import RunDir
 from sync.pusher import push_version
@@ -69,6 +71,8 @@ def check_rl_recipe(recipe: Recipe) -> None:
     check_kernels_installed(recipe.model.kernels)
     check_checkpoint_before_launch(recipe.model)
     plan_fleet(recipe)  # engines that cannot fit their hosts stop the run here, before anything starts
+    if Path(recipe.model.checkpoint).is_dir():
+        check_tokenizer_code(recipe.model.checkpoint, recipe.model.trust_remote_code)  # the agent loop's tokenizer
 
 
 def check_replay(recipe: Recipe, source: Path) -> None:
@@ -135,7 +139,8 @@ def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: Job, view: RLConsol
             routed_experts=recipe.model.is_moe and recipe.rl.router_replay == "r3",
             hosts=hosts, tokenizer_dir=tokenizer_dir, queue=queue, files=files,
             on_group=view.group, evaluation=recipe.rl.eval, steps=recipe.train.steps,
-            on_eval=lambda version, record: view.evaluation(summary_line(version, record)), ssh=recipe.cluster.ssh)
+            on_eval=lambda version, record: view.evaluation(summary_line(version, record)), ssh=recipe.cluster.ssh,
+            trust_remote_code=recipe.model.trust_remote_code)
         stack.callback(worker.close)
         view.note(f"rolling out on {len(worker.slots)} engine(s)")
 
@@ -169,6 +174,8 @@ def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bo
     if replay is not None:
         replay = replay.resolve()
         check_replay(recipe, replay)
+    else:
+        check_local_serving_format(recipe.rollout)
     run.prepare(recipe_to_yaml(recipe), resume)
     if replay is not None:
         files.record_replay_source(replay)
@@ -180,10 +187,27 @@ def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bo
     return run.root
 
 
+def starting_policy(recipe: Recipe, files: RLRunFiles) -> Path:
+    """model.checkpoint when it is stored in the engines' format (a dense one for dense engines, which cast it),
+    else the checkpoint rewritten in that format, as the learner will export every later policy."""
+    import torch
+
+    from trainer.hf_checkpoint import CheckpointLayout
+    from trainer.weights import convert_hf
+
+    stored = CheckpointLayout.of(recipe.model.checkpoint).quantization
+    rollout = recipe.rollout
+    if (stored.method if stored else None) == rollout.quantize:
+        return Path(recipe.model.checkpoint)
+    out = files.export / "policy-000000"
+    shutil.rmtree(out, ignore_errors=True)
+    return convert_hf(recipe.model, out, quantize=rollout.quantize, dtype=None if rollout.quantize else getattr(torch, rollout.dtype))
+
+
 def drive(recipe: Recipe, files: RLRunFiles, run: RunDir, view: RLConsole, replay: Path | None) -> None:
     if files.policy() is None:
         view.note(f"publishing the initial policy from {recipe.model.checkpoint}")
-        info = push_version(recipe.model.checkpoint, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
+        info = push_version(starting_policy(recipe, files), sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
         files.publish_policy(Policy(0, info.id))
     view.note("starting the learner")
     learner = start_learner(recipe, files)

@@ -97,13 +97,16 @@ def alarm_message(step: int, record: dict[str, float], rl: RLSection) -> str | N
 
 def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int) -> dict[str, float]:
     """Export the new policy (collective), push it as a delta (rank 0) and point the rollout engines at it."""
+    started = time.monotonic()
     out = files.export / f"policy-{version:06d}"
     if dist.get_rank() == 0:
         shutil.rmtree(out, ignore_errors=True)
     dist.barrier()
-    # In the engines' dtype, not the fp32 master weights': consecutive bf16 policies share most of their values,
-    # so the sync delta is sparse, and the engines get exactly the weights they compute with.
-    learner.core.export(out, tokenizer_dir=recipe.model.checkpoint, dtype=getattr(torch, recipe.rollout.dtype))
+    # In the engines' format, not the fp32 master weights': consecutive bf16 (or fp8, INT4) policies share most of
+    # their values, so the sync delta is sparse, and the engines get exactly the weights they compute with.
+    rollout = recipe.rollout
+    learner.core.export(out, tokenizer_dir=recipe.model.checkpoint, quantize=rollout.quantize,
+                        dtype=None if rollout.quantize else getattr(torch, rollout.dtype))
     metrics: dict[str, float] = {}
     if dist.get_rank() == 0:
         info = push_version(out, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
@@ -112,7 +115,8 @@ def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int)
             if old != out:
                 shutil.rmtree(old, ignore_errors=True)
         metrics = {"sync_bytes": info.stored_bytes, "sync_ratio": info.ratio, "sync_seconds": info.seconds,
-                   "sync_changed_fraction": info.changed_elements / max(info.total_elements, 1)}
+                   "sync_changed_fraction": info.changed_elements / max(info.total_elements, 1),
+                   "publish_seconds": time.monotonic() - started}
     dist.barrier()
     return metrics
 

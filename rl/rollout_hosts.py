@@ -20,7 +20,16 @@ import time
 import uuid
 from pathlib import Path
 
-from cluster.placement import PROBE, EnginePlacement, HostDevices, HostPlacement, local_devices, place_fleet, place_host, planned_devices
+from cluster.placement import (
+    PROBE,
+    EnginePlacement,
+    HostDevices,
+    HostPlacement,
+    local_devices,
+    place_fleet,
+    place_host,
+    planned_devices,
+)
 from cluster.ssh import SSHHost
 from recipes.errors import UserError
 from recipes.schema import Recipe, RolloutSection, SSHSection, SyncSection

@@ -45,8 +45,10 @@ class RolloutWorker:
                  hosts: list[LocalHost | RemoteHost], tokenizer_dir: str, queue: RolloutQueue, files: RLRunFiles,
                  on_group: Callable[[str, dict], None] = lambda gid, stats: None,
                  evaluation: RLEvalSection | None = None, steps: int = 0,
-                 on_eval: Callable[[int, dict], None] = lambda version, record: None, ssh: SSHSection | None = None):
+                 on_eval: Callable[[int, dict], None] = lambda version, record: None, ssh: SSHSection | None = None,
+                 trust_remote_code: bool = False):
         self.rollout, self.group_size, self.seed = rollout, group_size, seed
+        self.trust_remote_code = trust_remote_code
         self.queue, self.files, self.on_group, self.on_eval = queue, files, on_group, on_eval
         self.env = CodingEnvironment(env, seed=seed, sandbox_root=files.root / "sandbox", ssh=ssh)
         try:
@@ -65,7 +67,7 @@ class RolloutWorker:
             weights = host.pull(policy.store_version)
             for engine in host.start_engines(weights, seed=self.seed + len(slots), routed_experts=routed_experts):
                 # A tokenizer each: HF fast tokenizers are not safe to share between threads.
-                runner = EpisodeRunner(engine, Tokenizer(tokenizer_dir), self.env, self.rollout)
+                runner = EpisodeRunner(engine, Tokenizer(tokenizer_dir, self.trust_remote_code), self.env, self.rollout)
                 slots.append(EngineSlot(len(slots), host, engine, runner, policy.version))
         return slots
 

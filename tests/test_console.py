@@ -12,9 +12,9 @@ import pytest
 from rich.console import Console
 
 from rl.console import RLConsole, alarms
+from runtime import progress
 from runtime.run_dir import MetricsWriter
 from tests.conftest import REPO
-from runtime import progress
 
 SCRIPT = textwrap.dedent("""
     import atexit, logging, os, subprocess, sys

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from data.prepare import prepare_data
 from recipes.errors import UserError
 from recipes.schema import DataSection
-from tests.data_helpers import train_tokenizer, write_jsonl
-from data.prepare import prepare_data
 from runtime.prepared_data import PreparedData
+from tests.data_helpers import train_tokenizer, write_jsonl
 from trainer.datasets import build_gpt_datasets
 
 SEQ = 32

@@ -10,13 +10,13 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer
 
+from data.inputs import plan_units
+from data.prepare import prepare_data
 from recipes.errors import UserError
 from recipes.loader import load_recipe
 from recipes.schema import DataSource
 from tests.conftest import run_composer
 from tests.data_helpers import EOS, STDLIB, train_tokenizer, write_jsonl, write_recipe
-from data.inputs import plan_units
-from data.prepare import prepare_data
 
 REPO = Path(__file__).resolve().parents[1]
 JSON_FILES = sorted((STDLIB / "json").glob("*.py"))

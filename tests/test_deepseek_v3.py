@@ -310,3 +310,29 @@ def test_twin_rl_replays_the_engine_routes_and_ships_its_policy(chain):
     pulled = chain["pulled"]
     assert model_section_from_hf(pulled).family == "deepseek_v3"
     assert json.loads((pulled / "config.json").read_text())["topk_method"] == "noaux_tc"
+
+
+def test_twin_rl_replayed_with_fp8_policies_ships_fp8_deltas(chain):
+    """The same learner steps (--replay of the run above, no engines) with rollout.dtype fp8: every policy goes out
+    in block fp8 (starting policy converted, the learner's exports quantized), as sparse deltas, and pulls back as a
+    checkpoint composer reads."""
+    from runtime.run_dir import read_metrics
+    from trainer.hf_checkpoint import CheckpointLayout
+    from trainer.weights import expected_hf_names
+
+    root = chain["root"]
+    composer_ok(
+        "train", "rl", str(REPO / "recipes/smoke-deepseek-v3-rl.yaml"), "--replay", str(root / "runs/smoke-deepseek-v3-rl"), *sum((["--set", kv] for kv in (
+            f"run.dir={root / 'runs'}", "run.name=replay-fp8", f"model.checkpoint={chain['midtrain_export']}",
+            "rollout.dtype=fp8", "train.steps=3", "rl.prompts_per_step=2", "rl.group_size=4", "train.global_batch_size=8",
+        )), []),
+    )
+    records = list(read_metrics(root / "runs/replay-fp8/metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(0 < r["sync_changed_fraction"] < 1 and r["sync_ratio"] > 1 for r in records)
+    composer_ok("sync", "pull", "--store", str(root / "runs/replay-fp8/weights"), "--to", str(root / "receiver-fp8"))  # a replay's own store
+    pulled = root / "receiver-fp8/current"
+    layout = CheckpointLayout.of(pulled)
+    m = model_section_from_hf(pulled)
+    assert layout.quantization.method == "fp8" and layout.is_quantized("model.layers.1.mlp.experts.3.down_proj.weight")
+    assert layout.problems(m, expected_hf_names(m)) == []

@@ -17,7 +17,6 @@ import torch
 from runtime.run_dir import read_metrics
 from tests.conftest import COMPOSER, RECIPES, REPO, run_composer, run_ranks
 
-
 # --- recipe keys -------------------------------------------------------------------------------------
 
 

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from recipes.errors import UserError
 from tests.conftest import run_composer
 from tests.published_twins import make_twin, twin_config, write_reference
+from tests.tiktoken_checkpoint import write_tiktoken_tokenizer
 from trainer.hf_config import model_section_from_hf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +28,9 @@ QUANTIZE = {"deepseek_v3": "fp8", "kimi_k2": "fp8", "kimi_k2_thinking": "int4", 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("twins")
-    return {kind: make_twin(root / kind, kind) for kind in KINDS}
+    out = {kind: make_twin(root / kind, kind) for kind in KINDS}
+    write_tiktoken_tokenizer(out["kimi_k25"])  # Kimi's tokenizer is tiktoken code it ships
+    return out
 
 
 def stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -184,6 +188,33 @@ def test_megatron_matches_transformers_past_the_original_context(twins, megatron
 
 
 @pytest.mark.engines
+def test_vllm_on_cpu_serves_the_dense_conversions_as_megatron_computes_them(twins, megatron, tmp_path):
+    """vLLM on CPU runs neither block-fp8 linears nor INT4 MoE without AMX, and the K2.5 twin's vision tower is not
+    MoonViT's; what it serves here are the dense (fp32) conversions of the kimi_k2 and deepseek_v3 twins (YaRN,
+    DeepSeek-V3's carried MTP layer ignored): prompt logprobs equal Megatron's past the original context."""
+    from recipes.schema import RolloutSection, SamplingSection
+    from rollout.engines.vllm_engine import EmbeddedEngine
+    from trainer.model import forward_logits
+    from trainer.weights import convert_hf
+
+    tokens = torch.randint(2, 1000, (2, 64), generator=torch.Generator().manual_seed(1))
+    for kind in ("kimi_k2", "deepseek_v3"):
+        dense = convert_hf(model_section_from_hf(twins[kind]), tmp_path / kind, dtype=torch.float32)
+        m, model = load(dense)
+        with torch.no_grad():
+            ours = torch.log_softmax(forward_logits(model, tokens).double(), -1)
+        rollout = RolloutSection(max_context=128, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=4))
+        engine = EmbeddedEngine(dense, rollout, seed=0, routed_experts=False)
+        try:
+            served = engine.prompt_logprobs([row.tolist() for row in tokens])
+        finally:
+            del engine
+        for b in range(len(tokens)):
+            expected = ours[b, torch.arange(tokens.shape[1] - 1), tokens[b, 1:]]
+            assert (torch.tensor(served[b], dtype=torch.float64) - expected).abs().max().item() <= 1e-5, kind
+
+
+@pytest.mark.engines
 @pytest.mark.parametrize("kind", KINDS)
 def test_import_export_round_trip_is_bit_exact(twins, megatron, tmp_path, kind):
     """Exported in the checkpoint's own quantized layout, every stored tensor (MTP layers, vision tower and
@@ -197,6 +228,8 @@ def test_import_export_round_trip_is_bit_exact(twins, megatron, tmp_path, kind):
     assert [n for n in original if not same_bits(original[n], exported[n])] == []
     assert json.loads((tmp_path / "export/config.json").read_text()) == json.loads((twins[kind] / "config.json").read_text())
     assert len(list((tmp_path / "export").glob("*.safetensors"))) > 1
+    for other in ("tiktoken.model", "tokenization_kimi.py", "tokenizer_config.json"):  # the tokenizer travels with every policy
+        assert not (twins[kind] / other).exists() or (tmp_path / "export" / other).read_bytes() == (twins[kind] / other).read_bytes()
 
 
 @pytest.mark.engines
@@ -242,10 +275,9 @@ def test_mtp_layers_dropped_and_dense_exports(twins, megatron, tmp_path):
 def test_quantized_twins_load_under_tensor_and_expert_parallelism(twins, tmp_path):
     """tp=2 (sequence parallel) and ep=2: the INT4 and fp8 twins load with the logits of tp=1 and export, gathered
     from both ranks, the published bytes (tests/published_worker.py)."""
-    from trainer.distributed import run_torchrun
+    from tests.conftest import run_ranks
 
-    result = run_torchrun(2, [str(REPO / "tests/published_worker.py"), str(tmp_path), str(twins["kimi_k25"]), str(twins["deepseek_v3"])],
-                          env={"PYTHONPATH": str(REPO)}, timeout=600)
+    result = run_ranks(2, "tests.published_worker", str(tmp_path), str(twins["kimi_k25"]), str(twins["deepseek_v3"]), timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     results = torch.load(tmp_path / "results.pt")
     for kind in ("kimi_k25", "deepseek_v3"):
@@ -256,3 +288,85 @@ def test_quantized_twins_load_under_tensor_and_expert_parallelism(twins, tmp_pat
         for export in sorted(tmp_path.glob(f"export-{kind}-*")):
             exported = stored_tensors(export)
             assert set(exported) == set(original) and all(same_bits(original[n], exported[n]) for n in original), export.name
+
+
+# --- the tokenizer: Kimi's tiktoken code, offline ----------------------------------------------------------------
+
+
+def test_a_tiktoken_tokenizer_shipped_as_code_loads_offline_only_when_trusted(twins, monkeypatch):
+    """The agent loop's tokenizer of a Kimi-style checkpoint: refused (naming the key) until model.trust_remote_code,
+    then its own tiktoken code runs offline: text round-trips, role tokens are single ids past the ranks, and the
+    chat template (with tool declarations) renders."""
+    from rollout.agent.harness import Tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="tokenization_kimi.TikTokenTokenizer, named by tokenizer_config.json.*set model.trust_remote_code: true"):
+        Tokenizer(str(twins["kimi_k25"]))
+    tok = Tokenizer(str(twins["kimi_k25"]), trust_remote_code=True)
+    text = "def wrap(text, width=70):\n    return text.split()  # ünïcode"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and len(ids) < len(text)
+    prompt = tok.render([{"role": "user", "content": "fix the bug"}], tools=[{"type": "function", "function": {"name": "finish"}}],
+                        add_generation_prompt=True)
+    assert prompt.startswith("<|im_system|>tool_declare<|im_middle|>[{") and prompt.endswith("<|im_assistant|>assistant<|im_middle|>")
+    ids = tok.encode(prompt)
+    assert ids[0] == 300 + 5 and ids.count(300 + 6) == 3  # <|im_system|>, three <|im_middle|>
+    assert tok.decode(ids) == 'tool_declare[{"type": "function", "function": {"name": "finish"}}]userfix the bugassistant'
+
+
+def test_an_rl_recipe_on_such_a_checkpoint_is_refused_before_launch_until_trusted(twins, tmp_path):
+    import yaml
+
+    recipe = yaml.safe_load(recipe_for(twins["kimi_k25"], tmp_path).read_text())
+    del recipe["data"]
+    recipe.update(rollout={"max_context": 256, "sampling": {"max_tokens": 16}}, env={"tasks": [{"name": "smoke"}]}, rl={"group_size": 2, "prompts_per_step": 1},
+                  sync={"store": str(tmp_path / "store")})
+    (tmp_path / "rl.yaml").write_text(yaml.safe_dump(recipe))
+    for command in (["recipe", "validate"], ["train", "rl", "--dry-run"]):
+        result = run_composer(*command[:2], str(tmp_path / "rl.yaml"), *command[2:])
+        assert result.returncode == 2 and "set model.trust_remote_code: true to run it" in " ".join((result.stdout + result.stderr).split()), command
+    result = run_composer("recipe", "validate", str(tmp_path / "rl.yaml"), "--set", "model.trust_remote_code=true")
+    assert result.returncode == 0, result.stdout
+
+
+# --- the serving formats out: RL policies in fp8 / INT4 ----------------------------------------------------------
+
+
+@pytest.mark.engines
+def test_the_starting_policy_is_converted_as_the_learner_exports(twins, megatron, tmp_path):
+    """The RL starting policy in the engines' format (no model built) has the bytes of the learner's export of the
+    same weights: bf16 from block fp8; INT4 from INT4 (the published bytes); fp8 from INT4 (fresh block scales)."""
+    from trainer.weights import convert_hf, export_hf
+
+    for kind, dtype, quantize in (("kimi_k2", torch.bfloat16, None), ("kimi_k25", None, "int4"), ("kimi_k25", None, "fp8")):
+        m, model = load(twins[kind])
+        converted = convert_hf(m, tmp_path / f"{kind}-{quantize}-converted", dtype=dtype, quantize=quantize)
+        export_hf(model, m, tmp_path / f"{kind}-{quantize}-exported", dtype=dtype, quantize=quantize)
+        a, b = stored_tensors(converted), stored_tensors(tmp_path / f"{kind}-{quantize}-exported")
+        assert set(a) == set(b) and all(same_bits(a[n], b[n]) for n in a), (kind, quantize)
+        assert json.loads((converted / "config.json").read_text()) == json.loads((tmp_path / f"{kind}-{quantize}-exported/config.json").read_text())
+    original = stored_tensors(twins["kimi_k25"])
+    assert all(same_bits(original[n], a[n]) for n in original if n.startswith(("vision_tower.", "mm_projector.")))
+    fp8 = stored_tensors(tmp_path / "kimi_k25-fp8-converted")
+    scaled = {n.removesuffix("_scale_inv") for n in fp8 if n.endswith("weight_scale_inv")}
+    assert scaled and all(fp8[n].dtype == torch.float8_e4m3fn for n in scaled) and not any(n.endswith("weight_packed") for n in fp8)
+    config = json.loads((tmp_path / "kimi_k25-fp8-converted/config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8" and "quantization_config" not in config["text_config"]
+    assert model_section_from_hf(tmp_path / "kimi_k25-fp8-converted") == model_section_from_hf(twins["kimi_k25"]).model_copy(
+        update={"checkpoint": str(tmp_path / "kimi_k25-fp8-converted")})
+
+
+@pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="this CPU runs vLLM's fp8 and INT4 kernels")
+def test_quantized_engines_this_cpu_cannot_run_are_refused_before_launch(twins, tmp_path):
+    import yaml
+
+    recipe = yaml.safe_load(recipe_for(twins["kimi_k25"], tmp_path).read_text())
+    del recipe["data"]
+    recipe["model"]["trust_remote_code"] = True
+    recipe.update(rollout={"max_context": 256, "sampling": {"max_tokens": 16}, "dtype": "int4"}, env={"tasks": [{"name": "smoke"}]},
+                  rl={"group_size": 2, "prompts_per_step": 1}, sync={"store": str(tmp_path / "store")})
+    (tmp_path / "rl.yaml").write_text(yaml.safe_dump(recipe))
+    result = run_composer("train", "rl", str(tmp_path / "rl.yaml"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "rollout.dtype int4: vLLM on this CPU runs INT4 MoE only with AMX tiles" in " ".join(result.stderr.split())
+    assert not (tmp_path / "runs").exists()

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from recipes.schema import EnvSection, RecallSettings, RolloutSection, RLSection, SamplingSection, TaskSet
+from recipes.schema import EnvSection, RecallSettings, RLSection, RolloutSection, SamplingSection, TaskSet
 from rollout.agent.trajectory import Trajectory
 from rollout.engines.vllm_engine import Completion, Engine
 

@@ -6,12 +6,12 @@ from itertools import combinations
 
 import numpy as np
 import pytest
-from rollout.tasks.pool import held_out_split
 
 from recipes.errors import UserError
 from recipes.schema import EnvSection, RLEvalSection, TaskSet
 from rl.evaluation import bootstrap_interval, held_out_sets, pass_at_k
 from rollout.agent.environment import CodingEnvironment
+from rollout.tasks.pool import held_out_split
 
 
 def test_pass_at_k_is_the_unbiased_estimator():

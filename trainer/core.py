@@ -64,9 +64,10 @@ class TrainerCore:
         """Collective. A checkpoint of `step` holding `state` (JSON-serialisable) beside model and optimizer."""
         self.checkpointer.save(step, self.model, self.optimizer, {"layout": self.parallelism.layout(), **(state or {})})
 
-    def export(self, out_dir: Path, tokenizer_dir: str | Path | None, dtype: torch.dtype | None = None) -> None:
-        """Collective. The model as an HF checkpoint (safetensors, config.json, tokenizer), in `dtype` when given."""
-        export_hf(self.model, self.model_section, out_dir, tokenizer_dir=tokenizer_dir, dtype=dtype)
+    def export(self, out_dir: Path, tokenizer_dir: str | Path | None, dtype: torch.dtype | None = None, quantize: str | None = None) -> None:
+        """Collective. The model as an HF checkpoint (safetensors, config.json, tokenizer), in `dtype` when given,
+        quantized (`fp8`, `int4`) when asked."""
+        export_hf(self.model, self.model_section, out_dir, tokenizer_dir=tokenizer_dir, dtype=dtype, quantize=quantize)
 
 
 def export_checkpoint(model: ModelSection, parallelism: ParallelismSection, train: TrainSection, checkpoints: Path,

@@ -515,12 +515,34 @@ def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | 
     import torch.distributed as dist
 
     out = Path(out_dir)
-    writing = dist.get_rank() == 0
     # rank 0's file system decides (other nodes may not see it); every rank must stop together or none
     exists = [out.exists()]
     dist.broadcast_object_list(exists, src=0)
     if exists[0]:
         raise UserError(f"{out}: already exists; export into a new directory")
+    _write_checkpoint(iter_hf_tensors(model, m), m, out, dist.get_rank() == 0, tokenizer_dir, max_shard_bytes, dtype, quantize)
+    dist.barrier()
+
+
+@torch.no_grad()
+def convert_hf(m: ModelSection, out_dir: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None,
+               max_shard_bytes: int = SHARD_BYTES) -> Path:
+    """model.checkpoint rewritten as `export_hf` would write a model loaded from it, without building one (the RL
+    starting policy in its engines' format), shard by shard."""
+    out = Path(out_dir)
+    if out.exists():
+        raise UserError(f"{out}: already exists; convert into a new directory")
+    layout = check_checkpoint(m, m.checkpoint)
+    with ShardReader(layout) as reader:
+        names = sorted(expected_hf_names(m), key=lambda name: (reader.files_of((name,)), name))
+        _write_checkpoint(((name, reader.weight(name)) for name in names), m, out, True, m.checkpoint, max_shard_bytes, dtype, quantize)
+    return out
+
+
+def _write_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]], m: ModelSection, out: Path, writing: bool, tokenizer_dir,
+                      max_shard_bytes: int, dtype: torch.dtype | None, quantize: str | None) -> None:
+    """Consume `tensors` (HF name, full tensor); when `writing`, write them as an HF checkpoint at `out`,
+    atomically (a temporary directory renamed into place)."""
     source = CheckpointLayout.of(m.checkpoint) if m.checkpoint else None
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if writing:
@@ -531,7 +553,7 @@ def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | 
             writer = _ShardWriter(tmp, max_shard_bytes)
             encoder = _Encoder(source, reader, dtype, quantize)
             written_dtype = dtype
-            for name, tensor in iter_hf_tensors(model, m):
+            for name, tensor in tensors:
                 written_dtype = written_dtype or tensor.dtype
                 if writing:
                     for stored, part in encoder.encode(name, tensor):
@@ -546,7 +568,6 @@ def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | 
     finally:
         if writing and tmp.exists():
             shutil.rmtree(tmp)
-    dist.barrier()
 
 
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.safetensors\.index\.json$|config\.json$")

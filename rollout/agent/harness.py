@@ -399,13 +399,35 @@ def command_text(result: CommandResult) -> str:
 # --- rendering ---------------------------------------------------------------------------------
 
 
-class Tokenizer:
-    """Text <-> token ids with an HF tokenizer, never adding special tokens inside an episode."""
+def tokenizer_code(model_dir: str | Path) -> str | None:
+    """The Python class a checkpoint ships for its tokenizer (tokenizer_config.json `auto_map`, as Kimi's tiktoken
+    tokenizer `tokenization_kimi.TikTokenTokenizer`), if any."""
+    try:
+        config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    auto = config.get("auto_map", {}).get("AutoTokenizer") if isinstance(config, dict) and isinstance(config.get("auto_map"), dict) else None
+    classes = [c for c in (auto if isinstance(auto, list) else [auto]) if isinstance(c, str)]
+    return classes[0] if classes else None
 
-    def __init__(self, model_dir: str):
+
+def check_tokenizer_code(model_dir: str | Path, trust_remote_code: bool) -> None:
+    code = tokenizer_code(model_dir)
+    if code and not trust_remote_code:
+        raise UserError(f"{model_dir}: its tokenizer is Python code it ships ({code}, named by tokenizer_config.json); "
+                        "set model.trust_remote_code: true to run it")
+
+
+class Tokenizer:
+    """Text <-> token ids with an HF tokenizer, never adding special tokens inside an episode. A checkpoint's own
+    tokenizer code (Kimi's tiktoken tokenizer) runs only with `trust_remote_code`; everything loads offline from
+    `model_dir`."""
+
+    def __init__(self, model_dir: str, trust_remote_code: bool = False):
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(model_dir)
+        check_tokenizer_code(model_dir, trust_remote_code)
+        self._tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)

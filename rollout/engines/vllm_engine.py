@@ -112,6 +112,16 @@ def cpu_serving_problems(config: dict) -> list[str]:
     return problems
 
 
+def check_local_serving_format(rollout: RolloutSection) -> None:
+    """Before launch: engines on this machine can run the quantized policy format the recipe asks for."""
+    import torch
+
+    kernels = {"fp8": "block-fp8 linears", "int4": "INT4 MoE"}.get(rollout.quantize)
+    if kernels and "localhost" in rollout.hosts and not torch.cuda.is_available() and not torch.cpu._is_amx_tile_supported():
+        raise UserError(f"rollout.dtype {rollout.dtype}: vLLM on this CPU runs {kernels} only with AMX tiles (Sapphire Rapids or newer), "
+                        "which it lacks; use rollout.dtype: bfloat16 here, or --replay RUN to train on recorded rollouts without engines")
+
+
 def cpu_attention_backend(model_dir: Path, dtype: str) -> str | None:
     """The vLLM attention backend to force for this checkpoint on CPU, if any; refuses what vLLM on CPU cannot serve.
 
@@ -135,7 +145,7 @@ def engine_options(model_dir: str, rollout: RolloutSection, kind: str, *, seed: 
     on CPUs only, each with its reason (`cpu_backend`: the attention backend `cpu_attention_backend` chose)."""
     p = rollout.parallelism
     options: dict[str, object] = {
-        "model": str(model_dir), "dtype": rollout.dtype, "max_model_len": rollout.max_context,
+        "model": str(model_dir), "dtype": rollout.compute_dtype, "max_model_len": rollout.max_context,
         "kv_cache_memory_bytes": int(rollout.kv_cache_gib * 2**30), "seed": seed, "skip_tokenizer_init": not tokenizer,
         "enable_return_routed_experts": routed_experts, "logprobs_mode": LOGPROBS_MODE, "enable_prefix_caching": True,
         "worker_extension_cls": WORKER_EXTENSION, "tensor_parallel_size": p.tp, "pipeline_parallel_size": p.pp,
@@ -181,7 +191,7 @@ class EmbeddedEngine(Engine):
         rollout = with_resolved_dtype(rollout)
         self._llm = LLM(**engine_options(str(model_dir), rollout, placement.kind, seed=seed, routed_experts=routed_experts,
                                          tokenizer=(model_dir / "tokenizer.json").is_file(),
-                                         cpu_backend=cpu_attention_backend(model_dir, rollout.dtype) if placement.kind == "cpu" else None))
+                                         cpu_backend=cpu_attention_backend(model_dir, rollout.compute_dtype) if placement.kind == "cpu" else None))
         self._sampling = rollout.sampling
 
     def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None,
@@ -318,7 +328,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         options = engine_options(str(model_dir), rollout, placement.kind, seed=seed, routed_experts=routed_experts,
                                  tokenizer=(model_dir / "tokenizer.json").is_file(),
-                                 cpu_backend=cpu_attention_backend(model_dir, rollout.dtype) if placement.kind == "cpu" else None)
+                                 cpu_backend=cpu_attention_backend(model_dir, rollout.compute_dtype) if placement.kind == "cpu" else None)
         args = [sys.executable, "-m", server_guard.MODULE, *server_args(options, self.port)]
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **placement.env()}
         log_path.parent.mkdir(parents=True, exist_ok=True)
