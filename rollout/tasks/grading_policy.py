@@ -232,25 +232,27 @@ def _added(episode: ast.Module, trusted: ast.Module, taken: list[ast.stmt]) -> l
     return [node for node in episode.body if id(node) in kept]
 
 
-def _outside(tree: ast.Module, taken: set[str], added: list[ast.stmt]) -> str:
-    """The module's syntax tree without the taken functions and the added statements (what the splice leaves alone)."""
-    tree = copy.deepcopy(tree)
-    removed = {ast.dump(n) for n in added}
-    tree.body = [n for n in tree.body if ast.dump(n) not in removed]
+def _outside(tree: ast.Module, taken: set[str], added: list[ast.stmt]) -> list[str]:
+    """The module's statements without the taken functions and the added statements (what the splice leaves alone),
+    as syntax-tree dumps: a class holding taken methods as its shell, its other members, and its end."""
+    removed = {id(n) for n in added}
 
-    def strip(body: list[ast.stmt], prefix: str) -> list[ast.stmt]:
+    def shape(body: list[ast.stmt], prefix: str) -> list[str]:
         out = []
         for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and prefix + node.name in taken:
-                out.append(ast.Pass())
+            if id(node) in removed:
                 continue
-            if isinstance(node, ast.ClassDef):
-                node.body = strip(node.body, f"{prefix}{node.name}.")
-            out.append(node)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and prefix + node.name in taken:
+                out.append(f"taken {prefix}{node.name}")
+            elif isinstance(node, ast.ClassDef) and any(t.startswith(f"{prefix}{node.name}.") for t in taken):
+                shell = copy.copy(node)
+                shell.body = []
+                out += [ast.dump(shell), *shape(node.body, f"{prefix}{node.name}."), f"end {prefix}{node.name}"]
+            else:
+                out.append(ast.dump(node))
         return out
 
-    tree.body = strip(tree.body, "")
-    return ast.dump(tree)
+    return shape(tree.body, "")
 
 
 def splice(trusted: str, episode: str, functions: tuple[str, ...], original: str) -> tuple[str, list[str], set[str]]:

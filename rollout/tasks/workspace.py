@@ -11,7 +11,8 @@ own; else a plain copy. Grading never trusts the episode's files: it takes from 
 (`rollout.tasks.grading_policy`: source only, the task's function(s), no tests or test configuration; the kept
 change checked for code that reaches for the test run), builds a fresh read-only view of the grading base with
 it, and runs pytest there in the sandbox through `rollout.tasks.pytest_report`, which streams its report over a
-channel no file of the run holds, with a per-run secret, among trusted sentinel tests that must pass and fail.
+channel no file of the run holds, each line HMAC-chained under a per-run key, among trusted sentinel tests that
+must pass and fail (`read_report` believes nothing else).
 """
 
 from __future__ import annotations
