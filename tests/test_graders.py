@@ -12,7 +12,7 @@ from rollout.agent.environment import CodingEnvironment
 from rollout.agent.trajectory import Trajectory
 from rollout.sandbox import plain_data
 from rollout.sandbox.graders import judge_call, rewrite_assertions
-from rollout.sandbox.results import Call, ScriptRun, Statement
+from rollout.sandbox.results import Call, CaseTests, ScriptRun, Statement
 from rollout.sandbox.runs import Sandbox
 from rollout.tasks.functions import CodeIOSource, HumanEvalSource, canary_of, smoke_task
 from trainer.rl_objective import group_advantages
@@ -170,6 +170,21 @@ def test_humaneval_assertions_become_calls_with_reasons_for_the_rest():
     loops = source._tasks[53].tests
     cases = rewrite_assertions(loops.entry_point, loops.setup, loops.cases).cases
     assert any(isinstance(c, Statement) and "for statement" in c.reason for c in cases)
+
+
+def test_statements_judged_in_the_grader_are_limited_in_time_and_size(tmp_path):
+    """A test statement runs trusted code here on the program's outputs: one that loops as long as an output says
+    stops at the run's wall-clock limit, and an output too large to judge here is refused."""
+    sandbox = Sandbox(SandboxSection(cpu_seconds=10, wall_seconds=6, infra_retries=0), root=tmp_path)
+    loop = CaseTests(entry_point="f", cases=(Statement("for _ in range(candidate()):\n    pass", "a loop over an output"),))
+    result = sandbox.run("def f():\n    return 10 ** 15\n", loop)
+    assert (result.reward, result.status, result.infra_failure) == (0.0, "timeout", False) and "timeout" in result.flags
+    assert "wall-clock limit" in result.cases[0].error
+    large = CaseTests(entry_point="f", cases=(Statement("assert len(candidate()) > 0", "a helper"),))
+    result = sandbox.run("def f():\n    return 'x' * 2_000_000\n", large)
+    assert result.reward == 0.0 and "output_limit" in result.flags
+    assert "more than a test statement judges" in result.cases[0].error
+    assert sandbox.run("def f():\n    return 'x' * 1000\n", large).reward == 1.0
 
 
 def test_plain_data_refuses_objects_and_malformed_records():

@@ -1,5 +1,6 @@
 """Repository tasks end to end, with real pytest runs in the real sandbox: seeded mutations, a resumable build,
-episodes that cannot reach the original, copy-on-write workspaces, and grading that scripted cheats cannot fool.
+episodes that cannot reach the original, copy-on-write workspaces, and grading that scripted cheats cannot fool
+(each layer of it on its own: test_repo_grading.py).
 
 The tasks come from networkx's shortest-path module `unweighted.py` and its test file (about a second of CPU); one
 slow test builds and checks sympy tasks (`ntheory/digits.py`)."""
@@ -31,8 +32,10 @@ from rollout.tasks.repository import (
     repo_tests,
     set_dir,
 )
+from rollout.tasks.grading_policy import NOT_A_FILE
 from rollout.tasks.workspace import RepoWorkspace
 from tests.conftest import REPO
+from tests.repo_cheats import ANSWERS, CLASSES, in_function, payloads, pyc, written
 
 AS_ROOT = os.geteuid() == 0
 MODULE = "networkx/algorithms/shortest_paths/unweighted.py"
@@ -318,58 +321,122 @@ TEST_CHEATS = [
     ("a sitecustomize that patches pytest", appended("sitecustomize.py", "import _pytest.runner\n_pytest.runner.runtestprotocol = lambda *a, **k: []\n")
      + " && cp sitecustomize.py networkx/"),
 ]
-CODE_CHEATS = {
-    "os._exit(0) in the code": ("sed -i '1i import os; os._exit(0)' {module}", "early_exit"),
-    "a forged report": (appended("networkx/__init__.py", (
-        "import os\nwith open('../report/report.jsonl', 'a') as forged:\n"
-        "    forged.write('{{\"nonce\": \"guess\", \"end\": true, \"tampered\": []}}\\n')\nos._exit(0)\n")), "forged_records"),
-    "patching pytest's reports from the package": (appended("networkx/__init__.py", (
-        "import _pytest.reports\n_make = _pytest.reports.TestReport.from_item_and_call\n\n\n"
-        "def _passed(item, call):\n    report = _make(item, call)\n    report.outcome = 'passed'\n    return report\n\n\n"
-        "_pytest.reports.TestReport.from_item_and_call = staticmethod(_passed)\n")), "harness_touched"),
-}
-
-
-def test_cheats_on_the_tests_are_ignored_and_flagged(built, cache, sandbox):
-    """Edited and deleted tests, a conftest that skips all, pytest.ini addopts, a sitecustomize: all in one episode,
-    every one ignored (the trusted tests still catch the bug) and named in the flag."""
-    tests = repo_tests(task_of(built, "bug"), settings(cache))
-    with open_workspace(tests, sandbox) as ws:
-        for name, command in TEST_CHEATS:
-            applied = ws.shell(command.format(test=TEST_FILE), 30)
-            assert applied.exit_code == 0, (name, applied.output)
-        result = ws.grade()
-    assert result.flags == ("tests_modified",) and result.reward == 0.0, (result.detail, result.stdout_tail[-1500:])
-    (detail,) = result.flag_details
-    assert all(p in detail for p in (TEST_FILE, "test_generic.py", "networkx/conftest.py", "pytest.ini", "sitecustomize.py"))
-    assert result.passed == len(tests.pass_to_pass)  # graded as if untouched: the fail-to-pass tests fail
-
-
-@pytest.mark.parametrize("cheat", list(CODE_CHEATS))
-def test_cheats_from_the_code_earn_nothing_and_are_flagged(built, cache, sandbox, cheat):
-    command, flag = CODE_CHEATS[cheat]
-    tests = repo_tests(task_of(built, "bug"), settings(cache))
-    with open_workspace(tests, sandbox) as ws:
-        applied = ws.shell(command.format(module=MODULE), 30)
-        assert applied.exit_code == 0, applied.output
-        result = ws.grade()
-    assert flag in result.flags, (result.flags, result.detail, result.stdout_tail[-1500:])
-    assert (result.reward, result.passed) == (0.0, 0)  # a report it ended, forged or patched counts nothing
-
-
 @pytest.mark.skipif(not AS_ROOT, reason="the mount table shows the bases' host paths only with overlayfs")
-def test_a_symlink_to_the_original_is_never_followed(built, cache, sandbox):
-    """The mount table names the bases' host paths: a symlink there resolves on the host, never for the grader."""
+def test_a_symlink_or_fifo_in_place_of_a_module_is_never_followed_or_read(built, cache, sandbox):
+    """The mount table names the bases' host paths: a symlink there resolves on the host, never for the grader; a
+    FIFO is not read either, nor graded as a deletion (one that breaks the package's import, which was an early
+    exit): each is graded as the task left it."""
     tests = repo_tests(task_of(built, "bug"), settings(cache))
+    dense = "networkx/algorithms/shortest_paths/dense.py"
     with open_workspace(tests, sandbox) as ws:
         lowers = ws.shell("grep -o 'lowerdir=[^,]*' /proc/self/mountinfo | head -1", 30).output.strip()
         base = lowers.removeprefix("lowerdir=").split(":")[-1]
         assert base == str(tests.episode_base)
-        ws.shell(f"rm {MODULE} && ln -s {tests.grading_base}/{MODULE} {MODULE} && "
+        ws.shell(f"rm {MODULE} {dense} && ln -s {tests.grading_base}/{MODULE} {MODULE} && mkfifo -m 666 {dense} && "
                  f"ln -s {tests.grading_base}/networkx/algorithms networkx/algorithms2", 30)
-        assert ws.changed() == {}
+        assert ws.changed() == {MODULE: NOT_A_FILE, dense: NOT_A_FILE, "networkx/algorithms2": NOT_A_FILE}
         result = ws.grade()
-    assert result.reward == 0.0  # graded with the task's changed module, not the original the link points to
+    # Graded with the task's changed module, not the original the link points to; the package imports.
+    assert (result.reward, result.passed, result.flags) == (0.0, len(tests.pass_to_pass), ("change_dropped",)), result.detail
+    assert "not a regular file" in result.flag_details[0]
+
+
+def cheats_for(tests) -> dict[str, str]:
+    test_module = tests.test_files[0].removesuffix(".py").replace("/", ".")
+    return payloads(test_module, f"/sandbox/repo/{tests.test_files[0]}", tests.fail_to_pass)
+
+
+def test_cheats_outside_the_tasks_function_never_run(built, cache, sandbox):
+    """Runner patches and neutralised tests in the package's __init__, forged bytecode (an unchecked pyc of the
+    task's module, a timestamp pyc of an untouched one, pytest's cache of the root conftest, a sourceless module),
+    an early exit elsewhere: together they pass every test of the agent's own run; none of them reaches the grade."""
+    import _pytest
+
+    tests = repo_tests(task_of(built, "bug"), settings(cache))
+    tag = sys.implementation.cache_tag
+    package = tests.grading_base / "networkx"
+    init, conftest = package / "algorithms" / "shortest_paths" / "__init__.py", package / "conftest.py"
+    all_pass = ("\n\n@pytest.hookimpl(wrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+                "    report = yield\n    report.outcome = 'passed'\n    return report\n")
+    forged = {
+        f"networkx/algorithms/shortest_paths/__pycache__/unweighted.{tag}.pyc": pyc(
+            (tests.grading_base / MODULE).read_text(), f"/sandbox/{MODULE}", None),
+        f"networkx/algorithms/shortest_paths/__pycache__/__init__.{tag}.pyc": pyc(
+            init.read_text(), "/sandbox/networkx/algorithms/shortest_paths/__init__.py", (int(init.stat().st_mtime), init.stat().st_size)),
+        f"networkx/__pycache__/conftest.{tag}-pytest-{_pytest.__version__}.pyc": pyc(
+            conftest.read_text() + all_pass, "/sandbox/networkx/conftest.py", conftest.read_bytes()),
+        "networkx/algorithms/shortest_paths/dense.pyc": pyc((package / "algorithms/shortest_paths/dense.py").read_text(), "dense.py", None),
+    }
+    code = "".join(cheats_for(tests)[name] for names in (CLASSES["patching the test runner"], CLASSES["neutralising the tests"])
+                   for name in names)
+    with open_workspace(tests, sandbox) as ws:
+        commands = [appended("networkx/__init__.py", code.replace("/sandbox/repo/", "/sandbox/")),
+                    appended("networkx/utils/misc.py", "import os\nif os.environ.get('NEVER') == 'x':\n    os._exit(0)\n"),
+                    "rm networkx/algorithms/shortest_paths/dense.py"]
+        assert ws.shell("\n".join(commands), 30).exit_code == 0
+        for relative, content in forged.items():
+            (ws.root / relative).parent.mkdir(parents=True, exist_ok=True)
+            (ws.root / relative).write_bytes(content)
+        shown = ws.run_tests()
+        assert shown.exit_code == 0 and " failed" not in shown.output.splitlines()[-1], shown.output[-2000:]  # fooled
+        result = ws.grade()
+    assert (result.reward, result.flags) == (0.0, ("change_dropped",)), (result.detail, result.stdout_tail[-2000:])
+    assert result.passed == len(tests.pass_to_pass)  # graded as the task left it: its fail-to-pass tests fail
+    (detail,) = result.flag_details
+    assert all(p in detail for p in ["networkx/__init__.py", "networkx/utils/misc.py", "shortest_paths/dense.py", *forged])
+
+
+@pytest.mark.parametrize("kind", ["bug", "feature"])
+def test_cheats_inside_the_tasks_function_are_refused(built, cache, sandbox, kind):
+    """The same runner patches and neutralised tests, and the report rewriters, run by a decorator of the task's
+    function (code the grade keeps), the function answering from the calling test's source (bug) or with an
+    object equal to anything (feature): the kept change is refused, and the run does not believe its report."""
+    task = task_of(built, kind)
+    tests = repo_tests(task, settings(cache))
+    answer = ANSWERS["an answer read from the caller's source line" if kind == "bug" else "an answer equal to anything"]
+    with open_workspace(tests, sandbox) as ws:
+        episode = in_function((ws.root / MODULE).read_text(), task["function"], list(cheats_for(tests).values()), answer)
+        assert ws.shell(written(MODULE, episode), 30).exit_code == 0
+        result = ws.grade()
+    assert "forbidden_code" in result.flags and not result.infra_failure, (result.flags, result.detail)
+    assert set(result.flags) & {"harness_touched", "sentinel_tripped", "forged_records"}, result.flags
+    assert (result.reward, guarded_reward(result.reward, result.flags, DEFAULT_GUARDED, 0.0)) == (0.0, 0.0)
+    assert "change_dropped" not in result.flags  # all of it is the task's function and what it uses
+
+
+FEATURE_FIX = '''    if source not in G:
+        raise nx.NodeNotFound(f"Source {source} not in G")
+    return _breadth_first_paths(G, source, math.inf if cutoff is None else cutoff)
+
+
+def _breadth_first_paths(G, source, cutoff):
+    """Paths from source, breadth first, up to cutoff hops."""
+    paths, depth, frontier = {source: [source]}, {source: 0}, deque([source])
+    while frontier:
+        node = frontier.popleft()
+        if depth[node] >= cutoff:
+            continue
+        for neighbor in G._adj[node]:
+            if neighbor not in paths:
+                paths[neighbor] = paths[node] + [neighbor]
+                depth[neighbor] = depth[node] + 1
+                frontier.append(neighbor)
+    return paths
+'''
+
+
+def test_a_fix_of_its_own_with_a_helper_earns_full_reward(built, cache, sandbox):
+    """Another correct implementation of the feature, with a helper function and imports of its own, and a comment
+    added elsewhere."""
+    tests = repo_tests(task_of(built, "feature"), settings(cache))
+    with open_workspace(tests, sandbox) as ws:
+        text = (ws.root / MODULE).read_text()
+        assert text.count("    raise NotImplementedError\n") == 1
+        episode = ("import math\nfrom collections import deque\n" + text.replace("    raise NotImplementedError\n", FEATURE_FIX)
+                   .replace("import operator\n", "import operator  # used by the other functions\n"))
+        assert ws.shell(written(MODULE, episode), 30).exit_code == 0
+        result = ws.grade()
+    assert (result.reward, result.flags) == (1.0, ()), (result.detail, result.stdout_tail[-2000:])
 
 
 def test_a_fix_with_an_edited_test_is_flagged(built, cache, sandbox):

@@ -235,6 +235,18 @@ def test_a_command_gives_its_output_and_exit_code(sandbox, tmp_path):
     assert sandbox.run_command("true", tmp_path).exit_code == 0
 
 
+def test_a_command_reports_on_its_channel_in_order(sandbox, tmp_path):
+    """fd 3 is a pipe to the caller, read while the command runs (more than a pipe holds) and after it ends; a
+    command not asked for one has no fd 3."""
+    command = ("echo first >&3; echo out; python -c 'import os\nfor i in range(3000): os.write(3, b\"x\" * 99 + b\"\\n\")'; "
+               "echo last >&3")
+    result = sandbox.run_command(command, tmp_path, channel=True)
+    assert (result.exit_code, result.output) == (0, "out\n")
+    assert result.channel == b"first\n" + (b"x" * 99 + b"\n") * 3000 + b"last\n"
+    plain = sandbox.run_command("echo lost >&3", tmp_path)
+    assert plain.exit_code == 1 and "Bad file descriptor" in plain.output and plain.channel == b""
+
+
 def test_a_command_past_its_timeout_is_killed_with_its_children(sandbox, tmp_path):
     result = sandbox.run_command("sleep 4321.5 & setsid sleep 4321.5 & echo started; sleep 4321.5", tmp_path, timeout_s=1)
     assert (result.exit_code, result.status, result.flags) == (None, "timeout", ("timeout",))

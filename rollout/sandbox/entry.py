@@ -13,8 +13,9 @@ The fork server forks a *holder* per run; the holder, still privileged and runni
      and forks the harness process; when the init ends, the kernel kills everything left inside;
   4. the harness process: output pipes on fds 1 and 2, resource limits, no new privileges, the run's uid
      and gid, every other descriptor closed, the clean environment; then the harness (`runner`),
-     or, for a command run (`Sandbox.run_command`), `bash -c command` with stdout and stderr on one pipe
-     and umask 0 (a work directory outlives the run, and its next run has another uid).
+     or, for a command run (`Sandbox.run_command`), `bash -c command` with stdout and stderr on one pipe,
+     umask 0 (a work directory outlives the run, and its next run has another uid) and, when asked for, the
+     reply pipe at `channel_fd` (a report channel back to the caller).
 The holder reports on the status pipe (which no process of the run can reach): {"setup_error"} when a
 step fails (an infrastructure failure, not the program's), else {"exit": code} once the init has ended.
 """
@@ -152,6 +153,12 @@ def _start_harness(plan: dict, fds: dict, serve) -> None:
         command = plan.get("command")
         os.dup2(fds["stdout"], 1)
         os.dup2(fds["stdout"] if command is not None else fds["stderr"], 2)
+        channel = plan.get("channel_fd") if command is not None else None
+        if channel is not None:
+            # The reply pipe, unused by commands, at a known descriptor: what the command reports to the caller.
+            if fds["status"] == channel:
+                fds["status"] = os.dup(channel)
+            os.dup2(fds["reply"], channel)
         _limit(plan)
         _drop_privileges(plan)
         os.chdir(plan["cwd"])
@@ -159,6 +166,8 @@ def _start_harness(plan: dict, fds: dict, serve) -> None:
         os.environ.update(plan["env"])
         # A command keeps the status pipe until its exec (close-on-exec) to report a failing exec.
         keep = {0, 1, 2, fds["status"]} if command is not None else {0, 1, 2, fds["cmd"], fds["reply"]}
+        if channel is not None:
+            keep.add(channel)
         for fd in map(int, os.listdir("/proc/self/fd")):
             if fd not in keep:
                 try:

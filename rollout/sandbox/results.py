@@ -136,6 +136,8 @@ class CommandResult:
     infra_failure: bool = False
     cpu_seconds: float = 0.0
     """CPU time of everything the command ran (steadier than wall time on a busy host)."""
+    channel: bytes = field(default=b"", repr=False)
+    """What the command wrote on its report channel (`Sandbox.run_command(channel=True)`), in order."""
 
 
 def reward_for(passed: int, total: int, mode: RewardMode) -> float:

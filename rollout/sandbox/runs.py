@@ -46,6 +46,9 @@ log = logging.getLogger("composer.sandbox")
 # The harness's files (and the trusted pytest entry of repository tasks): a program that reads them is flagged.
 _PROTECTED = Path(__file__).resolve().parents[1]
 
+# A command's report channel (`run_command(channel=True)`).
+CHANNEL_FD = 3
+
 _PROBE = ("def probe():\n    return 1\n", AssertionTests(entry_point="probe", setup="", cases=("assert candidate() == 1",)))
 
 
@@ -101,19 +104,21 @@ class Sandbox:
         return result
 
     def run_command(self, command: str, workdir: Path, timeout_s: float | None = None,
-                    hidden: tuple[str, ...] = ()) -> CommandResult:
+                    hidden: tuple[str, ...] = (), channel: bool = False) -> CommandResult:
         """`bash -c command` isolated like `run`, with the host directory `workdir` as the writable work
         directory (at /sandbox under a root of its own, also HOME and first on PYTHONPATH), everything it
         started killed at the end, and the host paths `hidden` (e.g. the installed copy of the task's project)
         unreadable. Each call runs as another uid with umask 0: files in `workdir` are writable by the next
         call only when they are world-writable. `timeout_s` (default: wall_seconds) bounds its wall time and,
-        when longer, its CPU time. Without root the command runs as this user in `workdir` and `hidden` is
-        not enforced (logged once)."""
+        when longer, its CPU time. With `channel`, descriptor 3 of the command is a pipe to the caller: what
+        the command writes there comes back, in order, as `CommandResult.channel` (a report that no file of
+        the run holds). Without root the command runs as this user in `workdir` and `hidden` is not enforced
+        (logged once)."""
         workdir = Path(workdir).resolve()
         if not workdir.is_dir():
             raise FileNotFoundError(f"sandbox work directory {workdir} does not exist")
         for attempt in range(self.config.infra_retries + 1):
-            result = self._command_once(command, workdir, timeout_s or self.config.wall_seconds, hidden)
+            result = self._command_once(command, workdir, timeout_s or self.config.wall_seconds, hidden, channel)
             if not result.infra_failure:
                 return result
             log.warning("sandbox: infrastructure failure (%s)%s", result.output[-200:],
@@ -136,12 +141,13 @@ class Sandbox:
                 lease.release()
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    def _command_once(self, command: str, workdir: Path, timeout_s: float, hidden: tuple[str, ...]) -> CommandResult:
+    def _command_once(self, command: str, workdir: Path, timeout_s: float, hidden: tuple[str, ...],
+                      channel: bool) -> CommandResult:
         with self._run_slot("cmd-") as (run_dir, uid):
-            return self._command_in(run_dir, uid, command, workdir, timeout_s, hidden)
+            return self._command_in(run_dir, uid, command, workdir, timeout_s, hidden, channel)
 
     def _command_in(self, run_dir: Path, uid: int | None, command: str, workdir: Path, timeout_s: float,
-                    hidden: tuple[str, ...]) -> CommandResult:
+                    hidden: tuple[str, ...], channel: bool) -> CommandResult:
         started = time.monotonic()
         session = None
         config = self.config.model_copy(update={"wall_seconds": timeout_s,
@@ -165,6 +171,8 @@ class Sandbox:
                             env=sandbox_environment(str(workdir)))
             plan["env"]["PYTHONPATH"] = plan["cwd"]
             plan["command"] = command
+            if channel:
+                plan["channel_fd"] = CHANNEL_FD
             session = Session(config, self._zygote, plan)
             session.wait_exit()
             return command_result(session, config, uid)

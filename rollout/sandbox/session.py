@@ -175,6 +175,8 @@ class Session:
         self.stdout, self.stderr = Tail(cap), Tail(cap)
         self._reply_bytes = 0
         self._pending = bytearray()
+        self.channel = bytearray() if plan.get("channel_fd") is not None else None
+        """A command's report channel: every byte it wrote there, in order."""
         self._replies: list[dict] = []
         ends = [os.pipe() for _ in range(5)]  # cmd, reply, stdout, stderr, status
         (cmd_r, self._cmd), (self._reply, reply_w), (self._out, out_w), (self._err, err_w), (self._status, status_w) = ends
@@ -244,7 +246,9 @@ class Session:
             return False
         for key, _ in self._sel.select(timeout=min(remaining, 1.0)):
             chunk = os.read(key.fd, 1 << 16)
-            if key.fd == self._reply:
+            if key.fd == self._reply and self.channel is not None:
+                self._take_channel(chunk)
+            elif key.fd == self._reply:
                 if not chunk:
                     self._sel.unregister(key.fd)
                     self._wait_end()
@@ -270,6 +274,28 @@ class Session:
         if self.stop:
             self.live = False
         return self.live
+
+    def _take_channel(self, chunk: bytes) -> None:
+        if not chunk:
+            self._sel.unregister(self._reply)
+            return
+        self.channel += chunk
+        if len(self.channel) > MAX_RESULT_BYTES:
+            self.stop = "results"
+
+    def _drain_channel(self) -> None:
+        """What the command's processes wrote before they ended (anything a stray one writes later is not read)."""
+        if self.channel is None or self._reply not in self._sel.get_map():
+            return
+        os.set_blocking(self._reply, False)
+        while not self.stop:
+            try:
+                chunk = os.read(self._reply, 1 << 16)
+            except BlockingIOError:
+                break
+            self._take_channel(chunk)
+            if not chunk:
+                break
 
     def _take_replies(self, chunk: bytes) -> None:
         self._pending += chunk
@@ -316,12 +342,15 @@ class Session:
             self._read_status()
 
     def wait_exit(self) -> None:
-        """A command run: read its output until the holder reports its exit, the deadline or a limit."""
-        self._sel.unregister(self._reply)
+        """A command run: read its output (and its report channel) until the holder reports its exit, the deadline
+        or a limit."""
+        if self.channel is None:
+            self._sel.unregister(self._reply)
         while self.live and self.exit_code is None and self._sel.get_map():
             self._pump()
         if self.exit_code is None and not self.stop and not self.setup_error:
             self._wait_end()  # every pipe closed: the status record may still be on its way
+        self._drain_channel()
         self.live = False
         self.finish()
 
@@ -383,10 +412,11 @@ def command_result(session: Session, config: SandboxSection, uid: int | None) ->
         status, exit_code = "timeout", None
         flags.append("timeout")
         text += f"\n[killed: the command used its CPU-time limit of {config.cpu_seconds} s]"
-    elif stop == "output":
+    elif stop in ("output", "results"):
         status, exit_code = "crash", None
         flags.append("output_limit")
-        text += f"\n[killed: the output went past {config.max_file_mb} MB]"
+        text += (f"\n[killed: the output went past {config.max_file_mb} MB]" if stop == "output" else
+                 f"\n[killed: the report channel went past {MAX_RESULT_BYTES >> 20} MB]")
     elif exit_code is None:
         return CommandResult(None, "infra", text + "\n[the sandbox lost the command's exit status]", wall, infra_failure=True)
     elif exit_code != 0 and "MemoryError" in text:
@@ -395,4 +425,5 @@ def command_result(session: Session, config: SandboxSection, uid: int | None) ->
         status = "crash"
     else:
         status = "ok"
-    return CommandResult(exit_code, status, text, wall, tuple(sorted(flags)), cpu_seconds=session.cpu_seconds)
+    return CommandResult(exit_code, status, text, wall, tuple(sorted(flags)), cpu_seconds=session.cpu_seconds,
+                         channel=bytes(session.channel or b""))

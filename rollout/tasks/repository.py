@@ -53,6 +53,7 @@ from recipes.schema import RepoTaskSettings, SandboxSection
 from rollout.sandbox.isolation import installed_copies
 from rollout.sandbox.results import RewardMode
 from rollout.sandbox.runs import Sandbox
+from rollout.tasks.grading_policy import Scope
 from rollout.tasks.mutations import Mutation, changed_module, mutations
 from rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, run_tests_guarded, unmount
 from runtime.run_dir import atomic_write_text
@@ -544,7 +545,7 @@ def repo_tests(record: dict, settings: RepoTaskSettings) -> RepoTests:
         pass_to_pass=tuple(record["pass_to_pass"]), pytest_args=PROJECTS[record["project"]].pytest_args,
         layer=set_dir(settings) / record["layer"], episode_base=bases / "episode", grading_base=bases / "grading",
         hidden=installed_copies(record["project"]), timeout_s=max(60.0, 4 * record["test_seconds"]),
-        pass_to_pass_policy=settings.pass_to_pass)
+        pass_to_pass_policy=settings.pass_to_pass, scope=(Scope(record["path"], (record["function"],)),))
 
 
 

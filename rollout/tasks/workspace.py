@@ -7,10 +7,12 @@ Repository views. A project is kept twice per build (`rollout.tasks.repository`)
 directories 0777: every command of an episode runs as another uid, so the agent's view must be writable by any)
 and a *grading base* (root's 0644/0755: nothing a sandboxed run does can change it). As root an episode gets an
 overlayfs view, its task's changed file and the episode base as read-only lower layers and an upper layer of its
-own; else a plain copy. Grading never trusts the episode's files: it builds a fresh read-only view of the grading
-base plus the episode's changes to the project's own package, less any change to tests, conftest.py, pytest
-configuration, sitecustomize/usercustomize or .pth files (ignored and flagged `tests_modified`), and runs
-pytest there in the sandbox through `rollout.tasks.pytest_report`, whose report carries a per-run secret.
+own; else a plain copy. Grading never trusts the episode's files: it takes from them only what the task asks for
+(`rollout.tasks.grading_policy`: source only, the task's function(s), no tests or test configuration; the kept
+change checked for code that reaches for the test run), builds a fresh read-only view of the grading base with
+it, and runs pytest there in the sandbox through `rollout.tasks.pytest_report`, which streams its report over a
+channel no file of the run holds, each line HMAC-chained under a per-run key, among trusted sentinel tests that
+must pass and fail (`read_report` believes nothing else).
 """
 
 from __future__ import annotations
@@ -18,33 +20,30 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import hmac
 import json
 import logging
 import os
+import random
+import re
 import secrets
 import shlex
 import shutil
 import stat
-import sys
 import tempfile
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from rollout.sandbox.results import CommandResult, RewardMode, SandboxResult, reward_for
-from rollout.sandbox.runs import Sandbox
+from rollout.sandbox.runs import CHANNEL_FD, Sandbox
+from rollout.tasks.grading_policy import NOT_A_FILE, Scope, keep_change
 
 log = logging.getLogger("composer.workspace")
 
 PassToPass = Literal["required", "scored"]
-# Names pytest or Python load on their own from a directory: never taken from an episode.
-PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "setup.py",
-                             "sitecustomize.py", "usercustomize.py", "__main__.py"})
-# Top-level modules an episode could shadow for the test run (beyond the standard library's).
-SHADOWED = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "hypothesis", "_hypothesis_pytestplugin"})
-MAX_REPORT_BYTES = 32 << 20
 _PYTEST_REPORT = Path(__file__).with_name("pytest_report.py")
 
 
@@ -65,6 +64,9 @@ class RepoTests:
     """Installed copies of the project, unreadable in the sandbox."""
     timeout_s: float
     pass_to_pass_policy: PassToPass = "required"
+    scope: tuple[Scope, ...] = ()
+    """What the task asks to change (its function(s) or files): the only part of an episode's change that grading
+    takes (`grading_policy.keep_change`); () lets it change any source file of the package, each whole."""
 
 
 class Workspace(ABC):
@@ -155,16 +157,10 @@ def _files_under(base: Path, relative: str) -> list[str]:
     return [str(Path(d, f).relative_to(base)) for d, _, files in os.walk(top) for f in files]
 
 
-class _Unsafe:
-    """A path reached through a symlink, or a symlink itself: never read by the host, never graded."""
-
-
-UNSAFE = _Unsafe()
-
-
-def _read_entry(root: Path, relative: str) -> bytes | None | _Unsafe:
-    """A regular file's bytes, None when absent (or not a regular file), UNSAFE when the path is a symlink or goes
-    through one: the grader runs on the host as root, and a symlink an episode planted would point it anywhere."""
+def _read_entry(root: Path, relative: str) -> bytes | None | object:
+    """A regular file's bytes, None when absent, NOT_A_FILE when the path is a symlink, goes through one, or is
+    something other than a regular file (a FIFO, a device): the grader runs on the host as root, and a symlink an
+    episode planted would point it anywhere, a FIFO would block it."""
     path, parts = root, PurePosixPath(relative).parts
     for depth, part in enumerate(parts, 1):
         path = path / part
@@ -173,50 +169,14 @@ def _read_entry(root: Path, relative: str) -> bytes | None | _Unsafe:
         except FileNotFoundError:
             return None
         if stat.S_ISLNK(st.st_mode):
-            return UNSAFE
-        if not (stat.S_ISREG(st.st_mode) if depth == len(parts) else stat.S_ISDIR(st.st_mode)):
+            return NOT_A_FILE
+        if depth < len(parts) and not stat.S_ISDIR(st.st_mode):
             return None
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        if depth == len(parts) and not stat.S_ISREG(st.st_mode):
+            return None if stat.S_ISDIR(st.st_mode) else NOT_A_FILE
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         return f.read()
-
-
-# --- what an episode changed -------------------------------------------------------------------
-
-
-def is_protected(relative: str) -> bool:
-    """Whether a path of the workspace belongs to the test run rather than the program: tests, pytest's
-    configuration, files Python loads by itself, top-level modules that would shadow pytest or the stdlib."""
-    parts = PurePosixPath(relative).parts
-    name = parts[-1]
-    if name in PROTECTED_NAMES or name.endswith(".pth"):
-        return True
-    if any(p in ("tests", "testing") for p in parts[:-1]) or name.startswith("test_") or name.endswith("_test.py"):
-        return True
-    top = parts[0].removesuffix(".py")
-    return top in SHADOWED or top in sys.stdlib_module_names
-
-
-@dataclass(frozen=True)
-class Changes:
-    """What an episode changed against the grading base: the changes grading takes, and those it ignores."""
-
-    graded: dict[str, bytes | None] = field(default_factory=dict)
-    """Path -> new bytes (None: deleted), inside the project's package, not protected (symlinks are never graded)."""
-    protected: tuple[str, ...] = ()
-    """Protected paths the episode changed, added or deleted (ignored; flagged `tests_modified`)."""
-
-
-def classify_changes(changed: dict[str, bytes | None], package: str) -> Changes:
-    graded, protected = {}, []
-    for path, content in sorted(changed.items()):
-        if is_protected(path):
-            protected.append(path)
-        elif PurePosixPath(path).parts[0] == package:
-            graded[path] = content
-    return Changes(graded, tuple(protected))
-
-
 
 
 # --- grading -----------------------------------------------------------------------------------
@@ -266,66 +226,107 @@ def _apply_to_copy(root: Path, changes: dict[str, bytes | None]) -> None:
         os.chmod(path, 0o644)
 
 
+# Words sentinel tests are named with, besides the test file's own.
+_SENTINEL_WORDS = ("basic", "values", "order", "empty", "small", "cases", "edges", "nodes", "simple", "result")
+
+
+def sentinel_tests(test_file: str, source: str, rng: random.Random) -> tuple[str, dict[str, str]]:
+    """Trusted tests for one run of `test_file`, appended to it: two that must pass and two that must fail, named
+    like the file's own tests and drawn anew each run. A run whose report has a must-fail test passing (asserts
+    skipped or stripped, outcomes rewritten) or, while real tests of the file pass, a sentinel missing or with
+    another outcome (the module swapped, tests replaced), is not believed. Returns (source, test id -> outcome)."""
+    taken = set(re.findall(r"def (test_\w+)", source))
+    words = sorted({w for name in taken for w in name.split("_")[1:] if w.isalpha() and len(w) > 2} | set(_SENTINEL_WORDS))
+    blocks, expected = [], {}
+    for outcome in rng.sample(["passed", "passed", "failed", "failed"], 4):
+        name = "test_" + "_".join(rng.sample(words, rng.randint(2, 3)))
+        while name in taken:
+            name += f"_{rng.choice(words)}"
+        taken.add(name)
+        values = rng.sample(range(2, 99), 3)
+        smallest = min(values) if outcome == "passed" else max(values)
+        # The assertion that decides is not the last statement: a tracer that jumps over asserts can reach it.
+        blocks.append(f"def {name}():\n    values = {values!r}\n    assert sorted(values)[0] == {smallest}\n"
+                      f"    assert len(values) == 3\n")
+        expected[f"{test_file}::{name}"] = outcome
+    return "\n\n" + "\n\n".join(blocks), expected
+
+
 def run_tests_guarded(sandbox: Sandbox, grading_base: Path, changes: dict[str, bytes | None],
                       test_files: tuple[str, ...], pytest_args: tuple[str, ...], timeout_s: float,
                       hidden: tuple[str, ...], area: Path) -> TestReport:
-    """Run pytest on `test_files` in the sandbox over a fresh read-only view of `grading_base` with `changes`
-    (trusted tests and configuration: the caller passes only changes it grades), and read the trusted plugin's
-    report. Used to validate tasks (the changed file as the only change) and to grade episodes."""
+    """Run pytest on `test_files` (with sentinel tests) in the sandbox over a fresh read-only view of
+    `grading_base` with `changes` (trusted tests and configuration: the caller passes only changes it grades), and
+    read the trusted plugin's report from the run's channel. Used to validate tasks (the changed file as the only
+    change) and to grade episodes."""
     area.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="grade-", dir=area))
-    repo, report_dir, layer = work / "repo", work / "report", work / "layer"
+    repo, secret_dir, config_dir, layer = work / "repo", work / "secret", work / "config", work / "layer"
+    rng = random.Random(secrets.token_bytes(16))
+    sentinels: dict[str, str] = {}
+    with_sentinels = dict(changes)
+    for test_file in test_files:
+        text, expected = sentinel_tests(test_file, (grading_base / test_file).read_text(errors="replace"), rng)
+        with_sentinels[test_file] = (grading_base / test_file).read_bytes() + text.encode()
+        sentinels.update(expected)
     mounted = False
     try:
         os.chmod(work, 0o755)
         repo.mkdir(mode=0o755)
-        report_dir.mkdir(mode=0o777)
-        os.chmod(report_dir, 0o777)
+        config_dir.mkdir(mode=0o755)
+        # The run deletes the key file once it has read it, before any code of the repository runs.
+        secret_dir.mkdir()
+        os.chmod(secret_dir, 0o733)
         if overlay_supported(area):
             layer.mkdir(mode=0o755)
-            _write_layer(layer, changes)
+            _write_layer(layer, with_sentinels)
             mount_overlay(repo, [layer, grading_base])
             mounted = True
         else:
             shutil.copytree(grading_base, repo, symlinks=True, dirs_exist_ok=True)
-            _apply_to_copy(repo, changes)
-        nonce = secrets.token_hex(16)
-        (report_dir / "nonce").write_text(nonce)
-        os.chmod(report_dir / "nonce", 0o644)
-        (report_dir / "pytest.ini").write_text("[pytest]\n")
-        os.chmod(report_dir / "pytest.ini", 0o644)
+            _apply_to_copy(repo, with_sentinels)
+        key = secrets.token_bytes(32)
+        (secret_dir / "key").write_text(key.hex())
+        os.chmod(secret_dir / "key", 0o644)
+        (config_dir / "pytest.ini").write_text("[pytest]\n")
+        os.chmod(config_dir / "pytest.ini", 0o644)
         command = " ".join(shlex.quote(a) for a in [
-            "python", "-s", "-P", "-B", "-c", _PYTEST_REPORT.read_text(), "repo", "report/report.jsonl", "report/nonce",
-            "-c", "../report/pytest.ini", "--rootdir=.", "--confcutdir=.", "-p", "no:cacheprovider", "-q", "--tb=short",
+            "python", "-s", "-P", "-B", "-c", _PYTEST_REPORT.read_text(), "repo", "secret/key", str(CHANNEL_FD),
+            "-c", "../config/pytest.ini", "--rootdir=.", "--confcutdir=.", "-p", "no:cacheprovider", "-q", "--tb=short",
             "-W", "ignore::pytest.PytestUnknownMarkWarning", *pytest_args, *test_files])
-        result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden)
-        return _read_report(report_dir / "report.jsonl", nonce, result)
+        result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden, channel=True)
+        return read_report(result, key, sentinels)
     finally:
         if mounted:
             unmount(repo)
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _read_report(path: Path, nonce: str, result: CommandResult) -> TestReport:
+def read_report(result: CommandResult, key: bytes, sentinels: dict[str, str]) -> TestReport:
+    """The trusted plugin's report, from the run's channel: lines `MAC JSON` whose HMACs (under the run's key, each
+    chained to the line before) hold, up to the end line. Anything else (a line added, changed, dropped or moved,
+    anything after the end), a report whose reporting was tampered with, or sentinel tests not reported as written
+    make it untrusted: then no test counts."""
     flags = set(result.flags)
     outcomes: dict[str, str] = {}
     end = None
-    try:
-        # Not following a link, not blocking on a FIFO: the run's code could have put either there.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(MAX_REPORT_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-    except OSError:
-        data = b""
-    if len(data) > MAX_REPORT_BYTES:
-        flags.add("forged_records")
-        data = b""
-    for line in data.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if not isinstance(record, dict) or record.get("nonce") != nonce:
+    late = 0
+    chain = b""
+    for line in result.channel.split(b"\n"):
+        if not line.strip():
+            continue
+        if end is not None:
+            late += 1
+            continue
+        mac, _, body = line.partition(b" ")
+        record = None
+        if hmac.compare_digest(mac, hmac.digest(key, chain + body, "sha256").hex().encode()):
+            chain = mac
+            try:
+                record = json.loads(body)
+            except ValueError:
+                record = None
+        if not isinstance(record, dict):
             flags.add("forged_records")
             continue
         if record.get("end"):
@@ -334,9 +335,12 @@ def _read_report(path: Path, nonce: str, result: CommandResult) -> TestReport:
             # A test reported twice keeps its worst outcome.
             previous = outcomes.get(record["id"])
             outcomes[record["id"]] = str(record.get("outcome")) if previous in (None, "passed") else previous
+    if late:
+        flags.add("forged_records")
+    tripped = _tripped_sentinels(outcomes, sentinels) if end is not None else []
+    if tripped:
+        flags.add("sentinel_tripped")
     detail = ""
-    # A report the program wrote into or whose reporting it patched proves nothing: every test counts as failed.
-    trusted = end is not None and not end.get("tampered") and "forged_records" not in flags
     if end is None:
         if result.status == "ok":
             flags.add("early_exit")
@@ -346,10 +350,30 @@ def _read_report(path: Path, nonce: str, result: CommandResult) -> TestReport:
     elif end.get("tampered"):
         flags.add("harness_touched")
         detail = "pytest's reporting was tampered with: " + ", ".join(map(str, end["tampered"]))[:300]
+    elif late:
+        detail = f"{late} line(s) came after the report's end"
     elif "forged_records" in flags:
         detail = "the report holds lines the trusted plugin did not write"
+    elif tripped:
+        detail = "sentinel tests were not reported as written: " + "; ".join(tripped)[:300]
+    # A report the program wrote into or whose reporting it patched proves nothing: every test counts as failed.
+    trusted = end is not None and not end.get("tampered") and "forged_records" not in flags and not tripped
+    outcomes = {i: o for i, o in outcomes.items() if i not in sentinels}
     return TestReport(outcomes, trusted, tuple(sorted(flags)), detail, result.output, result.status,
                       result.wall_seconds, result.cpu_seconds, result.infra_failure)
+
+
+def _tripped_sentinels(outcomes: dict[str, str], sentinels: dict[str, str]) -> list[str]:
+    """Sentinels not reported as written: a must-fail test passing always; any other outcome (or none) only where a
+    real test of the same file passed (a file that fails to import, or is skipped whole, runs no sentinel)."""
+    tripped = []
+    for test_id, expected in sentinels.items():
+        test_file = test_id.split("::")[0]
+        ran = any(o == "passed" for i, o in outcomes.items() if i.startswith(test_file + "::") and i not in sentinels)
+        got = outcomes.get(test_id)
+        if (got == "passed" and expected == "failed") or (ran and got != expected):
+            tripped.append(f"{test_id.split('::')[-1]} (must {'pass' if expected == 'passed' else 'fail'}) {got or 'not reported'}")
+    return tripped
 
 
 def score(report: TestReport, tests: RepoTests, reward: RewardMode) -> SandboxResult:
@@ -420,9 +444,9 @@ class RepoWorkspace(Workspace):
                                                       *self.tests.pytest_args, *self.tests.test_files])
         return self.shell(command, self.tests.timeout_s)
 
-    def changed(self) -> dict[str, bytes | None]:
+    def changed(self) -> dict[str, bytes | None | object]:
         """Every path whose content differs from the task's state (the base with the task's changed file): new
-        bytes, or None (gone). Symlinks, and paths through them, are left out: grading keeps the task's file there."""
+        bytes, None (gone), or NOT_A_FILE (a symlink, a path through one, a FIFO...: never read, never graded)."""
         candidates = set(_files_under(self.tests.layer, ""))
         if self.overlay:
             upper = self._dir / "upper"
@@ -456,19 +480,22 @@ class RepoWorkspace(Workspace):
         for relative in candidates:
             content = _read_entry(self.root, relative)
             task_state = self._task_files[relative] if relative in self._task_files else _read_entry(self.tests.grading_base, relative)
-            if content is not UNSAFE and content != task_state:
+            if content != task_state:
                 changes[relative] = content
         return changes
 
     def grade(self) -> SandboxResult:
-        changes = classify_changes(self.changed(), self.tests.package)
-        graded = {**self._task_files, **changes.graded}
-        report = run_tests_guarded(self.sandbox, self.tests.grading_base, graded, self.tests.test_files,
-                                   self.tests.pytest_args, self.tests.timeout_s, self.tests.hidden, self._area)
-        result = score(report, self.tests, self.reward)
-        if changes.protected:
-            shown = ", ".join(changes.protected[:10]) + (f" and {len(changes.protected) - 10} more" if len(changes.protected) > 10 else "")
-            result = _with_flag(result, "tests_modified", f"changed {shown} (ignored: graded with the trusted copies)")
+        tests = self.tests
+        kept = keep_change(self.changed(), self._task_files, tests.grading_base, tests.package, tests.scope)
+        report = run_tests_guarded(self.sandbox, tests.grading_base, kept.files, tests.test_files, tests.pytest_args,
+                                   tests.timeout_s, tests.hidden, self._area)
+        result = score(report, tests, self.reward)
+        for flag, found, why in (("tests_modified", kept.protected, "ignored: graded with the trusted copies"),
+                                 ("change_dropped", kept.dropped, "not graded"),
+                                 ("forbidden_code", kept.forbidden, "in the graded change")):
+            if found:
+                shown = "; ".join(found[:10]) + (f" and {len(found) - 10} more" if len(found) > 10 else "")
+                result = _with_flag(result, flag, f"{shown} ({why})")
         return result
 
     def close(self) -> None:
