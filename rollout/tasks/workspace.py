@@ -33,7 +33,7 @@ from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from rollout.sandbox.results import CommandResult, RewardMode, SandboxResult, reward_for
+from rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult, reward_for
 from rollout.sandbox.runs import Sandbox
 
 log = logging.getLogger("composer.workspace")
@@ -53,6 +53,7 @@ class RepoTests:
     """What a repository task's workspace needs: its bases, its changed file, its tests and how to score them."""
 
     package: str
+    """The project's package, relative to the project root (`networkx`, `src/mylib`): only changes in it are graded."""
     test_files: tuple[str, ...]
     fail_to_pass: tuple[str, ...]
     pass_to_pass: tuple[str, ...]
@@ -65,6 +66,17 @@ class RepoTests:
     """Installed copies of the project, unreadable in the sandbox."""
     timeout_s: float
     pass_to_pass_policy: PassToPass = "required"
+    environment: RunEnvironment | None = None
+    """The project's own virtual environment (a user's project); None: the sandbox's interpreter."""
+    source: str = ""
+    """The directory holding the package, relative to the project root, when it is not the root (`src`)."""
+
+    def run_environment(self, root: str) -> RunEnvironment | None:
+        """The environment of a command run whose project root is `root` (relative to the work directory)."""
+        if self.environment is None and not self.source:
+            return None
+        return dataclasses.replace(self.environment or RunEnvironment(),
+                                   pythonpath=(str(PurePosixPath(root) / self.source),) if self.source else ())
 
 
 class Workspace(ABC):
@@ -125,6 +137,21 @@ def mount_overlay(target: Path, lowers: list[Path], upper: Path | None = None, w
     if _libc.mount(b"overlay", str(target).encode(), b"overlay", flags, options.encode()) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"mount overlay on {target}: {os.strerror(code)}")
+
+
+def mount_capped(target: Path, max_bytes: int, max_inodes: int) -> None:
+    """A tmpfs of `max_bytes` and `max_inodes` at `target` (an episode's files beyond its task's: writes past
+    the cap are refused by the kernel, and the host's disk and memory are never at the episode's mercy)."""
+    options = f"mode=0755,size={max_bytes},nr_inodes={max_inodes}".encode()
+    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", 0, options) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mount tmpfs on {target}: {os.strerror(code)}")
+
+
+def is_full(target: Path) -> bool:
+    """The filesystem at `target` has (almost) no room or no inode left."""
+    st = os.statvfs(target)
+    return st.f_bavail * st.f_frsize < 64 << 10 or st.f_favail == 0
 
 
 def unmount(target: Path) -> None:
@@ -212,7 +239,7 @@ def classify_changes(changed: dict[str, bytes | None], package: str) -> Changes:
     for path, content in sorted(changed.items()):
         if is_protected(path):
             protected.append(path)
-        elif PurePosixPath(path).parts[0] == package:
+        elif PurePosixPath(path).is_relative_to(package):
             graded[path] = content
     return Changes(graded, tuple(protected))
 
@@ -268,7 +295,7 @@ def _apply_to_copy(root: Path, changes: dict[str, bytes | None]) -> None:
 
 def run_tests_guarded(sandbox: Sandbox, grading_base: Path, changes: dict[str, bytes | None],
                       test_files: tuple[str, ...], pytest_args: tuple[str, ...], timeout_s: float,
-                      hidden: tuple[str, ...], area: Path) -> TestReport:
+                      hidden: tuple[str, ...], area: Path, environment: RunEnvironment | None = None) -> TestReport:
     """Run pytest on `test_files` in the sandbox over a fresh read-only view of `grading_base` with `changes`
     (trusted tests and configuration: the caller passes only changes it grades), and read the trusted plugin's
     report. Used to validate tasks (the changed file as the only change) and to grade episodes."""
@@ -298,7 +325,7 @@ def run_tests_guarded(sandbox: Sandbox, grading_base: Path, changes: dict[str, b
             "python", "-s", "-P", "-B", "-c", _PYTEST_REPORT.read_text(), "repo", "report/report.jsonl", "report/nonce",
             "-c", "../report/pytest.ini", "--rootdir=.", "--confcutdir=.", "-p", "no:cacheprovider", "-q", "--tb=short",
             "-W", "ignore::pytest.PytestUnknownMarkWarning", *pytest_args, *test_files])
-        result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden)
+        result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden, environment=environment)
         return _read_report(report_dir / "report.jsonl", nonce, result)
     finally:
         if mounted:
@@ -391,8 +418,12 @@ class RepoWorkspace(Workspace):
         self._dir = Path(tempfile.mkdtemp(prefix="ws-", dir=area))
         self.root = self._dir / "root"
         self.overlay = overlay_supported(area) if overlay is None else overlay
-        self._mounted = False
+        self._mounted = self._capped = False
         try:
+            if self.overlay:
+                config = sandbox.config
+                mount_capped(self._dir, config.workspace_max_write_mb << 20, config.workspace_max_inodes)
+                self._capped = True
             self.root.mkdir()
             if self.overlay:
                 upper, work = self._dir / "upper", self._dir / "work"
@@ -412,7 +443,11 @@ class RepoWorkspace(Workspace):
         self._task_files = {relative: _read_entry(tests.layer, relative) for relative in _files_under(tests.layer, "")}
 
     def shell(self, command: str, timeout_s: float) -> CommandResult:
-        return self.sandbox.run_command(command, self.root, timeout_s=timeout_s, hidden=self.tests.hidden)
+        result = self.sandbox.run_command(command, self.root, timeout_s=timeout_s, hidden=self.tests.hidden,
+                                          environment=self.tests.run_environment("."))
+        if self._capped and is_full(self._dir):
+            result = dataclasses.replace(result, flags=tuple(sorted({*result.flags, "write_limit"})))
+        return result
 
     def run_tests(self) -> CommandResult:
         command = " ".join(shlex.quote(a) for a in ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
@@ -464,7 +499,8 @@ class RepoWorkspace(Workspace):
         changes = classify_changes(self.changed(), self.tests.package)
         graded = {**self._task_files, **changes.graded}
         report = run_tests_guarded(self.sandbox, self.tests.grading_base, graded, self.tests.test_files,
-                                   self.tests.pytest_args, self.tests.timeout_s, self.tests.hidden, self._area)
+                                   self.tests.pytest_args, self.tests.timeout_s, self.tests.hidden, self._area,
+                                   self.tests.run_environment("repo"))
         result = score(report, self.tests, self.reward)
         if changes.protected:
             shown = ", ".join(changes.protected[:10]) + (f" and {len(changes.protected) - 10} more" if len(changes.protected) > 10 else "")
@@ -475,6 +511,9 @@ class RepoWorkspace(Workspace):
         if self._mounted:
             unmount(self.root)
             self._mounted = False
+        if self._capped:
+            unmount(self._dir)
+            self._capped = False
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> RepoWorkspace:
