@@ -92,6 +92,12 @@ class ProjectSpec:
     def import_name(self) -> str:
         return PurePosixPath(self.package).name
 
+    @property
+    def tests_key(self) -> str:
+        """Decides what its test runs report beyond its files: the package, the test paths, the pytest arguments."""
+        decided = [self.package, list(self.test_paths), list(self.pytest_args), list(self.skip_files_with)]
+        return hashlib.sha256(json.dumps(decided).encode()).hexdigest()[:8]
+
 
 def _git(checkout: Path, *args: str, data: bool = False) -> str | bytes:
     done = subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=not data)
@@ -317,9 +323,10 @@ def _pip_configuration() -> tuple[dict[str, str], list[str]]:
         value = value.strip().strip("'\"")
         variables[f"PIP_{name}"] = value
         for word in value.split():
-            local = word.removeprefix("file://")
+            local = word.removeprefix("file://").rstrip("/")
             if local.startswith("/") and os.path.exists(local):
-                paths.append(local)
+                # a local index's pages (`.../simple`) link to files beside them
+                paths.append(os.path.dirname(local) if local.endswith("/simple") else local)
     for key, value in os.environ.items():
         if key.startswith("PIP_"):
             variables[key] = value

@@ -1,32 +1,37 @@
 """Repository tasks: a real Python project with its own test suite, in which a change was made that the agent must
-undo (*bug*: a seeded semantic mutation of a function) or complete (*feature*: a function's body removed, its
-signature and docstring kept).
+undo (*bug*: a seeded semantic mutation of a function; *multi*: several at once, in different functions or files;
+*history*: a commit of the project's log with its source change taken out, `rollout.tasks.history`) or complete
+(*feature*: a function's body removed, its signature and docstring kept).
 
-Projects. Both ship their test suites inside their installed packages (no checkout, no network) and are pure
-Python, so a mutation changes behaviour the tests can see, the tests need no compiler, and many files run in about a
-second:
+Projects (`rollout.tasks.projects`): the ready-made ones ship their test suites inside their installed packages (no
+checkout, no network) and are pure Python, so a mutation changes behaviour the tests can see, the tests need no
+compiler, and many files run in about a second:
   networkx   about 265 test files; deterministic (seeded random graphs), no hidden state between tests;
   sympy      about 610 test files; deterministic once its `slow` tests are left out (`-m "not slow"`) and files
              using hypothesis (random examples) are skipped.
 numpy, numba and matplotlib also ship tests but are mostly compiled code (a mutation of their Python layer rarely
-reaches the tests, and their suites are slow); mpmath's 31 files are few.
+reaches the tests, and their suites are slow); mpmath's 31 files are few. A user's own project (a directory or a git
+checkout at a pinned commit) runs its tests in a virtual environment of its own, made once per digest.
 
 How a task set is built (`build_repo_tasks`, `composer env build`):
-  1. each project's installed package is copied twice (`rollout.tasks.workspace`: episode and grading bases);
-  2. candidates: for each module `pkg/.../mod.py` with a test file `pkg/.../tests/test_mod.py`, every mutation
-     site of its functions named in that test file (bug kinds: comparison, boundary (off by one), operator,
-     negated condition, removed branch, constant) and every function with a docstring and a body of 3+
-     statements (feature); shuffled by the seed, interleaved over (project, kind);
-  3. each test file used is surveyed: run twice on the original (in the sandbox, through the guarded runner the
-     grader uses); its *expected* tests are those that passed both times; a file that needs more CPU time than
+  1. each project's files are copied twice (`rollout.tasks.workspace`: episode and grading bases; a history task's
+     base is its commit's tree) and its environment made;
+  2. candidates: for each module `pkg/.../mod.py` with a test file (`pkg/.../tests/test_mod.py`, or `test_mod.py`
+     under a user project's test paths), every mutation site of its functions named in that test file (bug kinds:
+     comparison, boundary (off by one), operator, negated condition, removed branch, constant), every function
+     with a docstring and a body of 3+ statements (feature), seeded combinations of sites (multi), and the commits
+     that changed source and tests together (history); shuffled by the seed, interleaved over (project, kind);
+  3. each test file used is surveyed per base: run twice on the original (in the sandbox, through the guarded runner
+     the grader uses); its *expected* tests are those that passed both times; a file that needs more CPU time than
      `max_test_seconds` (CPU, not wall time: the same on a busy host) or has no passing test is not used;
-  4. a candidate is validated: its changed file alone, the test file run again; fail-to-pass = expected tests
+  4. a candidate is validated: its changed files alone, its test files run again; fail-to-pass = expected tests
      that now fail (at least one), pass-to-pass = those still passing.
-Everything is cached under `cache_dir`, keyed by the settings that decide the set and the projects' versions; each
+Everything is cached under `cache_dir`, keyed by the settings that decide the set and the projects' digests; each
 survey and each candidate's verdict is its own atomically written file, so a killed build resumes where it
 stopped, and the set (the first `num_tasks` validated candidates in candidate order) is the same for any number of
-workers. The unchanged original stays out of reach of episodes: every installed copy of the project
-(`sandbox.installed_copies`) is hidden in the sandbox, and the workspace's copy is first on sys.path.
+workers. The unchanged original stays out of reach of episodes: every installed copy of a ready-made project
+(`sandbox.installed_copies`) is hidden in the sandbox, a user's project is not installed in its environment, and the
+workspace's copy is first on sys.path.
 """
 
 from __future__ import annotations
@@ -363,7 +368,7 @@ def validate(config: dict, sandbox_root: str, bases: str, setup: TestSetup, cand
 def set_key(settings: RepoTaskSettings, specs: dict[str, ProjectSpec] | None = None) -> str:
     """The cache key of a task set: what decides its candidates and verdicts (not how many are wanted)."""
     specs = specs or resolve_projects(settings)
-    decided = {"projects": {name: spec.digest for name, spec in specs.items()}, "kinds": list(settings.kinds),
+    decided = {"projects": {name: f"{spec.digest}/{spec.tests_key}" for name, spec in specs.items()}, "kinds": list(settings.kinds),
                "seed": settings.seed, "max_test_seconds": settings.max_test_seconds, "include": settings.include,
                "engine": ENGINE_VERSION}
     if "history" in settings.kinds:
@@ -381,8 +386,8 @@ def _file_name(text: str) -> str:
     return text.replace("/", "__")
 
 
-def _survey_path(bases: Path, test_file: str) -> Path:
-    return bases / f"survey-{SURVEY_VERSION}" / f"{_file_name(test_file)}.json"
+def _survey_path(bases: Path, spec: ProjectSpec, test_file: str) -> Path:
+    return bases / f"survey-{SURVEY_VERSION}-{spec.tests_key}" / f"{_file_name(test_file)}.json"
 
 
 def _read_json(path: Path, required: str) -> dict | None:
@@ -415,7 +420,7 @@ def _shown(ids: list[str]) -> str:
 
 def _prompt(c: Candidate, version: str, fail_to_pass: list[str]) -> str:
     """What the agent is shown (README: per kind): the problem, how to run the tests, and which of them fail."""
-    where = f"You are working in a checkout of {c.project} {version} at /sandbox."
+    where = f"You are working in a checkout of {c.project} {c.base[:12] if c.base else version} at /sandbox."
     tests = " ".join(c.test_files)
     run = f"python -m pytest {tests}"
     if c.kind == "feature":
@@ -490,7 +495,7 @@ class _Build:
 
     def survey_of(self, c: Candidate, test_file: str) -> dict | None:
         key = (c.project, c.base, test_file)
-        if key not in self.surveys and (found := _read_json(_survey_path(self.bases_of(c), test_file), "cpu_seconds")):
+        if key not in self.surveys and (found := _read_json(_survey_path(self.bases_of(c), self.specs[c.project], test_file), "cpu_seconds")):
             self.surveys[key] = found
         return self.surveys.get(key)
 
@@ -566,7 +571,7 @@ class _Build:
                     self.record(c, {"verdict": "infra", "reason": "sandbox failure"})
             return
         project, base, test_file = item
-        atomic_write_text(_survey_path(self.bases_of(waiting[0]), test_file), json.dumps(result))
+        atomic_write_text(_survey_path(self.bases_of(waiting[0]), self.specs[project], test_file), json.dumps(result))
         self.surveys[item] = result
         for c in waiting:
             if c.id not in self.verdicts and not any((c.project, c.base, t) in self.waiting for t in c.test_files):
@@ -635,7 +640,7 @@ def _write_index(build: _Build) -> None:
         if v["verdict"] != "validated":
             continue
         spec = build.specs[c.project]
-        seconds = sum(json.loads(_survey_path(build.bases_of(c), t).read_text())["cpu_seconds"] for t in c.test_files)
+        seconds = sum(json.loads(_survey_path(build.bases_of(c), spec, t).read_text())["cpu_seconds"] for t in c.test_files)
         tasks.append({"id": c.id, "project": c.project, "version": spec.version, "kind": c.kind, "operator": c.operator,
                       "path": c.edits[0].path, "paths": [e.path for e in c.edits], "function": c.function,
                       "description": c.description, "test_file": c.test_files[0], "test_files": list(c.test_files),
