@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from rollout.sandbox.results import CommandResult, SandboxResult, Statement
 from rollout.tasks.functions import Task, defines
 from rollout.tasks.pool import TaskPool
 from rollout.tasks.repository import open_workspace as open_repo_workspace
-from rollout.tasks.workspace import RepoTests, Workspace
+from rollout.tasks.workspace import RepoTests, Workspace, is_full, mount_capped, unmount
 
 log = logging.getLogger("composer.env")
 
@@ -102,10 +103,19 @@ class FunctionWorkspace(Workspace):
         area = env.sandbox.root / "workspaces"  # beside the repository tasks' views
         area.mkdir(parents=True, exist_ok=True)
         self.root = Path(tempfile.mkdtemp(prefix="solution-", dir=area))
+        # As root, on a tmpfs of the workspace's cap: what the episode's commands write stays within it.
+        self._capped = os.geteuid() == 0
+        if self._capped:
+            config = env.sandbox.config
+            mount_capped(self.root, config.workspace_max_write_mb << 20, config.workspace_max_inodes)
+            os.chmod(self.root, 0o777)
         write_text(self.root, SOLUTION_FILE, task.continues if tools and defines(task.continues, task.entry_point) else "")
 
     def shell(self, command: str, timeout_s: float) -> CommandResult:
-        return self._env.sandbox.local.run_command(command, self.root, timeout_s)
+        result = self._env.sandbox.local.run_command(command, self.root, timeout_s)
+        if self._capped and is_full(self.root):
+            result = dataclasses.replace(result, flags=tuple(sorted({*result.flags, "write_limit"})))
+        return result
 
     def run_tests(self) -> CommandResult:
         """The hidden tests' verdict on solution.py: how many pass and the first failure's reason, never the tests."""
@@ -122,6 +132,9 @@ class FunctionWorkspace(Workspace):
         return self._env.grade_program(self._task, self._preamble + solution)
 
     def close(self) -> None:
+        if self._capped:
+            unmount(self.root)
+            self._capped = False
         shutil.rmtree(self.root, ignore_errors=True)
 
 
