@@ -15,10 +15,10 @@ from pathlib import Path
 
 from recipes.errors import UserError
 from recipes.schema import EnvSection, SSHSection
-from rollout.agent.harness import PathRefused, read_text, write_text
 from rollout.sandbox.graders import case_tests, guarded_reward
 from rollout.sandbox.hosts import SandboxFleet
 from rollout.sandbox.results import CommandResult, SandboxResult, Statement
+from rollout.tasks.files import PathRefused, read_text, write_text
 from rollout.tasks.functions import Task, defines
 from rollout.tasks.pool import TaskPool
 from rollout.tasks.repository import open_workspace as open_repo_workspace

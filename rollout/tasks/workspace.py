@@ -35,6 +35,7 @@ from typing import Literal
 
 from rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult, reward_for
 from rollout.sandbox.runs import Sandbox
+from rollout.tasks.files import read_text, write_text
 
 log = logging.getLogger("composer.workspace")
 
@@ -83,7 +84,15 @@ class Workspace(ABC):
     """An episode's files and the sandbox that acts on them (the agent's tools and the grader use only this)."""
 
     root: Path
-    """The episode's writable view of the task's files, on the host (at /sandbox inside the sandbox)."""
+    """The episode's writable view of the task's files, on the host that holds it (at /sandbox inside the sandbox)."""
+
+    def read_file(self, path: str) -> str:
+        """The text of a file of the workspace (`rollout.tasks.files.read_text`: nothing outside it)."""
+        return read_text(self.root, path)
+
+    def write_file(self, path: str, text: str) -> None:
+        """Create or replace a file of the workspace (`rollout.tasks.files.write_text`)."""
+        write_text(self.root, path, text)
 
     @abstractmethod
     def shell(self, command: str, timeout_s: float) -> CommandResult:
