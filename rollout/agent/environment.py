@@ -21,7 +21,7 @@ from rollout.sandbox.results import CommandResult, SandboxResult, Statement
 from rollout.tasks.files import PathRefused, read_text, write_text
 from rollout.tasks.functions import Task, defines
 from rollout.tasks.pool import TaskPool
-from rollout.tasks.repository import open_workspace as open_repo_workspace
+from rollout.tasks.remote import open_repo_workspace
 from rollout.tasks.workspace import RepoTests, Workspace, is_full, mount_capped, unmount
 
 log = logging.getLogger("composer.env")
@@ -82,7 +82,7 @@ class CodingEnvironment:
         """A fresh workspace for an episode of `task` (a repository task's view of its project, else solution.py);
         the caller closes it."""
         if isinstance(task.tests, RepoTests):
-            return open_repo_workspace(task.tests, self.sandbox.local, self.reward)
+            return open_repo_workspace(self.sandbox, task.tests, self.reward)
         return FunctionWorkspace(self, task, tools)
 
     def grade_workspace(self, workspace: Workspace) -> SandboxResult:
