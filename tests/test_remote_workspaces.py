@@ -219,6 +219,37 @@ def test_a_killed_driver_leaves_no_workspace_mounted_on_any_host(hosts, task):
     assert mounted_workspaces() == before
 
 
+def test_env_build_spreads_its_surveys_and_validations_over_the_sandbox_hosts(hosts, task):
+    """The set a build on the two hosts makes (this machine not among them) is the one built here."""
+    import shutil
+
+    from recipes.schema import RepoTaskSettings, SSHSection
+    from rollout.tasks.repository import build_repo_tasks, load_tasks, set_dir
+
+    tests, _, _ = task
+    cache = tests.grading_base.parents[2]
+    settings = RepoTaskSettings(projects=[{"name": "tally", "path": str(cache.parent / "tally"), "commit": "main",
+                                           "package": "src/tally", "install": "pip install pytest"}], kinds=["history"],
+                                num_tasks=1, cache_dir=str(cache))
+    here = [(t["id"], t["fail_to_pass"], t["pass_to_pass"]) for t in load_tasks(settings)]
+    shutil.rmtree(set_dir(settings))  # its verdicts, and every survey: the build runs them again, on the hosts
+    for survey in cache.glob("projects/*/survey-*"):
+        shutil.rmtree(survey)
+    ssh = SSHSection(user="root", key_file=str(hosts.client_key), known_hosts=str(hosts.known_hosts))
+    report = build_repo_tasks(settings, sandbox_section(hosts, hosts.names), tests.grading_base.parents[3] / "sandboxes",
+                              workers=1, ssh=ssh)
+    assert report.validated == 1 and set(report.host_runs) == set(hosts.names), report.host_runs
+    assert [(t["id"], t["fail_to_pass"], t["pass_to_pass"]) for t in load_tasks(settings)] == here
+    assert not wait_servers_gone(hosts)  # the build's fleet is closed
+
+
+def wait_servers_gone(hosts, seconds: float = 20) -> bool:
+    deadline = time.monotonic() + seconds
+    while hosts.processes("rollout.sandbox.server") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return bool(hosts.processes("rollout.sandbox.server"))
+
+
 def test_a_host_killed_in_the_middle_of_an_episode_is_replaced(hosts, task):
     """Last in this module: it kills a host (and brings it back)."""
     from rollout.tasks.remote import RemoteRepoWorkspace

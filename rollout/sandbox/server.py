@@ -11,7 +11,8 @@ runs still going). A frame is a 4-byte big-endian length and a JSON object:
                      repository workspaces (`rollout.tasks.shipping`): {"op": "have", "id", "digest"};
                      {"op": "put", "id", "digest", "data": base64, "last": bool, "relocate_from": path | null} (a
                      tree's archive in chunks); {"op": "ws_open", "id", "task": <wire>}; {"op": "ws", "id",
-                     "workspace": n, "name": shell | run_tests | read | write | grade | close, "arguments": {...}}
+                     "workspace": n, "name": shell | run_tests | read | write | grade | close, "arguments": {...}};
+                     {"op": "tests", "id", "job": <wire>} (a build's survey or validation run)
   server -> driver   {"op": "ready", "cpus": n, "isolation": {...}} or {"op": "refused", "error": "..."}
                      {"op": "started", "id": n}    {"op": "result", "id": n, "result": <wire>}
                      {"op": "reply", "id": n, "value": <wire>}    {"op": "failed", "id": n, "error": "..."}
@@ -55,7 +56,8 @@ from rollout.sandbox.results import (
 )
 from rollout.sandbox.runs import Sandbox
 from rollout.sandbox.session import MAX_RESULT_BYTES
-from rollout.tasks.shipping import ShippedTask, Store, WorkspaceService
+from rollout.tasks.shipping import ShippedTask, ShippedTests, Store, WorkspaceService
+from rollout.tasks.workspace import TestReport
 
 MODULE = __spec__.name
 _HEADER = struct.Struct(">I")
@@ -82,7 +84,8 @@ def serve_request(sandbox: Sandbox, request: SandboxRequest) -> SandboxResult:
 # --- the wire codec ------------------------------------------------------------------------------
 
 WIRE_TYPES = {cls.__name__: cls for cls in (RunRequest, AssertionTests, CallTests, GeneratedCalls, ScriptRun, CaseTests,
-                                            Call, Statement, SandboxResult, CaseResult, CommandResult, ShippedTask)}
+                                            Call, Statement, SandboxResult, CaseResult, CommandResult, ShippedTask,
+                                            ShippedTests, TestReport)}
 
 
 class ProtocolError(ValueError):
@@ -244,7 +247,10 @@ def main() -> None:
                 send({"op": "failed", "id": number, "error": f"{type(e).__name__}: {e}"[:2000]})
         elif op == "ws_open":
             task = message.get("task")
-            workers.submit(answer, number, lambda task=task: workspaces.open(_shipped_task(task)))
+            workers.submit(answer, number, lambda task=task: workspaces.open(_decoded(task, ShippedTask)))
+        elif op == "tests":
+            job = message.get("job")
+            workers.submit(answer, number, lambda job=job: workspaces.test(_decoded(job, ShippedTests)))
         elif op == "ws":
             call = (message.get("workspace"), str(message.get("name")), message.get("arguments") or {})
             workers.submit(answer, number, lambda call=call: workspaces.call(*call))
@@ -263,11 +269,11 @@ def main() -> None:
     os._exit(0)
 
 
-def _shipped_task(node: object) -> ShippedTask:
-    task = from_wire(node)
-    if not isinstance(task, ShippedTask):
-        raise ProtocolError("not a task")
-    return task
+def _decoded(node: object, kind: type):
+    value = from_wire(node)
+    if not isinstance(value, kind):
+        raise ProtocolError(f"not a {kind.__name__}")
+    return value
 
 
 if __name__ == "__main__":

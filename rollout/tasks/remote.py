@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import base64
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.sandbox.fleet import Failure
 from rollout.sandbox.hosts import LOCALHOST, RemoteSandboxHost, SandboxFleet
-from rollout.sandbox.results import CommandResult, RewardMode, SandboxResult
+from rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult
 from rollout.sandbox.server import from_wire, to_wire
-from rollout.tasks.shipping import CHUNK_BYTES, ShippedTask, pack
-from rollout.tasks.workspace import RepoTests, RepoWorkspace, Workspace
+from rollout.tasks.shipping import CHUNK_BYTES, ShippedTask, ShippedTests, pack
+from rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, Workspace
 
 log = logging.getLogger("composer.workspace")
 
@@ -95,11 +96,11 @@ class RemoteRepoWorkspace(Workspace):
         grading = pack(tests.grading_base)
         layer = pack(tests.layer)
         self._trees = [_Tree(*grading), _Tree(*layer)]
-        environment, prefixes = "", ()
-        if tests.environment is not None:
-            venv = Path(tests.environment.path[0]).parent  # the environment's bin/ is first on its PATH
-            self._trees.append(_Tree(*pack(venv), relocate_from=str(venv)))
-            environment, prefixes = self._trees[-1].digest, tuple(tests.environment.read_only[1:])
+        env_tree, prefixes = _environment_tree(tests.environment)
+        environment = ""
+        if env_tree is not None:
+            self._trees.append(env_tree)
+            environment = env_tree.digest
         project = Path(tests.package).name
         self._task = ShippedTask(
             package=tests.package, test_files=tests.test_files, fail_to_pass=tests.fail_to_pass,
@@ -127,13 +128,13 @@ class RemoteRepoWorkspace(Workspace):
             host = self.fleet.provider.by_name[name]
             try:
                 for tree in self._trees:
-                    self._ship(host, tree)
-                number = self._ask(host, {"op": "ws_open", "task": to_wire(self._task)}, OPEN_SECONDS)
+                    _ship(self.fleet, host, tree)
+                number = _ask(host, {"op": "ws_open", "task": to_wire(self._task)}, OPEN_SECONDS)
                 self._host, self._number = host, int(number)
                 self.fleet.open_workspaces[name] += 1
                 self.hosts_used.append(name)
                 for operation, arguments in self._journal:
-                    self._ask(host, self._message(operation, arguments), _seconds(operation, arguments))
+                    _ask(host, self._message(operation, arguments), _seconds(operation, arguments))
                 return
             except _HostLost as e:
                 log.warning("workspace: host %s could not take the episode's workspace (%s)", name, e)
@@ -146,25 +147,6 @@ class RemoteRepoWorkspace(Workspace):
             self.fleet.open_workspaces[self._host.name] -= 1
             self._host, self._number = None, 0
 
-    def _ship(self, host: RemoteSandboxHost, tree: _Tree) -> None:
-        if self._ask(host, {"op": "have", "digest": tree.digest}, OPEN_SECONDS):
-            return
-        data = tree.archive.read_bytes()
-        chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
-        for index, chunk in enumerate(chunks[:-1]):
-            if not host.send({"op": "put", "id": 0, "digest": tree.digest, "first": index == 0,
-                              "data": base64.b64encode(chunk).decode()}):
-                raise _HostLost(f"{host.where}: the connection was lost while shipping")
-        self._ask(host, {"op": "put", "digest": tree.digest, "first": len(chunks) == 1, "last": True,
-                         "relocate_from": tree.relocate_from, "data": base64.b64encode(chunks[-1]).decode()}, SHIP_SECONDS)
-        self.fleet.shipped_bytes[host.name] += len(data)
-
-    @staticmethod
-    def _ask(host: RemoteSandboxHost, message: dict, timeout_s: float):
-        reply = host.request(message, timeout_s)
-        if isinstance(reply, Failure):
-            raise _HostLost(f"{reply.cause}: {reply.detail}")
-        return from_wire(reply.get("value"))
 
     def _message(self, operation: str, arguments: dict) -> dict:
         return {"op": "ws", "workspace": self._number, "name": operation, "arguments": arguments}
@@ -176,7 +158,7 @@ class RemoteRepoWorkspace(Workspace):
             try:
                 if self._host is None:
                     self._attach(failed_on)
-                value = self._ask(self._host, self._message(operation, arguments), _seconds(operation, arguments))
+                value = _ask(self._host, self._message(operation, arguments), _seconds(operation, arguments))
             except _HostLost as e:
                 if self._host is not None:
                     log.warning("workspace: lost host %s in the middle of an episode (%s); moving the workspace", self.host, e)
@@ -225,10 +207,70 @@ class RemoteRepoWorkspace(Workspace):
     def close(self) -> None:
         if self._host is not None:
             try:
-                self._ask(self._host, self._message("close", {}), OPEN_SECONDS)
+                _ask(self._host, self._message("close", {}), OPEN_SECONDS)
             except _HostLost:
                 pass  # the host is gone, and its workspaces with it
             self._detach()
+
+
+def _ask(host: RemoteSandboxHost, message: dict, timeout_s: float):
+    reply = host.request(message, timeout_s)
+    if isinstance(reply, Failure):
+        raise _HostLost(f"{reply.cause}: {reply.detail}")
+    return from_wire(reply.get("value"))
+
+
+_shipping_locks: dict[tuple[str, str], threading.Lock] = {}
+_shipping_guard = threading.Lock()
+
+
+def _ship(fleet: SandboxFleet, host: RemoteSandboxHost, tree: _Tree) -> None:
+    """`tree` onto `host` unless it holds it already (one sender per host and tree: concurrent episodes wait)."""
+    with _shipping_guard:
+        lock = _shipping_locks.setdefault((host.name, tree.digest), threading.Lock())
+    with lock:
+        if _ask(host, {"op": "have", "digest": tree.digest}, OPEN_SECONDS):
+            return
+        data = tree.archive.read_bytes()
+        chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+        for index, chunk in enumerate(chunks[:-1]):
+            if not host.send({"op": "put", "id": 0, "digest": tree.digest, "first": index == 0,
+                              "data": base64.b64encode(chunk).decode()}):
+                raise _HostLost(f"{host.where}: the connection was lost while shipping")
+        _ask(host, {"op": "put", "digest": tree.digest, "first": len(chunks) == 1, "last": True,
+                    "relocate_from": tree.relocate_from, "data": base64.b64encode(chunks[-1]).decode()}, SHIP_SECONDS)
+        fleet.shipped_bytes[host.name] += len(data)
+
+
+def _environment_tree(environment: RunEnvironment | None) -> tuple[_Tree | None, tuple[str, ...]]:
+    """A project environment's tree (its bin/ is first on its PATH) and the interpreter's installation it needs."""
+    if environment is None:
+        return None, ()
+    venv = Path(environment.path[0]).parent
+    return _Tree(*pack(venv), relocate_from=str(venv)), tuple(environment.read_only[1:])
+
+
+def remote_test_run(fleet: SandboxFleet, host_name: str, project: str, grading_base: Path, environment: RunEnvironment | None,
+                    pytest_args: tuple[str, ...], ready_made: bool, source: str):
+    """A build's guarded test run (`rollout.tasks.repository.TestRun`) on a remote host: the grading base and the
+    environment shipped there first (once), the report back as data; a lost host's run is an infrastructure failure."""
+    host = fleet.provider.by_name[host_name]
+
+    def run(changes: dict[str, str], test_files: tuple[str, ...], timeout_s: float) -> TestReport:
+        grading = _Tree(*pack(grading_base))
+        env_tree, prefixes = _environment_tree(environment)
+        job = ShippedTests(grading=grading.digest, environment=env_tree.digest if env_tree else "", prefixes=prefixes,
+                           project=project, ready_made=ready_made,
+                           source=source, changes=tuple(sorted(changes.items())), test_files=test_files,
+                           pytest_args=pytest_args, timeout_s=timeout_s)
+        try:
+            for tree in (grading, env_tree):
+                if tree is not None:
+                    _ship(fleet, host, tree)
+            return _ask(host, {"op": "tests", "job": to_wire(job)}, 2 * timeout_s + 1800.0)
+        except _HostLost as e:
+            return TestReport({}, False, (), f"the sandbox host was lost: {e}", "", "infra", 0.0, 0.0, infra_failure=True)
+    return run
 
 
 def _seconds(operation: str, arguments: dict) -> float:

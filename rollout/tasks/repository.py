@@ -41,18 +41,20 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from recipes.errors import UserError
-from recipes.schema import RepoTaskSettings, SandboxSection
+from recipes.schema import RepoTaskSettings, SandboxSection, SSHSection
+from rollout.sandbox.hosts import LOCALHOST, SandboxFleet
 from rollout.sandbox.isolation import installed_copies
 from rollout.sandbox.results import RewardMode, RunEnvironment
 from rollout.sandbox.runs import Sandbox
@@ -69,6 +71,7 @@ from rollout.tasks.projects import (
     resolve_projects,
 )
 from rollout.tasks.projects import project_bases as _bases_of
+from rollout.tasks.remote import remote_test_run
 from rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, run_tests_guarded, unmount
 from runtime.run_dir import atomic_write_text
 
@@ -295,10 +298,16 @@ def _area(sandbox: Sandbox) -> Path:
 class TestSetup:
     """How a project's tests run (what the build's workers and the checks need of a project)."""
 
+    project: str
     pytest_args: tuple[str, ...]
     hidden: tuple[str, ...]
     environment: RunEnvironment | None
     source: str
+
+    @property
+    def ready_made(self) -> bool:
+        """A ready-made project: installed with every host's composer (its copies hidden there too)."""
+        return self.environment is None and bool(self.hidden)
 
     def grading_environment(self) -> RunEnvironment | None:
         tests = RepoTests(package="", test_files=(), fail_to_pass=(), pass_to_pass=(), pytest_args=(), layer=Path(),
@@ -307,14 +316,23 @@ class TestSetup:
         return tests.run_environment("repo")
 
 
-def survey(config: dict, sandbox_root: str, bases: str, setup: TestSetup, test_file: str, timeout_s: float) -> dict:
-    """Run a test file twice on the original; its expected tests passed both times."""
+TestRun = Callable[[dict[str, str], tuple[str, ...], float], TestReport]
+"""A guarded test run over the project's grading base with changes (path -> text): here, or on a sandbox host."""
+
+
+def _local_run(config: dict, sandbox_root: str, bases: str, setup: TestSetup) -> TestRun:
     sandbox = _sandbox(config, sandbox_root)
     grading = Path(bases) / "grading"
+    return lambda changes, test_files, timeout_s: run_tests_guarded(
+        sandbox, grading, {p: t.encode() for p, t in changes.items()}, test_files, setup.pytest_args, timeout_s,
+        setup.hidden, _area(sandbox), setup.grading_environment())
+
+
+def survey_with(run: TestRun, test_file: str, timeout_s: float) -> dict:
+    """Run a test file twice on the original; its expected tests passed both times."""
     runs = []
     for _ in range(2):
-        report = run_tests_guarded(sandbox, grading, {}, (test_file,), setup.pytest_args, timeout_s, setup.hidden,
-                                   _area(sandbox), setup.grading_environment())
+        report = run({}, (test_file,), timeout_s)
         runs.append(report)
         if not report.complete:
             break
@@ -338,16 +356,12 @@ def changed_files(grading: Path, candidate: Candidate) -> dict[str, str] | None:
     return changed
 
 
-def validate(config: dict, sandbox_root: str, bases: str, setup: TestSetup, candidate: Candidate, expected: list[str],
-             timeout_s: float) -> dict:
+def validate_with(run: TestRun, changed: dict[str, str] | None, test_files: tuple[str, ...], expected: list[str],
+                  timeout_s: float) -> dict:
     """The changed files alone: which expected tests fail now."""
-    sandbox = _sandbox(config, sandbox_root)
-    grading = Path(bases) / "grading"
-    changed = changed_files(grading, candidate)
     if changed is None:
         return {"verdict": "rejected", "reason": "the change does not parse or changes nothing"}
-    report: TestReport = run_tests_guarded(sandbox, grading, {p: t.encode() for p, t in changed.items()}, candidate.test_files,
-                                           setup.pytest_args, timeout_s, setup.hidden, _area(sandbox), setup.grading_environment())
+    report = run(changed, test_files, timeout_s)
     if report.infra_failure:
         return {"verdict": "infra", "reason": "sandbox failure"}
     if not report.complete:
@@ -360,6 +374,59 @@ def validate(config: dict, sandbox_root: str, bases: str, setup: TestSetup, cand
         return {"verdict": "rejected", "reason": "no test fails"}
     return {"verdict": "validated", "fail_to_pass": fail_to_pass, "pass_to_pass": pass_to_pass,
             "changed_files": changed, "wall_seconds": report.wall_seconds}
+
+
+def survey(config: dict, sandbox_root: str, bases: str, setup: TestSetup, test_file: str, timeout_s: float) -> dict:
+    """`survey_with` in a worker process of this machine."""
+    return survey_with(_local_run(config, sandbox_root, bases, setup), test_file, timeout_s)
+
+
+def validate(config: dict, sandbox_root: str, bases: str, setup: TestSetup, changed: dict[str, str] | None,
+             test_files: tuple[str, ...], expected: list[str], timeout_s: float) -> dict:
+    """`validate_with` in a worker process of this machine."""
+    return validate_with(_local_run(config, sandbox_root, bases, setup), changed, test_files, expected, timeout_s)
+
+
+class _Runners:
+    """Where the build's surveys and validations run: worker processes here (when localhost is a sandbox host) and
+    the fleet's remote hosts, as many at once as each has sandboxes; a job takes the next free slot."""
+
+    def __init__(self, sandbox: SandboxSection, sandbox_root: Path, workers: int, fleet):
+        self.config, self.sandbox_root, self.fleet = sandbox.model_dump(), sandbox_root, fleet
+        local = workers if LOCALHOST in sandbox.hosts else 0
+        self.processes = ProcessPoolExecutor(max_workers=local) if local else None
+        self.slots: queue.Queue = queue.Queue()
+        for _ in range(local):
+            self.slots.put(LOCALHOST)
+        remote = [name for name in sandbox.hosts if name != LOCALHOST] if fleet is not None else []
+        for name in remote:
+            for _ in range(fleet.capacities[name]):
+                self.slots.put(name)
+        self.size = self.slots.qsize()
+        self.threads = ThreadPoolExecutor(max_workers=self.size, thread_name_prefix="build")
+        self.runs: Counter[str] = Counter()
+        """Jobs run per host."""
+
+    def submit(self, kind: str, bases: Path, setup: TestSetup, *args) -> Future:
+        return self.threads.submit(self._run, kind, bases, setup, args)
+
+    def _run(self, kind: str, bases: Path, setup: TestSetup, args: tuple) -> dict:
+        slot = self.slots.get()
+        try:
+            self.runs[slot] += 1
+            if slot == LOCALHOST:
+                job = survey if kind == "survey" else validate
+                return self.processes.submit(job, self.config, str(self.sandbox_root), str(bases), setup, *args).result()
+            run = remote_test_run(self.fleet, slot, setup.project, bases / "grading", setup.environment, setup.pytest_args,
+                                  setup.ready_made, setup.source)
+            return survey_with(run, *args) if kind == "survey" else validate_with(run, *args)
+        finally:
+            self.slots.put(slot)
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=True)
+        if self.processes is not None:
+            self.processes.shutdown(wait=True)
 
 
 # --- the build -----------------------------------------------------------------------------------
@@ -408,6 +475,8 @@ class BuildReport:
     seconds: float = 0.0
     resumed: int = 0
     """Verdicts found in the cache (not rerun)."""
+    host_runs: dict = field(default_factory=dict)
+    """Surveys and validations run on each sandbox host."""
 
 
 RULES = ("Do not change the tests or the pytest configuration: they are restored before grading, and a change to them "
@@ -436,18 +505,31 @@ def _prompt(c: Candidate, version: str, fail_to_pass: list[str]) -> str:
 
 
 def build_repo_tasks(settings: RepoTaskSettings, sandbox: SandboxSection, sandbox_root: Path, workers: int,
-                     on_progress: Callable[[BuildReport], None] = lambda report: None) -> BuildReport:
-    """Build (or finish building) the task set: at least `num_tasks` validated tasks, or every candidate tried."""
+                     on_progress: Callable[[BuildReport], None] = lambda report: None,
+                     ssh: SSHSection | None = None) -> BuildReport:
+    """Build (or finish building) the task set: at least `num_tasks` validated tasks, or every candidate tried; the
+    surveys and validations spread over `workers` processes here (when localhost is among the sandbox's hosts) and
+    the sandbox's remote hosts (reached with `ssh`)."""
     build = _Build(settings, sandbox, sandbox_root, on_progress)
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        build.run(pool, workers)
+    remote = [name for name in sandbox.hosts if name != LOCALHOST]
+    fleet = SandboxFleet(sandbox, ssh or SSHSection(), root=sandbox_root) if remote else None
+    try:
+        runners = _Runners(sandbox, sandbox_root, workers, fleet)
+        try:
+            build.run(runners)
+        finally:
+            runners.close()
+        build.report.host_runs = dict(runners.runs)
+    finally:
+        if fleet is not None:
+            fleet.close()
     build.refuse_failing_originals()
     _write_index(build)
     return build.report
 
 
 def _setup_of(spec: ProjectSpec, environment) -> TestSetup:
-    return TestSetup(spec.pytest_args, spec.hidden, environment.run_environment() if environment else None, spec.source)
+    return TestSetup(spec.name, spec.pytest_args, spec.hidden, environment.run_environment() if environment else None, spec.source)
 
 
 class _Build:
@@ -535,7 +617,7 @@ class _Build:
                 return True
         return False
 
-    def dispatch(self, pool: ProcessPoolExecutor, c: Candidate) -> None:
+    def dispatch(self, pool: _Runners, c: Candidate) -> None:
         """Survey the candidate's test files first where needed, reject it on a survey, or validate it."""
         missing = [t for t in c.test_files if self.survey_of(c, t) is None]
         if missing:
@@ -543,8 +625,8 @@ class _Build:
                 key = (c.project, c.base, test_file)
                 if key not in self.waiting:
                     self.waiting[key] = []
-                    future = pool.submit(survey, self.config, str(self.sandbox_root), str(self.bases_of(c)),
-                                         self.setups[c.project], test_file, max(60.0, 3 * self.settings.max_test_seconds))
+                    future = pool.submit("survey", self.bases_of(c), self.setups[c.project], test_file,
+                                         max(60.0, 3 * self.settings.max_test_seconds))
                     self.in_flight[future] = ("survey", key)
                 self.waiting[key].append(c)
             return
@@ -555,11 +637,12 @@ class _Build:
             self.record(c, {"verdict": "rejected", "reason": "test file needs more than max_test_seconds of CPU"})
         else:
             expected = [i for s in surveys for i in s["passing"]]
-            future = pool.submit(validate, self.config, str(self.sandbox_root), str(self.bases_of(c)), self.setups[c.project],
-                                 c, expected, 10 + 3 * sum(s["wall_seconds"] for s in surveys))
+            changed = changed_files(self.bases_of(c) / "grading", c)
+            future = pool.submit("validate", self.bases_of(c), self.setups[c.project], changed, c.test_files, expected,
+                                 10 + 3 * sum(s["wall_seconds"] for s in surveys))
             self.in_flight[future] = ("validate", c)
 
-    def take(self, pool: ProcessPoolExecutor, kind: str, item, result: dict) -> None:
+    def take(self, pool: _Runners, kind: str, item, result: dict) -> None:
         """A finished survey (its waiting candidates dispatched once all theirs are in) or validation (its verdict)."""
         if kind == "validate":
             self.record(item, result)
@@ -577,12 +660,12 @@ class _Build:
             if c.id not in self.verdicts and not any((c.project, c.base, t) in self.waiting for t in c.test_files):
                 self.dispatch(pool, c)
 
-    def run(self, pool: ProcessPoolExecutor, workers: int) -> None:
+    def run(self, pool: _Runners) -> None:
         self.tally()
         exhausted = False
         while True:
-            # Keep the workers busy with the next candidates in order, while more could still be needed.
-            while len(self.in_flight) < 2 * workers and not exhausted and not self.enough():
+            # Keep every slot busy with the next candidates in order, while more could still be needed.
+            while len(self.in_flight) < 2 * pool.size and not exhausted and not self.enough():
                 c = self.next_candidate()
                 if c is None:
                     exhausted = True

@@ -14,6 +14,7 @@ driver sends tool calls and receives observations and the verdict (`rollout.task
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import itertools
@@ -31,7 +32,7 @@ from rollout.sandbox.results import RunEnvironment
 from rollout.sandbox.runs import Sandbox
 from rollout.tasks.files import PathRefused
 from rollout.tasks.projects import _chmod_tree
-from rollout.tasks.workspace import RepoTests, RepoWorkspace
+from rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, run_tests_guarded
 
 CHUNK_BYTES = 8 << 20
 """Bytes of a shipped archive per frame."""
@@ -184,6 +185,22 @@ class ShippedTask:
     reward: str = "fraction"
 
 
+@dataclass(frozen=True)
+class ShippedTests:
+    """A build's guarded test run (a survey's, a validation's) over a shipped grading base with changes."""
+
+    grading: str
+    environment: str
+    prefixes: tuple[str, ...]
+    project: str
+    ready_made: bool
+    source: str
+    changes: tuple[tuple[str, str], ...]
+    test_files: tuple[str, ...]
+    pytest_args: tuple[str, ...]
+    timeout_s: float
+
+
 class WorkspaceService:
     """The workspaces open on this host, by number (the driver's episodes)."""
 
@@ -193,14 +210,27 @@ class WorkspaceService:
         self._numbers = itertools.count(1)
         self._lock = threading.Lock()
 
-    def open(self, task: ShippedTask) -> int:
-        missing = [d for d in (task.grading, task.layer, task.environment) if d and not self.store.have(d)]
+    def _environment(self, digests: tuple[str, ...], environment: str, prefixes: tuple[str, ...]) -> RunEnvironment | None:
+        missing = [d for d in digests if d and not self.store.have(d)]
         if missing:
             raise ShippingError(f"not shipped here: {', '.join(d[:12] for d in missing)}")
-        environment = None
-        if task.environment:
-            venv = self.store.path(task.environment) / "tree"
-            environment = RunEnvironment(path=(str(venv / "bin"),), read_only=(str(venv), *task.prefixes))
+        if not environment:
+            return None
+        venv = self.store.path(environment) / "tree"
+        return RunEnvironment(path=(str(venv / "bin"),), read_only=(str(venv), *prefixes))
+
+    def test(self, job: ShippedTests) -> TestReport:
+        """A build's test run here (`run_tests_guarded`, as the driver would run it)."""
+        environment = self._environment((job.grading, job.environment), job.environment, job.prefixes)
+        if job.source:
+            environment = dataclasses.replace(environment or RunEnvironment(), pythonpath=(f"repo/{job.source}",))
+        return run_tests_guarded(self.sandbox, self.store.path(job.grading) / "tree", {p: t.encode() for p, t in job.changes},
+                                 job.test_files, job.pytest_args, job.timeout_s,
+                                 installed_copies(job.project) if job.ready_made else (), self.sandbox.root / f"views-server-{os.getpid()}",
+                                 environment)
+
+    def open(self, task: ShippedTask) -> int:
+        environment = self._environment((task.grading, task.layer, task.environment), task.environment, task.prefixes)
         tests = RepoTests(
             package=task.package, test_files=task.test_files, fail_to_pass=task.fail_to_pass, pass_to_pass=task.pass_to_pass,
             pytest_args=task.pytest_args, layer=self.store.path(task.layer) / "tree",
