@@ -58,7 +58,8 @@ def main() -> None:
         root.mkdir()
     Path("/tmp/composer-sandbox").mkdir(mode=0o711, exist_ok=True)
     (base / "ssh").mkdir()
-    hosts = netns_hosts.Hosts(base / "ssh", 2, overlays={i: {"/tmp/composer-sandbox": str(r)} for i, r in roots.items()})
+    hosts = netns_hosts.Hosts(base / "ssh", 2, overlays={i: {"/tmp/composer-sandbox": str(r)} for i, r in roots.items()},
+                              prefix="cmpbn", subnet="10.213.16")
     python = base / "python"
     python.write_text(f"#!/bin/sh\ncd {Path(__file__).resolve().parents[1]} && exec {sys.executable} \"$@\"\n")
     python.chmod(0o755)

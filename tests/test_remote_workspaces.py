@@ -35,7 +35,8 @@ def hosts(tmp_path_factory):
     for root in roots.values():
         root.mkdir(mode=0o711)
     (base / "ssh").mkdir()
-    made = netns_hosts.Hosts(base / "ssh", 2, overlays={i: {SANDBOX_ROOT: str(root)} for i, root in roots.items()})
+    made = netns_hosts.Hosts(base / "ssh", 2, overlays={i: {SANDBOX_ROOT: str(root)} for i, root in roots.items()},
+                             prefix="cmpws", subnet="10.213.15")  # apart from the fleet tests' hosts
     made.roots = [roots[0], roots[1]]
     # the hosts' composer is this checkout's (whichever checkout the installed one points at)
     made.python = base / "python"

@@ -61,7 +61,7 @@ def pack(directory: Path) -> tuple[str, Path]:
     target = Path(tempfile.gettempdir()) / "composer-shipping" / f"{digest}.tar"
     target.parent.mkdir(parents=True, exist_ok=True)
     if not target.is_file():
-        staging = target.with_suffix(f".{os.getpid()}.part")
+        staging = target.with_suffix(f".{os.getpid()}-{threading.get_ident()}.part")
         staging.write_bytes(data)
         os.replace(staging, target)
     return digest, target
