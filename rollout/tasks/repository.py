@@ -40,6 +40,7 @@ import fnmatch
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import queue
 import random
@@ -394,7 +395,9 @@ class _Runners:
     def __init__(self, sandbox: SandboxSection, sandbox_root: Path, workers: int, fleet):
         self.config, self.sandbox_root, self.fleet = sandbox.model_dump(), sandbox_root, fleet
         local = workers if LOCALHOST in sandbox.hosts else 0
-        self.processes = ProcessPoolExecutor(max_workers=local) if local else None
+        # Jobs reach the processes from this class's threads: a process forked from a threaded one can inherit a
+        # held lock, so the workers start from a fork server instead.
+        self.processes = ProcessPoolExecutor(max_workers=local, mp_context=multiprocessing.get_context("forkserver")) if local else None
         self.slots: queue.Queue = queue.Queue()
         for _ in range(local):
             self.slots.put(LOCALHOST)
