@@ -60,9 +60,7 @@ def main() -> None:
     (base / "ssh").mkdir()
     hosts = netns_hosts.Hosts(base / "ssh", 2, overlays={i: {"/tmp/composer-sandbox": str(r)} for i, r in roots.items()},
                               prefix="cmpbn", subnet="10.213.16")
-    python = base / "python"
-    python.write_text(f"#!/bin/sh\ncd {Path(__file__).resolve().parents[1]} && exec {sys.executable} \"$@\"\n")
-    python.chmod(0o755)
+    python = hosts.python
     ssh = SSHSection(user="root", key_file=str(hosts.client_key), known_hosts=str(hosts.known_hosts))
     try:
         seconds = {}

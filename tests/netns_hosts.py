@@ -13,6 +13,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,16 @@ class Hosts:
     @property
     def names(self) -> list[str]:
         return [h.name for h in self.hosts]
+
+    @property
+    def python(self) -> Path:
+        """A Python for `remote_python` that runs this checkout's composer on every host (an SSH session starts in
+        the login's home, where `python -m` would import whichever composer is installed)."""
+        wrapper = self.dir / "python"
+        if not wrapper.exists():
+            wrapper.write_text(f"#!/bin/sh\ncd {Path(__file__).resolve().parents[1]} && exec {sys.executable} \"$@\"\n")
+            wrapper.chmod(0o755)
+        return wrapper
 
     @property
     def client_key(self) -> Path:

@@ -38,10 +38,6 @@ def hosts(tmp_path_factory):
     made = netns_hosts.Hosts(base / "ssh", 2, overlays={i: {SANDBOX_ROOT: str(root)} for i, root in roots.items()},
                              prefix="cmpws", subnet="10.213.15")  # apart from the fleet tests' hosts
     made.roots = [roots[0], roots[1]]
-    # the hosts' composer is this checkout's (whichever checkout the installed one points at)
-    made.python = base / "python"
-    made.python.write_text(f"#!/bin/sh\ncd {REPO} && exec {sys.executable} \"$@\"\n")
-    made.python.chmod(0o755)
     try:
         yield made
     finally:
