@@ -109,7 +109,7 @@ def _check_repo(task_set, sandbox, sandbox_root: Path, limit: int | None, worker
 def build(
     file: Path = typer.Argument(..., help="Recipe file whose `env.tasks` has a `repo` task set."),
     overrides: list[str] = typer.Option([], "--set", "-s", help="Override a key: --set env.tasks.0.repo.num_tasks=50 (value parsed as YAML). Repeatable."),
-    workers: int = typer.Option(2, "--workers", min=1, help="Processes validating tasks at once."),
+    workers: int = typer.Option(2, "--workers", min=1, help="Processes validating tasks at once here (with localhost among env.sandbox.hosts; remote hosts run sandboxes_per_host each)."),
 ) -> None:
     """Build the recipe's repository task sets: seeded changes of real projects, each validated against the project's
     own tests (the original passes, the change fails). Cached; an interrupted build resumes where it stopped."""
@@ -129,7 +129,7 @@ def build(
                 progress.update(bar, completed=report.validated,
                                 description=f"validated repo tasks ({report.tried} tried, {sum(report.rejected.values())} rejected)")
 
-            report = build_repo_tasks(settings, recipe.env.sandbox, DEFAULT_ROOT, workers, on_progress=show)
+            report = build_repo_tasks(settings, recipe.env.sandbox, DEFAULT_ROOT, workers, on_progress=show, ssh=recipe.cluster.ssh)
         table = Table(title="repository tasks")
         for column in ("project", "kind", "tasks"):
             table.add_column(column, justify="left" if column != "tasks" else "right")
@@ -140,6 +140,9 @@ def build(
                       f"cache) in {report.seconds:.0f} s; the set: {set_dir(settings)}", highlight=False)
         for reason, count in report.rejected.most_common():
             console.print(f"[dim]  rejected: {escape(reason)}: {count}[/]", highlight=False)
+        if set(report.host_runs) - {"localhost"}:
+            runs = ", ".join(f"{host} {count}" for host, count in sorted(report.host_runs.items()))
+            console.print(f"surveys and validations by sandbox host: {escape(runs)}", highlight=False)
         if report.validated < settings.num_tasks:
             raise UserError(f"only {report.validated} of num_tasks {settings.num_tasks} candidates validated: every candidate "
                             "was tried; widen `projects`, `kinds` or `include`")

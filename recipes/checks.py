@@ -235,9 +235,9 @@ def _check_rl(r: Recipe) -> list[Problem]:
     evaluated = r.rl.eval.tasks if r.rl and r.rl.eval else []
     if r.rollout and r.env and r.rollout.harness == "reply" and "recall" in [t.name for t in r.env.tasks] + evaluated:
         out.append(Problem("rollout.harness", "recall tasks are read from files with tools; set rollout.harness: tools"))
-    uses_workspaces = r.env and (any(t.name == "repo" for t in r.env.tasks) or (r.rollout and r.rollout.harness == "tools"))
-    if uses_workspaces and "localhost" not in r.env.sandbox.hosts:
-        out.append(Problem("env.sandbox.hosts", "repository tasks and rollout.harness: tools keep the episodes' workspaces on "
+    function_workspaces = r.env and r.rollout and r.rollout.harness == "tools" and any(t.name != "repo" for t in r.env.tasks)
+    if function_workspaces and "localhost" not in r.env.sandbox.hosts:
+        out.append(Problem("env.sandbox.hosts", "rollout.harness: tools keeps function tasks' workspaces (solution.py) on "
                                                 "this machine; add localhost to env.sandbox.hosts"))
     if r.rollout and r.rollout.summarize_at is not None and r.rollout.max_turns == 1:
         out.append(Problem("rollout.summarize_at", "self-summarization happens between turns; set rollout.max_turns > 1"))

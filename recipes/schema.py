@@ -573,12 +573,52 @@ class RolloutSection(Section):
     (instruct models such as SmolLM2-Instruct); off: the prompt as plain text."""
 
 
+READY_MADE_PROJECTS = ("networkx", "sympy")
+
+
+class ProjectSettings(Section):
+    """A project of the user's own (a directory or a git checkout on the driver) whose test suite makes tasks."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """The project's name in task ids and tables (not `networkx` or `sympy`: those are the ready-made entries)."""
+    path: str
+    """The project's directory on the driver; a git checkout is read at `commit` (its working tree is not used)."""
+    commit: str | None = None
+    """The commit of a git checkout (required there; a branch or tag is resolved once and pinned by its hash)."""
+    package: str
+    """The importable package, relative to the project root: `mylib`, or `src/mylib` (its parent goes on sys.path)."""
+    install: str = "pip install ."
+    """Shell command run in the sandbox, in a copy of the project at `commit`, with the project's fresh virtual
+    environment first on PATH and the machine's package index (pip's configuration): it installs the dependencies
+    and pytest; the project's own distribution is then removed from the environment (episodes import their copy)."""
+    python: str | None = None
+    """Interpreter the project's virtual environment is made from; the driver's when unset."""
+    test_paths: list[str] = Field(default_factory=lambda: ["tests"], min_length=1)
+    """Directories (relative to the project root) holding the test files `test_<module>.py`."""
+    pytest_args: list[str] = Field(default_factory=list)
+    """Extra pytest arguments of every test run."""
+    exclude_markers: list[str] = Field(default_factory=list)
+    """Tests with these markers are left out (`-m "not slow and not network"`)."""
+    install_seconds: float = Field(default=900.0, gt=0)
+    """Wall-clock limit of the install command."""
+
+    @field_validator("name")
+    @classmethod
+    def _not_ready_made(cls, value: str) -> str:
+        if value in READY_MADE_PROJECTS:
+            raise ValueError(f"{value} is a ready-made project: list it by name (`- {value}`), not as a mapping")
+        return value
+
+
 class RepoTaskSettings(Section):
-    projects: list[Literal["networkx", "sympy"]] = Field(default_factory=lambda: ["networkx", "sympy"], min_length=1)
-    """Projects whose own test suites make the tasks (installed packages: their version is part of the cache key)."""
-    kinds: list[Literal["bug", "feature"]] = Field(default_factory=lambda: ["bug", "feature"], min_length=1)
+    projects: list[Literal["networkx", "sympy"] | ProjectSettings] = Field(default_factory=lambda: ["networkx", "sympy"], min_length=1)
+    """Projects whose own test suites make the tasks: `networkx`, `sympy` (installed packages: their version is part
+    of the cache key), or a project of your own (a mapping: name, path, commit, package, install, ...)."""
+    kinds: list[Literal["bug", "feature", "history", "multi"]] = Field(default_factory=lambda: ["bug", "feature"], min_length=1)
     """`bug`: a seeded mutation of a function (comparison, boundary, operator, negated condition, removed branch,
-    constant) that some of its tests catch; `feature`: a function's body removed, signature and docstring kept."""
+    constant) that some of its tests catch; `feature`: a function's body removed, signature and docstring kept;
+    `history` (git projects): a commit of the project's log that changed source and tests together, its source change
+    taken out and its tests kept; `multi`: several seeded bugs in different functions or files at once."""
     num_tasks: int = Field(default=500, gt=0)
     """Validated tasks to build (`composer env build`): the first ones in the seeded candidate order."""
     seed: int = 0
@@ -589,18 +629,41 @@ class RepoTaskSettings(Section):
     max_test_seconds: float = Field(default=5.0, gt=0)
     """Test files whose run on the original needs more CPU time than this (in the sandbox, pytest's start included)
     make no tasks."""
+    history_commits: int = Field(default=200, gt=0)
+    """`history`: how many commits of the first-parent log before `commit` are looked at."""
+    multi_changes: tuple[int, int] = (2, 3)
+    """`multi`: the least and most seeded bugs of one task."""
     pass_to_pass: Literal["required", "scored"] = "required"
     """`required`: reward = fraction of fail-to-pass tests passing, 0 when any pass-to-pass test breaks; `scored`:
     every expected test counts alike (reward = passed / all)."""
     cache_dir: str = ".cache/composer/repo-tasks"
-    """Project copies, test surveys, verdicts and built sets (keyed by the settings above and the project versions)."""
+    """Project copies and environments, test surveys, verdicts and built sets (keyed by the settings above and the
+    projects' versions, commits and install commands)."""
 
-    @field_validator("projects", "kinds")
+    @field_validator("kinds")
     @classmethod
     def _no_repeats(cls, value: list[str]) -> list[str]:
         if len(set(value)) != len(value):
             raise ValueError(f"{value}: each at most once")
         return value
+
+    @field_validator("projects")
+    @classmethod
+    def _projects_once(cls, value: list) -> list:
+        names = [p if isinstance(p, str) else p.name for p in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{names}: each at most once")
+        return value
+
+    @field_validator("multi_changes")
+    @classmethod
+    def _a_range(cls, value: tuple[int, int]) -> tuple[int, int]:
+        if not 2 <= value[0] <= value[1]:
+            raise ValueError("multi_changes needs 2 <= least <= most, e.g. [2, 3]")
+        return value
+
+    def project_names(self) -> list[str]:
+        return [p if isinstance(p, str) else p.name for p in self.projects]
 
 
 class RecallSettings(Section):
@@ -653,6 +716,16 @@ class SandboxSection(Section):
     """Largest file the code may write."""
     max_output_kb: int = Field(default=64, gt=0)
     """Captured stdout/stderr kept per execution."""
+    max_write_mb: int = Field(default=256, gt=0)
+    """Total size of the files one run may write (its work directory and /tmp together; a command's /tmp): a tmpfs
+    of this size, refused past it and flagged `write_limit` (as root; otherwise only max_file_mb bounds a file)."""
+    max_inodes: int = Field(default=16384, gt=0)
+    """Files and directories one run may create (same tmpfs)."""
+    workspace_max_write_mb: int = Field(default=512, gt=0)
+    """Total size of what an episode's workspace may hold beyond its task's files (the copy-on-write upper layer or
+    solution.py's directory, a tmpfs of this size, as root); a command that fills it is flagged `write_limit`."""
+    workspace_max_inodes: int = Field(default=65536, gt=0)
+    """Files and directories an episode's workspace may create."""
     network: bool = False
     """Allow network access (off: a fresh network namespace when root)."""
     infra_retries: int = Field(default=2, ge=0)
@@ -687,8 +760,8 @@ class SandboxSection(Section):
 
 class GuardsSection(Section):
     flags: list[Literal["harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes",
-                        "timeout", "output_limit", "canary_passed", "tests_modified", "change_dropped", "forbidden_code",
-                        "sentinel_tripped"]] = Field(default_factory=lambda: [
+                        "timeout", "output_limit", "write_limit", "canary_passed", "tests_modified", "change_dropped",
+                        "forbidden_code", "sentinel_tripped"]] = Field(default_factory=lambda: [
         "harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes", "canary_passed",
         "tests_modified", "forbidden_code", "sentinel_tripped"])
     """Grader flags that make an episode flagged (all flags are recorded either way)."""

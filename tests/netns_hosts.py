@@ -13,6 +13,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +22,8 @@ from tests.conftest import SSHD, keygen, not_installed
 
 PREFIX = "cmpcl"
 SUBNET = "10.213.14"
-BRIDGE = f"{PREFIX}br"
 INTERFACE = "cl0"
 """The name of each host's own interface (inside its namespace), for GLOO_SOCKET_IFNAME."""
-ROOT_ADDRESS = f"{SUBNET}.1"
 UNUSED_ADDRESS = f"{SUBNET}.99"
 """An address of the test subnet that no host has (an unreachable host)."""
 
@@ -44,24 +43,24 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
-def remove_leftovers() -> None:
+def remove_leftovers(prefix: str = PREFIX) -> None:
     """Every namespace, veth and bridge of this prefix (the kernel frees a deleted namespace's links lazily, so
     the host ends of the veth pairs are deleted explicitly)."""
     for line in _ip("netns", "list").stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        if name.startswith(PREFIX):
+        if name.startswith(prefix):
             _kill_namespace_processes(name)
             _ip("netns", "delete", name, check=False)
-    for link in _links():
+    for link in _links(prefix):
         _ip("link", "delete", link, check=False)
     deadline = time.monotonic() + 10
-    while _links() and time.monotonic() < deadline:
+    while _links(prefix) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
-def _links() -> list[str]:
+def _links(prefix: str) -> list[str]:
     names = [line.split(":")[1].strip().split("@")[0] for line in _ip("-o", "link", "show").stdout.splitlines()]
-    return [name for name in names if name.startswith(PREFIX)]
+    return [name for name in names if name.startswith(prefix)]
 
 
 def _kill_namespace_processes(namespace: str) -> None:
@@ -86,10 +85,13 @@ class Host:
 class Hosts:
     """`count` hosts at 10.213.14.11, .12, ...; `client_key` and `known_hosts` reach them as root."""
 
-    def __init__(self, workdir: Path, count: int, overlays: dict[int, dict[str, str]] | None = None):
+    def __init__(self, workdir: Path, count: int, overlays: dict[int, dict[str, str]] | None = None,
+                 prefix: str = PREFIX, subnet: str = SUBNET):
+        """`prefix` and `subnet` of its own keep a test module's hosts apart from another's running at the same time."""
         self.dir = workdir
         self.hosts: list[Host] = []
-        remove_leftovers()
+        self.prefix, self.subnet = prefix, subnet
+        remove_leftovers(prefix)
         try:
             self._make(count, overlays or {})
         except BaseException:
@@ -102,15 +104,16 @@ class Hosts:
         client_pub = keygen(d / "client_key")
         (d / "authorized_keys").write_text(client_pub + "\n")
         Path("/run/sshd").mkdir(exist_ok=True)
-        _ip("link", "add", BRIDGE, "type", "bridge")
-        _ip("addr", "add", f"{ROOT_ADDRESS}/24", "dev", BRIDGE)
-        _ip("link", "set", BRIDGE, "up")
+        bridge = f"{self.prefix}br"
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.subnet}.1/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
         known = []
         for index in range(count):
-            address, namespace, veth = f"{SUBNET}.{11 + index}", f"{PREFIX}{index}", f"{PREFIX}v{index}"
+            address, namespace, veth = f"{self.subnet}.{11 + index}", f"{self.prefix}{index}", f"{self.prefix}v{index}"
             _ip("netns", "add", namespace)
             _ip("link", "add", veth, "type", "veth", "peer", "name", INTERFACE, "netns", namespace)
-            _ip("link", "set", veth, "master", BRIDGE)
+            _ip("link", "set", veth, "master", bridge)
             _ip("link", "set", veth, "up")
             _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", INTERFACE)
             _ip("-n", namespace, "link", "set", INTERFACE, "up")
@@ -144,6 +147,16 @@ class Hosts:
     @property
     def names(self) -> list[str]:
         return [h.name for h in self.hosts]
+
+    @property
+    def python(self) -> Path:
+        """A Python for `remote_python` that runs this checkout's composer on every host (an SSH session starts in
+        the login's home, where `python -m` would import whichever composer is installed)."""
+        wrapper = self.dir / "python"
+        if not wrapper.exists():
+            wrapper.write_text(f"#!/bin/sh\ncd {Path(__file__).resolve().parents[1]} && exec {sys.executable} \"$@\"\n")
+            wrapper.chmod(0o755)
+        return wrapper
 
     @property
     def client_key(self) -> Path:
@@ -198,4 +211,4 @@ class Hosts:
                 host.sshd.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 host.sshd.kill()
-        remove_leftovers()
+        remove_leftovers(self.prefix)

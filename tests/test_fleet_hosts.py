@@ -38,9 +38,11 @@ def ssh_section(hosts):
     return SSHSection(user="root", key_file=str(hosts.client_key), known_hosts=str(hosts.known_hosts))
 
 
-def sandbox_section(names: list[str], **more):
+def sandbox_section(names: list[str], hosts=None, **more):
     from recipes.schema import SandboxSection
 
+    if hosts is not None:
+        more = {"remote_python": str(hosts.python), **more}
     return SandboxSection(hosts=names, sandboxes_per_host=2, cpu_seconds=5, wall_seconds=30, retry_backoff_seconds=0.05,
                           **more)
 
@@ -74,7 +76,7 @@ def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
         ("print('hello from', 6 * 7)\n", ScriptRun()),
     ]
     local = Sandbox(SandboxSection(cpu_seconds=5, wall_seconds=30), root=tmp_path)
-    fleet = SandboxFleet(sandbox_section(hosts.names[:2]), ssh_section(hosts))
+    fleet = SandboxFleet(sandbox_section(hosts.names[:2], hosts), ssh_section(hosts))
     try:
         assert fleet.capacities == {name: 2 for name in hosts.names[:2]}
         assert all(iso.dedicated_uid and iso.namespaces for iso in fleet.isolations.values())
@@ -95,7 +97,7 @@ def test_an_unreachable_host_or_a_missing_composer_at_start_is_one_clear_error(h
     from rollout.sandbox.hosts import SandboxFleet
 
     with pytest.raises(UserError, match=f"root@{netns_hosts.UNUSED_ADDRESS}:22: cannot connect"):
-        SandboxFleet(sandbox_section([hosts.names[0], netns_hosts.UNUSED_ADDRESS]), ssh_section(hosts))
+        SandboxFleet(sandbox_section([hosts.names[0], netns_hosts.UNUSED_ADDRESS], hosts), ssh_section(hosts))
     assert wait_for_no_process(hosts, "rollout.sandbox.server") == []  # the reachable host was closed again
     with pytest.raises(UserError, match=f"sandbox host root@{hosts.names[0]}:22: its sandbox server .* did not start: .*No such file.*env.sandbox.remote_python"):
         SandboxFleet(sandbox_section([hosts.names[0]], remote_python="/nonexistent/python"), ssh_section(hosts))
@@ -110,7 +112,8 @@ def test_a_killed_driver_leaves_no_sandbox_server(hosts):
         from tests.test_fleet_hosts import numbered
 
         ssh = SSHSection(user="root", key_file={str(hosts.client_key)!r}, known_hosts={str(hosts.known_hosts)!r})
-        fleet = SandboxFleet(SandboxSection(hosts={hosts.names[:2]!r}, sandboxes_per_host=2, wall_seconds=600), ssh)
+        fleet = SandboxFleet(SandboxSection(hosts={hosts.names[:2]!r}, sandboxes_per_host=2, wall_seconds=600,
+                                            remote_python={str(hosts.python)!r}), ssh)
         futures = [fleet.submit(RunRequest(*numbered(i, 300))) for i in range(4)]
         while len(fleet.pool.metrics.start_latency) < 4:  # every host's server has started its runs
             time.sleep(0.05)
@@ -134,7 +137,7 @@ def test_env_check_grades_every_reference_on_the_recipes_sandbox_hosts(hosts, wr
     recipe = write_recipe(
         f"extends: {RECIPES / 'smoke-rl.yaml'}\n"
         "env:\n  tasks:\n    - {name: smoke, limit: 6}\n    - {name: humaneval, limit: 4}\n"
-        f"  sandbox: {{hosts: [{hosts.names[0]}, {hosts.names[1]}], sandboxes_per_host: 1}}\n"
+        f"  sandbox: {{hosts: [{hosts.names[0]}, {hosts.names[1]}], sandboxes_per_host: 1, remote_python: {hosts.python}}}\n"
         f"cluster: {{ssh: {{user: root, key_file: {hosts.client_key}, known_hosts: {hosts.known_hosts}}}}}\n"
         "rl: {eval: null}\n"
     )
@@ -162,6 +165,7 @@ def test_an_rl_run_grades_its_episodes_on_the_sandbox_hosts(hosts, tmp_path):
 
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)
     sets = [f"env.sandbox.hosts=[{hosts.names[0]}, {hosts.names[1]}]", "env.sandbox.sandboxes_per_host=2", "cluster.ssh.user=root",
+            f"env.sandbox.remote_python={hosts.python}",
             f"cluster.ssh.key_file={hosts.client_key}", f"cluster.ssh.known_hosts={hosts.known_hosts}", "train.steps=2", "rl.eval=null"]
     driver = start(tmp_path / "runs", checkpoint, *(a for s in sets for a in ("--set", s)))
     output, _ = driver.communicate(timeout=900)
@@ -179,7 +183,7 @@ def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others_and_is_readmit
     from rollout.sandbox.server import RunRequest
 
     runs = 24
-    fleet = SandboxFleet(sandbox_section(hosts.names, readmit_seconds=2), ssh_section(hosts))
+    fleet = SandboxFleet(sandbox_section(hosts.names, hosts, readmit_seconds=2), ssh_section(hosts))
     victim = hosts.hosts[2]
     try:
         futures = [fleet.submit(RunRequest(*numbered(i, 0.5)), task_set="smoke") for i in range(runs)]

@@ -6,8 +6,6 @@ mechanism gets a run. The end-to-end classes on networkx bug and feature tasks a
 import ast
 import os
 import random
-import shlex
-import stat
 import sys
 from pathlib import Path
 

@@ -21,6 +21,7 @@ from recipes.schema import RepoTaskSettings, SandboxSection, TaskSet
 from rollout.sandbox.graders import DEFAULT_GUARDED, guarded_reward
 from rollout.sandbox.isolation import installed_copies
 from rollout.sandbox.runs import Sandbox
+from rollout.tasks.grading_policy import NOT_A_FILE
 from rollout.tasks.mutations import Mutation, changed_module, mutations
 from rollout.tasks.repository import (
     build_repo_tasks,
@@ -32,7 +33,6 @@ from rollout.tasks.repository import (
     repo_tests,
     set_dir,
 )
-from rollout.tasks.grading_policy import NOT_A_FILE
 from rollout.tasks.workspace import RepoWorkspace
 from tests.conftest import REPO
 from tests.repo_cheats import ANSWERS, CLASSES, in_function, payloads, pyc, written

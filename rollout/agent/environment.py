@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -14,14 +15,14 @@ from pathlib import Path
 
 from recipes.errors import UserError
 from recipes.schema import EnvSection, SSHSection
-from rollout.agent.harness import PathRefused, read_text, write_text
 from rollout.sandbox.graders import case_tests, guarded_reward
 from rollout.sandbox.hosts import SandboxFleet
 from rollout.sandbox.results import CommandResult, SandboxResult, Statement
+from rollout.tasks.files import PathRefused, read_text, write_text
 from rollout.tasks.functions import Task, defines
 from rollout.tasks.pool import TaskPool
-from rollout.tasks.repository import open_workspace as open_repo_workspace
-from rollout.tasks.workspace import RepoTests, Workspace
+from rollout.tasks.remote import open_repo_workspace
+from rollout.tasks.workspace import RepoTests, Workspace, is_full, mount_capped, unmount
 
 log = logging.getLogger("composer.env")
 
@@ -81,7 +82,7 @@ class CodingEnvironment:
         """A fresh workspace for an episode of `task` (a repository task's view of its project, else solution.py);
         the caller closes it."""
         if isinstance(task.tests, RepoTests):
-            return open_repo_workspace(task.tests, self.sandbox.local, self.reward)
+            return open_repo_workspace(self.sandbox, task.tests, self.reward)
         return FunctionWorkspace(self, task, tools)
 
     def grade_workspace(self, workspace: Workspace) -> SandboxResult:
@@ -102,12 +103,21 @@ class FunctionWorkspace(Workspace):
         area = env.sandbox.root / "workspaces"  # beside the repository tasks' views
         area.mkdir(parents=True, exist_ok=True)
         self.root = Path(tempfile.mkdtemp(prefix="solution-", dir=area))
+        # As root, on a tmpfs of the workspace's cap: what the episode's commands write stays within it.
+        self._capped = os.geteuid() == 0
+        if self._capped:
+            config = env.sandbox.config
+            mount_capped(self.root, config.workspace_max_write_mb << 20, config.workspace_max_inodes)
+            os.chmod(self.root, 0o777)
         write_text(self.root, SOLUTION_FILE, task.continues if tools and defines(task.continues, task.entry_point) else "")
         for path, text in task.files if tools else ():
             write_text(self.root, path, text)
 
     def shell(self, command: str, timeout_s: float) -> CommandResult:
-        return self._env.sandbox.local.run_command(command, self.root, timeout_s)
+        result = self._env.sandbox.local.run_command(command, self.root, timeout_s)
+        if self._capped and is_full(self.root):
+            result = dataclasses.replace(result, flags=tuple(sorted({*result.flags, "write_limit"})))
+        return result
 
     def run_tests(self) -> CommandResult:
         """The hidden tests' verdict on solution.py: how many pass and the first failure's reason, never the tests."""
@@ -124,6 +134,9 @@ class FunctionWorkspace(Workspace):
         return self._env.grade_program(self._task, self._preamble + solution)
 
     def close(self) -> None:
+        if self._capped:
+            unmount(self.root)
+            self._capped = False
         shutil.rmtree(self.root, ignore_errors=True)
 
 

@@ -15,12 +15,9 @@ plain format of `plain_tool_guide` inside the system message (SmolLM2's template
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import re
 import shlex
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +25,12 @@ from typing import Any
 
 from recipes.errors import UserError
 from rollout.sandbox.results import CommandResult
+from rollout.tasks.files import PathRefused, workspace_relative
 from rollout.tasks.workspace import Workspace
 
 MAX_CALLS_PER_REPLY = 8
 MAX_READ_LINES = 400
 MAX_SEARCH_MATCHES = 50
-MAX_FILE_BYTES = 1 << 20
-"""Largest file the file tools read or write."""
 
 SYSTEM_PROMPT = ("You are a coding agent working in a workspace directory. Use the tools to read, search and change "
                  "files, run commands and run the tests; call finish when the task is done.")
@@ -183,121 +179,6 @@ def _is_text(value: str) -> bool:
     return "\x00" not in value
 
 
-# --- files inside the workspace ----------------------------------------------------------------
-
-
-class PathRefused(Exception):
-    """A path the file tools do not follow (outside the workspace, through a symlink, not a regular file)."""
-
-
-def workspace_relative(path: str) -> list[str]:
-    """The components of a workspace-relative path; refuses what could leave the workspace."""
-    if not path or "\x00" in path:
-        raise PathRefused("an empty path" if not path else "a path with a NUL byte")
-    if path.startswith("/") or path.startswith("~"):
-        raise PathRefused(f"{path}: absolute paths are refused; give a path relative to the workspace")
-    parts = [p for p in path.split("/") if p not in ("", ".")]
-    if ".." in parts:
-        raise PathRefused(f"{path}: paths with .. are refused; stay inside the workspace")
-    return parts
-
-
-def _open_parent(root: Path, parts: list[str], create: bool) -> int:
-    """A descriptor of the directory holding `parts[-1]`, reached from `root` without following any symlink."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for part in parts[:-1]:
-            made = False
-            if create:
-                try:
-                    os.mkdir(part, dir_fd=fd)
-                    made = True
-                except FileExistsError:
-                    pass
-            try:
-                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            except OSError as e:
-                raise _refusal(parts, part, e) from None
-            os.close(fd)
-            fd = child
-            if made:
-                os.fchmod(fd, 0o777)  # each sandboxed command runs as another uid
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _refusal(parts: list[str], part: str, e: OSError) -> Exception:
-    shown = "/".join(parts)
-    if e.errno in (errno.ELOOP, errno.ENOTDIR) and part != parts[-1]:
-        return PathRefused(f"{shown}: {part} is a symlink or not a directory; the file tools do not follow symlinks")
-    if e.errno == errno.ELOOP:
-        return PathRefused(f"{shown}: a symlink; the file tools do not follow symlinks")
-    if e.errno == errno.ENOENT:
-        return FileNotFoundError(f"{shown}: no such file")
-    return PathRefused(f"{shown}: {os.strerror(e.errno or 0)}")
-
-
-def read_text(root: Path, path: str, max_bytes: int = MAX_FILE_BYTES) -> str:
-    """The text of the regular file `path` inside `root` (no symlink followed, no FIFO or device opened)."""
-    parts = workspace_relative(path)
-    if not parts:
-        raise PathRefused(f"{path}: a directory, not a file")
-    parent = _open_parent(root, parts, create=False)
-    try:
-        try:
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent)
-        except OSError as e:
-            raise _refusal(parts, parts[-1], e) from None
-    finally:
-        os.close(parent)
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if stat.S_ISDIR(info.st_mode):
-            raise PathRefused(f"{path}: a directory; search it or list it with the shell tool")
-        if not stat.S_ISREG(info.st_mode):
-            raise PathRefused(f"{path}: not a regular file")
-        if info.st_size > max_bytes:
-            raise PathRefused(f"{path}: {info.st_size} bytes, more than the file tools' {max_bytes}; use the shell tool")
-        data = f.read(max_bytes + 1)
-    if b"\x00" in data:
-        raise PathRefused(f"{path}: a binary file")
-    try:
-        return data.decode()
-    except UnicodeDecodeError:
-        raise PathRefused(f"{path}: not UTF-8 text") from None
-
-
-def write_text(root: Path, path: str, text: str) -> None:
-    """Create or replace the regular file `path` inside `root` (parents made; no symlink followed, no hard link
-    to a file elsewhere written through)."""
-    parts = workspace_relative(path)
-    if not parts:
-        raise PathRefused(f"{path}: a directory, not a file")
-    data = text.encode()
-    if len(data) > MAX_FILE_BYTES:
-        raise PathRefused(f"{path}: {len(data)} bytes, more than the file tools' {MAX_FILE_BYTES}")
-    parent = _open_parent(root, parts, create=True)
-    try:
-        try:
-            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=parent)
-        except OSError as e:
-            raise _refusal(parts, parts[-1], e) from None
-    finally:
-        os.close(parent)
-    with os.fdopen(fd, "wb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise PathRefused(f"{path}: not a regular file")
-        if info.st_nlink > 1:
-            raise PathRefused(f"{path}: a hard link to another file; write a new file instead")
-        # Writable by the sandbox's commands, which run as other uids (Sandbox.run_command).
-        os.fchmod(f.fileno(), stat.S_IMODE(info.st_mode) | 0o666)
-        f.truncate(0)
-        f.write(data)
-
-
 # --- the tools ---------------------------------------------------------------------------------
 
 
@@ -325,7 +206,7 @@ class ToolBox:
             return ToolOutput(f"error: {e.strerror or e}")
 
     def _read_file(self, ws: Workspace, path: str, start_line: int = 1, end_line: int | None = None) -> ToolOutput:
-        lines = read_text(ws.root, path).splitlines()
+        lines = ws.read_file(path).splitlines()
         if start_line < 1 or (end_line is not None and end_line < start_line):
             return ToolOutput("error: lines are numbered from 1, and end_line must not be before start_line")
         if lines and start_line > len(lines):
@@ -358,7 +239,7 @@ class ToolBox:
             return ToolOutput("error: old_string is empty; to create a file use write_file")
         if old_string == new_string:
             return ToolOutput("error: old_string and new_string are the same")
-        text = read_text(ws.root, path)
+        text = ws.read_file(path)
         count = text.count(old_string)
         if count == 0:
             return ToolOutput(f"error: old_string does not occur in {path}; read the file and copy the text exactly "
@@ -368,12 +249,12 @@ class ToolBox:
             at = ", ".join(str(text.count("\n", 0, s) + 1) for s in starts[:10])
             return ToolOutput(f"error: old_string occurs {count} times in {path} (lines {at}); include more of the "
                               "surrounding text so that it occurs once")
-        write_text(ws.root, path, text.replace(old_string, new_string, 1))
+        ws.write_file(path, text.replace(old_string, new_string, 1))
         line = text.count("\n", 0, text.index(old_string)) + 1
         return ToolOutput(f"edited {path} at line {line}")
 
     def _write_file(self, ws: Workspace, path: str, content: str) -> ToolOutput:
-        write_text(ws.root, path, content)
+        ws.write_file(path, content)
         return ToolOutput(f"wrote {path} ({content.count(chr(10)) + (not content.endswith(chr(10)) and bool(content))} lines)")
 
     def _shell(self, ws: Workspace, command: str, timeout: int | None = None) -> ToolOutput:

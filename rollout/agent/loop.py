@@ -35,10 +35,11 @@ import numpy as np
 
 from recipes.schema import RolloutSection
 from rollout.agent.environment import SOLUTION_FILE, CodingEnvironment
-from rollout.agent.harness import ChatFormat, Tokenizer, ToolBox, run_reply, write_text
+from rollout.agent.harness import ChatFormat, Tokenizer, ToolBox, run_reply
 from rollout.agent.trajectory import Segment, Trajectory
 from rollout.engines.vllm_engine import Completion, Engine
 from rollout.sandbox.results import SandboxResult
+from rollout.tasks.files import write_text
 from rollout.tasks.functions import Task
 from rollout.tasks.workspace import Workspace
 

@@ -5,7 +5,8 @@ The fork server forks a *holder* per run; the holder, still privileged and runni
      recipe allows it); when not root, a user namespace carrying a network namespace where the kernel
      allows one;
   2. as root, gives the run a root of its own (an allow-list): an empty tmpfs into which it binds a
-     private `/tmp` read-write, then, read-only, the interpreter's prefix, the virtual environment and the
+     private `/tmp` read-write (with a write cap: on a sized tmpfs of the run's own, which also holds a program
+     run's work directory, so the run's files together stay under the cap), then, read-only, the interpreter's prefix, the virtual environment and the
      system libraries (with the task data packages covered by empty directories; on top of the private
      `/tmp` where they lie below it), then the work directory (`/sandbox`, also HOME) read-write, a minimal
      `/dev`; then pivot_root into it, dropping the host tree;
@@ -17,7 +18,8 @@ The fork server forks a *holder* per run; the holder, still privileged and runni
      umask 0 (a work directory outlives the run, and its next run has another uid) and, when asked for, the
      reply pipe at `channel_fd` (a report channel back to the caller).
 The holder reports on the status pipe (which no process of the run can reach): {"setup_error"} when a
-step fails (an infrastructure failure, not the program's), else {"exit": code} once the init has ended.
+step fails (an infrastructure failure, not the program's), else {"exit": code} once the init has ended, with
+"write_limit" when the run's capped tmpfs was left full (no room or no inode: the run wrote until refused).
 """
 
 import ctypes
@@ -44,6 +46,9 @@ PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 DEVICES = ("null", "zero", "full", "random", "urandom")
 WORK_DIR = "/sandbox"
+SCRATCH = "/.scratch"
+FULL_MARGIN_BYTES = 64 << 10
+"""Free space below which a capped run's tmpfs counts as full (writes are refused a page or a chunk short of it)."""
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -75,14 +80,43 @@ def _bind(source: str, target: str, read_only: bool, recursive: bool = False) ->
     _mount(None, target, None, flags)
 
 
+def _scratch(plan: dict) -> tuple[str, str]:
+    """The run's /tmp and work directory: on a tmpfs of the write cap's size and inodes (the kernel refuses
+    writes past it; it ends with the run's mount namespace), or the host directories the plan names."""
+    cap = plan.get("write_cap")
+    if not cap:
+        return plan["tmp"], plan["work"]
+    scratch = plan["new_root"] + SCRATCH
+    os.makedirs(scratch, 0o700)
+    _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,size={cap[0]},nr_inodes={cap[1]}")
+    uid = plan["uid"] if plan["uid"] is not None else os.getuid()
+    for name in ("tmp", "work"):
+        os.mkdir(f"{scratch}/{name}", 0o700)
+        os.chown(f"{scratch}/{name}", uid, uid)
+    # A command's work directory is the caller's (a workspace, capped by its own filesystem).
+    return f"{scratch}/tmp", plan["work"] if plan.get("command") is not None else f"{scratch}/work"
+
+
+def _write_limit_reached() -> bool:
+    """The capped tmpfs (seen at /tmp from the holder) has no room or no inode left."""
+    try:
+        st = os.statvfs("/tmp")
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_MARGIN_BYTES or st.f_favail == 0
+
+
 def _build_root(plan: dict) -> None:
     root = plan["new_root"]
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    tmp, work = _scratch(plan)
     # The private /tmp first: read-only binds below /tmp (a checkout and its .venv in the system's temporary
     # directory) go on top of it and stay visible.
-    _bind(plan["tmp"], root + "/tmp", read_only=False)
+    _bind(tmp, root + "/tmp", read_only=False)
     for path in plan["read_only"]:
         _bind(path, root + path, read_only=True)
+    for path in plan.get("writable_binds", ()):
+        _bind(path, root + path, read_only=False)
     for path in plan["hidden"]:
         # An empty read-only directory (or file) over a package's files inside a read-only bind.
         if os.path.isdir(root + path):
@@ -92,7 +126,10 @@ def _build_root(plan: dict) -> None:
     for link, target in plan["symlinks"]:
         os.symlink(target, root + link)
     # Recursive: a work directory may hold mounts of its own (a grading run's read-only view of a repository).
-    _bind(plan["work"], root + WORK_DIR, read_only=False, recursive=True)
+    _bind(work, root + WORK_DIR, read_only=False, recursive=True)
+    if plan.get("write_cap"):
+        _check(_libc.umount2((root + SCRATCH).encode(), MNT_DETACH), "detach the scratch tmpfs")  # the binds keep it
+        os.rmdir(root + SCRATCH)
     os.makedirs(root + "/dev", 0o755)
     _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
     for device in DEVICES:
@@ -234,5 +271,6 @@ def run(plan: dict, fds: dict, serve) -> None:
     if plan["mount_namespace"] and code - 128 in {int(s) for s in signal.Signals}:
         code = 128 - code
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    _report(status_fd, {"exit": code, "cpu": usage.ru_utime + usage.ru_stime})
+    full = bool(plan.get("write_cap")) and plan["mount_namespace"] and _write_limit_reached()
+    _report(status_fd, {"exit": code, "cpu": usage.ru_utime + usage.ru_stime, "write_limit": full})
     os._exit(0)

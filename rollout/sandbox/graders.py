@@ -56,6 +56,7 @@ FLAGS = {
     "stray_processes": "processes the program started were still running when the run ended",
     "timeout": "the program hit the CPU or wall-clock limit",
     "output_limit": "the program's output or result stream went past its limit",
+    "write_limit": "the run or the workspace wrote up to its cap of bytes or files (later writes were refused)",
     "host_timeout": "the run timed out because the host starved it, not because of the program (an infrastructure failure)",
     "canary_passed": "a canary task (tests contradicting its statement) scored above 0",
     "tests_modified": "a repository task's episode changed its tests, conftest.py, pytest configuration, sitecustomize "

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -41,7 +41,7 @@ from rollout.sandbox.server import (
 log = logging.getLogger("composer.fleet")
 
 LOCALHOST = "localhost"
-WORKSPACES_HERE = "repository tasks and rollout.harness: tools keep the episodes' workspaces on this machine"
+WORKSPACES_HERE = "rollout.harness: tools keeps function tasks' workspaces (solution.py) on this machine"
 PROBE = RunRequest("def probe():\n    return 1\n", AssertionTests(entry_point="probe", setup="", cases=("assert candidate() == 1",)))
 """The health probe: a real run of a trivial program."""
 PROBE_SECONDS = 60.0
@@ -116,6 +116,8 @@ class RemoteSandboxHost(SandboxHost):
         self._pending: dict[int, tuple[object, Callable[[], None], Callable[[Outcome], None]]] = {}
         """Runs sent and not answered: the channel they went out on, and their callbacks."""
         self._probes = itertools.count(-1, -1)
+        self._requests = itertools.count(1 << 40)
+        """Numbers of workspace and shipping operations (never a run's)."""
         self._host = self._channel = None
         self._errors: deque[str] = deque(maxlen=20)
         self._connect()
@@ -196,13 +198,15 @@ class RemoteSandboxHost(SandboxHost):
                 break
             with self._lock:
                 callbacks = self._pending.get(number)
-                if message["op"] in ("result", "failed"):
+                if message["op"] in ("result", "reply", "failed"):
                     self._pending.pop(number, None)
             if callbacks is None:
                 continue
             _, started, done = callbacks
             if message["op"] == "started":
                 started()
+            elif message["op"] == "reply":
+                done(message)
             elif message["op"] == "failed":
                 done(Failure("server_error", str(message.get("error"))[:500]))
             else:
@@ -226,8 +230,9 @@ class RemoteSandboxHost(SandboxHost):
         for done in callbacks:
             done(Failure("connection_lost", f"{self.where}: {reason}"))
 
-    def start(self, number: int, request: SandboxRequest, started: Callable[[], None], done: Callable[[Outcome], None]) -> None:
-        frame = frame_bytes({"op": "run", "id": number, "request": to_wire(request)})
+    def start(self, number: int, request: SandboxRequest | dict, started: Callable[[], None], done: Callable[[Outcome], None]) -> None:
+        """Send a run (or, as a dict, another operation with its id) on the current connection."""
+        frame = frame_bytes(request if isinstance(request, dict) else {"op": "run", "id": number, "request": to_wire(request)})
         with self._lock:
             channel = self._channel
             if channel is not None:
@@ -243,6 +248,35 @@ class RemoteSandboxHost(SandboxHost):
     def cancel(self, number: int) -> None:
         with self._lock:
             self._pending.pop(number, None)
+
+    @property
+    def connected(self) -> bool:
+        return self._channel is not None
+
+    def send(self, message: dict) -> bool:
+        """Send a frame that has no answer of its own (a chunk of a shipped tree); False when not connected."""
+        channel = self._channel
+        if channel is None:
+            return False
+        try:
+            with self._send_lock:
+                channel.sendall(frame_bytes(message))
+        except OSError as e:
+            self._lost(channel, f"sending failed ({e})")
+            return False
+        return True
+
+    def request(self, message: dict, timeout_s: float) -> dict | Failure:
+        """Send `message` (a workspace or shipping operation) and wait for its reply: the reply frame, or a Failure
+        (the connection was lost, the host answered `failed`, or no answer came within `timeout_s`)."""
+        number = next(self._requests)
+        answered = threading.Event()
+        outcome: list = []
+        self.start(number, {**message, "id": number}, lambda: None, lambda o: (outcome.append(o), answered.set()))
+        if not answered.wait(timeout_s):
+            self.cancel(number)
+            return Failure("timeout", f"{self.where}: no answer within {timeout_s:.0f} s")
+        return outcome[0]
 
     def probe(self, done: Callable[[Failure | None], None]) -> None:
         def check() -> None:
@@ -317,6 +351,10 @@ class SandboxFleet:
         self.provider = HostsProvider(hosts)
         self.isolations = {host.name: host.isolation for host in hosts}
         self.capacities = {host.name: host.capacity for host in hosts}
+        self.open_workspaces: Counter[str] = Counter()
+        """Repository workspaces open on each host (`rollout.tasks.remote` places episodes by it)."""
+        self.shipped_bytes: Counter[str] = Counter()
+        """Bytes of trees shipped to each host (project files, environments, tasks' changed files)."""
         self.clock = RealClock()
         self.pool = SandboxPool(
             self.provider, self.capacities, self.clock, max_concurrent=config.max_concurrent, max_queued=config.max_queued,
@@ -331,7 +369,7 @@ class SandboxFleet:
 
     @property
     def local(self) -> Sandbox:
-        """This machine's sandbox: the episodes' workspaces live here and run their commands here."""
+        """This machine's sandbox: function tasks' workspaces live here and run their commands here."""
         host = self.provider.by_name.get(LOCALHOST)
         if not isinstance(host, LocalSandboxHost):
             raise UserError(f"{WORKSPACES_HERE}: env.sandbox.hosts must include localhost")

@@ -140,6 +140,19 @@ class CommandResult:
     """What the command wrote on its report channel (`Sandbox.run_command(channel=True)`), in order."""
 
 
+@dataclass(frozen=True)
+class RunEnvironment:
+    """What a command run sees beyond the sandbox's interpreter (`Sandbox.run_command`): a project's virtual
+    environment first on PATH, more host paths at their own path (read-only, or writable for its install),
+    sys.path entries (relative to the work directory) and variables."""
+
+    path: tuple[str, ...] = ()
+    read_only: tuple[str, ...] = ()
+    writable: tuple[str, ...] = ()
+    pythonpath: tuple[str, ...] = ()
+    variables: tuple[tuple[str, str], ...] = ()
+
+
 def reward_for(passed: int, total: int, mode: RewardMode) -> float:
     if total == 0:
         return 0.0

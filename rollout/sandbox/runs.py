@@ -38,7 +38,7 @@ from rollout.sandbox.isolation import (
     kill_uid,
     root_layout,
 )
-from rollout.sandbox.results import AssertionTests, CommandResult, RewardMode, SandboxResult, Tests
+from rollout.sandbox.results import AssertionTests, CommandResult, RewardMode, RunEnvironment, SandboxResult, Tests
 from rollout.sandbox.session import InfraError, Session, command_result, sandbox_environment, zygote_for
 
 log = logging.getLogger("composer.sandbox")
@@ -104,7 +104,7 @@ class Sandbox:
         return result
 
     def run_command(self, command: str, workdir: Path, timeout_s: float | None = None,
-                    hidden: tuple[str, ...] = (), channel: bool = False) -> CommandResult:
+                    hidden: tuple[str, ...] = (), channel: bool = False, environment: RunEnvironment | None = None) -> CommandResult:
         """`bash -c command` isolated like `run`, with the host directory `workdir` as the writable work
         directory (at /sandbox under a root of its own, also HOME and first on PYTHONPATH), everything it
         started killed at the end, and the host paths `hidden` (e.g. the installed copy of the task's project)
@@ -112,13 +112,14 @@ class Sandbox:
         call only when they are world-writable. `timeout_s` (default: wall_seconds) bounds its wall time and,
         when longer, its CPU time. With `channel`, descriptor 3 of the command is a pipe to the caller: what
         the command writes there comes back, in order, as `CommandResult.channel` (a report that no file of
-        the run holds). Without root the command runs as this user in `workdir` and `hidden` is not enforced
-        (logged once)."""
+        the run holds). `environment` adds a project's environment (PATH, binds, sys.path). Without root the
+        command runs as this user in `workdir` and `hidden` is not enforced (logged once)."""
         workdir = Path(workdir).resolve()
         if not workdir.is_dir():
             raise FileNotFoundError(f"sandbox work directory {workdir} does not exist")
         for attempt in range(self.config.infra_retries + 1):
-            result = self._command_once(command, workdir, timeout_s or self.config.wall_seconds, hidden, channel)
+            result = self._command_once(command, workdir, timeout_s or self.config.wall_seconds, hidden, channel,
+                                        environment or RunEnvironment())
             if not result.infra_failure:
                 return result
             log.warning("sandbox: infrastructure failure (%s)%s", result.output[-200:],
@@ -142,12 +143,12 @@ class Sandbox:
             shutil.rmtree(run_dir, ignore_errors=True)
 
     def _command_once(self, command: str, workdir: Path, timeout_s: float, hidden: tuple[str, ...],
-                      channel: bool) -> CommandResult:
+                      channel: bool, environment: RunEnvironment) -> CommandResult:
         with self._run_slot("cmd-") as (run_dir, uid):
-            return self._command_in(run_dir, uid, command, workdir, timeout_s, hidden, channel)
+            return self._command_in(run_dir, uid, command, workdir, timeout_s, hidden, channel, environment)
 
     def _command_in(self, run_dir: Path, uid: int | None, command: str, workdir: Path, timeout_s: float,
-                    hidden: tuple[str, ...], channel: bool) -> CommandResult:
+                    hidden: tuple[str, ...], channel: bool, environment: RunEnvironment) -> CommandResult:
         started = time.monotonic()
         session = None
         config = self.config.model_copy(update={"wall_seconds": timeout_s,
@@ -157,7 +158,9 @@ class Sandbox:
             own_root = "new_root" in plan
             if own_root:
                 plan["work"] = str(workdir)
-                plan["read_only"] = plan["read_only"] + [p for p in COMMAND_TOOLS if not inside(p, plan["read_only"])]
+                extra = [*COMMAND_TOOLS, *environment.read_only]
+                plan["read_only"] = plan["read_only"] + [p for p in extra if not inside(p, plan["read_only"])]
+                plan["writable_binds"] = list(environment.writable)
                 plan["hidden"] = sorted({*plan["hidden"], *(h for h in hidden if inside(h, plan["read_only"]))})
                 empty = run_dir / "empty"
                 empty.touch(mode=0o444)
@@ -169,7 +172,9 @@ class Sandbox:
                                "including paths meant to be hidden (the installed copy of a task's project)")
                 plan.update(cwd=str(workdir), writable=[str(workdir), plan["writable"][1]],
                             env=sandbox_environment(str(workdir)))
-            plan["env"]["PYTHONPATH"] = plan["cwd"]
+            plan["env"]["PYTHONPATH"] = ":".join([*(os.path.join(plan["cwd"], p) for p in environment.pythonpath), plan["cwd"]])
+            plan["env"]["PATH"] = ":".join([*environment.path, plan["env"]["PATH"]])
+            plan["env"].update(environment.variables)
             plan["command"] = command
             if channel:
                 plan["channel_fd"] = CHANNEL_FD
@@ -228,5 +233,6 @@ class Sandbox:
         }
         if own_root:
             (run_dir / "root").mkdir(mode=0o700)
-            plan.update(new_root=str(run_dir / "root"), work=str(work), tmp=str(tmp), **layout)
+            plan.update(new_root=str(run_dir / "root"), work=str(work), tmp=str(tmp), **layout,
+                        write_cap=[c.max_write_mb << 20, c.max_inodes])
         return plan

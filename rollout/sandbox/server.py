@@ -8,9 +8,17 @@ runs still going). A frame is a 4-byte big-endian length and a JSON object:
 
   driver -> server   {"op": "hello", "sandbox": <SandboxSection>, "threads": n}
                      {"op": "run", "id": n, "request": <wire>}
+                     repository workspaces (`rollout.tasks.shipping`): {"op": "have", "id", "digest"};
+                     {"op": "put", "id", "digest", "data": base64, "last": bool, "relocate_from": path | null} (a
+                     tree's archive in chunks); {"op": "ws_open", "id", "task": <wire>}; {"op": "ws", "id",
+                     "workspace": n, "name": shell | run_tests | read | write | grade | close, "arguments": {...}};
+                     {"op": "tests", "id", "job": <wire>} (a build's survey or validation run)
   server -> driver   {"op": "ready", "cpus": n, "isolation": {...}} or {"op": "refused", "error": "..."}
                      {"op": "started", "id": n}    {"op": "result", "id": n, "result": <wire>}
-                     {"op": "failed", "id": n, "error": "..."}
+                     {"op": "reply", "id": n, "value": <wire>}    {"op": "failed", "id": n, "error": "..."}
+
+The server lives in a mount namespace of its own (as root): the workspaces' views and tmpfs mounts end with it, so
+a driver killed with -9 leaves nothing mounted on the host.
 
 Requests and results cross as data, never as pickles: dataclasses of an allow-list (`WIRE_TYPES`) with their
 values in `plain_data`, decoded strictly on each side.
@@ -18,6 +26,8 @@ values in `plain_data`, decoded strictly on each side.
 
 from __future__ import annotations
 
+import base64
+import ctypes
 import dataclasses
 import json
 import os
@@ -36,6 +46,7 @@ from rollout.sandbox.results import (
     CallTests,
     CaseResult,
     CaseTests,
+    CommandResult,
     GeneratedCalls,
     RewardMode,
     SandboxResult,
@@ -45,6 +56,8 @@ from rollout.sandbox.results import (
 )
 from rollout.sandbox.runs import Sandbox
 from rollout.sandbox.session import MAX_RESULT_BYTES
+from rollout.tasks.shipping import ShippedTask, ShippedTests, Store, WorkspaceService
+from rollout.tasks.workspace import TestReport
 
 MODULE = __spec__.name
 _HEADER = struct.Struct(">I")
@@ -71,7 +84,8 @@ def serve_request(sandbox: Sandbox, request: SandboxRequest) -> SandboxResult:
 # --- the wire codec ------------------------------------------------------------------------------
 
 WIRE_TYPES = {cls.__name__: cls for cls in (RunRequest, AssertionTests, CallTests, GeneratedCalls, ScriptRun, CaseTests,
-                                            Call, Statement, SandboxResult, CaseResult)}
+                                            Call, Statement, SandboxResult, CaseResult, CommandResult, ShippedTask,
+                                            ShippedTests, TestReport)}
 
 
 class ProtocolError(ValueError):
@@ -148,7 +162,19 @@ def exact_reader(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
 # --- the server ------------------------------------------------------------------------------------
 
 
+CLONE_NEWNS = 0x00020000
+MS_REC, MS_PRIVATE = 16384, 1 << 18
+
+
+def _own_mount_namespace() -> None:
+    """Mounts made from here on (workspaces, their caps) are this process's and its children's: they end with it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if os.geteuid() == 0 and libc.unshare(CLONE_NEWNS) == 0:
+        libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None)
+
+
 def main() -> None:
+    _own_mount_namespace()  # before any thread: unshare refuses a threaded process
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the channel
     read = exact_reader(stdin.read)
@@ -182,6 +208,26 @@ def main() -> None:
             reply = {"op": "failed", "id": number, "error": f"{type(e).__name__}: {e}"[:2000]}
         send(reply)
 
+    store = Store(sandbox.root)
+    workspaces = WorkspaceService(sandbox, store)
+
+    def answer(number: int, work) -> None:
+        try:
+            reply = {"op": "reply", "id": number, "value": to_wire(work())}
+        except Exception as e:
+            reply = {"op": "failed", "id": number, "error": f"{type(e).__name__}: {e}"[:2000]}
+        send(reply)
+
+    def put(message: dict) -> None:
+        """A chunk of a tree's archive (in order, on the reading thread); the last one has it checked and unpacked."""
+        digest = str(message.get("digest"))
+        if message.get("first"):
+            store.begin(digest)
+        store.chunk(digest, base64.b64decode(message.get("data", "")))
+        if message.get("last"):
+            relocate = message.get("relocate_from")
+            workers.submit(answer, message.get("id"), lambda: store.receive(digest, relocate if isinstance(relocate, str) else None))
+
     while True:
         try:
             message = read_frame(read)
@@ -191,7 +237,24 @@ def main() -> None:
         if message is None:
             break
         number = message.get("id")
-        if message["op"] == "run":
+        op = message["op"]
+        if op == "have":
+            answer(number, lambda: store.have(str(message.get("digest"))))
+        elif op == "put":
+            try:
+                put(message)
+            except Exception as e:
+                send({"op": "failed", "id": number, "error": f"{type(e).__name__}: {e}"[:2000]})
+        elif op == "ws_open":
+            task = message.get("task")
+            workers.submit(answer, number, lambda task=task: workspaces.open(_decoded(task, ShippedTask)))
+        elif op == "tests":
+            job = message.get("job")
+            workers.submit(answer, number, lambda job=job: workspaces.test(_decoded(job, ShippedTests)))
+        elif op == "ws":
+            call = (message.get("workspace"), str(message.get("name")), message.get("arguments") or {})
+            workers.submit(answer, number, lambda call=call: workspaces.call(*call))
+        elif message["op"] == "run":
             try:
                 request = from_wire(message.get("request"))
                 if not isinstance(request, RunRequest):
@@ -200,9 +263,17 @@ def main() -> None:
                 send({"op": "failed", "id": number, "error": f"bad request: {e}"})
                 continue
             workers.submit(run, number, request)
-    # The driver hung up: end now; the sandbox's fork server kills the runs still going as its socket closes.
+    # The driver hung up: end now; the sandbox's fork server kills the runs still going as its socket closes, and the
+    # workspaces' mounts end with this mount namespace.
     sys.stderr.flush()
     os._exit(0)
+
+
+def _decoded(node: object, kind: type):
+    value = from_wire(node)
+    if not isinstance(value, kind):
+        raise ProtocolError(f"not a {kind.__name__}")
+    return value
 
 
 if __name__ == "__main__":

@@ -171,6 +171,7 @@ class Session:
         self.exit_code: int | None = None
         self.cpu_seconds = 0.0
         self.setup_error = ""
+        self._capped = bool(plan.get("write_cap"))
         cap = config.max_output_kb << 10
         self.stdout, self.stderr = Tail(cap), Tail(cap)
         self._reply_bytes = 0
@@ -327,6 +328,9 @@ class Session:
             if "exit" in record:
                 self.exit_code = int(record["exit"])
                 self.cpu_seconds = float(record.get("cpu", 0.0))
+                if record.get("write_limit"):
+                    self.flag("write_limit", f"the run's files reached their cap ({self.config.max_write_mb} MB, "
+                                             f"{self.config.max_inodes} inodes); later writes were refused")
 
     def _wait_end(self) -> None:
         """The harness ended: its holder reports the exit status right after."""
@@ -361,6 +365,8 @@ class Session:
             if bye and bye.get("children"):
                 self.flag("stray_processes", f"{bye['children']} process(es) still running at the end")
             self.live = False
+            if self._capped and bye is not None:
+                self._wait_end()  # the holder's exit record says whether the run's files reached their cap
         # Drain what the program printed before it ended.
         end = time.monotonic() + 0.05
         for fd in (self._out, self._err):
@@ -396,7 +402,7 @@ def command_result(session: Session, config: SandboxSection, uid: int | None) ->
     output = session.stdout
     cut = output.total - len(output.data)
     text = (f"[output cut: the first {cut} of {output.total} bytes are not shown]\n" if cut else "") + output.text()
-    flags = []
+    flags = [f for f in ("write_limit",) if f in session.flags]
     # The CPU limit ended it (SIGXCPU, SIGKILL past the hard limit, or bash reporting either: 128 + signal).
     cpu_kill = exit_code in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (
         exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL) and session.cpu_seconds >= config.cpu_seconds)

@@ -1,6 +1,6 @@
 """Seeded changes of a project's source that its own tests can see: *bug* kinds (comparison, boundary (off by
 one), operator, negated condition, removed branch, constant) in the functions a test file names, and *feature*
-(a function's body removed, its signature and docstring kept)."""
+(a function's body removed, its signature and docstring kept); a *multi* task is several bugs at once."""
 
 from __future__ import annotations
 
@@ -172,9 +172,12 @@ def mutations(source: str, kind: str, named_in: str) -> list[Mutation]:
     return found
 
 
-def changed_module(source: str, mutation: Mutation) -> str | None:
-    """The module with `mutation` applied; None when that does not parse or changes nothing the interpreter sees."""
-    changed = mutation.apply(source)
+def changed_module(source: str, mutation: Mutation, *more: Mutation) -> str | None:
+    """The module with `mutation` (and `more`, in other functions) applied, the last in the file first so that the
+    others' positions hold; None when that does not parse or changes nothing the interpreter sees."""
+    changed = source
+    for m in sorted((mutation, *more), key=lambda m: m.start, reverse=True):
+        changed = m.apply(changed)
     try:
         return changed if ast.dump(ast.parse(changed)) != ast.dump(ast.parse(source)) else None
     except (SyntaxError, ValueError):

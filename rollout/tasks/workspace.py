@@ -37,8 +37,9 @@ from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from rollout.sandbox.results import CommandResult, RewardMode, SandboxResult, reward_for
+from rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult, reward_for
 from rollout.sandbox.runs import CHANNEL_FD, Sandbox
+from rollout.tasks.files import read_text, write_text
 from rollout.tasks.grading_policy import NOT_A_FILE, Scope, keep_change
 
 log = logging.getLogger("composer.workspace")
@@ -52,6 +53,7 @@ class RepoTests:
     """What a repository task's workspace needs: its bases, its changed file, its tests and how to score them."""
 
     package: str
+    """The project's package, relative to the project root (`networkx`, `src/mylib`): only changes in it are graded."""
     test_files: tuple[str, ...]
     fail_to_pass: tuple[str, ...]
     pass_to_pass: tuple[str, ...]
@@ -67,13 +69,32 @@ class RepoTests:
     scope: tuple[Scope, ...] = ()
     """What the task asks to change (its function(s) or files): the only part of an episode's change that grading
     takes (`grading_policy.keep_change`); () lets it change any source file of the package, each whole."""
+    environment: RunEnvironment | None = None
+    """The project's own virtual environment (a user's project); None: the sandbox's interpreter."""
+    source: str = ""
+    """The directory holding the package, relative to the project root, when it is not the root (`src`)."""
+
+    def run_environment(self, root: str) -> RunEnvironment | None:
+        """The environment of a command run whose project root is `root` (relative to the work directory)."""
+        if self.environment is None and not self.source:
+            return None
+        return dataclasses.replace(self.environment or RunEnvironment(),
+                                   pythonpath=(str(PurePosixPath(root) / self.source),) if self.source else ())
 
 
 class Workspace(ABC):
     """An episode's files and the sandbox that acts on them (the agent's tools and the grader use only this)."""
 
     root: Path
-    """The episode's writable view of the task's files, on the host (at /sandbox inside the sandbox)."""
+    """The episode's writable view of the task's files, on the host that holds it (at /sandbox inside the sandbox)."""
+
+    def read_file(self, path: str) -> str:
+        """The text of a file of the workspace (`rollout.tasks.files.read_text`: nothing outside it)."""
+        return read_text(self.root, path)
+
+    def write_file(self, path: str, text: str) -> None:
+        """Create or replace a file of the workspace (`rollout.tasks.files.write_text`)."""
+        write_text(self.root, path, text)
 
     @abstractmethod
     def shell(self, command: str, timeout_s: float) -> CommandResult:
@@ -127,6 +148,21 @@ def mount_overlay(target: Path, lowers: list[Path], upper: Path | None = None, w
     if _libc.mount(b"overlay", str(target).encode(), b"overlay", flags, options.encode()) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"mount overlay on {target}: {os.strerror(code)}")
+
+
+def mount_capped(target: Path, max_bytes: int, max_inodes: int) -> None:
+    """A tmpfs of `max_bytes` and `max_inodes` at `target` (an episode's files beyond its task's: writes past
+    the cap are refused by the kernel, and the host's disk and memory are never at the episode's mercy)."""
+    options = f"mode=0755,size={max_bytes},nr_inodes={max_inodes}".encode()
+    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", 0, options) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mount tmpfs on {target}: {os.strerror(code)}")
+
+
+def is_full(target: Path) -> bool:
+    """The filesystem at `target` has (almost) no room or no inode left."""
+    st = os.statvfs(target)
+    return st.f_bavail * st.f_frsize < 64 << 10 or st.f_favail == 0
 
 
 def unmount(target: Path) -> None:
@@ -254,11 +290,11 @@ def sentinel_tests(test_file: str, source: str, rng: random.Random) -> tuple[str
 
 def run_tests_guarded(sandbox: Sandbox, grading_base: Path, changes: dict[str, bytes | None],
                       test_files: tuple[str, ...], pytest_args: tuple[str, ...], timeout_s: float,
-                      hidden: tuple[str, ...], area: Path) -> TestReport:
+                      hidden: tuple[str, ...], area: Path, environment: RunEnvironment | None = None) -> TestReport:
     """Run pytest on `test_files` (with sentinel tests) in the sandbox over a fresh read-only view of
     `grading_base` with `changes` (trusted tests and configuration: the caller passes only changes it grades), and
-    read the trusted plugin's report from the run's channel. Used to validate tasks (the changed file as the only
-    change) and to grade episodes."""
+    read the trusted plugin's report from the run's channel; `environment`: the project's own. Used to validate
+    tasks (the changed file as the only change) and to grade episodes."""
     area.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="grade-", dir=area))
     repo, secret_dir, config_dir, layer = work / "repo", work / "secret", work / "config", work / "layer"
@@ -294,7 +330,7 @@ def run_tests_guarded(sandbox: Sandbox, grading_base: Path, changes: dict[str, b
             "python", "-s", "-P", "-B", "-c", _PYTEST_REPORT.read_text(), "repo", "secret/key", str(CHANNEL_FD),
             "-c", "../config/pytest.ini", "--rootdir=.", "--confcutdir=.", "-p", "no:cacheprovider", "-q", "--tb=short",
             "-W", "ignore::pytest.PytestUnknownMarkWarning", *pytest_args, *test_files])
-        result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden, channel=True)
+        result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden, channel=True, environment=environment)
         return read_report(result, key, sentinels)
     finally:
         if mounted:
@@ -415,8 +451,12 @@ class RepoWorkspace(Workspace):
         self._dir = Path(tempfile.mkdtemp(prefix="ws-", dir=area))
         self.root = self._dir / "root"
         self.overlay = overlay_supported(area) if overlay is None else overlay
-        self._mounted = False
+        self._mounted = self._capped = False
         try:
+            if self.overlay:
+                config = sandbox.config
+                mount_capped(self._dir, config.workspace_max_write_mb << 20, config.workspace_max_inodes)
+                self._capped = True
             self.root.mkdir()
             if self.overlay:
                 upper, work = self._dir / "upper", self._dir / "work"
@@ -436,7 +476,11 @@ class RepoWorkspace(Workspace):
         self._task_files = {relative: _read_entry(tests.layer, relative) for relative in _files_under(tests.layer, "")}
 
     def shell(self, command: str, timeout_s: float) -> CommandResult:
-        return self.sandbox.run_command(command, self.root, timeout_s=timeout_s, hidden=self.tests.hidden)
+        result = self.sandbox.run_command(command, self.root, timeout_s=timeout_s, hidden=self.tests.hidden,
+                                          environment=self.tests.run_environment("."))
+        if self._capped and is_full(self._dir):
+            result = dataclasses.replace(result, flags=tuple(sorted({*result.flags, "write_limit"})))
+        return result
 
     def run_tests(self) -> CommandResult:
         command = " ".join(shlex.quote(a) for a in ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
@@ -488,7 +532,8 @@ class RepoWorkspace(Workspace):
         tests = self.tests
         kept = keep_change(self.changed(), self._task_files, tests.grading_base, tests.package, tests.scope)
         report = run_tests_guarded(self.sandbox, tests.grading_base, kept.files, tests.test_files, tests.pytest_args,
-                                   tests.timeout_s, tests.hidden, self._area)
+                                   tests.timeout_s, tests.hidden, self._area,
+                                   tests.run_environment("repo"))
         result = score(report, tests, self.reward)
         for flag, found, why in (("tests_modified", kept.protected, "ignored: graded with the trusted copies"),
                                  ("change_dropped", kept.dropped, "not graded"),
@@ -502,6 +547,9 @@ class RepoWorkspace(Workspace):
         if self._mounted:
             unmount(self.root)
             self._mounted = False
+        if self._capped:
+            unmount(self._dir)
+            self._capped = False
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> RepoWorkspace:

@@ -1,0 +1,281 @@
+"""Repository workspaces on a sandbox host: what the driver ships there, and the host's side of an episode.
+
+The driver packs each tree a task needs (the project's grading base, its environment, the task's changed files) as a
+deterministic tar archive named by its sha256 (`pack`); a host keeps what it received in its sandbox root
+(`<root>/shipped/<digest>/`), so a project's files and environment cross once per host: a later task asks `have` and
+sends only what is missing. What arrives is checked against its name before it is unpacked (`Store.receive`), and
+unpacked atomically; a shipped environment's scripts are pointed at their new place (a virtual environment's
+interpreter finds its packages from its own location; only the scripts' `#!` lines name a path).
+
+On the host, `WorkspaceService` opens the episode's copy-on-write view from the shipped trees (`RepoWorkspace`, as on
+the driver), runs the tools' commands and file operations there and grades there with the same guarded grader; the
+driver sends tool calls and receives observations and the verdict (`rollout.tasks.remote`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import itertools
+import os
+import shutil
+import tarfile
+import tempfile
+import threading
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from rollout.sandbox.isolation import installed_copies
+from rollout.sandbox.results import RunEnvironment
+from rollout.sandbox.runs import Sandbox
+from rollout.tasks.files import PathRefused
+from rollout.tasks.grading_policy import Scope
+from rollout.tasks.projects import _chmod_tree
+from rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, run_tests_guarded
+
+CHUNK_BYTES = 8 << 20
+"""Bytes of a shipped archive per frame."""
+
+
+# --- the driver's side: archives named by their content ------------------------------------------
+
+
+@cache
+def pack(directory: Path) -> tuple[str, Path]:
+    """(sha256, archive) of an immutable tree: sorted entries, no times or owners, modes kept; made once per process
+    (in the system's temporary directory, beside nothing else)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for path in [directory, *sorted(directory.rglob("*"))]:
+            info = archive.gettarinfo(str(path), arcname=str(path.relative_to(directory)) if path != directory else ".")
+            info.mtime = info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            if info.isreg():
+                with open(path, "rb") as f:
+                    archive.addfile(info, f)
+            else:
+                archive.addfile(info)
+    data = buffer.getvalue()
+    digest = hashlib.sha256(data).hexdigest()
+    target = Path(tempfile.gettempdir()) / "composer-shipping" / f"{digest}.tar"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.is_file():
+        staging = target.with_suffix(f".{os.getpid()}-{threading.get_ident()}.part")
+        staging.write_bytes(data)
+        os.replace(staging, target)
+    return digest, target
+
+
+# --- the host's side ---------------------------------------------------------------------------
+
+
+class ShippingError(ValueError):
+    """What arrived is not what was announced."""
+
+
+class Store:
+    """The trees this host received, by digest, under `<sandbox root>/shipped/`."""
+
+    def __init__(self, root: Path):
+        self.root = root / "shipped"
+        self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._incoming: dict[str, tuple[Path, object]] = {}
+
+    def path(self, digest: str) -> Path:
+        return self.root / digest
+
+    def have(self, digest: str) -> bool:
+        return (self.path(digest) / "tree").is_dir()
+
+    def begin(self, digest: str) -> None:
+        if not all(c in "0123456789abcdef" for c in digest) or len(digest) != 64:
+            raise ShippingError(f"not a digest: {digest[:80]!r}")
+        with self._lock:
+            part = self.root / f".{digest}.{os.getpid()}.part"
+            self._incoming[digest] = (part, open(part, "wb"))
+
+    def chunk(self, digest: str, data: bytes) -> None:
+        with self._lock:
+            self._incoming[digest][1].write(data)
+
+    def receive(self, digest: str, relocate_from: str | None) -> None:
+        """The archive is whole: checked against its digest, then unpacked (atomically) into `<digest>/tree`; an
+        environment's scripts made to name their new place instead of `relocate_from`."""
+        with self._lock:
+            part, handle = self._incoming.pop(digest)
+        handle.close()
+        try:
+            sha = hashlib.sha256()
+            with open(part, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    sha.update(block)
+            if sha.hexdigest() != digest:
+                raise ShippingError(f"the archive announced as {digest[:12]} has the digest {sha.hexdigest()[:12]}")
+            staging = Path(tempfile.mkdtemp(prefix=f".{digest[:12]}-", dir=self.root))
+            try:
+                with tarfile.open(part) as archive:
+                    archive.extractall(staging / "tree", filter=_keep_modes)
+                if relocate_from:
+                    _relocate(staging / "tree", relocate_from, str(self.path(digest) / "tree"))
+                os.chmod(staging, 0o755)
+                try:
+                    os.rename(staging, self.path(digest))
+                except OSError:
+                    if not self.have(digest):
+                        raise
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            part.unlink(missing_ok=True)
+
+    def episode_base(self, digest: str) -> Path:
+        """The grading base's copy every uid may write (0666/0777: every command runs as another uid), made once."""
+        target = self.path(digest) / "episode"
+        if not target.is_dir():
+            staging = Path(tempfile.mkdtemp(prefix=".episode-", dir=self.path(digest)))
+            shutil.copytree(self.path(digest) / "tree", staging, symlinks=True, dirs_exist_ok=True)
+            _chmod_tree(staging, 0o666, 0o777)
+            try:
+                os.rename(staging, target)
+            except OSError:
+                shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+
+def _keep_modes(member: tarfile.TarInfo, destination: str) -> tarfile.TarInfo:
+    """tarfile's `tar` filter (nothing outside the destination, no device files), with the permission bits kept:
+    a task's changed files and an episode base must stay writable by every uid."""
+    return tarfile.tar_filter(member, destination).replace(mode=member.mode & 0o777, deep=False)
+
+
+def _relocate(venv: Path, old: str, new: str) -> None:
+    for script in (venv / "bin").iterdir():
+        if script.is_symlink() or not script.is_file():
+            continue
+        head = script.read_bytes()[:2]
+        if head == b"#!":
+            text = script.read_bytes()
+            if old.encode() in text.split(b"\n", 1)[0]:
+                script.write_bytes(text.replace(old.encode(), new.encode(), 1))
+
+
+@dataclass(frozen=True)
+class ShippedTask:
+    """A repository task as a host opens it: its tests, and its trees by digest."""
+
+    package: str
+    test_files: tuple[str, ...]
+    fail_to_pass: tuple[str, ...]
+    pass_to_pass: tuple[str, ...]
+    pytest_args: tuple[str, ...]
+    timeout_s: float
+    pass_to_pass_policy: str
+    source: str
+    project: str
+    ready_made: bool
+    """The project is installed with the host's composer (hide every copy of it there)."""
+    grading: str
+    layer: str
+    environment: str = ""
+    """The digest of the project's virtual environment ("" for a ready-made project)."""
+    prefixes: tuple[str, ...] = ()
+    """The interpreter's installation the environment was made from (the same path on every host)."""
+    reward: str = "fraction"
+    scope: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """The task's scope (`RepoTests.scope`) as (path, functions) pairs."""
+
+
+@dataclass(frozen=True)
+class ShippedTests:
+    """A build's guarded test run (a survey's, a validation's) over a shipped grading base with changes."""
+
+    grading: str
+    environment: str
+    prefixes: tuple[str, ...]
+    project: str
+    ready_made: bool
+    source: str
+    changes: tuple[tuple[str, str], ...]
+    test_files: tuple[str, ...]
+    pytest_args: tuple[str, ...]
+    timeout_s: float
+
+
+class WorkspaceService:
+    """The workspaces open on this host, by number (the driver's episodes)."""
+
+    def __init__(self, sandbox: Sandbox, store: Store):
+        self.sandbox, self.store = sandbox, store
+        self._open: dict[int, RepoWorkspace] = {}
+        self._numbers = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def _environment(self, digests: tuple[str, ...], environment: str, prefixes: tuple[str, ...]) -> RunEnvironment | None:
+        missing = [d for d in digests if d and not self.store.have(d)]
+        if missing:
+            raise ShippingError(f"not shipped here: {', '.join(d[:12] for d in missing)}")
+        if not environment:
+            return None
+        venv = self.store.path(environment) / "tree"
+        return RunEnvironment(path=(str(venv / "bin"),), read_only=(str(venv), *prefixes))
+
+    def test(self, job: ShippedTests) -> TestReport:
+        """A build's test run here (`run_tests_guarded`, as the driver would run it)."""
+        environment = self._environment((job.grading, job.environment), job.environment, job.prefixes)
+        if job.source:
+            environment = dataclasses.replace(environment or RunEnvironment(), pythonpath=(f"repo/{job.source}",))
+        return run_tests_guarded(self.sandbox, self.store.path(job.grading) / "tree", {p: t.encode() for p, t in job.changes},
+                                 job.test_files, job.pytest_args, job.timeout_s,
+                                 installed_copies(job.project) if job.ready_made else (), self.sandbox.root / f"views-server-{os.getpid()}",
+                                 environment)
+
+    def open(self, task: ShippedTask) -> int:
+        environment = self._environment((task.grading, task.layer, task.environment), task.environment, task.prefixes)
+        tests = RepoTests(
+            package=task.package, test_files=task.test_files, fail_to_pass=task.fail_to_pass, pass_to_pass=task.pass_to_pass,
+            pytest_args=task.pytest_args, layer=self.store.path(task.layer) / "tree",
+            episode_base=self.store.episode_base(task.grading), grading_base=self.store.path(task.grading) / "tree",
+            hidden=installed_copies(task.project) if task.ready_made else (), timeout_s=task.timeout_s,
+            pass_to_pass_policy=task.pass_to_pass_policy, environment=environment, source=task.source,
+            scope=tuple(Scope(path, tuple(functions)) for path, functions in task.scope))
+        workspace = RepoWorkspace(tests, self.sandbox, self.sandbox.root / "workspaces", task.reward)
+        with self._lock:
+            number = next(self._numbers)
+            self._open[number] = workspace
+        return number
+
+    def call(self, number: int, name: str, arguments: dict) -> object:
+        """One operation on an open workspace: shell, run_tests, read, write, grade, close."""
+        with self._lock:
+            workspace = self._open.get(number) if name != "close" else self._open.pop(number, None)
+        if workspace is None:
+            raise KeyError(f"no open workspace {number}")
+        if name == "shell":
+            return workspace.shell(str(arguments["command"]), float(arguments["timeout_s"]))
+        if name == "run_tests":
+            return workspace.run_tests()
+        if name == "grade":
+            return workspace.grade()
+        if name == "close":
+            workspace.close()
+            return None
+        try:
+            if name == "read":
+                return {"text": workspace.read_file(str(arguments["path"]))}
+            if name == "write":
+                workspace.write_file(str(arguments["path"]), str(arguments["text"]))
+                return {}
+        except (PathRefused, FileNotFoundError) as e:
+            return {"refused": str(e), "missing": isinstance(e, FileNotFoundError)}
+        except OSError as e:
+            return {"refused": e.strerror or str(e), "missing": False}
+        raise KeyError(f"not a workspace operation: {name}")
+
+    def close(self) -> None:
+        with self._lock:
+            workspaces, self._open = list(self._open.values()), {}
+        for workspace in workspaces:
+            workspace.close()
