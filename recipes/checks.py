@@ -24,6 +24,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems: list[Problem] = []
     problems += _check_model(recipe)
     problems += _check_parallelism(recipe)
+    problems += _check_attention(recipe)
     problems += _check_batches(recipe)
     problems += _check_lengths(recipe)
     problems += _check_rl(recipe)
@@ -152,6 +153,21 @@ def split_problems(m: ModelSection, p: ParallelismSection) -> list[Problem]:
             out.append(Problem("parallelism.sequence_parallel", f"must be true for an MoE model with tp={p.tp} (Megatron requires it)"))
     elif p.ep > 1 or p.etp > 1:
         out.append(Problem("parallelism.ep", "expert parallelism needs an MoE model (model.num_experts > 0)"))
+    return out
+
+
+def _check_attention(r: Recipe) -> list[Problem]:
+    """Packed sequences run in composer's SDPA attention (trainer.kernels)."""
+    p, out = r.parallelism, []
+    uses = [what for what, used in (
+        ("data.attention=document", r.data is not None and r.data.attention == "document"),
+        ("rl.pack_sequences", r.rl is not None and r.rl.pack_sequences),
+    ) if used]
+    if uses and r.model.kernels.attention == "local":
+        out.append(Problem("model.kernels.attention", f"{', '.join(uses)} need attention sdpa (or auto); Megatron's local attention "
+                                                      "does not compute packed sequences"))
+    if p.pp > 1 and r.data is not None and r.data.attention == "document":
+        out.append(Problem("data.attention", f"document attention with pipeline parallelism (pp={p.pp}) is not built; use causal or pp=1"))
     return out
 
 

@@ -253,6 +253,10 @@ class DataSection(Section):
     """Where tokenized indexed datasets are cached, keyed by a hash of inputs and tokenizer."""
     num_workers: int = Field(default=2, gt=0)
     """Tokenizer processes."""
+    attention: Literal["causal", "document"] = "causal"
+    """`causal`: each token of a sample attends to every earlier token of the sample, across the documents packed
+    into it; `document`: only to earlier tokens of its own document (a document ends at the tokenizer's EOD), with
+    positions restarting per document (packed THD sequences: no compute across documents)."""
 
     @model_validator(mode="after")
     def _split_has_training(self) -> DataSection:
@@ -536,6 +540,10 @@ class RLSection(Section):
     """Most policy versions a trajectory may lag the learner; older ones are dropped."""
     router_replay: Literal["r3", "off"] = "r3"
     """Replay the experts the rollout engine routed each token to (MoE only)."""
+    pack_sequences: bool = True
+    """The learner packs each micro-batch's sequences into one token stream (THD: attention and positions per
+    sequence, no padding compute); off: pads them to the longest (the same logprobs and gradients, slower when
+    lengths vary)."""
     eval: RLEvalSection | None = None
     """Held-out evaluation of the current policy by the rollout engines; none when unset."""
 

@@ -7,7 +7,7 @@
   grouped_gemm package (neither is in the pinned stack), and both store experts under other parameter names.
 - `SDPAttention`: Megatron's DotProductAttention with its unfused softmax(QK^T)V replaced by torch's
   scaled_dot_product_attention (flash / memory-efficient / cuDNN kernels on GPUs): causal, GQA, the module's
-  softmax scale (MLA's included).
+  softmax scale (MLA's included); packed sequences (THD) as one attention per sequence.
 
 `resolve_kernels` turns `model.kernels` into the modules used; `check_kernels` refuses a choice this torch cannot run.
 """
@@ -119,37 +119,50 @@ def grouped_gemm_experts():
 
 
 def sdp_attention():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.module import MegatronModule
 
-    class SDPAttention(DotProductAttention):
-        """DotProductAttention computed by torch's fused scaled_dot_product_attention.
+    class SDPAttention(MegatronModule):
+        """Causal attention computed by torch's fused scaled_dot_product_attention, for padded rows and packed
+        sequences (THD: one causal attention per sequence).
 
         Causal masking comes from the mask type (`is_causal`), as Transformer Engine's attention does: the explicit
         causal mask the callers pass is not read. MLA's `k_channels`/`v_channels` (keys wider than values) need no
-        setting: SDPA takes them from the shapes.
+        setting: the shapes carry them. Built in place of Megatron's DotProductAttention (same arguments), which
+        refuses packed sequences.
         """
 
-        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
-            super().__init__(*args, **kwargs)
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None,
+                     cp_comm_type=None, pg_collection=None, k_channels: int | None = None, v_channels: int | None = None):
+            super().__init__(config=config)
+            self.attn_mask_type = attn_mask_type
+            self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+            self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
             mask_type = attn_mask_type or self.attn_mask_type
-            if packed_seq_params is not None or attention_bias is not None or mask_type != AttnMaskType.causal:
-                raise UserError("model.kernels.attention=sdpa builds causal attention of unpacked sequences only; use attention: local")
+            if attention_bias is not None or mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+                raise UserError("model.kernels.attention=sdpa builds causal attention only; use attention: local")
             if query.shape[0] != key.shape[0]:
                 raise UserError("model.kernels.attention=sdpa: queries and keys of different lengths (a KV cache) are not built")
-            seq, batch = query.shape[:2]
-            groups = query.shape[2] // key.shape[2]
+            packed = packed_seq_params is not None
+            dropout = self.dropout if self.training else 0.0
+            if dropout and packed:
+                raise UserError("attention dropout with packed sequences is not built; set it to 0")
+            # [s, b, heads, d] (THD: [t, heads, d]) -> [b, heads, s, d]
+            q, k, v = (t.unsqueeze(1).permute(1, 2, 0, 3) if packed else t.permute(1, 2, 0, 3) for t in (query, key, value))
+            groups = q.shape[1] // k.shape[1]
             if groups > 1:
                 # GQA as the local module does it (query head i reads KV group i // groups); expanded rather than
                 # SDPA's enable_gqa, which not every fused backend takes (a fallback to the unfused math kernel)
-                key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, d] -> [b, heads, s, d]
-            scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, dropout_p=self.attention_dropout.p if self.training else 0.0
-            )
-            return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            bounds = packed_seq_params.cu_seqlens_q_padded.tolist() if packed else [0, q.shape[2]]
+            out = torch.cat([
+                F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                               scale=self.softmax_scale, dropout_p=dropout)
+                for a, b in zip(bounds, bounds[1:])
+            ], dim=2)
+            out = out.permute(2, 0, 1, 3)  # [s, b, heads, dv]
+            return out.reshape(out.shape[0], -1) if packed else out.reshape(out.shape[0], out.shape[1], -1)
 
     return SDPAttention
