@@ -14,6 +14,7 @@ from cli import data as data_cmd
 from cli import env as env_cmd
 from cli import export as export_cmd
 from cli import model as model_cmd
+from cli import plan as plan_cmd
 from cli import recipe as recipe_cmd
 from cli import report as report_cmd
 from cli import runs as runs_cmd
@@ -33,6 +34,7 @@ app.add_typer(model_cmd.app, name="model")
 app.add_typer(data_cmd.app, name="data")
 app.command("report")(report_cmd.report)
 app.command("runs")(runs_cmd.runs)
+app.command("plan")(plan_cmd.plan)
 app.add_typer(train_cmd.app, name="train")
 app.add_typer(export_cmd.app, name="export")
 app.add_typer(sync_cmd.app, name="sync")

@@ -157,15 +157,18 @@ def split_problems(m: ModelSection, p: ParallelismSection) -> list[Problem]:
 
 
 def _check_attention(r: Recipe) -> list[Problem]:
-    """Packed sequences run in composer's SDPA attention (trainer.kernels)."""
+    """Packed sequences and context parallelism run in composer's SDPA attention (trainer.kernels)."""
     p, out = r.parallelism, []
     uses = [what for what, used in (
+        (f"parallelism.cp={p.cp}", p.cp > 1),
         ("data.attention=document", r.data is not None and r.data.attention == "document"),
         ("rl.pack_sequences", r.rl is not None and r.rl.pack_sequences),
     ) if used]
     if uses and r.model.kernels.attention == "local":
         out.append(Problem("model.kernels.attention", f"{', '.join(uses)} need attention sdpa (or auto); Megatron's local attention "
-                                                      "does not compute packed sequences"))
+                                                      "computes neither packed sequences nor context parallelism"))
+    if p.pp > 1 and p.cp > 1:
+        out.append(Problem("parallelism.cp", f"context parallelism with pipeline parallelism (pp={p.pp}) is not built; use cp=1 or pp=1"))
     if p.pp > 1 and r.data is not None and r.data.attention == "document":
         out.append(Problem("data.attention", f"document attention with pipeline parallelism (pp={p.pp}) is not built; use causal or pp=1"))
     return out
@@ -193,7 +196,8 @@ def _check_lengths(r: Recipe) -> list[Problem]:
     if r.rollout and r.rollout.sampling.max_tokens >= r.rollout.max_context:
         out.append(Problem("rollout.sampling.max_tokens", f"{r.rollout.sampling.max_tokens} leaves no room for a prompt in rollout.max_context={r.rollout.max_context}"))
     if r.parallelism.cp > 1 and r.data and r.data.seq_length % (2 * r.parallelism.cp):
-        out.append(Problem("data.seq_length", f"must be a multiple of 2*cp = {2 * r.parallelism.cp} for context parallelism"))
+        out.append(Problem("data.seq_length", f"{r.data.seq_length} is not a multiple of 2*cp = {2 * r.parallelism.cp}: context "
+                                              f"parallelism splits each sample into 2*cp equal chunks"))
     if r.optim.min_lr > r.optim.lr:
         out.append(Problem("optim.min_lr", f"{r.optim.min_lr} is above optim.lr={r.optim.lr}"))
     if r.optim.warmup_steps > r.train.steps:

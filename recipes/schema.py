@@ -94,6 +94,9 @@ class ModelSection(Section):
     """Longest sequence the positional encoding supports."""
     rope_theta: float = Field(default=1_000_000.0, gt=0)
     """RoPE base frequency."""
+    rescale_rope: bool = False
+    """A long-context stage: rope_theta may differ from model.checkpoint's config.json (the RoPE base raised for
+    longer sequences, continuing from a shorter stage's export); off: it must match."""
     rms_norm_eps: float = Field(default=1e-6, gt=0)
     """RMSNorm epsilon."""
     tie_word_embeddings: bool = False
@@ -157,7 +160,8 @@ class ParallelismSection(Section):
     etp: int = Field(default=1, gt=0)
     """Tensor-parallel size inside each expert."""
     cp: int = Field(default=1, gt=0)
-    """Context-parallel size."""
+    """Context-parallel size: each rank holds 1/cp of every sequence (zigzag chunks) and attention passes keys and
+    values around the cp group (ring attention)."""
     dp: int | None = Field(default=None, gt=0)
     """Data-parallel size; derived as world_size / (tp*pp*cp) when unset, checked when set."""
     sequence_parallel: bool = False
@@ -218,6 +222,11 @@ class ClusterSection(Section):
     """Environment of every rank on every host, e.g. NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME."""
     slurm: SlurmSection = Field(default_factory=SlurmSection)
     """sbatch settings for `--submit` (launcher: slurm)."""
+    device_memory_gib: float | None = Field(default=None, gt=0)
+    """Memory of each training device (GPU); `recipe validate`, `--dry-run` and `train` refuse a layout the plan
+    (`composer plan`) says does not fit. Unset: no check (CPU runs)."""
+    device_tflops: float | None = Field(default=None, gt=0)
+    """Peak dense TFLOP/s of each training device in model.dtype, for the plan's step time at a given MFU."""
 
     @property
     def world_size(self) -> int:

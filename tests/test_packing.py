@@ -2,8 +2,9 @@
 
 - The RL learner (`rl.pack_sequences`): one step on a batch of unequal sequences with prompt, generated and
   tool-output spans, router replay and a KL term gives the same per-token logprobs, loss, statistics and
-  gradients packed as padded. The MoE load-balancing loss is off here (and the expert-bias update): it is a
-  statistic of how tokens are grouped, and padded rows route their padding too, so it is not the same function.
+  gradients packed as padded, the load-balancing loss included (routers leave padding out of it). DeepSeek-V3's
+  sequence-level balancing loss (and its expert-bias update) is off for that family: it balances each row, and a
+  packed row holds several sequences.
 - Mid-training's document attention (`data.attention: document`): every document of a packed sample gets the
   logprobs it gets on its own.
 """
@@ -77,7 +78,8 @@ def learner_step(m, sequences, packed: bool, checkpoints: Path) -> dict:
 def test_the_learner_step_is_the_same_packed_and_padded(checkpoints, tmp_path, family):
     torch.set_num_threads(1)
     m = model_section_from_hf(checkpoints[family])
-    m = m.model_copy(update={"moe_aux_loss_coeff": 0.0, **({"moe_router_bias_update_rate": 0.0} if family == "deepseek_v3" else {})})
+    if family == "deepseek_v3":
+        m = m.model_copy(update={"moe_aux_loss_coeff": 0.0, "moe_router_bias_update_rate": 0.0})
     sequences = learner_sequences(m)
     padded = learner_step(m, sequences, False, tmp_path / "padded")
     packed = learner_step(m, sequences, True, tmp_path / "packed")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.packing import SequenceLayout, document_lengths, next_token_labels, stream_of, zigzag_positions
+from trainer.packing import SequenceLayout, context_parallel_layout, document_lengths, next_token_labels, stream_of, zigzag_positions
 
 
 def test_padding_rules():
@@ -50,6 +50,13 @@ def test_every_token_sits_on_exactly_one_rank_and_comes_back(packed, cp):
         assert torch.equal(layouts[0].stream(layouts[0].local(stream)), stream)
         rows = layouts[0].padded(stream)
         assert rows.shape == (4, 12) and rows[1].tolist() == [107] + [0] * 11
+
+
+def test_ring_layout_names_each_token_by_position_and_sequence():
+    layout = context_parallel_layout([4, 8], cp_size=2, packed=True)
+    positions, ids = layout[1]
+    assert positions.tolist() == [1, 2, 2, 3, 4, 5] and ids.tolist() == [0, 0, 1, 1, 1, 1]
+    assert [p.tolist() for p, _ in context_parallel_layout([8, 8], 2, packed=False)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
 
 
 def test_documents_end_at_their_eod_token_and_labels_stay_inside_each_sequence():

@@ -77,12 +77,16 @@ def forward_token_losses(model, layout: SequenceLayout, tokens: torch.Tensor, la
     """-log p(label) per model input of this rank ([rows, columns], fp32 under a temperature), at `temperature`."""
     from megatron.core import tensor_parallel
 
-    packed_seq_params = layout.packed_seq_params()
+    inputs = dict(packed_seq_params=layout.packed_seq_params())
+    padding = layout.indices()[0] < 0
+    if bool(padding.any()):
+        # routers leave padding out of their load-balancing loss and expert loads
+        inputs["padding_mask"] = padding.to(tokens.device)
     mask = None if layout.packed else causal_mask(tokens.shape[1], tokens.device)
     if temperature == 1.0:
-        return model(tokens, layout.position_ids, mask, labels=labels, packed_seq_params=packed_seq_params)
+        return model(tokens, layout.position_ids, mask, labels=labels, **inputs)
     # the vocab-parallel logits ([B, S, V/tp]), tempered in fp32 as the engine's sampler does
-    logits = model(tokens, layout.position_ids, mask, packed_seq_params=packed_seq_params)
+    logits = model(tokens, layout.position_ids, mask, **inputs)
     return tensor_parallel.vocab_parallel_cross_entropy(logits.float() / temperature, labels)
 
 

@@ -48,7 +48,6 @@ MODULE = __spec__.name
 """This entry point, as `python -m` names it (the CLI starts it under torchrun)."""
 
 UNHONOURED = {
-    "parallelism.cp": "context parallelism is not wired into the loop",
     "rollout": "a midtrain run has no rollout engines (an RL recipe?)",
     "env": "a midtrain run has no environments (an RL recipe?)",
     "rl": "a midtrain run has no RL objective (an RL recipe?)",
@@ -226,14 +225,14 @@ def train_step(ddp, optimizer: TrainOptimizer, micro_batches: list[dict[str, tor
     started = time.perf_counter()
     ddp.train()
     optimizer.zero_grad()
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / len(micro_batches)))
+    # Under cp each rank holds part of every sample: its losses (the main one and each router's load-balancing
+    # part) are its parts of the replica's, times cp because Megatron's DDP averages gradients over dp x cp ranks.
+    cp = parallel_state.get_context_parallel_world_size()
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(cp / len(micro_batches)))
     local_tokens = float(sum(b["loss_mask"].sum() for b in micro_batches))  # this rank's share under cp
     if _pipelined():
         loss_sum = forward_backward(ddp, micro_batches)  # the same loss and gradients, through the stages
     else:
-        # Under cp each rank holds part of every sample: its loss is its part of the replica's token mean, times cp
-        # because Megatron's DDP averages gradients over dp x cp ranks.
-        cp = parallel_state.get_context_parallel_world_size()
         replica_tokens = torch.tensor([local_tokens], dtype=torch.float64)
         if cp > 1:
             dist.all_reduce(replica_tokens, group=parallel_state.get_context_parallel_group())

@@ -71,28 +71,20 @@ class TrainOptimizer:
 
     def step(self) -> dict[str, float]:
         """Reduce gradients, clip, update, advance the schedule, move the routers' expert bias (sigmoid routers);
-        returns lr and the pre-clip grad norm."""
-        self.model.finish_grad_sync()
-        self._update_expert_bias()
+        returns lr and the pre-clip grad norm.
+
+        Megatron's finalize_model_grads reduces over data (and context) parallelism, sums over tensor parallelism the
+        gradients of the weights every tensor-parallel rank holds whole but feeds only its sequence shard (norms
+        under sequence parallelism, QK norms, MLA's down-projections), and moves each expert bias by
+        moe_router_bias_update_rate towards balance from this step's expert loads (the loads then restart)."""
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        finalize_model_grads([self.model])
         lr = self.optimizer.param_groups[0]["lr"]
         with cuda_calls_on_cpu():
             updated, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         return {"lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "skipped": float(not updated)}
-
-    def _update_expert_bias(self) -> None:
-        """Aux-loss-free balancing as Megatron's finalize_model_grads does it: each bias moves by
-        moe_router_bias_update_rate towards balance, from the expert loads of this step's training forwards
-        summed over tensor and data parallelism; the loads then restart from zero."""
-        from megatron.core.distributed.finalize_model_grads import (
-            _update_router_expert_bias,
-            reset_model_temporary_tensors,
-        )
-
-        config = self.model.config
-        if getattr(config, "moe_router_enable_expert_bias", False):
-            _update_router_expert_bias([self.model], config)
-            reset_model_temporary_tensors(config, [self.model])
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
         # dp_reshardable: fully parallel save/load; resharding is possible across data parallelism only.

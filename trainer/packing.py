@@ -144,6 +144,20 @@ class SequenceLayout:
                                cu_seqlens_kv_padded=bounds, max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
+def context_parallel_layout(spans: list[int], cp_size: int, packed: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(position, sequence id) of each token of a row on every context-parallel rank, for ring attention.
+
+    Packed: the row holds sequences of `spans` padded tokens, each split zigzag; padded: one sequence of spans[0].
+    """
+    spans = spans if packed else spans[:1]
+    out = []
+    for rank in range(cp_size):
+        positions = [zigzag_positions(span, cp_size, rank) for span in spans]
+        ids = [torch.full_like(p, i) for i, p in enumerate(positions)]
+        out.append((torch.cat(positions), torch.cat(ids)))
+    return out
+
+
 class _GatherFromContextParallel(torch.autograd.Function):
     """All-gather over the context-parallel group; backward keeps the gradient of this rank's own part (every rank
     computes the same function of the gathered result, so nothing is summed)."""

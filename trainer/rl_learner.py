@@ -67,6 +67,7 @@ class RLLearner:
     def train_step(self, sequences: list[LearnerSequence]) -> dict[str, float]:
         """One optimizer step on this data-parallel rank's share of the global batch (collective)."""
         from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         started = time.monotonic()
         rl, ddp = self.rl, self.core.ddp
@@ -75,11 +76,15 @@ class RLLearner:
         # whole step's loss (normalised over the step's batch; under cp every rank of a group computes the same
         # loss, its backward reaching the weights through its own tokens): scaled back, the gradient is the batch's
         # whatever the layout.
-        loss_scale = dp_size * parallel_state.get_context_parallel_world_size()
+        cp = parallel_state.get_context_parallel_world_size()
+        loss_scale = dp_size * cp
         mine = sequences[dp_rank::dp_size]
         # Every rank runs the same number of micro-batches: MoE dispatch is collective inside the forward.
         mbs = self.micro_batch_size
         num_micro = -(-len(sequences) // (dp_size * mbs))
+        # The routers' load-balancing loss: its mean over the step's micro-batches, whatever the layout (under cp each
+        # rank holds its part of it, and DDP averages over dp x cp).
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(cp / num_micro))
         # Every rank holds the whole batch, so it computes the normalisers itself (a sum over the world would count
         # tokens once per TP rank). Both keep the segments of one episode adding up exactly.
         normalisers = sequence_normalisers(sequences, rl.loss_aggregation)
