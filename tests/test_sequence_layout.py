@@ -16,6 +16,9 @@ def test_padding_rules():
     assert SequenceLayout.build(lengths, packed=True, cp_size=2, multiple=2).spans == (8, 4, 12)  # stream to 2*cp*tp
     assert SequenceLayout.build(lengths, packed=False).spans == (6, 6, 6)
     assert SequenceLayout.build(lengths, packed=False, cp_size=2, multiple=2).spans == (8, 8, 8)
+    # the same answer on every rank, also where a rank's own share holds no padding
+    assert not SequenceLayout.build([4, 8], packed=True, cp_size=2).has_padding
+    assert all(SequenceLayout.build([5, 8], packed=True, cp_size=2, cp_rank=r).has_padding for r in (0, 1))
     with pytest.raises(ValueError, match="at least one token"):
         SequenceLayout.build([4, 0], packed=True)
 

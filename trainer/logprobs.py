@@ -78,10 +78,10 @@ def forward_token_losses(model, layout: SequenceLayout, tokens: torch.Tensor, la
     from megatron.core import tensor_parallel
 
     inputs = dict(packed_seq_params=layout.packed_seq_params())
-    padding = layout.indices()[0] < 0
-    if bool(padding.any()):
-        # routers leave padding out of their load-balancing loss and expert loads
-        inputs["padding_mask"] = padding.to(tokens.device)
+    if layout.has_padding:
+        # routers leave padding out of their load-balancing loss and expert loads (every cp rank alike: the
+        # statistics are reduced over the group)
+        inputs["padding_mask"] = (layout.indices()[0] < 0).to(tokens.device)
     mask = None if layout.packed else causal_mask(tokens.shape[1], tokens.device)
     if temperature == 1.0:
         return model(tokens, layout.position_ids, mask, labels=labels, **inputs)

@@ -72,6 +72,11 @@ class SequenceLayout:
         return sum(self.lengths)
 
     @property
+    def has_padding(self) -> bool:
+        """Whether any rank's inputs hold padding (the same answer on every rank)."""
+        return sum(self.spans) > sum(self.lengths)
+
+    @property
     def offsets(self) -> list[int]:
         """Stream position of each sequence's first token."""
         return np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(int).tolist()
