@@ -74,7 +74,7 @@ def main() -> None:
             learner = build_model(learner_m, p).eval()
             load_hf_into(learner, learner_m, work / "bf16")
             batch = pad_micro_batch(list(tokens.numpy()))
-            with routing(learner, replay_for_micro_batch(learner, "r3", routes, batch.lengths, batch.seq_len)):
+            with routing(learner, replay_for_micro_batch(learner, "r3", routes, batch.layout)):
                 ours = token_logprobs(learner, batch.tokens, with_grad=False).float()
             diff = (ours - engine).abs()
             baseline = baseline or float(diff.mean())

@@ -15,6 +15,7 @@ from cli import env as env_cmd
 from cli import eval as eval_cmd
 from cli import export as export_cmd
 from cli import model as model_cmd
+from cli import plan as plan_cmd
 from cli import recipe as recipe_cmd
 from cli import report as report_cmd
 from cli import runs as runs_cmd
@@ -35,6 +36,7 @@ app.add_typer(data_cmd.app, name="data")
 app.command("report")(report_cmd.report)
 app.command("runs")(runs_cmd.runs)
 app.command("eval")(eval_cmd.eval_command)
+app.command("plan")(plan_cmd.plan)
 app.add_typer(train_cmd.app, name="train")
 app.add_typer(export_cmd.app, name="export")
 app.add_typer(sync_cmd.app, name="sync")

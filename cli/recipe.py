@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from cluster.plan import check_fits
 from recipes.errors import UserError
 from recipes.loader import load_recipe, recipe_to_yaml
 from recipes.schema import Recipe
@@ -24,8 +25,9 @@ def validate(
     files: list[Path] = typer.Argument(..., help="Recipe files."),
     overrides: list[str] = SetOption,
 ) -> None:
-    """Check recipes against the schema and the cross-field rules, and a model.checkpoint this machine can read against
-    the recipe (its config.json and tensor files); report every problem at once."""
+    """Check recipes against the schema, the cross-field rules and the memory plan (with cluster.device_memory_gib),
+    and a model.checkpoint this machine can read against the recipe (its config.json and tensor files); report every
+    problem at once."""
     failed = 0
     for file in files:
         try:
@@ -34,6 +36,12 @@ def validate(
         except UserError as e:
             failed += 1
             console.print(f"[red]✗[/] {escape(str(e))}", highlight=False)
+            continue
+        try:
+            check_fits(recipe)
+        except UserError as e:
+            failed += 1
+            console.print(f"[red]✗[/] {escape(str(file))}: {escape(str(e))}", highlight=False)
             continue
         kind = "rl" if recipe.rl else "midtrain" if recipe.data else "model"
         console.print(f"[green]✓[/] {escape(str(file))} [dim]({kind}, world size {recipe.cluster.world_size})[/]", highlight=False)

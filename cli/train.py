@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from cluster.plan import check_fits
 from recipes.errors import UserError
 from recipes.loader import load_recipe, recipe_to_yaml
 from runtime.run_dir import RunDir
@@ -53,6 +54,7 @@ def midtrain(
 ) -> None:
     """Continued pre-training: prepare the corpus (cached), train, checkpoint, evaluate, export an HF checkpoint."""
     recipe = load_recipe(recipe_file, overrides)
+    check_fits(recipe)
     # torch is imported from here on; `composer --help` stays fast
     from cluster.launch import run_to_end
     from cluster.launchers import build_launcher
@@ -96,6 +98,7 @@ def rl(
     from rl.driver import check_rl_recipe, learner_launch, run_rl
 
     recipe = load_recipe(recipe_file, overrides)
+    check_fits(recipe)
     if dry_run:
         check_rl_recipe(recipe)
         from cli.cluster import print_rollout_plan

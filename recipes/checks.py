@@ -25,6 +25,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems: list[Problem] = []
     problems += _check_model(recipe)
     problems += _check_parallelism(recipe)
+    problems += _check_attention(recipe)
     problems += _check_batches(recipe)
     problems += _check_lengths(recipe)
     problems += _check_rl(recipe)
@@ -164,6 +165,24 @@ def split_problems(m: ModelSection, p: ParallelismSection) -> list[Problem]:
     return out
 
 
+def _check_attention(r: Recipe) -> list[Problem]:
+    """Packed sequences and context parallelism run in composer's SDPA attention (trainer.kernels)."""
+    p, out = r.parallelism, []
+    uses = [what for what, used in (
+        (f"parallelism.cp={p.cp}", p.cp > 1),
+        ("data.attention=document", r.data is not None and r.data.attention == "document"),
+        ("rl.pack_sequences", r.rl is not None and r.rl.pack_sequences),
+    ) if used]
+    if uses and r.model.kernels.attention == "local":
+        out.append(Problem("model.kernels.attention", f"{', '.join(uses)} need attention sdpa (or auto); Megatron's local attention "
+                                                      "computes neither packed sequences nor context parallelism"))
+    if p.pp > 1 and p.cp > 1:
+        out.append(Problem("parallelism.cp", f"context parallelism with pipeline parallelism (pp={p.pp}) is not built; use cp=1 or pp=1"))
+    if p.pp > 1 and r.data is not None and r.data.attention == "document":
+        out.append(Problem("data.attention", f"document attention with pipeline parallelism (pp={p.pp}) is not built; use causal or pp=1"))
+    return out
+
+
 def _check_batches(r: Recipe) -> list[Problem]:
     p, t = r.parallelism, r.train
     world = r.cluster.world_size
@@ -186,7 +205,8 @@ def _check_lengths(r: Recipe) -> list[Problem]:
     if r.rollout and r.rollout.sampling.max_tokens >= r.rollout.max_context:
         out.append(Problem("rollout.sampling.max_tokens", f"{r.rollout.sampling.max_tokens} leaves no room for a prompt in rollout.max_context={r.rollout.max_context}"))
     if r.parallelism.cp > 1 and r.data and r.data.seq_length % (2 * r.parallelism.cp):
-        out.append(Problem("data.seq_length", f"must be a multiple of 2*cp = {2 * r.parallelism.cp} for context parallelism"))
+        out.append(Problem("data.seq_length", f"{r.data.seq_length} is not a multiple of 2*cp = {2 * r.parallelism.cp}: context "
+                                              f"parallelism splits each sample into 2*cp equal chunks"))
     if r.optim.min_lr > r.optim.lr:
         out.append(Problem("optim.min_lr", f"{r.optim.min_lr} is above optim.lr={r.optim.lr}"))
     if r.optim.warmup_steps > r.train.steps:
@@ -202,6 +222,9 @@ def _check_optim(r: Recipe) -> list[Problem]:
     if o.name == "muon" and p.distributed_optimizer:
         out.append(Problem("parallelism.distributed_optimizer", "Megatron-Core 0.16.1's Muon does not shard optimizer state "
                                                                 "(no distributed optimizer); set it to false with optim.name: muon"))
+    if o.qk_clip is not None and p.cp > 1:
+        out.append(Problem("optim.qk_clip", f"QK-clip with context parallelism (parallelism.cp={p.cp}) is not built: a rank sees "
+                                            "only its share of each sequence's logits; remove optim.qk_clip or use cp=1"))
     if o.qk_clip is not None and r.model.family == "qwen3_moe":
         out.append(Problem("optim.qk_clip", "model.family qwen3_moe normalises queries and keys (QK-norm) after the projections that "
                                             "QK-clip scales, so clipping cannot lower its logits; remove optim.qk_clip"))

@@ -113,6 +113,9 @@ class ModelSection(Section):
     """RoPE base frequency."""
     yarn: YarnSection | None = None
     """YaRN RoPE scaling (deepseek_v3: published DeepSeek-V3 and Kimi-K2 configs use it); plain RoPE when unset."""
+    rescale_rope: bool = False
+    """A long-context stage: rope_theta may differ from model.checkpoint's config.json (the RoPE base raised for
+    longer sequences, continuing from a shorter stage's export); off: it must match."""
     rms_norm_eps: float = Field(default=1e-6, gt=0)
     """RMSNorm epsilon."""
     tie_word_embeddings: bool = False
@@ -185,7 +188,8 @@ class ParallelismSection(Section):
     etp: int = Field(default=1, gt=0)
     """Tensor-parallel size inside each expert."""
     cp: int = Field(default=1, gt=0)
-    """Context-parallel size."""
+    """Context-parallel size: each rank holds 1/cp of every sequence (zigzag chunks) and attention passes keys and
+    values around the cp group (ring attention)."""
     dp: int | None = Field(default=None, gt=0)
     """Data-parallel size; derived as world_size / (tp*pp*cp) when unset, checked when set."""
     sequence_parallel: bool = False
@@ -246,6 +250,11 @@ class ClusterSection(Section):
     """Environment of every rank on every host, e.g. NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME."""
     slurm: SlurmSection = Field(default_factory=SlurmSection)
     """sbatch settings for `--submit` (launcher: slurm)."""
+    device_memory_gib: float | None = Field(default=None, gt=0)
+    """Memory of each training device (GPU); `recipe validate`, `--dry-run` and `train` refuse a layout the plan
+    (`composer plan`) says does not fit. Unset: no check (CPU runs)."""
+    device_tflops: float | None = Field(default=None, gt=0)
+    """Peak dense TFLOP/s of each training device in model.dtype, for the plan's step time at a given MFU."""
 
     @property
     def world_size(self) -> int:
@@ -354,6 +363,11 @@ class DataSection(Section):
     for any `num_workers`, or any number of SLURM array jobs)."""
     num_workers: int = Field(default=2, gt=0)
     """Tasks run at once: processes on this machine, or concurrent SLURM array jobs."""
+    """Tokenizer processes."""
+    attention: Literal["causal", "document"] = "causal"
+    """`causal`: each token of a sample attends to every earlier token of the sample, across the documents packed
+    into it; `document`: only to earlier tokens of its own document (a document ends at the tokenizer's EOD), with
+    positions restarting per document (packed THD sequences: no compute across documents)."""
 
     @model_validator(mode="after")
     def _split_has_training(self) -> DataSection:
@@ -838,6 +852,10 @@ class RLSection(Section):
     """Most policy versions a trajectory may lag the learner; older ones are dropped."""
     router_replay: Literal["r3", "off"] = "r3"
     """Replay the experts the rollout engine routed each token to (MoE only)."""
+    pack_sequences: bool = True
+    """The learner packs each micro-batch's sequences into one token stream (THD: attention and positions per
+    sequence, no padding compute); off: pads them to the longest (the same logprobs and gradients, slower when
+    lengths vary)."""
     eval: RLEvalSection | None = None
     """Held-out evaluation of the current policy by the rollout engines; none when unset."""
 

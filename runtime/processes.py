@@ -99,3 +99,19 @@ def send_output_to(log: Path) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def resident_bytes() -> tuple[int, int]:
+    """(resident set now, its high-water mark) of this process, in bytes (Linux /proc)."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def reset_peak_resident() -> None:
+    """Restart the high-water mark from the resident set now (Linux >= 4.0: `echo 5 > /proc/self/clear_refs`), so
+    the next `resident_bytes()` peak is that of what ran since."""
+    Path("/proc/self/clear_refs").write_text("5")

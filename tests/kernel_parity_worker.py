@@ -59,7 +59,7 @@ def kernel_parity(m, p: ParallelismSection, checkpoint, tokens: torch.Tensor) ->
     fast_lp, fast_grads, fast_used = _run(models["fast"], batch.tokens)
     assert base_grads.keys() == fast_grads.keys() and base_grads
     recorded = _engine_routes(base_used, m.num_layers, batch.seq_len)
-    replay = replay_for_micro_batch(models["fast"], "r3", recorded, batch.lengths, batch.seq_len)
+    replay = replay_for_micro_batch(models["fast"], "r3", recorded, batch.layout)
     _, _, replayed = _run(models["fast"], batch.tokens, replay)
     used = _engine_routes(replayed, m.num_layers, batch.seq_len)
     return {

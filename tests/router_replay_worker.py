@@ -49,15 +49,15 @@ def run_layout(m, p, checkpoint, rollouts):
     batch = pad_micro_batch(tokens, multiple=p.tp)
     out = {"picked": picked}
     for name, mode in (("free", "off"), ("replay", "r3")):
-        replay = replay_for_micro_batch(model, mode, routes, batch.lengths, batch.seq_len)
+        replay = replay_for_micro_batch(model, mode, routes, batch.layout)
         model.zero_grad()
         with routing(model, replay) as used:
             logprobs = token_logprobs(model, batch.tokens)
             logprobs.sum().backward()
         out[name] = {
             "routes": used.routes(),
-            "disagreement": routing_disagreement(used.routes(), used.layers, routes, batch.lengths),
-            "own_disagreement": routing_disagreement(used.preferred(), used.layers, routes, batch.lengths),
+            "disagreement": routing_disagreement(used.routes(), used.layers, routes, batch.layout),
+            "own_disagreement": routing_disagreement(used.preferred(), used.layers, routes, batch.layout),
             "logprobs": logprobs.detach(),
             "router_grad_norms": [router.weight.grad.norm().item() for _, router in moe_routers(model)],
         }

@@ -164,9 +164,9 @@ def test_vllm_serves_it_and_router_replay_of_its_routes_agrees(megatron, tokens,
         assert r.shape == (len(s.prompt_ids) + len(s.token_ids) - 1, m.num_layers, m.moe_top_k)  # dense layer 0 has a row
     batch = pad_micro_batch(sequences)
     for mode in ("off", "r3"):
-        with routing(model, replay_for_micro_batch(model, mode, routes, batch.lengths, batch.seq_len)) as used:
+        with routing(model, replay_for_micro_batch(model, mode, routes, batch.layout)) as used:
             learner = token_logprobs(model, batch.tokens, with_grad=False)
-        assert routing_disagreement(used.routes(), used.layers, routes, batch.lengths) == {1: 0.0, 2: 0.0}, mode
+        assert routing_disagreement(used.routes(), used.layers, routes, batch.layout) == {1: 0.0, 2: 0.0}, mode
     for row, s in enumerate(samples):
         start = len(s.prompt_ids) - 1
         generated = learner[row, start : start + len(s.token_ids)]

@@ -159,6 +159,20 @@ def test_replay_trains_the_recorded_groups_again_without_engines(killed_and_resu
     assert again.returncode == 2 and "recorded 5 learner steps" in again.stderr and "Traceback" not in again.stderr
 
 
+def test_replay_with_context_parallelism_repeats_the_recorded_losses(killed_and_resumed, composer):
+    """The learner at cp=2 x dp=2 on 4 ranks (each sequence split over a pair of ranks, ring attention, router replay
+    of each rank's share) trains RUN's groups to the per-step losses of RUN's 2 data-parallel ranks."""
+    run = killed_and_resumed.run
+    result = composer("train", "rl", str(run / "recipe.yaml"), "--replay", str(run), "--set", "run.name=replay-cp2",
+                      "--set", "parallelism.cp=2", "--set", "cluster.procs_per_host=4")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    replayed, recorded = metrics(run.parent / "replay-cp2"), metrics(run)
+    assert len(replayed) == len(recorded) == STEPS
+    for mine, theirs in zip(replayed, recorded):
+        for key in ("loss", "kl_ref", "grad_norm"):
+            assert abs(mine[key] - theirs[key]) <= 1e-5 * max(1.0, abs(theirs[key])), (mine["step"], key, mine[key], theirs[key])
+
+
 def test_the_console_shows_progress_and_the_engine_logs_stay_in_files(killed_and_resumed):
     """Off a terminal the driver prints plain progress lines; vLLM, torch and the ranks write to logs/ only."""
     run, console = killed_and_resumed.run, killed_and_resumed.console.splitlines()

@@ -103,18 +103,18 @@ def test_replay_uses_the_engine_routes_and_trains_the_router(checkpoint, megatro
     batch = pad_micro_batch(rollouts["tokens"])
     routes = rollouts["routes"]
 
-    free_routes, _, _ = replay_and_backward(model, batch, replay_for_micro_batch(model, "off", routes, batch.lengths, batch.seq_len))
-    free = routing_disagreement(free_routes, list(range(m.num_layers)), routes, batch.lengths)
+    free_routes, _, _ = replay_and_backward(model, batch, replay_for_micro_batch(model, "off", routes, batch.layout))
+    free = routing_disagreement(free_routes, list(range(m.num_layers)), routes, batch.layout)
     assert max(free.values()) > 0, "the perturbed learner must route differently, or replay is not tested"
 
-    replay = replay_for_micro_batch(model, "r3", routes, batch.lengths, batch.seq_len)
+    replay = replay_for_micro_batch(model, "r3", routes, batch.layout)
     model.zero_grad()
     with routing(model, replay) as replayed:
         token_logprobs(model, batch.tokens).sum().backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
     used = replayed.routes()
-    assert routing_disagreement(used, list(range(m.num_layers)), routes, batch.lengths) == {layer: 0.0 for layer in range(m.num_layers)}
-    own = routing_disagreement(replayed.preferred(), list(range(m.num_layers)), routes, batch.lengths)
+    assert routing_disagreement(used, list(range(m.num_layers)), routes, batch.layout) == {layer: 0.0 for layer in range(m.num_layers)}
+    own = routing_disagreement(replayed.preferred(), list(range(m.num_layers)), routes, batch.layout)
     assert max(own.values()) > 0, "the routers' own choice on the replayed inputs still differs from the engine's"
     for layer in range(m.num_layers):
         assert grads[f"decoder.layers.{layer}.mlp.router.weight"].abs().sum() > 0, "gate probabilities must stay differentiable"
@@ -142,7 +142,7 @@ def test_replaying_recorded_routes_is_bitwise_equal_also_with_recompute(checkpoi
     assert torch.equal(recorded.preferred(), recorded.routes())
 
     # recompute re-runs the routers in backward: they must replay the forward's routes (engine routes here)
-    engine = replay_for_micro_batch(model, "r3", rollouts["routes"], batch.lengths, batch.seq_len)
+    engine = replay_for_micro_batch(model, "r3", rollouts["routes"], batch.layout)
     _, logprobs, grads = replay_and_backward(model, batch, engine)
     recomputing = learner(m, checkpoint, recompute=True)
     _, logprobs_rc, grads_rc = replay_and_backward(recomputing, batch, engine)
@@ -157,7 +157,7 @@ def test_tensor_and_expert_parallel_replay(checkpoint, megatron_ready, rollouts,
     m = megatron_ready
     model = learner(m, checkpoint)
     reference_batch = pad_micro_batch(rollouts["tokens"])
-    replay = replay_for_micro_batch(model, "r3", rollouts["routes"], reference_batch.lengths, reference_batch.seq_len)
+    replay = replay_for_micro_batch(model, "r3", rollouts["routes"], reference_batch.layout)
     with routing(model, replay):
         reference = token_logprobs(model, reference_batch.tokens, with_grad=False)
 
@@ -182,7 +182,7 @@ def test_bad_routes_and_settings_are_clear_errors(checkpoint, megatron_ready, ro
     m = megatron_ready
     model = learner(m, checkpoint)
     batch = pad_micro_batch(rollouts["tokens"])
-    good = replay_for_micro_batch(model, "r3", rollouts["routes"], batch.lengths, batch.seq_len)
+    good = replay_for_micro_batch(model, "r3", rollouts["routes"], batch.layout)
     rows = batch.seq_len * len(batch.lengths)
     bad = {
         "1 replay tensors for 2 local MoE layers": good[:1],
@@ -205,11 +205,11 @@ def test_bad_routes_and_settings_are_clear_errors(checkpoint, megatron_ready, ro
     # engine routes that do not fit the model
     short = [r[:, :1] for r in rollouts["routes"]]
     with pytest.raises(ReplayLayoutError, match="routes cover 1 layers, the model needs layers up to 1"):
-        replay_for_micro_batch(model, "r3", short, batch.lengths, batch.seq_len)
+        replay_for_micro_batch(model, "r3", short, batch.layout)
     with pytest.raises(ReplayLayoutError, match="out of range for 8 experts"):
-        replay_for_micro_batch(model, "r3", [r.astype(np.int64) + 6 for r in rollouts["routes"]], batch.lengths, batch.seq_len)
+        replay_for_micro_batch(model, "r3", [r.astype(np.int64) + 6 for r in rollouts["routes"]], batch.layout)
     with pytest.raises(UserError, match="carry no routed experts"):
-        replay_for_micro_batch(model, "r3", None, batch.lengths, batch.seq_len)
+        replay_for_micro_batch(model, "r3", None, batch.layout)
     # settings under which Megatron would silently ignore the replayed routes
     config = model.config
     for field, value, match in (
@@ -228,5 +228,5 @@ def test_bad_routes_and_settings_are_clear_errors(checkpoint, megatron_ready, ro
     # a dense model has nothing to replay
     dense = build_model(m.model_copy(update=dict(family="llama", num_experts=0, moe_top_k=0, moe_ffn_hidden_size=0, ffn_hidden_size=256)), ParallelismSection())
     with pytest.raises(UserError, match="needs an MoE model"):
-        replay_for_micro_batch(dense, "r3", rollouts["routes"], batch.lengths, batch.seq_len)
-    assert replay_for_micro_batch(dense, "off", None, batch.lengths, batch.seq_len) is None
+        replay_for_micro_batch(dense, "r3", rollouts["routes"], batch.layout)
+    assert replay_for_micro_batch(dense, "off", None, batch.layout) is None

@@ -2,9 +2,10 @@
 
 Megatron assumes CUDA in a few well-isolated places (measured list: notes/megatron-on-cpu.md).
 `apply_cpu_patches()` swaps exactly those for CPU equivalents; none changes the maths. It is a
-no-op when CUDA is available and idempotent otherwise. Two fixes are needed on GPUs too:
-`define_missing_transformer_engine_names()` (no Transformer Engine) and `fit_emerging_optimizers_to_megatron()`
-(Muon). The patches reach into internals, which is why megatron-core and emerging-optimizers are pinned.
+no-op when CUDA is available and idempotent otherwise. Three fixes are needed on GPUs too:
+`define_missing_transformer_engine_names()` (no Transformer Engine), `fix_expert_bias_padding()` and
+`fit_emerging_optimizers_to_megatron()` (Muon). The patches reach into internals, which is why megatron-core and
+emerging-optimizers are pinned.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def apply_cpu_patches() -> None:
     _patch_rng_tracker()
     _patch_alltoall_dispatcher()
     _patch_synchronize()
+    _patch_context_parallel_rope()
     _applied = True
 
 
@@ -106,6 +108,22 @@ def _patch_alltoall_dispatcher() -> None:
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "unused on CPU"
 
 
+def _patch_context_parallel_rope() -> None:
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+        size, rank = cp_group.size(), cp_group.rank()
+        chunks = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1 :])
+        pos_emb = pos_emb.index_select(seq_dim, chunks)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+    # replaces get_pos_emb_on_this_cp_rank (RoPE positions of this rank's zigzag chunks under context parallelism):
+    # it stages the chunk indices in pinned memory, which needs CUDA; the same selection from an ordinary tensor.
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+
+
 def define_missing_transformer_engine_names() -> None:
     """Idempotent; a no-op when Transformer Engine is installed."""
     from megatron.core.transformer import multi_latent_attention
@@ -153,3 +171,19 @@ def fit_emerging_optimizers_to_megatron():
     # replaces newton_schulz_tp in Megatron's muon module, which passes 0.1.0's `mode` keyword (0.3.0: `tp_mode`).
     muon.newton_schulz_tp = newton_schulz_tp
     return muon
+
+
+def fix_expert_bias_padding() -> None:
+    """Idempotent. Replaces TopKRouter._apply_expert_bias: with a padding mask (padding out of the expert loads that
+    move the expert bias), 0.16.1 masks the [tokens, experts] routing map with the [tokens] mask, which does not
+    broadcast; the same count with the mask on the token axis."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.unsqueeze(-1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    TopKRouter._apply_expert_bias = apply_expert_bias

@@ -311,7 +311,7 @@ def check_matches_checkpoint(m: ModelSection, hf_dir: str | Path) -> None:
     differences = [
         f"model.{key}: recipe {_shown(getattr(m, key))}, checkpoint {_shown(getattr(found, key))}"
         for key in ARCHITECTURE_FIELDS
-        if getattr(m, key) != getattr(found, key)
+        if getattr(m, key) != getattr(found, key) and not (key == "rope_theta" and m.rescale_rope)
     ]
     if differences:
         raise UserError(f"{hf_dir}: the recipe's model section does not match config.json: " + "; ".join(differences))

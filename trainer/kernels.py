@@ -7,9 +7,9 @@
   grouped_gemm package (neither is in the pinned stack), and both store experts under other parameter names.
 - `SDPAttention`: Megatron's DotProductAttention with its unfused softmax(QK^T)V replaced by torch's
   scaled_dot_product_attention (flash / memory-efficient / cuDNN kernels on GPUs): causal, GQA, the module's
-  softmax scale (MLA's included).
-- `LocalAttention`: Megatron's unfused DotProductAttention (`attention: local`).
-Both record the largest attention logits when QK-clip is on (trainer.qk_clip).
+  softmax scale (MLA's included); packed sequences (THD) as one attention per sequence, and context parallelism
+  as ring attention (`trainer.context_parallel`), which Megatron's own attention does only with Transformer Engine.
+The local and SDPA modules record the largest attention logits when QK-clip is on (trainer.qk_clip).
 
 `resolve_kernels` turns `model.kernels` into the modules used; `check_kernels` refuses a choice this torch cannot run.
 """
@@ -148,38 +148,80 @@ def _logit_scale(attention) -> float:
 
 
 def sdp_attention():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.module import MegatronModule
 
-    class SDPAttention(MaxLogitRecorder, DotProductAttention):
-        """DotProductAttention computed by torch's fused scaled_dot_product_attention.
+    class SDPAttention(MaxLogitRecorder, MegatronModule):
+        """Causal attention computed by torch's fused scaled_dot_product_attention, for padded rows, packed
+        sequences (THD: one causal attention per sequence) and context parallelism (ring attention over the cp
+        group, `trainer.context_parallel`).
 
         Causal masking comes from the mask type (`is_causal`), as Transformer Engine's attention does: the explicit
         causal mask the callers pass is not read. MLA's `k_channels`/`v_channels` (keys wider than values) need no
-        setting: SDPA takes them from the shapes.
+        setting: the shapes carry them. Built in place of Megatron's DotProductAttention (same arguments), which
+        refuses packed sequences and context parallelism.
         """
 
-        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
-            super().__init__(*args, **kwargs)
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None,
+                     cp_comm_type=None, pg_collection=None, k_channels: int | None = None, v_channels: int | None = None):
+            super().__init__(config=config)
+            self.attn_mask_type = attn_mask_type
+            self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+            self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+            pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups(required_pgs=["cp"])
+            self.cp_group = pg_collection.cp
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
             mask_type = attn_mask_type or self.attn_mask_type
-            if packed_seq_params is not None or attention_bias is not None or mask_type != AttnMaskType.causal:
-                raise UserError("model.kernels.attention=sdpa builds causal attention of unpacked sequences only; use attention: local")
+            if attention_bias is not None or mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+                raise UserError("model.kernels.attention=sdpa builds causal attention only; use attention: local")
             if query.shape[0] != key.shape[0]:
                 raise UserError("model.kernels.attention=sdpa: queries and keys of different lengths (a KV cache) are not built")
-            seq, batch = query.shape[:2]
-            groups = query.shape[2] // key.shape[2]
-            if groups > 1:
-                # GQA as the local module does it (query head i reads KV group i // groups); expanded rather than
-                # SDPA's enable_gqa, which not every fused backend takes (a fallback to the unfused math kernel)
-                key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
-            scale = _logit_scale(self)
-            self.record_max_logits(query, key, scale)
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, d] -> [b, heads, s, d]
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, dropout_p=self.attention_dropout.p if self.training else 0.0
-            )
-            return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+            packed = packed_seq_params is not None
+            cp = self.cp_group.size()
+            dropout = self.dropout if self.training else 0.0
+            if dropout and (packed or cp > 1):
+                raise UserError("attention dropout with packed sequences or context parallelism is not built; set it to 0")
+            # [s, b, heads, d] (THD: [t, heads, d]) -> [b, heads, s, d]
+            q, k, v = (t.unsqueeze(1).permute(1, 2, 0, 3) if packed else t.permute(1, 2, 0, 3) for t in (query, key, value))
+            bounds = packed_seq_params.cu_seqlens_q_padded.tolist() if packed else [0, q.shape[2] * cp]
+            if cp > 1:
+                from trainer.context_parallel import ring_attention
+
+                if self.config.qk_clip:
+                    raise UserError("optim.qk_clip with context parallelism (parallelism.cp > 1) is not built")
+                spans = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+                layout = [tuple(t.to(q.device) for t in rank) for rank in _context_parallel_layout(spans, cp, packed)]
+                out = ring_attention(q, k, v, self.softmax_scale, layout, self.cp_group)
+            else:
+                groups = q.shape[1] // k.shape[1]
+                if groups > 1:
+                    # GQA as the local module does it (query head i reads KV group i // groups); expanded rather than
+                    # SDPA's enable_gqa, which not every fused backend takes (a fallback to the unfused math kernel)
+                    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+                for a, b in zip(bounds, bounds[1:]):
+                    self.record_max_logits(q[:, :, a:b].permute(2, 0, 1, 3), k[:, :, a:b].permute(2, 0, 1, 3), self.softmax_scale)
+                # MLA's values are narrower than its keys; fused kernels (CPU flash among them) want one head width,
+                # and without them SDPA keeps the whole [s, s] attention for backward: values zero-padded to the key
+                # width, the padding's output columns dropped
+                width = v.shape[-1]
+                if width < q.shape[-1]:
+                    v = F.pad(v, (0, q.shape[-1] - width))
+                out = torch.cat([
+                    F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                                   scale=self.softmax_scale, dropout_p=dropout)
+                    for a, b in zip(bounds, bounds[1:])
+                ], dim=2)[..., :width]
+            out = out.permute(2, 0, 1, 3)  # [s, b, heads, dv]
+            return out.reshape(out.shape[0], -1) if packed else out.reshape(out.shape[0], out.shape[1], -1)
 
     return SDPAttention
+
+
+@functools.lru_cache(maxsize=16)
+def _context_parallel_layout(spans: tuple[int, ...], cp: int, packed: bool):
+    """Every layer of a micro-batch asks for the same layout."""
+    from trainer.packing import context_parallel_layout
+
+    return context_parallel_layout(list(spans), cp, packed)

@@ -39,8 +39,10 @@ from trainer.core import Every, TrainerCore, export_checkpoint
 from trainer.distributed import shutdown_distributed
 from trainer.kernels import check_kernels_installed
 from trainer.launch import record_rank_error, redirect_rank_output
+from trainer.logprobs import forward_token_losses
 from trainer.model import causal_mask
 from trainer.optimizer import TrainOptimizer
+from trainer.packing import SequenceLayout, document_lengths
 from trainer.pipeline import forward_backward
 from trainer.weights import check_checkpoint_before_launch
 
@@ -48,7 +50,6 @@ MODULE = __spec__.name
 """This entry point, as `python -m` names it (the CLI starts it under torchrun)."""
 
 UNHONOURED = {
-    "parallelism.cp": "context parallelism is not wired into the loop",
     "rollout": "a midtrain run has no rollout engines (an RL recipe?)",
     "env": "a midtrain run has no environments (an RL recipe?)",
     "rl": "a midtrain run has no RL objective (an RL recipe?)",
@@ -85,14 +86,33 @@ def check_resume(run: RunDir, recipe: Recipe) -> None:
 # --- data ----------------------------------------------------------------------------------------
 
 
-class BatchSource:
-    """This data-parallel rank's micro-batches of global batch `index` of a dataset (a pure function of `index`)."""
+class BatchPlacement:
+    """How this rank feeds a micro-batch of samples to the model (`trainer.packing`): the sample rows
+    (data.attention=causal) or their documents packed with attention and positions per document (document), this
+    context-parallel rank's share either way."""
 
-    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int):
+    def __init__(self, attention: str, eod: int, cp_size: int = 1, cp_rank: int = 0, multiple: int = 1):
+        self.by_document, self.eod = attention == "document", eod
+        self.cp_size, self.cp_rank, self.multiple = cp_size, cp_rank, multiple
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict:
+        rows, seq = batch["tokens"].shape
+        lengths = document_lengths(batch["tokens"], self.eod) if self.by_document else [seq] * rows
+        layout = SequenceLayout.build(lengths, self.by_document, self.cp_size, self.cp_rank, self.multiple)
+        placed = {key: layout.local(batch[key].flatten()) for key in ("tokens", "labels", "loss_mask")}
+        return {**placed, "position_ids": layout.position_ids, "layout": layout}
+
+
+class BatchSource:
+    """This data-parallel rank's micro-batches of global batch `index` of a dataset (a pure function of `index`),
+    placed for this rank by `placement` (the sample rows as they are when None)."""
+
+    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, placement: BatchPlacement | None = None):
         self.dataset = dataset
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.per_rank = global_batch // dp_size
         self.dp_rank = dp_rank
+        self.placement = placement
 
     @property
     def num_micro_batches(self) -> int:
@@ -103,7 +123,8 @@ class BatchSource:
         out = []
         for m in range(self.num_micro_batches):
             samples = [self.dataset[first + m * self.micro_batch + i] for i in range(self.micro_batch)]
-            out.append({key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")})
+            batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+            out.append(self.placement(batch) if self.placement else batch)
         return out
 
 
@@ -136,7 +157,9 @@ class ExpertLoad:
         return counts
 
 
-def _token_losses(ddp, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def _token_losses(ddp, batch: dict) -> torch.Tensor:
+    if "layout" in batch:
+        return forward_token_losses(ddp, batch["layout"], batch["tokens"], batch["labels"])
     seq = batch["tokens"].shape[1]
     return ddp(batch["tokens"], batch["position_ids"], causal_mask(seq), labels=batch["labels"])
 
@@ -171,9 +194,9 @@ def _reduce_step(loss_sum: float, tokens: float, aux: torch.Tensor, counts: torc
     rss[rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     packed = torch.cat([torch.tensor([loss_sum, tokens], dtype=torch.float64), aux, counts.flatten(), rss])
     dist.all_reduce(packed)
-    # cp == 1: tensor-parallel peers and pipeline stages hold the same samples (so the same loss sums), tensor-parallel
+    # Tensor-parallel peers and pipeline stages hold the same samples (so the same loss sums), tensor-parallel
     # peers their own tokens' routes and their own part of each layer's load-balancing loss; data-parallel ranks
-    # hold separate samples.
+    # hold separate samples, context-parallel ranks separate tokens of the same samples.
     copies = parallel_state.get_tensor_model_parallel_world_size() * parallel_state.get_pipeline_model_parallel_world_size()
     loss_sum, tokens = (packed[:2] / copies).tolist()
     at = 2
@@ -200,21 +223,29 @@ def train_step(ddp, optimizer: TrainOptimizer, micro_batches: list[dict[str, tor
     Gradients accumulate over the micro-batches; Megatron's DDP averages them over data parallelism. Megatron's
     routers add the load-balancing loss to the gradients themselves, scaled here like the main loss.
     """
+    from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     started = time.perf_counter()
     ddp.train()
     optimizer.zero_grad()
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / len(micro_batches)))
-    local_tokens = float(sum(b["loss_mask"].sum() for b in micro_batches))
+    # Under cp each rank holds part of every sample: its losses (the main one and each router's load-balancing
+    # part) are its parts of the replica's, times cp because Megatron's DDP averages gradients over dp x cp ranks.
+    cp = parallel_state.get_context_parallel_world_size()
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(cp / len(micro_batches)))
+    local_tokens = float(sum(b["loss_mask"].sum() for b in micro_batches))  # this rank's share under cp
     if _pipelined():
         loss_sum = forward_backward(ddp, micro_batches)  # the same loss and gradients, through the stages
     else:
+        replica_tokens = torch.tensor([local_tokens], dtype=torch.float64)
+        if cp > 1:
+            dist.all_reduce(replica_tokens, group=parallel_state.get_context_parallel_group())
+        scale = cp / float(replica_tokens[0])
         loss_sum = 0.0
         for batch in micro_batches:
             token_losses = _token_losses(ddp, batch)
             summed = (token_losses * batch["loss_mask"]).sum()
-            (summed / local_tokens).backward()
+            (summed * scale).backward()
             loss_sum += float(summed.detach())
     update = optimizer.step()
     counts = expert_load.take() if expert_load is not None else torch.zeros(0, dtype=torch.float64)
@@ -238,7 +269,7 @@ def evaluate(ddp, source: BatchSource, num_batches: int) -> float:
             loss_sum += sum(float((_token_losses(ddp, batch) * batch["loss_mask"]).sum()) for batch in batches)
         tokens += sum(float(batch["loss_mask"].sum()) for batch in batches)
     sums = torch.tensor([loss_sum, tokens], dtype=torch.float64)
-    dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     return float(sums[0] / sums[1])
 
 
@@ -269,7 +300,12 @@ def prepare_batches(recipe: Recipe, run: RunDir) -> MidtrainData:
     if datasets.valid is None:
         raise UserError(f"data.split {list(data.split)} gives no validation share; evaluation needs one, e.g. [98, 2, 0]")
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    batch = (train.global_batch_size, train.micro_batch_size, dp_rank, dp_size)
+    placement = None
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:  # the pipeline schedule takes the sample rows
+        p = recipe.parallelism
+        placement = BatchPlacement(data.attention, prepared.tokenizer.eod, parallel_state.get_context_parallel_world_size(),
+                                   parallel_state.get_context_parallel_rank(), p.tp if p.sequence_parallel else 1)
+    batch = (train.global_batch_size, train.micro_batch_size, dp_rank, dp_size, placement)
     return MidtrainData(BatchSource(datasets.train, *batch), BatchSource(datasets.valid, *batch), prepared.tokenizer.directory)
 
 

@@ -101,8 +101,8 @@ def check_supported(m: ModelSection, p: ParallelismSection) -> None:
         problems.append(f"model.num_shared_experts > 0: shared experts are built for family deepseek_v3 only, not {m.family}")
     if p.pp > 1 and m.tie_word_embeddings:
         problems.append(f"parallelism.pp={p.pp}: tied embeddings across pipeline stages are not built; use pp=1 or untied embeddings")
-    if p.cp > 1:
-        problems.append(f"parallelism.cp={p.cp}: context parallelism is not wired; use cp=1")
+    if p.cp > 1 and m.kernels.attention == "local":
+        problems.append(f"parallelism.cp={p.cp}: context parallelism runs in model.kernels.attention sdpa (or auto), not local")
     if m.num_attention_heads % m.num_kv_heads:
         problems.append(f"model.num_kv_heads={m.num_kv_heads} does not divide model.num_attention_heads={m.num_attention_heads}")
     problems += [str(problem) for problem in split_problems(m, p)]
@@ -285,10 +285,11 @@ def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: b
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from trainer.cpu_compat import apply_cpu_patches, define_missing_transformer_engine_names
+    from trainer.cpu_compat import apply_cpu_patches, define_missing_transformer_engine_names, fix_expert_bias_padding
 
     apply_cpu_patches()
     define_missing_transformer_engine_names()
+    fix_expert_bias_padding()
     check_supported(m, p)
     if m.is_moe:
         # Router-replay instances are process-global: the newest MoE model becomes the one recorded and replayed.

@@ -82,11 +82,12 @@ class TrainOptimizer:
         """Finish the gradients, clip, update, advance the schedule, QK-clip; returns lr, the pre-clip grad norm and
         (QK-clip) the step's largest attention logit.
 
-        Megatron's finalize_model_grads reduces the gradients over data parallelism, sums those of the weights that
-        sequence parallelism leaves partial on each tensor-parallel rank (norms, routers), and moves the routers'
-        expert bias (sigmoid routers: aux-loss-free balancing) by the expert loads of this step's training forwards.
-        """
-        from megatron.core.distributed import finalize_model_grads
+        Megatron's finalize_model_grads reduces the gradients over data (and context) parallelism, sums over tensor
+        parallelism the gradients of the weights every tensor-parallel rank holds whole but feeds only its sequence
+        shard (norms under sequence parallelism, routers, QK norms, MLA's down-projections), and moves each expert
+        bias (sigmoid routers: aux-loss-free balancing) by moe_router_bias_update_rate towards balance from this
+        step's expert loads (the loads then restart)."""
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         finalize_model_grads([self.model])
         lr = self.optimizer.param_groups[0]["lr"]

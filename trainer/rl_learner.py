@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from recipes.schema import ModelSection, OptimSection, ParallelismSection, RLSection, TrainSection
 from trainer.core import TrainerCore
-from trainer.logprobs import pad_micro_batch, token_logprobs
+from trainer.logprobs import layout_for, sequence_logprobs
+from trainer.packing import SequenceLayout
 from trainer.rl_objective import PolicyLossStats, policy_gradient_loss
 from trainer.router_replay import replay_for_micro_batch, routing, routing_disagreement
 
@@ -56,24 +57,34 @@ class RLLearner:
         # before any step or resume: the reference is the starting policy, the same on every resume
         self.reference = self.core.frozen_copy() if rl.kl_coeff > 0 else None
 
-    def _reference_logprobs(self, tokens: torch.Tensor, replay: list[torch.Tensor] | None) -> torch.Tensor | None:
+    def _reference_logprobs(self, layout: SequenceLayout, tokens: list[np.ndarray], replay: list[torch.Tensor] | None) -> torch.Tensor | None:
         if self.reference is None:
             return None
         # The reference replays the engine's routes too: the KL compares the two policies on the same experts.
         with routing(self.reference, replay) if replay is not None else contextlib.nullcontext():
-            return token_logprobs(self.reference, tokens, with_grad=False, temperature=self.temperature)
+            return sequence_logprobs(self.reference, layout, tokens, with_grad=False, temperature=self.temperature)
 
     def train_step(self, sequences: list[LearnerSequence]) -> dict[str, float]:
         """One optimizer step on this data-parallel rank's share of the global batch (collective)."""
         from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         started = time.monotonic()
-        rl, p, ddp = self.rl, self.parallelism, self.core.ddp
+        rl, ddp = self.rl, self.core.ddp
         dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        # Megatron's DDP averages gradients over the dp x cp ranks, but each rank's loss is already its part of the
+        # whole step's loss (normalised over the step's batch; under cp every rank of a group computes the same
+        # loss, its backward reaching the weights through its own tokens): scaled back, the gradient is the batch's
+        # whatever the layout.
+        cp = parallel_state.get_context_parallel_world_size()
+        loss_scale = dp_size * cp
         mine = sequences[dp_rank::dp_size]
         # Every rank runs the same number of micro-batches: MoE dispatch is collective inside the forward.
         mbs = self.micro_batch_size
         num_micro = -(-len(sequences) // (dp_size * mbs))
+        # The routers' load-balancing loss: its mean over the step's micro-batches, whatever the layout (under cp each
+        # rank holds its part of it, and DDP averages over dp x cp).
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(cp / num_micro))
         # Every rank holds the whole batch, so it computes the normalisers itself (a sum over the world would count
         # tokens once per TP rank). Both keep the segments of one episode adding up exactly.
         normalisers = sequence_normalisers(sequences, rl.loss_aggregation)
@@ -84,22 +95,23 @@ class RLLearner:
         for i in range(num_micro):
             chunk = mine[i * mbs : (i + 1) * mbs] or [_padding_like(sequences[0])]
             norms = torch.tensor(mine_norms[i * mbs : (i + 1) * mbs] or [1.0], dtype=torch.float32)
-            batch = pad_micro_batch([s.tokens for s in chunk], multiple=p.tp if p.sequence_parallel else 1)
+            tokens = [s.tokens for s in chunk]
+            layout = layout_for(ddp, [len(t) for t in tokens], packed=rl.pack_sequences)
             replay = None
             if self.replays_routes:
-                replay = replay_for_micro_batch(ddp, "r3", [s.routes for s in chunk], batch.lengths, batch.seq_len)
-            reference = self._reference_logprobs(batch.tokens, replay)
+                replay = replay_for_micro_batch(ddp, "r3", [s.routes for s in chunk], layout)
+            reference = self._reference_logprobs(layout, tokens, replay)
             scope = routing(ddp, replay) if replay is not None else contextlib.nullcontext()
             with scope as used:
-                logprobs = token_logprobs(ddp, batch.tokens, temperature=self.temperature)
-                rollout, mask = _aligned(chunk, batch.seq_len)
+                logprobs = sequence_logprobs(ddp, layout, tokens, temperature=self.temperature)
+                rollout, mask = _aligned(chunk, logprobs.shape[1] + 1)
                 advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
                 on_policy = torch.tensor([s.on_policy for s in chunk])
                 loss, micro_stats = policy_gradient_loss(logprobs, rollout, advantages, mask, rl, norms, reference, on_policy)
-                loss.backward()
+                (loss * loss_scale).backward()
                 if replay is not None and i == 0:
                     # what the learner's own routers would have chosen vs the engine's routes, on this rank's first micro-batch
-                    per_layer = routing_disagreement(used.preferred(), used.layers, [s.routes for s in chunk], batch.lengths)
+                    per_layer = routing_disagreement(used.preferred(), used.layers, [s.routes for s in chunk], layout)
                     disagreement = {f"routing_disagreement_layer{layer}": rate for layer, rate in per_layer.items()}
             stats.add(micro_stats)
             loss_sum += float(loss.detach())

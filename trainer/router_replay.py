@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from recipes.errors import UserError
+from trainer.packing import SequenceLayout
 from trainer.replay_layout import ReplayLayoutError, replay_tensors
 
 BALANCING_THAT_KEEPS_REPLAY = {"aux_loss", "seq_aux_loss", "global_aux_loss", "none"}
@@ -107,8 +108,8 @@ class UsedRoutes:
         self._preferred[layer] = preferred
 
     def routes(self) -> torch.Tensor:
-        """int64 [B, S, len(layers), top_k] experts used, sorted within each row; full sequences under sequence
-        parallelism (a collective over the tensor-parallel group: call it on every rank)."""
+        """int64 [B, S, len(layers), top_k] experts used for the model's input rows, sorted within each row; whole
+        rows under sequence parallelism (a collective over the tensor-parallel group: call it on every rank)."""
         return self._engine_layout(self._used)
 
     def preferred(self) -> torch.Tensor:
@@ -228,8 +229,9 @@ def free_routing_map(router, hidden: torch.Tensor) -> torch.Tensor:
     return routing_map
 
 
-def replay_for_micro_batch(model, mode: str, routes: list[np.ndarray] | None, lengths: list[int], seq_len: int) -> list[torch.Tensor] | None:
-    """What `routing(model, replay=...)` gets for a micro-batch under `rl.router_replay` (`r3` or `off`).
+def replay_for_micro_batch(model, mode: str, routes: list[np.ndarray] | None, layout: SequenceLayout) -> list[torch.Tensor] | None:
+    """What `routing(model, replay=...)` gets for a micro-batch placed by `layout` under `rl.router_replay` (`r3`
+    or `off`).
 
     routes: the engine's experts per sequence ([lengths[b]-1, layers, top_k]); required under `r3`.
     """
@@ -247,8 +249,8 @@ def replay_for_micro_batch(model, mode: str, routes: list[np.ndarray] | None, le
         raise UserError("rl.router_replay=r3 needs an MoE model; this one has no MoE layers (set rl.router_replay: off)")
     return replay_tensors(
         routes,
-        lengths,
-        seq_len,
+        list(layout.lengths),
+        layout,
         config.num_moe_experts,
         layers,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
@@ -257,12 +259,14 @@ def replay_for_micro_batch(model, mode: str, routes: list[np.ndarray] | None, le
     )
 
 
-def routing_disagreement(used: torch.Tensor, layers: list[int], routes: list[np.ndarray], lengths: list[int]) -> dict[int, float]:
-    """Per layer, the fraction of routed tokens whose expert set differs between `used` ([B, S, len(layers), K],
-    from UsedRoutes.routes) and the engine's `routes` (per sequence [lengths[b]-1, all layers, K])."""
+def routing_disagreement(used: torch.Tensor, layers: list[int], routes: list[np.ndarray], layout: SequenceLayout) -> dict[int, float]:
+    """Per layer, the fraction of routed tokens whose expert set differs between `used` (this rank's
+    [rows, columns, len(layers), K] from UsedRoutes.routes, placed by `layout`) and the engine's `routes` (per
+    sequence [lengths[b]-1, all layers, K]). A collective over the context-parallel group when cp > 1."""
+    used = layout.padded(layout.stream(used))
     differ = np.zeros(len(layers))
     tokens = 0
-    for b, (r, n) in enumerate(zip(routes, lengths)):
+    for b, (r, n) in enumerate(zip(routes, layout.lengths)):
         engine = np.sort(np.asarray(r)[:, layers].astype(np.int64), axis=-1)  # [n-1, L, K]
         learner = used[b, : n - 1].numpy()
         differ += (engine != learner).any(-1).sum(0)
@@ -281,14 +285,14 @@ def replay_metrics(model, batch, routes: list[np.ndarray], engine_logprobs: list
     from trainer.logprobs import logprob_mismatch, token_logprobs
 
     metrics: dict[str, float] = {}
-    replay = replay_for_micro_batch(model, "r3", routes, batch.lengths, batch.seq_len)
+    replay = replay_for_micro_batch(model, "r3", routes, batch.layout)
     for name, tensors in (("free", None), ("replay", replay)):
         with routing(model, tensors) as used:
             learner = token_logprobs(model, batch.tokens, with_grad=False)
-        for layer, rate in routing_disagreement(used.routes(), used.layers, routes, batch.lengths).items():
+        for layer, rate in routing_disagreement(used.routes(), used.layers, routes, batch.layout).items():
             metrics[f"routing_disagreement_{name}/layer{layer}"] = rate
         if name == "replay":
-            for layer, rate in routing_disagreement(used.preferred(), used.layers, routes, batch.lengths).items():
+            for layer, rate in routing_disagreement(used.preferred(), used.layers, routes, batch.layout).items():
                 metrics[f"routing_disagreement_own/layer{layer}"] = rate
         mismatch = logprob_mismatch(learner, batch, engine_logprobs, loss_masks)
         metrics[f"logprob_abs_diff_{name}"] = mismatch["mean"]
