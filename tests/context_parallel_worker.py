@@ -20,8 +20,9 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from recipes.schema import ParallelismSection
 from trainer import context_parallel
 from trainer.distributed import init_distributed, shutdown_distributed
+from trainer.hf_config import model_section_from_hf
 from trainer.logprobs import layout_for, sequence_logprobs
-from trainer.model import build_model, causal_mask, model_section_from_hf
+from trainer.model import build_model, causal_mask
 from trainer.optimizer import wrap_data_parallel
 from trainer.packing import stream_of
 from trainer.router_replay import replay_for_micro_batch, routing
