@@ -54,7 +54,8 @@ def plan(
     console.print(table)
     if result.engine is not None:
         e, r = result.engine, recipe.rollout
-        console.print(f"rollout engine (each of {len(r.hosts) * r.engines_per_host}): weights {e.weights / GIB:.2f} GiB ({r.dtype}), KV cache "
+        console.print(f"rollout engine, per device (tp {r.parallelism.tp} x pp {r.parallelism.pp} x dp {r.parallelism.dp}): weights "
+                      f"{e.weights / GIB:.2f} GiB ({r.dtype}), KV cache "
                       f"{e.kv_per_sequence / GIB:.3f} GiB per rollout.max_context={r.max_context} sequence; kv_cache_gib={r.kv_cache_gib} "
                       f"holds {e.sequences}", highlight=False)
     speed = f"step {result.step_seconds:.1f} s" if result.step_seconds is not None else "step time: set cluster.device_tflops or --measured"

@@ -4,7 +4,7 @@ Per rank of the learner (the most loaded one): parameters, gradients, optimizer 
 way composer's trainer holds them (Megatron's DDP keeps fp32 gradient buffers; Adam's two moments in fp32, plus fp32
 master weights for bf16 models, sharded over data parallelism with the distributed optimizer; activations are the
 tensors autograd keeps for backward in composer's layer implementation, counted with saved-tensor hooks, plus the
-largest transient of backward). Per rollout engine: its weights and the KV cache of one `max_context` sequence.
+largest transient of backward). Per device of a rollout engine: its weights and the KV cache of one `max_context` sequence.
 FLOPs per step, the step time at a given MFU (or a run's measured times), for RL the step time of synchronous and
 asynchronous RL, and the layouts of the same world size that fit, best first.
 
@@ -22,6 +22,7 @@ from pathlib import Path
 from recipes.checks import Problem, split_problems, world_problems
 from recipes.errors import UserError
 from recipes.schema import ModelSection, ParallelismSection, Recipe
+from recipes.sizes import engine_weight_bytes_per_device, kv_bytes_per_token_per_device, sized_dtype
 
 GIB = 2**30
 RESERVE_GIB = 2.0
@@ -195,6 +196,8 @@ class RankMemory:
 
 @dataclass(frozen=True)
 class EngineMemory:
+    """One device of a rollout engine."""
+
     weights: int
     kv_per_sequence: int
     """The KV cache of one rollout.max_context sequence."""
@@ -301,16 +304,14 @@ def rank_memory(recipe: Recipe, p: ParallelismSection, recompute: bool | None = 
 
 
 def engine_memory(recipe: Recipe) -> EngineMemory | None:
+    """One device of a rollout engine (recipes.sizes, the numbers recipes.checks fits to rollout.devices)."""
     r = recipe.rollout
     if r is None:
         return None
-    m = recipe.model
-    b = dtype_bytes(r.dtype)
-    if m.family == "deepseek_v3":
-        per_token = m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * b  # vLLM caches MLA's latent
-    else:
-        per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * b
-    return EngineMemory(total_params(m)[0] * b, per_token * r.max_context, int(r.kv_cache_gib * GIB))
+    m, p = recipe.model, r.parallelism
+    dtype = sized_dtype(r.dtype, r.devices.kind if r.devices else None)
+    return EngineMemory(engine_weight_bytes_per_device(m, p, dtype), kv_bytes_per_token_per_device(m, p, dtype) * r.max_context,
+                        int(r.kv_cache_gib * GIB))
 
 
 def flops_per_token(m: ModelSection, context: float) -> float:
