@@ -29,9 +29,11 @@ def train_tokenizer(directory: Path, vocab_size: int = 512, special: bool = True
 
 
 def write_recipe(path: Path, data: dict, vocab_size: int = 4096) -> Path:
-    """A valid midtrain recipe (the shipped tiny MoE) with the given `data` section."""
+    """A valid midtrain recipe (the shipped tiny MoE) with the given `data` section, without the shipped recipe's FIM
+    unless `data` asks for it (the documents then read back as their files)."""
     shipped = Path(__file__).resolve().parents[1] / "recipes" / "smoke-midtrain.yaml"
-    recipe = {"extends": str(shipped), "run": {"name": "data-test", "dir": str(path.parent / "runs")}, "model": {"vocab_size": vocab_size}, "data": data}
+    recipe = {"extends": str(shipped), "run": {"name": "data-test", "dir": str(path.parent / "runs")}, "model": {"vocab_size": vocab_size},
+              "data": {"fim": {"rate": 0.0}, **data}}
     path.write_text(yaml.safe_dump(recipe))
     return path
 
