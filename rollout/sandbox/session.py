@@ -44,7 +44,9 @@ class InfraError(Exception):
 def sandbox_environment(home: str) -> dict[str, str]:
     # Nothing from the parent's environment: no secrets, no proxies, no PYTHONPATH.
     return {
-        "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin",
+        # the interpreter's directory as the sandbox's root binds it (a virtual environment reached through a
+        # symlink is mounted at its real path)
+        "PATH": f"{os.path.realpath(os.path.dirname(sys.executable))}:/usr/bin:/bin",
         "HOME": home,
         "TMPDIR": "/tmp" if home == WORK_DIR else home,
         "LANG": "C.UTF-8",
