@@ -192,9 +192,9 @@ def test_activation_recompute_trains_the_same_model(workspace, reference):
 
 
 def test_keys_the_loop_cannot_honour_are_refused_before_launch(workspace):
-    result = run_composer(*midtrain_args(workspace, "refused", "parallelism.cp=2"))
+    result = run_composer(*midtrain_args(workspace, "refused", f"sync.store={workspace / 'store'}"))
     assert result.returncode == 2
-    assert "parallelism.cp: train midtrain does not support 2" in result.stderr
+    assert "sync: train midtrain does not support" in result.stderr and "it does not push weight versions" in result.stderr
     assert not (workspace / "runs" / "refused").exists()
 
 

@@ -97,13 +97,18 @@ def test_config_without_required_keys(tmp_path):
         (ParallelismSection(tp=4, sequence_parallel=True), "parallelism.tp: 4 does not divide model.num_kv_heads=2"),
         (ParallelismSection(tp=2), "parallelism.sequence_parallel: must be true"),
         (ParallelismSection(pp=4), "parallelism.pp: 4 does not divide model.num_layers=2"),
-        (ParallelismSection(cp=2), "context parallelism is not wired"),
     ],
 )
 def test_parallel_sizes_the_model_cannot_be_split_by(parallelism, message):
     model = load_recipe(REPO / "recipes/smoke-midtrain.yaml", []).model
     with pytest.raises(UserError, match=message):
         check_supported(model, parallelism)
+
+
+def test_context_parallelism_is_refused_with_megatrons_local_attention():
+    model = load_recipe(REPO / "recipes/smoke-midtrain.yaml", ["model.kernels.attention=local"]).model
+    with pytest.raises(UserError, match="context parallelism runs in model.kernels.attention sdpa"):
+        check_supported(model, ParallelismSection(cp=2))
 
 
 def test_model_info_of_a_config_alone(tmp_path):
