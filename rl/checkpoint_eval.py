@@ -28,6 +28,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from cluster.placement import HostPlacement, local_devices, place_host
 from recipes.errors import UserError
 from recipes.loader import load_recipe, recipe_to_yaml
 from recipes.schema import Recipe, RLEvalSection
@@ -187,6 +188,12 @@ def _tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def eval_placement(recipe: Recipe) -> HostPlacement:
+    """This machine's devices for the engines (no learner runs beside an evaluation); refused when they do not fit."""
+    alone = recipe.rollout.model_copy(update={"share_learner_devices": True})
+    return place_host("localhost", local_devices(), recipe.model_copy(update={"rollout": alone}))
+
+
 def _same_architecture(a: Path, b: Path) -> None:
     """--compare reloads the engine with the other checkpoint's weights: both must hold the same tensors."""
     shapes = [_tensor_shapes(p) for p in (a, b)]
@@ -321,13 +328,14 @@ def _run_checkpoints(recipe: Recipe, config: RLEvalSection, refs: dict[str, Chec
                 continue
             if not engines:
                 view.note(f"starting {recipe.rollout.engine} engine(s) with {weights[role]}")
-                engines, servers = build_engines(recipe.rollout, str(weights[role]), seed=recipe.train.seed,
+                engines, servers = build_engines(recipe.rollout, str(weights[role]), eval_placement(recipe), seed=recipe.train.seed,
                                                  routed_experts=False, log_dir=out / "logs")
             else:
                 for engine in engines:
                     engine.load_weights(weights[role])
             # A tokenizer each: HF fast tokenizers are not safe to share between threads.
-            runners = [EpisodeRunner(engine, Tokenizer(str(weights[role])), env, recipe.rollout) for engine in engines]
+            runners = [EpisodeRunner(engine, Tokenizer(str(weights[role]), recipe.model.trust_remote_code), env, recipe.rollout)
+                       for engine in engines]
             if log.episodes:
                 view.note(f"{role}: {len(log.episodes)} of {total} episodes already graded; running the rest")
             view.start(role, len(log.episodes), total)
