@@ -4,7 +4,8 @@ Both layouts train the recipe's model (random weights, fp32) on 2 gloo ranks thr
 (`trainer.midtrain.train_step`, the sample rows split zigzag over the cp group): cp1 holds one `--seq`-token sequence
 per rank (2 data-parallel replicas), cp2 splits each of the two sequences over both ranks (ring attention). The same
 tokens per step either way. Peak memory per rank is the resident set's high-water mark during the steps above the
-process before its model was built (glibc's mmap threshold fixed, so freed tensors leave the resident set). On CPU
+process before its model was built, with its process groups and Megatron loaded (glibc's mmap threshold fixed, so
+freed tensors leave the resident set), printed beside what `composer plan` predicts for the layout. On CPU
 the point is the memory ratio; two gloo ranks on shared cores pay the ring's exchanges in time.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/context_parallel_bench.py [--seq 8192] [--steps 2] [--recipe R]
@@ -26,6 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+def layout_overrides(cp: int, seq: int) -> list[str]:
+    return ["model.checkpoint=null", "model.dtype=float32", "parallelism.ep=1", f"parallelism.cp={cp}", f"model.max_position_embeddings={seq}",
+            f"data.seq_length={seq}", "train.micro_batch_size=1", "train.global_batch_size=2"]
+
+
 def worker(cp: int, seq: int, steps: int, recipe_path: str, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -33,13 +39,17 @@ def worker(cp: int, seq: int, steps: int, recipe_path: str, out: str) -> None:
     from recipes.loader import load_recipe
     from runtime.processes import reset_peak_resident, resident_bytes
     from trainer.core import TrainerCore
-    from trainer.distributed import shutdown_distributed
+    from trainer.distributed import init_distributed, shutdown_distributed
     from trainer.midtrain import BatchPlacement, train_step
 
     torch.set_num_threads(1)
-    recipe = load_recipe(Path(recipe_path), ["model.checkpoint=null", "model.dtype=float32", "parallelism.ep=1",
-                                             f"parallelism.cp={cp}", f"model.max_position_embeddings={seq}",
-                                             f"data.seq_length={seq}", "train.micro_batch_size=1", "train.global_batch_size=2"])
+    recipe = load_recipe(Path(recipe_path), layout_overrides(cp, seq))
+    # the baseline: the process with its process groups and Megatron loaded (what a rank holds before its model)
+    init_distributed(recipe.parallelism, seed=recipe.train.seed)
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+
     before = resident_bytes()[0]
     core = TrainerCore(recipe.model, recipe.parallelism, recipe.optim, recipe.train, Path(tempfile.mkdtemp()) / "checkpoints")
     from megatron.core import parallel_state
@@ -89,10 +99,15 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence (the longest cp1 holds here)")
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
+    from cluster.plan import make_plan
+    from recipes.loader import load_recipe
+
     results = {cp: run_layout(cp, args.seq, args.steps, args.recipe) for cp in (1, 2)}
     for cp, r in results.items():
         peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_bytes"])
-        print(f"cp{cp}: {args.seq} tokens per sequence, step {r['step_seconds']:.2f} s, peak MiB per rank above the process: {peaks}")
+        planned = make_plan(load_recipe(Path(args.recipe), layout_overrides(cp, args.seq))).rank.total
+        print(f"cp{cp}: {args.seq} tokens per sequence, step {r['step_seconds']:.2f} s, peak MiB per rank above the process: {peaks} "
+              f"(composer plan: {planned / 2**20:.0f})")
     one, two = results[1], results[2]
     print(f"cp2/cp1: step time x{two['step_seconds'] / one['step_seconds']:.2f}, "
           f"peak memory per rank x{max(two['peak_bytes']) / max(one['peak_bytes']):.2f}")

@@ -42,7 +42,8 @@ def plan(
     table.add_column("")
     table.add_column("GiB", justify="right")
     other = "off" if t.recompute_activations else "on"
-    rows = [("parameters", rank.parameters), ("gradients (fp32 buffers)", rank.gradients), ("optimizer state", rank.optimizer),
+    optimizer = "Muon + Adam" if recipe.optim.name == "muon" else "Adam"
+    rows = [("parameters", rank.parameters), ("gradients (fp32 buffers)", rank.gradients), (f"optimizer state ({optimizer})", rank.optimizer),
             ("activations", rank.activations), (f"  (with recompute {other})", rank.activations_other)]
     if rank.reference:
         rows.append(("reference policy (rl.kl_coeff)", rank.reference))

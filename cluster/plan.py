@@ -1,15 +1,18 @@
 """The memory and step-time plan of a recipe's layout, before anything launches (`composer plan`).
 
-Per rank of the learner (the most loaded one): parameters, gradients, optimizer state and activations, counted the
-way composer's trainer holds them (Megatron's DDP keeps fp32 gradient buffers; Adam's two moments in fp32, plus fp32
-master weights for bf16 models, sharded over data parallelism with the distributed optimizer; activations are the
-tensors autograd keeps for backward in composer's layer implementation, counted with saved-tensor hooks, plus the
-largest transient of backward). Per device of a rollout engine: its weights and the KV cache of one `max_context` sequence.
-FLOPs per step, the step time at a given MFU (or a run's measured times), for RL the step time of synchronous and
-asynchronous RL, and the layouts of the same world size that fit, best first.
+Per rank of the learner (the most loaded pipeline stage): parameters, gradients, optimizer state and activations,
+counted the way composer's trainer holds them: recipes.sizes' parts of the model split over tp / pp / ep as
+Megatron splits them; Megatron's DDP keeps fp32 gradient buffers; Adam two fp32 moments per parameter, Muon
+(optim.name muon) one fp32 momentum per weight matrix and Adam's for the rest, plus fp32 master weights for bf16
+models, sharded over data parallelism with the distributed optimizer (Adam only); activations are the tensors
+autograd keeps for backward in composer's layer implementation, counted with saved-tensor hooks, plus the largest
+transient of backward. Per device of a rollout engine: its weights and the KV cache of one `max_context` sequence
+(recipes.sizes). FLOPs per step, the step time at a given MFU (or a run's measured times), for RL the step time of
+synchronous and asynchronous RL, and the layouts of the same world size that fit, best first.
 
-Pure arithmetic on the recipe (no torch). Checked against measurements of real training steps on CPU
-(tests/test_plan.py); on GPUs add what CUDA itself holds (RESERVE_GIB, FRAGMENTATION).
+Pure arithmetic on the recipe (no torch). Checked against real training steps on CPU (tests/test_cluster_plan.py:
+what each rank holds, tensor by tensor, and its peak memory); on GPUs add what CUDA itself holds (RESERVE_GIB,
+FRAGMENTATION).
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.checks import Problem, split_problems, world_problems
+from recipes.checks import Problem, check_recipe
 from recipes.errors import UserError
 from recipes.schema import ModelSection, ParallelismSection, Recipe
-from recipes.sizes import engine_weight_bytes_per_device, kv_bytes_per_token_per_device, sized_dtype
+from recipes.sizes import engine_weight_bytes_per_device, kv_bytes_per_token_per_device, parameter_breakdown, parameter_counts, sized_dtype
 
 GIB = 2**30
 RESERVE_GIB = 2.0
@@ -43,31 +46,17 @@ def dtype_bytes(dtype: str) -> int:
 @dataclass(frozen=True)
 class Params:
     """Parameters of one rank: `dense` ones are reduced over data (x context) parallelism, `expert` ones over
-    expert data parallelism."""
+    expert data parallelism. Of the dense ones, `embeddings_and_norms` and `routers` are those Megatron's Muon
+    leaves to Adam (the routers with optim.muon.router adam)."""
 
     dense: int
     expert: int
+    embeddings_and_norms: int
+    routers: int
 
     @property
     def total(self) -> int:
         return self.dense + self.expert
-
-
-def _attention_params(m: ModelSection, tp: int) -> tuple[int, int]:
-    """(split over tp, replicated) parameters of one attention block."""
-    h, a = m.hidden_size, m.num_attention_heads
-    if m.family == "deepseek_v3":
-        q_head = m.qk_nope_head_dim + m.qk_rope_head_dim
-        split = a * m.v_head_dim * h + m.kv_lora_rank * a * (m.qk_nope_head_dim + m.v_head_dim)
-        replicated = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
-        if m.q_lora_rank:
-            split += m.q_lora_rank * a * q_head
-            replicated += h * m.q_lora_rank + m.q_lora_rank
-        else:
-            split += h * a * q_head
-        return split // tp, replicated
-    qkv = h * m.head_dim * (a + 2 * m.num_kv_heads)
-    return (qkv + a * m.head_dim * h) // tp, 2 * m.head_dim if m.family == "qwen3_moe" else 0
 
 
 def stage_layers(m: ModelSection, pp: int, stage: int) -> list[int]:
@@ -76,29 +65,25 @@ def stage_layers(m: ModelSection, pp: int, stage: int) -> list[int]:
 
 
 def rank_params(m: ModelSection, p: ParallelismSection, stage: int = 0) -> Params:
-    """Parameters one rank of pipeline stage `stage` holds (embedding on the first stage, output layer last)."""
-    h, tp = m.hidden_size, p.tp
-    split, replicated = _attention_params(m, tp)
-    dense = expert = 0
+    """Parameters one rank of pipeline stage `stage` holds (embedding on the first stage, output layer and final norm
+    on the last): recipes.sizes' parts of the model, split the way Megatron splits them. deepseek_v3's expert biases
+    count as parameters (Megatron keeps them as buffers without gradients: a few hundred values a layer)."""
+    b, tp = parameter_breakdown(m), p.tp
+    norms = routers = dense = expert = 0
     for layer in stage_layers(m, p.pp, stage):
-        dense += split + replicated + 2 * h  # + input and pre-MLP norms
-        if m.is_moe and layer >= m.first_k_dense:
-            dense += m.num_experts * h + 3 * h * m.moe_ffn_hidden_size * m.num_shared_experts // tp
-            expert += (m.num_experts // p.ep) * 3 * h * m.moe_ffn_hidden_size // p.etp
+        norms += b.attention_norms + b.layer_norms
+        dense += b.attention_split // tp + b.attention_whole
+        if layer in m.moe_layers:
+            routers += b.router
+            dense += b.expert_bias + b.shared_experts // tp
+            expert += (m.num_experts // p.ep) * b.routed_expert // p.etp
         else:
-            dense += 3 * h * m.ffn_hidden_size // tp
+            dense += b.dense_mlp // tp
     if stage == 0:
-        dense += m.vocab_size // tp * h
+        norms += b.embedding // tp
     if stage == p.pp - 1:
-        dense += h + (0 if m.tie_word_embeddings and p.pp == 1 else m.vocab_size // tp * h)
-    return Params(dense, expert)
-
-
-def total_params(m: ModelSection) -> tuple[int, int]:
-    """(total, active per token) parameters of the model (one rank holding everything)."""
-    whole = rank_params(m, ParallelismSection())
-    expert = whole.expert * m.moe_top_k // m.num_experts if m.is_moe else 0
-    return whole.total, whole.dense + expert
+        norms += b.final_norm + b.output // tp  # tied: the embedding itself (trainer.model refuses tied with pp > 1)
+    return Params(dense + norms + routers, expert, norms, routers)
 
 
 # --- activations ---------------------------------------------------------------------------------
@@ -155,19 +140,21 @@ def output_activation_bytes(m: ModelSection, p: ParallelismSection, tokens: int)
     return sp * m.hidden_size * (4 + b) + sp * m.hidden_size * b + tokens * (m.vocab_size // p.tp) * b
 
 
-def activation_bytes(m: ModelSection, p: ParallelismSection, tokens: int, recompute: bool, micro_batches: int) -> int:
-    """Peak activation memory of pipeline stage 0 (the most loaded) for micro-batches of `tokens` tokens per rank.
+def activation_bytes(m: ModelSection, p: ParallelismSection, tokens: int, recompute: bool, micro_batches: int, stage: int = 0) -> int:
+    """Peak activation memory of pipeline stage `stage` for micro-batches of `tokens` tokens per rank.
 
+    Under 1F1B stage s holds up to pp - s micro-batches; the last stage also computes the output layer and the loss.
     Backward first frees the output layer's tensors (adding its weight gradient), then runs each layer, whose
     activation gradients come to about what it saved. With recompute each layer keeps only its input, and backward
     rebuilds one layer at a time (its saved tensors and their gradients)."""
-    layers = stage_layers(m, p.pp, 0)
-    per_layer = [layer_activation_bytes(m, p, tokens, m.is_moe and layer >= m.first_k_dense) for layer in layers]
+    layers = stage_layers(m, p.pp, stage)
+    per_layer = [layer_activation_bytes(m, p, tokens, layer in m.moe_layers) for layer in layers]
     b = dtype_bytes(m.dtype)
     sp = tokens // p.tp if p.sequence_parallel else tokens
-    output = output_activation_bytes(m, p, tokens) if p.pp == 1 else 0
-    output_transient = m.vocab_size // p.tp * m.hidden_size * b if p.pp == 1 else 0
-    in_flight = min(p.pp, micro_batches)  # 1F1B: stage 0 holds up to pp micro-batches
+    last = stage == p.pp - 1
+    output = output_activation_bytes(m, p, tokens) if last else 0
+    output_transient = m.vocab_size // p.tp * m.hidden_size * b if last else 0
+    in_flight = min(p.pp - stage, micro_batches)
     if recompute:
         inputs = len(layers) * sp * m.hidden_size * b
         return in_flight * inputs + max(output + output_transient, 2 * max(per_layer))
@@ -279,28 +266,39 @@ def _sequence_tokens(recipe: Recipe) -> int:
     return recipe.data.seq_length if recipe.data else recipe.rollout.max_context
 
 
-def rank_memory(recipe: Recipe, p: ParallelismSection, recompute: bool | None = None) -> RankMemory:
+def optimizer_bytes(recipe: Recipe, p: ParallelismSection, params: Params) -> int:
+    """Optimizer state of one rank: Adam's two fp32 moments per parameter, or with optim.name muon one fp32 momentum
+    per weight matrix (Adam's moments for the rest); plus fp32 master weights of a bf16 model. The distributed
+    optimizer shards it all over data (x context) parallelism, expert parameters' over expert data parallelism."""
+    o = recipe.optim
+    master = 4 if recipe.model.dtype == "bfloat16" else 0
+    if o.name == "muon":  # Megatron-Core's Muon shards nothing (recipes.checks refuses the distributed optimizer)
+        on_adam = params.embeddings_and_norms + (params.routers if o.muon.router == "adam" else 0)
+        return (8 + master) * on_adam + (4 + master) * (params.total - on_adam)
+    if not p.distributed_optimizer:
+        return (8 + master) * params.total
+    data_shards = recipe.cluster.world_size // (p.tp * p.pp)
+    expert_shards = recipe.cluster.world_size // (p.etp * p.ep * p.pp)
+    return (8 + master) * (params.dense // data_shards + params.expert // expert_shards)
+
+
+def stage_memory(recipe: Recipe, p: ParallelismSection, stage: int, recompute: bool | None = None) -> RankMemory:
+    """A rank of pipeline stage `stage` (every rank of a stage holds the same)."""
     m, train = recipe.model, recipe.train
     recompute = train.recompute_activations if recompute is None else recompute
-    dp = _dp(recipe, p)
-    edp = recipe.cluster.world_size // (p.etp * p.ep * p.pp)
-    stages = [rank_params(m, p, stage) for stage in range(p.pp)]
+    params = rank_params(m, p, stage)
     tokens = train.micro_batch_size * -(-_sequence_tokens(recipe) // p.cp)
     micro = _micro_batches(recipe, p)
     b = dtype_bytes(m.dtype)
-    best = None
-    for stage, params in enumerate(stages):
-        per_param = 8 + (4 if b == 2 else 0)  # Adam's moments (+ fp32 master weights of a bf16 model)
-        if p.distributed_optimizer:
-            optimizer = per_param * params.dense // (dp * p.cp) + per_param * params.expert // edp
-        else:
-            optimizer = per_param * params.total
-        activations = activation_bytes(m, p, tokens, recompute, micro) if stage == 0 else 0
-        other = activation_bytes(m, p, tokens, not recompute, micro) if stage == 0 else 0
-        reference = params.total * b if recipe.rl is not None and recipe.rl.kl_coeff > 0 else 0
-        memory = RankMemory(params.total * b, params.total * 4, optimizer, activations, other, reference)
-        best = memory if best is None or memory.total > best.total else best
-    return best
+    reference = params.total * b if recipe.rl is not None and recipe.rl.kl_coeff > 0 else 0
+    return RankMemory(params.total * b, params.total * 4, optimizer_bytes(recipe, p, params),
+                      activation_bytes(m, p, tokens, recompute, micro, stage), activation_bytes(m, p, tokens, not recompute, micro, stage),
+                      reference)
+
+
+def rank_memory(recipe: Recipe, p: ParallelismSection, recompute: bool | None = None) -> RankMemory:
+    """The most loaded rank."""
+    return max((stage_memory(recipe, p, stage, recompute) for stage in range(p.pp)), key=lambda memory: memory.total)
 
 
 def engine_memory(recipe: Recipe) -> EngineMemory | None:
@@ -317,8 +315,8 @@ def engine_memory(recipe: Recipe) -> EngineMemory | None:
 def flops_per_token(m: ModelSection, context: float) -> float:
     """Model FLOPs of a training step per token (forward and backward, 3x the forward's matmuls) at an average
     causal context of `context` tokens."""
-    _, active = total_params(m)
-    lookup = m.vocab_size * m.hidden_size  # the embedding is a lookup, not a matmul
+    _, active = parameter_counts(m)
+    lookup = parameter_breakdown(m).embedding  # the embedding is a lookup, not a matmul
     if m.family == "deepseek_v3":
         width = m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim
     else:
@@ -400,24 +398,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(recipe: Recipe) -> list[ParallelismSection]:
-    """Layouts of the recipe's world size that the model can be split by and the trainers build (etp 1, sequence
-    parallelism with tp > 1; the recipe's distributed optimizer)."""
+    """Layouts of the recipe's world size that its checks (recipes.checks) accept and the trainers build: tp within
+    a host, cp a power of two, etp 1, sequence parallelism with tp > 1, the recipe's distributed optimizer; pp for
+    mid-training only (the RL learner does not pipeline) and not with tied embeddings (trainer.model refuses it)."""
     m, world = recipe.model, recipe.cluster.world_size
-    per_host = recipe.cluster.procs_per_host
+    pps = [1] if recipe.rl is not None or m.tie_word_embeddings else _divisors(m.num_layers)
+    cps = [c for c in _divisors(world) if c & (c - 1) == 0]
+    eps = _divisors(m.num_experts) if m.is_moe else [1]
     out = []
-    tps = [t for t in _divisors(per_host) if m.num_attention_heads % t == 0]
-    pps = [1] if recipe.rl is not None else [q for q in _divisors(m.num_layers) if world % q == 0]
-    cps = [c for c in _divisors(world) if c & (c - 1) == 0 and (recipe.data is None or recipe.data.seq_length % (2 * c) == 0 or c == 1)]
-    eps = [e for e in _divisors(m.num_experts)] if m.is_moe else [1]
-    for tp, pp, cp, ep in itertools.product(tps, pps, cps, eps):
-        if pp > 1 and cp > 1:
-            continue
+    for tp, pp, cp, ep in itertools.product(_divisors(recipe.cluster.procs_per_host), pps, cps, eps):
         p = recipe.parallelism.model_copy(update=dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=1, dp=None, sequence_parallel=tp > 1))
-        if world_problems(p, world, "world") or split_problems(m, p) or (pp > 1 and m.tie_word_embeddings):
-            continue
-        if recipe.train.global_batch_size % (recipe.train.micro_batch_size * _dp(recipe, p)):
-            continue
-        out.append(p)
+        if not check_recipe(recipe.model_copy(update={"parallelism": p})):
+            out.append(p)
     return out
 
 
@@ -447,10 +439,11 @@ def communication_seconds(recipe: Recipe, p: ParallelismSection) -> float:
         else:
             width, heads = 2 * m.head_dim, max(1, m.num_kv_heads // p.tp)
         seconds += micro * layers * 3 * (p.cp - 1) * tokens * heads * width * b / link(p.tp * p.cp)
-    dp = _dp(recipe, p) * p.cp
-    if dp > 1:
-        params = rank_params(m, p)
-        seconds += 2 * params.total * 4 * (dp - 1) / dp / link(recipe.cluster.world_size)
+    params, world = rank_params(m, p), recipe.cluster.world_size
+    # the fp32 gradients: dense ones reduced over data x context parallelism, expert ones over expert data parallelism
+    for count, group in ((params.dense, world // (p.tp * p.pp)), (params.expert, world // (p.etp * p.ep * p.pp))):
+        if group > 1:
+            seconds += 2 * count * 4 * (group - 1) / group / link(world)
     return seconds
 
 
@@ -503,8 +496,9 @@ def _suggestion(recipe: Recipe, plan: Plan) -> tuple[str, str]:
         tries.append(("parallelism.distributed_optimizer", "true", recipe.model_copy(update={"parallelism": p.model_copy(update={"distributed_optimizer": True})})))
     for key, value, changed in tries:
         fixed = make_plan(changed)
-        if fixed.fits:
+        if fixed.fits and not check_recipe(changed):  # e.g. Muon and QK-clip with bf16 refuse the distributed optimizer
             return key, f"{have}; set {key}: {value} ({fixed.rank.total / GIB:.1f} GiB)"
+
     def changes(layout: ParallelismSection) -> list[str]:
         return [f"parallelism.{k}={getattr(layout, k)}" for k in ("tp", "pp", "cp", "ep", "etp", "sequence_parallel")
                 if getattr(layout, k) != getattr(p, k)]

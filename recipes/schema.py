@@ -363,7 +363,6 @@ class DataSection(Section):
     for any `num_workers`, or any number of SLURM array jobs)."""
     num_workers: int = Field(default=2, gt=0)
     """Tasks run at once: processes on this machine, or concurrent SLURM array jobs."""
-    """Tokenizer processes."""
     attention: Literal["causal", "document"] = "causal"
     """`causal`: each token of a sample attends to every earlier token of the sample, across the documents packed
     into it; `document`: only to earlier tokens of its own document (a document ends at the tokenizer's EOD), with

@@ -5,6 +5,8 @@ Pure arithmetic on the schema, so recipes are checked (and `--dry-run` plans pri
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from recipes.schema import EngineParallelismSection, ModelSection
 
 WEIGHT_BYTES = {"float32": (4, 4), "bfloat16": (2, 2), "fp8": (1, 1), "int4": (2, 0.5)}
@@ -18,36 +20,75 @@ def sized_dtype(dtype: str, kind: str | None) -> str:
     return ("bfloat16" if kind == "gpu" else "float32") if dtype == "auto" else dtype
 
 
+@dataclass(frozen=True)
+class ParameterBreakdown:
+    """Parameters of architecture `m` by the part that holds them: what parallelism splits differently (the
+    planner's per-rank split, cluster/plan.py) and what optimizers treat differently (Muon takes the matrices)."""
+
+    embedding: int
+    """The input embedding [vocab, hidden]."""
+    output: int
+    """The output layer [vocab, hidden]; 0 with tie_word_embeddings."""
+    final_norm: int
+    attention_split: int
+    """Per layer: the attention matrices tensor parallelism splits by heads (query, key / value, output)."""
+    attention_whole: int
+    """Per layer: attention matrices every tensor-parallel rank holds whole (MLA's down-projections)."""
+    attention_norms: int
+    """Per layer: QK norms (qwen3_moe), MLA's latent norms."""
+    layer_norms: int
+    """Per layer: the input and pre-MLP norms."""
+    dense_mlp: int
+    """Per dense layer (the first_k_dense ones, or all of a dense model)."""
+    router: int
+    """Per MoE layer: the router's weight matrix."""
+    expert_bias: int
+    """Per MoE layer: deepseek_v3's expert bias (aux-loss-free balancing; a buffer in Megatron, no gradient)."""
+    shared_experts: int
+    """Per MoE layer, all of them."""
+    routed_expert: int
+    """One routed expert."""
+
+
+def parameter_breakdown(m: ModelSection) -> ParameterBreakdown:
+    h, a = m.hidden_size, m.num_attention_heads
+    if m.family == "deepseek_v3":
+        q_head = m.qk_nope_head_dim + m.qk_rope_head_dim
+        split = a * m.v_head_dim * h + m.kv_lora_rank * a * (m.qk_nope_head_dim + m.v_head_dim)
+        whole = h * (m.kv_lora_rank + m.qk_rope_head_dim)
+        norms = m.kv_lora_rank
+        if m.q_lora_rank:
+            split += m.q_lora_rank * a * q_head
+            whole += h * m.q_lora_rank
+            norms += m.q_lora_rank
+        else:
+            split += h * a * q_head
+    else:
+        split, whole = h * m.head_dim * (2 * a + 2 * m.num_kv_heads), 0
+        norms = 2 * m.head_dim if m.family == "qwen3_moe" else 0
+    return ParameterBreakdown(
+        embedding=m.vocab_size * h, output=0 if m.tie_word_embeddings else m.vocab_size * h, final_norm=h,
+        attention_split=split, attention_whole=whole, attention_norms=norms, layer_norms=2 * h,
+        dense_mlp=3 * h * m.ffn_hidden_size, router=m.num_experts * h,
+        expert_bias=m.num_experts if m.family == "deepseek_v3" else 0,
+        shared_experts=3 * h * m.moe_ffn_hidden_size * m.num_shared_experts, routed_expert=3 * h * m.moe_ffn_hidden_size,
+    )
+
+
 def parameter_counts(m: ModelSection) -> tuple[int, int]:
     """(total, active per token) parameters of architecture `m`: embeddings and every layer; active counts only
     moe_top_k of each MoE layer's routed experts (routers and shared experts always run)."""
-    common, expert = _common_and_expert(m)
+    b = parameter_breakdown(m)
     moe_layers = len(m.moe_layers)
-    return common + moe_layers * m.num_experts * expert, common + moe_layers * m.moe_top_k * expert
+    per_layer = b.attention_split + b.attention_whole + b.attention_norms + b.layer_norms
+    always = moe_layers * (b.router + b.expert_bias + b.shared_experts) + (m.num_layers - moe_layers) * b.dense_mlp
+    common = b.embedding + b.output + b.final_norm + m.num_layers * per_layer + always
+    return common + moe_layers * m.num_experts * b.routed_expert, common + moe_layers * m.moe_top_k * b.routed_expert
 
 
 def routed_expert_parameters(m: ModelSection) -> int:
     """Parameters of all routed experts of all MoE layers (what expert parallelism shards)."""
-    return len(m.moe_layers) * m.num_experts * _common_and_expert(m)[1]
-
-
-def _common_and_expert(m: ModelSection) -> tuple[int, int]:
-    """(parameters outside the routed experts, parameters of one routed expert)."""
-    h = m.hidden_size
-    if m.family == "deepseek_v3":
-        q_head = m.qk_nope_head_dim + m.qk_rope_head_dim
-        query = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.num_attention_heads * q_head if m.q_lora_rank else h * m.num_attention_heads * q_head
-        key_value = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)
-        attention = query + key_value + m.num_attention_heads * m.v_head_dim * h
-    else:
-        attention = h * m.head_dim * (2 * m.num_attention_heads + 2 * m.num_kv_heads) + (2 * m.head_dim if m.family == "qwen3_moe" else 0)
-    per_layer = attention + 2 * h  # + input and pre-MLP norms
-    moe_layers = len(m.moe_layers)
-    dense = (m.num_layers - moe_layers) * 3 * h * m.ffn_hidden_size
-    router = m.num_experts * h + (m.num_experts if m.family == "deepseek_v3" else 0)  # + expert bias
-    always = moe_layers * (router + 3 * h * m.moe_ffn_hidden_size * m.num_shared_experts)
-    common = m.vocab_size * h * (1 if m.tie_word_embeddings else 2) + h + m.num_layers * per_layer + dense + always
-    return common, 3 * h * m.moe_ffn_hidden_size
+    return len(m.moe_layers) * m.num_experts * parameter_breakdown(m).routed_expert
 
 
 def engine_weight_bytes_per_device(m: ModelSection, p: EngineParallelismSection, dtype: str) -> int:

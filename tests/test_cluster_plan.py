@@ -1,18 +1,25 @@
 """Launch plans without launching: parallel groups in Megatron-Core's order, `--dry-run` of the real-scale recipes,
-and the local launcher's failure message naming host, rank and cause."""
+the local launcher's failure message naming host, rank and cause, and the memory plan (`composer plan`, cluster.plan)
+checked against real training steps on CPU."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 
 import pytest
 
 from cluster.groups import describe_group, parallel_groups
-from cluster.launch import LocalLauncher, RanksFailed, run_to_end
+from cluster.launch import LocalLauncher, RanksFailed, run_to_end, torchrun_argv
+from cluster.plan import GIB, make_plan, rank_params, stage_memory
 from recipes.errors import UserError
+from recipes.loader import load_recipe
 from recipes.schema import ClusterSection, ParallelismSection
+from recipes.sizes import parameter_counts, routed_expert_parameters
 from runtime.run_dir import RunDir
-from tests.conftest import RECIPES, run_composer
+from tests.conftest import REPO, RECIPES, run_composer
 
 LAYOUTS = [  # tp, cp, pp, ep, etp, world
     (2, 1, 1, 8, 1, 16), (8, 1, 1, 64, 1, 256), (2, 2, 2, 2, 1, 32), (1, 1, 2, 2, 2, 8), (2, 1, 1, 2, 1, 4), (1, 4, 1, 1, 1, 8),
@@ -75,8 +82,16 @@ def test_dry_run_of_the_32_node_rl_recipe(tmp_path):
     assert "-m rl.learner_main" in out
     assert "#SBATCH --nodes=32" in out and "train rl" in out  # the script --submit would submit
     assert "tensor (TP) 8 32 0-7 8-15" in out
-    assert "expert (EP) 64 4 0-63 64-127 128-191 192-255" in out
+    assert "expert (EP) 128 2 0-127 128-255" in out
     assert not (tmp_path / "kimi-k2-rl").exists()
+    # the inference fleet: 2 engines over 4 hosts each, in vLLM's multi-node data-parallel mode
+    assert "each tp 8 x pp 1 x dp 4, expert parallel over 32" in out
+    assert out.count("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7") == 8
+    head = "--data-parallel-size 4 --enable-expert-parallel --distributed-executor-backend mp --data-parallel-size-local 1"
+    assert f"{head} --data-parallel-address infer-00 --data-parallel-rpc-port '<port on infer-00>'" in out
+    for rank, host in ((1, "infer-00"), (2, "infer-00"), (3, "infer-00"), (1, "infer-04")):
+        assert f"--data-parallel-address {host} --data-parallel-rpc-port '<port on {host}>' --headless --data-parallel-start-rank {rank}" in out
+    assert "--enforce-eager" not in out and "chunked-prefill" not in out  # GPUs: vLLM's defaults
 
 
 def test_the_local_launcher_refuses_several_hosts():
@@ -107,3 +122,102 @@ def test_cluster_check_of_this_host(tmp_path):
     from importlib.metadata import version
 
     assert version("torch") in out and version("megatron-core") in out
+
+
+# --- the memory plan -----------------------------------------------------------------------------
+
+REAL_SCALE = ["kimi-k2-rl.yaml", "kimi-k2-long-context-midtrain.yaml", "qwen3-30b-a3b-midtrain.yaml"]
+
+
+def test_the_plan_splits_the_parameters_recipes_sizes_counts():
+    for path in sorted(RECIPES.glob("*.yaml")):
+        m = load_recipe(path, []).model
+        assert rank_params(m, ParallelismSection()).total == parameter_counts(m)[0], path.name
+    kimi = load_recipe(RECIPES / "kimi-k2-rl.yaml", []).model
+    assert rank_params(kimi, ParallelismSection(tp=8, ep=128)).expert * 128 == routed_expert_parameters(kimi)
+    qwen = load_recipe(RECIPES / "qwen3-30b-a3b-midtrain.yaml", []).model
+    stages = [rank_params(qwen, ParallelismSection(pp=4), stage).total for stage in range(4)]
+    assert sum(stages) == parameter_counts(qwen)[0]
+    assert stages[0] > stages[1] == stages[2] < stages[3]  # the embedding on the first stage, the output layer on the last
+
+
+WIDE = ["model.checkpoint=null", "model.hidden_size=512", "model.vocab_size=16384", "train.micro_batch_size=2", "train.global_batch_size=4"]
+GQA = ["model.moe_ffn_hidden_size=512", "data.seq_length=1024"]
+MLA = ["model.moe_ffn_hidden_size=256", "model.ffn_hidden_size=1024", "data.seq_length=512"]
+DENSE_PARALLEL = ["parallelism.ep=1"]
+# on CPU, Muon's default `medium` precision runs its Newton-Schulz matmuls in bf16 through oneDNN, which keeps about
+# 50 MiB of its own resident here: not optimizer state, so the measurement uses fp32 matmuls
+MUON = ["optim.name=muon", "optim.muon.matmul_precision=highest"]
+slow = pytest.mark.slow
+MEASURED = [  # (recipe, overrides), 2 ranks each
+    pytest.param("smoke-deepseek-v3-midtrain.yaml", MLA + MUON, id="mla-ep2-muon"),
+    pytest.param("smoke-midtrain.yaml", GQA, id="gqa-ep2", marks=slow),
+    pytest.param("smoke-midtrain.yaml", GQA + DENSE_PARALLEL + ["parallelism.tp=2", "parallelism.sequence_parallel=true"], id="gqa-tp2-sp", marks=slow),
+    pytest.param("smoke-midtrain.yaml", GQA + DENSE_PARALLEL + ["parallelism.cp=2"], id="gqa-cp2", marks=slow),
+    pytest.param("smoke-midtrain.yaml", GQA + DENSE_PARALLEL + ["parallelism.pp=2", "train.global_batch_size=8"], id="gqa-pp2", marks=slow),
+    pytest.param("smoke-midtrain.yaml", GQA + ["train.recompute_activations=true", "parallelism.distributed_optimizer=true"],
+                 id="gqa-ep2-recompute-distopt", marks=slow),
+    pytest.param("smoke-deepseek-v3-midtrain.yaml", MLA, id="mla-ep2", marks=slow),
+    pytest.param("smoke-deepseek-v3-midtrain.yaml", MLA + DENSE_PARALLEL + ["parallelism.cp=2"], id="mla-cp2", marks=slow),
+    pytest.param("smoke-deepseek-v3-midtrain.yaml", MLA + DENSE_PARALLEL + ["parallelism.tp=2", "parallelism.sequence_parallel=true"],
+                 id="mla-tp2-sp", marks=slow),
+]
+
+
+@pytest.mark.engines
+@pytest.mark.parametrize("recipe_name,overrides", MEASURED)
+def test_the_plan_predicts_what_each_rank_holds(recipe_name, overrides, tmp_path):
+    """Real mid-training steps (tests/plan_memory_worker.py): parameters, gradient buffers and optimizer state
+    as planned (within 1%), and each rank's peak memory within 15% of its pipeline stage's plan."""
+    recipe = load_recipe(RECIPES / recipe_name, WIDE + overrides)
+    out = tmp_path / "held.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    argv = torchrun_argv(sys.executable, recipe.cluster.world_size, "tests.plan_memory_worker",
+                         [str(RECIPES / recipe_name), json.dumps(WIDE + overrides), str(out)])
+    result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank, held in enumerate(json.loads(out.read_text())):
+        planned = stage_memory(recipe, recipe.parallelism, held["stage"])
+        for part in ("parameters", "gradients", "optimizer"):
+            assert abs(held[part] / getattr(planned, part) - 1) <= 0.01, (rank, part, held[part], getattr(planned, part))
+        print(f"rank {rank}: peak {held['peak'] / 2**20:.0f} MiB, planned {planned.total / 2**20:.0f} MiB "
+              f"(x{held['peak'] / planned.total:.3f})")  # the figures README quotes, shown with pytest -s
+        assert abs(held["peak"] / planned.total - 1) <= 0.15, (rank, held["peak"] / 2**20, planned.total / 2**20)
+
+
+@pytest.mark.parametrize("name", REAL_SCALE)
+def test_the_plans_of_the_real_scale_recipes(name):
+    result = run_composer("plan", str(RECIPES / name))
+    print(result.stdout)  # the plan itself, shown with pytest -s
+    assert result.returncode == 0, result.stdout + result.stderr
+    out, plan = flat(result.stdout), make_plan(load_recipe(RECIPES / name, []))
+    assert f"total {plan.rank.total / GIB:.2f}" in out and plan.fits
+    assert f"layouts of world size {plan.recipe.cluster.world_size} that fit, best first" in out
+
+
+def test_a_layout_that_cannot_fit_is_refused_naming_the_key(tmp_path):
+    """Kimi-K2's 200k-token episodes need context parallelism: without it the plan refuses the recipe, in every
+    command that checks it, with one message naming the key and the closest layout that fits."""
+    recipe = str(RECIPES / "kimi-k2-rl.yaml")
+    unsplit = ["--set", "parallelism.cp=1", "--set", f"run.dir={tmp_path}"]
+    for command in (["recipe", "validate", recipe], ["train", "rl", recipe, "--dry-run"], ["plan", recipe]):
+        result = run_composer(*command, *unsplit)
+        text = flat(result.stdout + result.stderr)
+        assert result.returncode != 0, command
+        assert "Traceback" not in text, command
+        assert "exceeds the 130.2 GiB usable of cluster.device_memory_gib=139.0" in text, (command, text[-2000:])
+        assert "parallelism: " in text and "the closest layout that fits: parallelism.cp=2" in text, (command, text[-2000:])
+    assert not (tmp_path / "kimi-k2-rl").exists()
+
+
+def test_muon_is_not_told_to_shard_its_state():
+    """Megatron-Core's Muon has no distributed optimizer: where Adam is told to shard its state, Muon (one momentum
+    per weight matrix, less state unsharded) is told another change."""
+    from cluster.plan import fit_problems
+
+    tight = ["parallelism.distributed_optimizer=false", "cluster.device_memory_gib=64"]
+    adam = load_recipe(RECIPES / "qwen3-30b-a3b-midtrain.yaml", tight)
+    muon = load_recipe(RECIPES / "qwen3-30b-a3b-midtrain.yaml", tight + ["optim.name=muon"])
+    assert make_plan(muon).rank.optimizer < make_plan(adam).rank.optimizer
+    assert [p.path for p in fit_problems(adam)] == ["parallelism.distributed_optimizer"]
+    assert [p.path for p in fit_problems(muon)] == ["parallelism"]

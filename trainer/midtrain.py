@@ -229,14 +229,16 @@ def train_step(ddp, optimizer: TrainOptimizer, micro_batches: list[dict[str, tor
     started = time.perf_counter()
     ddp.train()
     optimizer.zero_grad()
-    # Under cp each rank holds part of every sample: its losses (the main one and each router's load-balancing
-    # part) are its parts of the replica's, times cp because Megatron's DDP averages gradients over dp x cp ranks.
-    cp = parallel_state.get_context_parallel_world_size()
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(cp / len(micro_batches)))
     local_tokens = float(sum(b["loss_mask"].sum() for b in micro_batches))  # this rank's share under cp
     if _pipelined():
+        # Megatron's schedule sets the load-balancing loss scale itself (into a [1] tensor: one set here first,
+        # shaped [], would refuse it on a step that no pipelined evaluation preceded, as after --resume)
         loss_sum = forward_backward(ddp, micro_batches)  # the same loss and gradients, through the stages
     else:
+        # Under cp each rank holds part of every sample: its losses (the main one and each router's load-balancing
+        # part) are its parts of the replica's, times cp because Megatron's DDP averages gradients over dp x cp ranks.
+        cp = parallel_state.get_context_parallel_world_size()
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(cp / len(micro_batches)))
         replica_tokens = torch.tensor([local_tokens], dtype=torch.float64)
         if cp > 1:
             dist.all_reduce(replica_tokens, group=parallel_state.get_context_parallel_group())

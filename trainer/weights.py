@@ -602,7 +602,7 @@ def _write_config_and_files(directory: Path, m: ModelSection, dtype: torch.dtype
 
 
 def _source_config(source: CheckpointLayout, m: ModelSection, dtype: torch.dtype, quantize: str | None) -> dict:
-    """The source's config.json with the dtype, quantization and MTP layers of this export."""
+    """The source's config.json with the dtype, quantization, MTP layers and (model.rescale_rope) RoPE of this export."""
     config = read_hf_config(source.root)
     language = language_config(config, source.root / "config.json")
     name = str(dtype).removeprefix("torch.")
@@ -611,6 +611,10 @@ def _source_config(source: CheckpointLayout, m: ModelSection, dtype: torch.dtype
             section[key] = name
         if m.mtp == "drop" and "num_nextn_predict_layers" in section:
             section["num_nextn_predict_layers"] = 0
+    if m.rescale_rope:  # a long-context stage: the RoPE base and length the model now has, not its source's
+        rope = language.get("rope_parameters")
+        (rope if isinstance(rope, dict) and "rope_theta" in rope else language)["rope_theta"] = m.rope_theta
+        language["max_position_embeddings"] = m.max_position_embeddings
     keep = quantize is not None and source.quantization is not None and source.quantization.method == quantize
     if not keep:
         config.pop("quantization_config", None)
