@@ -44,7 +44,7 @@ def hosts(tmp_path_factory):
     (d / "shared").mkdir()
     (d / "elsewhere").mkdir()
     made = netns_hosts.Hosts(d, 3, overlays={2: {str(python): str(other), str(d / "shared"): str(d / "elsewhere")}})
-    made.python = python
+    made.cluster_python = python
     try:
         yield made
     finally:
@@ -52,7 +52,7 @@ def hosts(tmp_path_factory):
 
 
 def cluster_sets(hosts, names: list[str]) -> list[str]:
-    return [f"cluster.hosts={names}", "cluster.launcher=ssh", f"cluster.python={hosts.python}", "cluster.ssh.user=root",
+    return [f"cluster.hosts={names}", "cluster.launcher=ssh", f"cluster.python={hosts.cluster_python}", "cluster.ssh.user=root",
             f"cluster.ssh.key_file={hosts.client_key}", f"cluster.ssh.known_hosts={hosts.known_hosts}",
             f"cluster.env={{GLOO_SOCKET_IFNAME: {netns_hosts.INTERFACE}}}"]
 
@@ -180,7 +180,7 @@ def rollout_recipe(hosts, tmp_path: Path, host: str, *more: str):
     from recipes.loader import load_recipe
 
     sets = [f"run.dir={tmp_path / 'runs'}", "model.checkpoint=unused", "rollout.engine=server", f"rollout.hosts=[{host}]",
-            f"rollout.remote_dir={tmp_path / 'remote'}", f"rollout.remote_python={hosts.python}", "cluster.ssh.user=root",
+            f"rollout.remote_dir={tmp_path / 'remote'}", f"rollout.remote_python={hosts.cluster_python}", "cluster.ssh.user=root",
             f"cluster.ssh.key_file={hosts.client_key}", f"cluster.ssh.known_hosts={hosts.known_hosts}", *more]
     return load_recipe(RECIPES / "smoke-rl.yaml", sets)
 
