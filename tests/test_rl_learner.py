@@ -17,8 +17,8 @@ pytestmark = pytest.mark.engines
 RANKS = 2
 COLLECTIVE_TIMEOUT_SECONDS = 10
 """The learner's process group gives up on a collective after this (30 minutes by default on gloo)."""
-ROLLOUT_SECONDS = 3 * COLLECTIVE_TIMEOUT_SECONDS
-"""How long the producer takes for the step's groups, counted from when every rank has joined the group."""
+ROLLOUT_SECONDS = 1.5 * COLLECTIVE_TIMEOUT_SECONDS
+"""How long the producer takes for the step's groups, counted from when every rank waits for them."""
 
 
 def group(index: int, version: int, size: int, layers: int, top_k: int, experts: int) -> list[Trajectory]:
@@ -54,7 +54,7 @@ def test_a_step_whose_rollouts_outlast_the_collective_timeout_is_trained(tmp_pat
     m, rl = recipe.model, recipe.rl
 
     def slow_rollouts():
-        while len(list(run.root.glob("rank-*.joined"))) < RANKS:
+        while len(list(run.root.glob("rank-*.waiting"))) < RANKS:
             time.sleep(0.2)
         time.sleep(ROLLOUT_SECONDS)
         for _ in range(rl.prompts_per_step):
