@@ -109,7 +109,7 @@ def keep_change(changed: dict[str, bytes | None | _NotAFile], task_files: dict[s
         if is_protected(path):
             protected.append(path)
             continue
-        in_package = PurePosixPath(path).parts[0] == package
+        in_package = PurePosixPath(path).is_relative_to(package)  # package: its directory, `src/name` in a src layout
         entry = by_path.get(path)
         if entry is None and not scope and in_package and path.endswith(".py") and isinstance(trusted(path), bytes):
             entry = Scope(path)  # no scope: every existing source file of the package, whole
