@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import COMPOSER, RECIPES, REPO
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(1800)]  # an RL run, then evaluations: slow on a loaded machine
+pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(1800)]  # an RL run, then evaluations (~10 min on 2 cores)
 
 EVAL_SETTINGS = ["--set", "rl.eval.limit=8", "--set", "rl.eval.samples=2", "--set", "rl.eval.pass_k=[1,2]"]
 

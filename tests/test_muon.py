@@ -190,6 +190,7 @@ def test_the_largest_attention_logit_is_logged_every_step_and_clipped(reference)
 
 
 @pytest.mark.engines
+@pytest.mark.slow
 def test_killed_muon_run_resumes_with_the_same_losses(workspace, reference):
     kill_after = random.randint(3, 4)  # past the step-2 checkpoint; sometimes mid-save of step 4
     run_dir = workspace / "runs" / "killed"

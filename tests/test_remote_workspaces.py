@@ -247,6 +247,7 @@ def wait_servers_gone(hosts, seconds: float = 20) -> bool:
     return bool(hosts.processes("rollout.sandbox.server"))
 
 
+@pytest.mark.slow
 def test_a_host_killed_in_the_middle_of_an_episode_is_replaced(hosts, task):
     """Last in this module: it kills a host (and brings it back)."""
     from rollout.tasks.remote import RemoteRepoWorkspace
