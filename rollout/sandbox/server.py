@@ -93,11 +93,13 @@ class ProtocolError(ValueError):
 
 
 def to_wire(value) -> object:
-    """`value` (an allow-listed dataclass, a tuple of them, or plain data) as JSON-ready data."""
+    """`value` (an allow-listed dataclass, a tuple of them, bytes, or plain data) as JSON-ready data."""
     if dataclasses.is_dataclass(value) and type(value).__name__ in WIRE_TYPES:
         return {"$dc": type(value).__name__, "fields": {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}}
     if type(value) is tuple and any(dataclasses.is_dataclass(v) for v in value):
         return {"$dcs": [to_wire(v) for v in value]}
+    if type(value) is bytes:  # a command's report channel
+        return {"$b": base64.b64encode(value).decode()}
     return {"$v": plain_data.encode(value)}
 
 
@@ -108,6 +110,11 @@ def from_wire(node: object) -> object:
         return plain_data.decode(node["$v"])
     if keys == {"$dcs"} and isinstance(node["$dcs"], list):
         return tuple(from_wire(v) for v in node["$dcs"])
+    if keys == {"$b"} and isinstance(node["$b"], str):
+        try:
+            return base64.b64decode(node["$b"], validate=True)
+        except ValueError:
+            raise ProtocolError("bytes that are not base64") from None
     if keys != {"$dc", "fields"}:
         raise ProtocolError("not a wire value")
     cls = WIRE_TYPES.get(node["$dc"]) if isinstance(node["$dc"], str) else None
