@@ -14,7 +14,7 @@ from rich.console import Console
 from rl.console import RLConsole, alarms
 from runtime.run_dir import MetricsWriter
 from tests.conftest import REPO
-from trainer import progress
+from runtime import progress
 
 SCRIPT = textwrap.dedent("""
     import atexit, logging, os, subprocess, sys

@@ -6,7 +6,7 @@ from itertools import combinations
 
 import numpy as np
 import pytest
-from rollout.tasks.functions.pool import held_out_split
+from rollout.tasks.pool import held_out_split
 
 from recipes.errors import UserError
 from recipes.schema import EnvSection, RLEvalSection, TaskSet
