@@ -10,7 +10,7 @@ from recipes.loader import load_recipe, recipe_to_yaml
 from rl.protocol import Heartbeat, Policy, RLRunFiles, RolloutQueue, StalenessRule, group_id, sync_section
 from rollout.agent.trajectory import Segment, Trajectory
 from runtime.run_dir import RunDir, read_metrics
-from tests.conftest import RECIPES, REPO
+from tests.conftest import RECIPES, run_ranks
 
 pytestmark = pytest.mark.engines
 
@@ -39,7 +39,6 @@ def test_a_step_whose_rollouts_outlast_the_collective_timeout_is_trained(tmp_pat
     the run when its timeout passes ("Timed out waiting ...ms for recv")."""
     from sync.pusher import push_version
     from trainer.checkpoint_init import init_hf_checkpoint
-    from trainer.distributed import run_torchrun
 
     overrides = [f"run.dir={tmp_path / 'runs'}", "train.steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
                  "train.micro_batch_size=1", "train.global_batch_size=2", "rl.eval=null"]
@@ -65,8 +64,7 @@ def test_a_step_whose_rollouts_outlast_the_collective_timeout_is_trained(tmp_pat
     with Heartbeat(files.heartbeat):
         rollouts = threading.Thread(target=slow_rollouts, daemon=True)
         rollouts.start()
-        result = run_torchrun(RANKS, ["-m", "tests.workers.rl_learner", str(run.root), str(COLLECTIVE_TIMEOUT_SECONDS)],
-                              cwd=REPO, timeout=600)
+        result = run_ranks(RANKS, "tests.workers.rl_learner", str(run.root), str(COLLECTIVE_TIMEOUT_SECONDS), timeout=600)
         rollouts.join(timeout=5)
     assert result.returncode == 0, result.stderr[-3000:]
     (record,) = read_metrics(run.metrics_path)
