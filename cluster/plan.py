@@ -25,7 +25,13 @@ from pathlib import Path
 from recipes.checks import Problem, check_recipe
 from recipes.errors import UserError
 from recipes.schema import ModelSection, ParallelismSection, Recipe
-from recipes.sizes import engine_weight_bytes_per_device, kv_bytes_per_token_per_device, parameter_breakdown, parameter_counts, sized_dtype
+from recipes.sizes import (
+    engine_weight_bytes_per_device,
+    kv_bytes_per_token_per_device,
+    parameter_breakdown,
+    parameter_counts,
+    sized_dtype,
+)
 
 GIB = 2**30
 RESERVE_GIB = 2.0

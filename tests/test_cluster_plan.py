@@ -19,7 +19,7 @@ from recipes.loader import load_recipe
 from recipes.schema import ClusterSection, ParallelismSection
 from recipes.sizes import parameter_counts, routed_expert_parameters
 from runtime.run_dir import RunDir
-from tests.conftest import REPO, RECIPES, run_composer
+from tests.conftest import RECIPES, REPO, run_composer
 
 LAYOUTS = [  # tp, cp, pp, ep, etp, world
     (2, 1, 1, 8, 1, 16), (8, 1, 1, 64, 1, 256), (2, 2, 2, 2, 1, 32), (1, 1, 2, 2, 2, 8), (2, 1, 1, 2, 1, 4), (1, 4, 1, 1, 1, 8),
