@@ -268,3 +268,44 @@ def test_a_host_killed_in_the_middle_of_an_episode_is_replaced(hosts, task):
     finally:
         fleet.close()
         hosts.restart(next(h for h in hosts.hosts if h.name == first))
+
+
+@pytest.mark.slow
+@pytest.mark.engines
+def test_rl_on_repository_tasks_graded_on_the_remote_hosts(hosts, tmp_path, composer):
+    """`composer train rl recipes/smoke-repo-rl.yaml` with both sandbox hosts remote: every episode's workspace lives,
+    runs its tools and is graded there (the tiny model's reward may stay 0: the episodes and verdicts are checked)."""
+    import json
+
+    from recipes.loader import load_recipe
+    from rl.trajectories import TrajectoryStore
+    from tests.conftest import RECIPES
+    from trainer.checkpoint_init import init_hf_checkpoint
+
+    recipe = RECIPES / "smoke-repo-rl.yaml"
+    cache = ["--set", f"env.tasks.0.repo.cache_dir={tmp_path / 'repo-tasks'}"]
+    built = composer("env", "build", str(recipe), *cache)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    checkpoint = init_hf_checkpoint(load_recipe(recipe).model, tmp_path / "init", tokenizer_bytes=2**20)
+    run = tmp_path / "runs" / "smoke-repo-rl"
+
+    def shipped():
+        return {d.name for root in hosts.roots if (root / "shipped").is_dir() for d in (root / "shipped").iterdir()}
+
+    before = shipped()
+    remote = [f"env.sandbox.hosts=[{hosts.names[0]}, {hosts.names[1]}]", "env.sandbox.sandboxes_per_host=2",
+              f"env.sandbox.remote_python={hosts.python}", "cluster.ssh.user=root", f"cluster.ssh.key_file={hosts.client_key}",
+              f"cluster.ssh.known_hosts={hosts.known_hosts}"]
+    result = composer("train", "rl", str(recipe), "--set", f"model.checkpoint={checkpoint}", "--set", f"run.dir={run.parent}",
+                      "--set", f"sync.store={run}/weights", *cache, *(a for s in remote for a in ("--set", s)), timeout=1500)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    groups = [json.loads(line) for line in (run / "rollout_metrics.jsonl").read_text().splitlines()]
+    assert groups and all(g["infra_failure_rate"] == 0.0 for g in groups)
+    assert shipped() - before  # the networkx trees the episodes worked and were graded in went to the hosts
+    store = TrajectoryStore(run / "trajectories")
+    trajectories = [t for stage in TrajectoryStore.STAGES for g in store.groups(stage) for t in store.load(g, stage)]
+    assert trajectories and all(t.task_id.startswith("repo/networkx/bug/") for t in trajectories)
+    for t in trajectories:
+        # graded on a remote host by the project's own tests: every expected test id was reported
+        assert t.info["tests_total"] >= 1 and t.info["sandbox_status"] != "infra"
+    assert not any(root.joinpath("workspaces").exists() and any(root.joinpath("workspaces").iterdir()) for root in hosts.roots)
