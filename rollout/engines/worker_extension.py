@@ -141,6 +141,24 @@ def tensor_digest(tensor: torch.Tensor, start: int = 0, stop: int | None = None)
     return xxhash.xxh3_128_hexdigest(flat.view(torch.uint8).numpy() if flat.numel() else b"")
 
 
+def packed_linear_weight(module: torch.nn.Module, rows: int = 256) -> torch.Tensor | None:
+    """The weight a linear layer on CPU computes with, `[out, in]` as loaded, or None for other modules. vLLM packs
+    it for its CPU kernel and leaves an empty parameter; it is read back through the kernel: identity rows in,
+    each output one weight, exact in any dtype and for any thread count (one product by 1, the rest by 0)."""
+    weight = getattr(module, "weight", None)
+    if not hasattr(module, "cpu_linear") or not isinstance(weight, torch.Tensor) or weight.numel():
+        return None
+    columns = getattr(module, "input_size_per_partition", None) or module.input_size
+    out = []
+    with torch.no_grad():
+        for start in range(0, columns, rows):
+            count = min(rows, columns - start)
+            identity = torch.zeros(count, columns, dtype=module.params_dtype)
+            identity[torch.arange(count), torch.arange(start, start + count)] = 1
+            out.append(module.cpu_linear(identity, weight, None))
+    return torch.cat(out).t()
+
+
 def _safetensors_index(directory: str) -> dict[str, str]:
     """Checkpoint tensor name -> its file (headers only)."""
     index = {}
@@ -248,9 +266,14 @@ class WeightUpdateExtension:
         return self._layer_of
 
     def weights_digest(self) -> dict:
-        """Hash of every parameter and buffer the model computes from (prepacked forms included), by name."""
+        """Hash of every parameter and buffer the model computes from (prepacked forms included, and the weights of
+        CPU linear layers read back from their kernels), by name."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+        for name, module in model.named_modules(remove_duplicate=False):
+            weight = packed_linear_weight(module)
+            if weight is not None:
+                state[f"{name}.weight"] = weight
         return {name: tensor_digest(t) for name, t in sorted(state.items())}
 
 
