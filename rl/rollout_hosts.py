@@ -425,8 +425,8 @@ class EngineHosts:
         """Start the whole engine again on the policy its hosts hold: its new URL and the weights it serves."""
         exited = self._exited
         if self.restarts == ENGINE_RESTARTS:
-            raise UserError(f"rollout engine {self.number} on {self.name}: its part {exited.where} exited after {ENGINE_RESTARTS} "
-                            "restarts of the engine; the run stops (see that log)")
+            raise UserError(f"rollout engine {self.number} on {self.name}: its part {exited.where} exited, and the engine was "
+                            f"restarted {ENGINE_RESTARTS} time(s) in this run already; the run stops (see that log)")
         self.restarts += 1
         stop_parts(self._parts)
         print(f"rollout engine {self.number} on {self.name}: restarting the whole engine ({self.restarts} of at most "
