@@ -148,7 +148,8 @@ class ServerPart:
     stopped: bool = False
 
     def running(self) -> bool:
-        return not self.session.exit_status_ready()
+        """False once the server exited, or its host's connection is gone (paramiko then closes the session)."""
+        return not self.session.exit_status_ready() and not self.session.closed
 
     @property
     def where(self) -> str:
@@ -166,7 +167,7 @@ def stop_parts(parts: list[ServerPart]) -> None:
             pass
     deadline = time.monotonic() + SERVER_STOP_SECONDS
     for part in parts:
-        while part.running() and time.monotonic() < deadline and part.session.get_transport().is_active():
+        while part.running() and time.monotonic() < deadline:
             time.sleep(0.2)
         part.session.close()
 
