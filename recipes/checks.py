@@ -403,6 +403,9 @@ def _spanning_problems(rollout: RolloutSection, devices: RolloutDevicesSection, 
     if len(rollout.hosts) % nodes:
         out.append(Problem("rollout.hosts", f"{len(rollout.hosts)} hosts do not split into engines of {nodes} hosts each "
                                             f"(tp x pp x dp = {p.devices} devices, {per_host} {unit} per host)"))
+    if "localhost" in rollout.hosts:
+        out.append(Problem("rollout.hosts", "an engine over several hosts runs on hosts reached over SSH, whose ranks meet the first at "
+                                            "its name in rollout.hosts; name this machine by an address the other hosts reach, not localhost"))
     if learner_devices:
         out.append(Problem("rollout.share_learner_devices", "an engine over whole hosts leaves no devices for the learner's ranks on "
                                                             "its hosts; keep training hosts out of rollout.hosts or set it to true"))

@@ -32,7 +32,7 @@ from rl.protocol import (
     StalenessRule,
     sync_section,
 )
-from rl.rollout_hosts import LocalHost, open_hosts, plan_fleet, refuse_engines_over_hosts
+from rl.rollout_hosts import LocalHost, open_hosts, plan_fleet
 from rl.rollout_worker import RolloutWorker
 from rollout.agent.harness import check_tokenizer_code
 from rollout.engines.vllm_engine import check_local_serving_format, with_resolved_dtype
@@ -160,8 +160,6 @@ def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bo
     # The learner ships its policies in the engines' dtype: decided here, once, and kept in the run's recipe.
     recipe = recipe.model_copy(update={"rollout": with_resolved_dtype(recipe.rollout)})
     learner_launch(recipe)[0].check_startable()
-    for placement in plan_fleet(recipe):
-        refuse_engines_over_hosts(placement, recipe.rollout)
     run = RunDir.of(recipe)
     files = RLRunFiles(run.root)
     if resume and run.recipe_path.is_file():

@@ -7,6 +7,11 @@ earlier version of the same tensors, else by a full reload. A remote host runs t
 vLLM servers bound to its loopback, reached through SSH port forwards, so their weight-update endpoints are never
 exposed on the network. What a remote host starts ends when the SSH connection does: a driver killed with -9
 leaves nothing running there.
+
+An engine larger than one host (rollout.parallelism) runs on consecutive remote hosts of rollout.hosts in vLLM's own
+multi-node modes (`EngineHosts`): every host of it pulls each policy into its own receiver, the first serves the
+engine's API, the others run its headless ranks, each part in an SSH session of its host; when one part exits the
+whole engine is restarted on the policy its hosts hold.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.placement import (
@@ -38,7 +44,9 @@ from rollout.engines import server_guard
 from rollout.engines.vllm_engine import (
     SERVER_START_SECONDS,
     Engine,
+    RankReports,
     ServerEngine,
+    ServerUnreachable,
     VllmServer,
     build_engines,
     engine_options,
@@ -46,12 +54,16 @@ from rollout.engines.vllm_engine import (
     server_args,
     wait_healthy,
 )
+from rollout.engines.worker_extension import read_rank_reports
 from runtime.run_dir import atomic_write_text
 from sync.receiver import pull, update_in_place
 from sync.store import Store
 
 SERVER_STOP_SECONDS = 30
-_FREE_PORT = "from runtime.processes import free_port; print(free_port())"  # run by the host's composer
+ENGINE_RESTARTS = 3
+"""Restarts of an engine over several hosts in one run (after a part of it exited) before the run stops."""
+_FREE_PORTS = "import sys; from runtime.processes import free_port; print(*(free_port() for _ in range(int(sys.argv[1]))))"
+"""Run by the host's composer: free ports there."""
 
 
 class _EngineVersions:
@@ -106,9 +118,12 @@ class LocalHost:
             update_in_place(store, self.files.receiver, store_version)
             self.engine_versions.move(engine, store, store_version, str((self.files.receiver / "current").resolve()))
 
+    def devices(self) -> HostDevices:
+        return local_devices()
+
     def placement(self) -> HostPlacement:
         """Which devices this host's engines (and learner ranks) get; refused before anything starts if they do not fit."""
-        return host_placement(self.name, local_devices(), self.recipe)
+        return host_placement(self.name, self.devices(), self.recipe)
 
     def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
         engines, self.servers = build_engines(self.recipe.rollout, weights, self.placement(), seed=seed,
@@ -119,6 +134,42 @@ class LocalHost:
     def close(self) -> None:
         for server in self.servers:
             server.stop()
+
+
+@dataclass
+class ServerPart:
+    """A vLLM server, or an engine's headless ranks, in an SSH session of its host: it runs until the session's input
+    ends (the driver stops it, or dies), and the session ends when it exits."""
+
+    host: RemoteHost
+    session: object
+    """Its paramiko channel."""
+    log: str
+    stopped: bool = False
+
+    def running(self) -> bool:
+        """False once the server exited, or its host's connection is gone (paramiko then closes the session)."""
+        return not self.session.exit_status_ready() and not self.session.closed
+
+    @property
+    def where(self) -> str:
+        return f"{self.host.ssh.where}:{self.log}"
+
+
+def stop_parts(parts: list[ServerPart]) -> None:
+    """End the parts' session input (their servers are killed), wait for them, close the sessions."""
+    parts = [part for part in parts if not part.stopped]
+    for part in parts:
+        part.stopped = True
+        try:
+            part.session.shutdown_write()
+        except Exception:  # the connection is gone: so is the session, and the server with it
+            pass
+    deadline = time.monotonic() + SERVER_STOP_SECONDS
+    for part in parts:
+        while part.running() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        part.session.close()
 
 
 class RemoteHost:
@@ -135,7 +186,8 @@ class RemoteHost:
         self.receiver = posixpath.join(self.dir, "receiver")
         self._pulled: tuple[str, str] | None = None
         """(store version, weights directory) of the newest pull."""
-        self._sessions: list = []
+        self._devices: HostDevices | None = None
+        self._parts: list[ServerPart] = []
         self._logs: list[str] = []
         """The vLLM servers' logs there, copied into the run's logs/ when the host closes."""
         self.engine_versions = _EngineVersions()
@@ -176,53 +228,85 @@ class RemoteHost:
             self._pulled = (store_version, self._run(f"readlink -f {shlex.quote(self.receiver + '/current')}").strip())
         return self._pulled[1]
 
+    def pull_in_place(self, store_version: str) -> str:
+        """Bring the host's receiver to `store_version` by patching its current version's files (its composer's
+        `sync pull --in-place`); the directory that holds it now."""
+        if self._pulled is None or self._pulled[0] != store_version:
+            sync = sync_section(self.recipe, self.files)
+            self._composer("sync", "pull", *_store_args(sync, self.recipe.cluster.ssh), "--to", self.receiver, "--version", store_version, "--in-place")
+            self._pulled = (store_version, self._run(f"readlink -f {shlex.quote(self.receiver + '/current')}").strip())
+        return self._pulled[1]
+
     def update(self, engine: Engine, store_version: str) -> None:
         """Bring one of this host's engines to `store_version`: the host's receiver is patched in place by its
         composer, the engine reloads what changed from it (call with `lock` held)."""
+        weights = self.pull_in_place(store_version)
         sync = sync_section(self.recipe, self.files)
-        if self._pulled is None or self._pulled[0] != store_version:
-            self._composer("sync", "pull", *_store_args(sync, self.recipe.cluster.ssh), "--to", self.receiver, "--version", store_version, "--in-place")
-            self._pulled = (store_version, self._run(f"readlink -f {shlex.quote(self.receiver + '/current')}").strip())
         with Store.open(sync.store, self.recipe.cluster.ssh, endpoint=sync.endpoint) as store:
-            self.engine_versions.move(engine, store, store_version, self._pulled[1])
+            self.engine_versions.move(engine, store, store_version, weights)
 
-    def placement(self) -> HostPlacement:
-        """As `LocalHost.placement`, with the devices the host reports (its own Python asked over SSH)."""
-        return host_placement(self.name, HostDevices.from_probe(self._run(shlex.join([self.python, "-c", PROBE]))), self.recipe)
+    def devices(self) -> HostDevices:
+        """What the host has, as its own Python reports it (asked once, over SSH)."""
+        if self._devices is None:
+            self._devices = HostDevices.from_probe(self._run(shlex.join([self.python, "-c", PROBE])))
+        return self._devices
+
+    def placement(self, *, node_rank: int = 0, engine_base: int = 0) -> HostPlacement:
+        """As `LocalHost.placement`, with the devices the host reports; `node_rank`: which host of an engine over
+        several hosts this is, of the fleet's engine `engine_base`."""
+        return host_placement(self.name, self.devices(), self.recipe, node_rank=node_rank, engine_base=engine_base)
+
+    def free_ports(self, count: int) -> list[int]:
+        return [int(port) for port in self._run(shlex.join([self.python, "-c", _FREE_PORTS, str(count)])).split()]
+
+    def has_tokenizer(self, weights: str) -> bool:
+        return self._run(f"test -f {shlex.quote(weights + '/tokenizer.json')} && echo yes || echo no").strip() == "yes"
+
+    def start_server(self, command: str, log_name: str) -> ServerPart:
+        """Run `command` (a server) in a new SSH session, its output appended to `log_name` in the host's directory."""
+        log = posixpath.join(self.dir, log_name)
+        # The server runs until this session's input closes (when the driver stops or dies), and the session ends
+        # when the server does: input is watched by a job of its own (fd 3: a job's stdin is /dev/null).
+        script = (f"cd {shlex.quote(self.dir)} && exec 3<&0 && {{ setsid {command} >> {shlex.quote(log)} 2>&1 3<&- & server=$!; "
+                  "{ cat <&3 > /dev/null; kill $server; } > /dev/null 2>&1 & wait $server; }")
+        session = self.ssh.conn.client.get_transport().open_session()
+        session.exec_command(script)
+        part = ServerPart(self, session, log)
+        self._parts.append(part)
+        if log not in self._logs:
+            self._logs.append(log)
+        return part
+
+    def rank_reports(self, ranks: int) -> RankReports:
+        """The reports this host's data-parallel engine's `ranks` ranks leave in its directory."""
+        return RankReports(posixpath.join(self.dir, "rank-reports"), lambda prefix: read_rank_reports(self.take_reports(prefix), ranks))
+
+    def take_reports(self, prefix: str) -> str:
+        """The rank reports under `prefix` here, removed."""
+        files = f"{shlex.quote(prefix)}.*.json"
+        return self._run(f"cat {files} 2>/dev/null; rm -f {files}")
 
     def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
         rollout = self.recipe.rollout
         placement = self.placement()
-        tokenizer = self._run(f"test -f {shlex.quote(weights + '/tokenizer.json')} && echo yes || echo no").strip() == "yes"
+        tokenizer = self.has_tokenizer(weights)
         starting = []
         for engine in placement.engines:
-            port = int(self._run(shlex.join([self.python, "-c", _FREE_PORT])))
+            [port] = self.free_ports(1)
             server = engine_command(rollout, placement, engine, python=self.python, weights=weights, seed=seed,
                                     routed_experts=routed_experts, tokenizer=tokenizer, port=port)
-            log = posixpath.join(self.dir, f"vllm-{engine.number}.log")
-            # The server runs until this session's stdin closes: when the driver stops or dies.
-            command = (f"cd {shlex.quote(self.dir)} && {{ setsid {server} "
-                       f"> {shlex.quote(log)} 2>&1 & server=$!; cat > /dev/null; kill $server; wait $server; }}")
-            session = self.ssh.conn.client.get_transport().open_session()
-            session.exec_command(command)
-            self._sessions.append(session)
-            self._logs.append(log)
-            starting.append((session, f"http://127.0.0.1:{self.ssh.forward(port)}", log))
-        for session, url, log in starting:
-            wait_healthy(url, lambda s=session: not s.exit_status_ready(), SERVER_START_SECONDS, f"{self.ssh.where}:{log}")
-        engines: list[Engine] = [ServerEngine(url, rollout, model=weights) for _, url, _ in starting]
+            part = self.start_server(server, f"vllm-{engine.number}.log")
+            starting.append((part, f"http://127.0.0.1:{self.ssh.forward(port)}"))
+        for part, url in starting:
+            wait_healthy(url, part.running, SERVER_START_SECONDS, part.where)
+        reports = self.rank_reports(rollout.parallelism.devices) if rollout.parallelism.dp > 1 else None
+        engines: list[Engine] = [ServerEngine(url, rollout, model=weights, reports=reports) for _, url in starting]
         self.engine_versions.started(engines, self._pulled[0])
         return engines
 
     def close(self) -> None:
-        """Stop the servers (end of their sessions' input) and wait for them, then hang up."""
-        for session in self._sessions:
-            session.shutdown_write()
-        deadline = time.monotonic() + SERVER_STOP_SECONDS
-        for session in self._sessions:
-            while not session.exit_status_ready() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            session.close()
+        """Stop the servers (end of their sessions' input) and wait for them, copy their logs here, then hang up."""
+        stop_parts(self._parts)
         for log in self._logs:
             local = self.files.root / "logs" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', self.name)}-{posixpath.basename(log)}"
             try:
@@ -230,6 +314,157 @@ class RemoteHost:
             except Exception as e:  # the host may be gone; its log stays there
                 print(f"rollout host {self.ssh.where}: could not copy {log}: {e}", file=sys.stderr)
         self.ssh.close()
+
+
+class EngineHosts:
+    """The hosts of one engine larger than a host, in vLLM's multi-node modes: the first serves the engine's API (on its
+    loopback, reached through an SSH port forward), the others run its headless ranks, which meet the first at its
+    name in rollout.hosts. Each host pulls every policy into its own receiver, one host after the other (hosts that
+    share rollout.remote_dir then pull once). Each part runs in an SSH session of its host and ends with it; when one
+    exits, the others are stopped at once (a request waiting on a rank that is gone fails instead of hanging) and the
+    whole engine is started again on the policy its hosts hold, at most ENGINE_RESTARTS times in a run."""
+
+    PART_EXIT_SECONDS = 5
+    """How long a request the engine failed waits to learn whether a part of it exited (the watcher polls)."""
+
+    def __init__(self, members: list[RemoteHost], number: int):
+        self.members = members
+        self.number = number
+        """The engine's number in the fleet (its seed offset, its logs' names)."""
+        self.name = "+".join(member.name for member in members)
+        self.recipe, self.files = members[0].recipe, members[0].files
+        self.lock = threading.Lock()
+        self.engine_versions = _EngineVersions()
+        self.restarts = 0
+        self._pulled: tuple[str, str] | None = None
+        """(store version, weights directory) every host holds."""
+        self._serving: tuple[int, bool] = (0, False)
+        """(seed, routed experts) the engine was started with, for its restarts."""
+        self._parts: list[ServerPart] = []
+        self._exited: ServerPart | None = None
+        self._closing = False
+
+    def _held(self, store_version: str, weights: list[str]) -> str:
+        if len(set(weights)) > 1:
+            raise UserError(f"rollout hosts {self.name} hold {store_version} at different paths ({', '.join(weights)}); the ranks of "
+                            "one engine load it from the same path on every host (rollout.remote_dir)")
+        self._pulled = (store_version, weights[0])
+        return weights[0]
+
+    def pull(self, store_version: str) -> str:
+        return self._held(store_version, [member.pull(store_version) for member in self.members])
+
+    def update(self, engine: Engine, store_version: str) -> None:
+        """Every host's receiver patched in place, then the engine reloads what changed, each rank from its host's copy."""
+        weights = self._held(store_version, [member.pull_in_place(store_version) for member in self.members])
+        sync = sync_section(self.recipe, self.files)
+        with Store.open(sync.store, self.recipe.cluster.ssh, endpoint=sync.endpoint) as store:
+            self.engine_versions.move(engine, store, store_version, weights)
+
+    def placements(self) -> list[HostPlacement]:
+        return [member.placement(node_rank=rank, engine_base=self.number) for rank, member in enumerate(self.members)]
+
+    def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
+        self._serving = (seed, routed_experts)
+        rollout = self.recipe.rollout
+        reports = RankReports(posixpath.join(self.members[0].dir, "rank-reports"), self._read_reports) if rollout.parallelism.dp > 1 else None
+        engine = MultiNodeServerEngine(self, self._start(weights), rollout, model=weights, reports=reports)
+        self.engine_versions.started([engine], self._pulled[0])
+        return [engine]
+
+    def _read_reports(self, prefix: str) -> list:
+        return read_rank_reports("".join(member.take_reports(prefix) for member in self.members), self.recipe.rollout.parallelism.devices)
+
+    def _start(self, weights: str) -> str:
+        """Start every part of the engine on `weights`; the URL of its API once it answers."""
+        rollout, head = self.recipe.rollout, self.members[0]
+        seed, routed_experts = self._serving
+        api_port, head_port = head.free_ports(2)
+        tokenizer = head.has_tokenizer(weights)
+        parts: list[ServerPart] = []
+        try:
+            for member, placement in zip(self.members, self.placements()):
+                [engine] = placement.engines
+                command = engine_command(rollout, placement, engine, python=member.python, weights=weights, seed=seed,
+                                         routed_experts=routed_experts, tokenizer=tokenizer, port=None if engine.node_rank else api_port,
+                                         head=head.name, head_port=head_port)
+                parts.append(member.start_server(command, f"vllm-{engine.number}-node{engine.node_rank}.log"))
+            url = f"http://127.0.0.1:{head.ssh.forward(api_port)}"
+            wait_healthy(url, lambda: all(part.running() for part in parts), SERVER_START_SECONDS, ", ".join(p.where for p in parts))
+        except UserError as e:
+            exited = [part.where for part in parts if not part.running()]
+            stop_parts(parts)
+            raise UserError(f"rollout engine {self.number} on {self.name}: " +
+                            (f"a part exited during start-up; see {', '.join(exited)}" if exited else str(e))) from None
+        except BaseException:
+            stop_parts(parts)
+            raise
+        self._parts, self._exited = parts, None
+        threading.Thread(target=self._watch, args=(parts,), daemon=True, name=f"engine-{self.number}-parts").start()
+        return url
+
+    def _watch(self, parts: list[ServerPart]) -> None:
+        while not self._closing:
+            exited = next((part for part in parts if not part.running()), None)
+            if exited is not None:
+                if not self._closing:
+                    print(f"rollout engine {self.number} on {self.name}: its part {exited.where} exited; stopping the others",
+                          file=sys.stderr)
+                    self._exited = exited
+                    stop_parts(parts)
+                return
+            time.sleep(0.5)
+
+    def exited_part(self) -> ServerPart | None:
+        """The part whose exit took the engine down, if one did (waiting a little for the watcher to see it)."""
+        deadline = time.monotonic() + self.PART_EXIT_SECONDS
+        while self._exited is None and not self._closing and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self._exited
+
+    def restart(self) -> tuple[str, str]:
+        """Start the whole engine again on the policy its hosts hold: its new URL and the weights it serves."""
+        exited = self._exited
+        if self.restarts == ENGINE_RESTARTS:
+            raise UserError(f"rollout engine {self.number} on {self.name}: its part {exited.where} exited, and the engine was "
+                            f"restarted {ENGINE_RESTARTS} time(s) in this run already; the run stops (see that log)")
+        self.restarts += 1
+        stop_parts(self._parts)
+        print(f"rollout engine {self.number} on {self.name}: restarting the whole engine ({self.restarts} of at most "
+              f"{ENGINE_RESTARTS}) on {self._pulled[0]}", file=sys.stderr)
+        return self._start(self._pulled[1]), self._pulled[1]
+
+    def close(self) -> None:
+        self._closing = True
+        stop_parts(self._parts)
+        for member in self.members:
+            member.close()
+
+
+class MultiNodeServerEngine(ServerEngine):
+    """The client of an engine over several hosts: a request the engine failed because a part of it exited is sent
+    again once the whole engine is back (`EngineHosts.restart`)."""
+
+    def __init__(self, hosts: EngineHosts, url: str, rollout: RolloutSection, model: str, reports: RankReports | None):
+        super().__init__(url, rollout, model, reports)
+        self._hosts = hosts
+        self._restart_lock = threading.Lock()
+        self._starts = 1
+
+    def _post(self, path: str, body: dict | None) -> dict:
+        while True:
+            starts = self._starts
+            try:
+                return super()._post(path, body)
+            except ServerUnreachable:
+                with self._restart_lock:
+                    if self._starts == starts:  # the first request to see it restarts the engine, the others wait for it
+                        if self._hosts.exited_part() is None:
+                            raise
+                        self.url, self.model = self._hosts.restart()
+                        self._starts += 1
+            if body is not None and "model" in body:
+                body = {**body, "model": self.model}  # the name the restarted server serves
 
 
 def engine_command(rollout: RolloutSection, placement: HostPlacement, engine: EnginePlacement, *, python: str, weights: str,
@@ -270,19 +505,10 @@ def rollout_plan(recipe: Recipe) -> list[tuple[str, HostPlacement | None, list[s
     return plan
 
 
-def host_placement(name: str, found: HostDevices, recipe: Recipe) -> HostPlacement:
+def host_placement(name: str, found: HostDevices, recipe: Recipe, *, node_rank: int = 0, engine_base: int = 0) -> HostPlacement:
     """The placement on rollout host `name`, which has `found` (checked against rollout.devices when the recipe declares
-    them); engines over several hosts are refused."""
-    return refuse_engines_over_hosts(place_host(name, planned_devices(recipe.rollout, name, found), recipe), recipe.rollout)
-
-
-def refuse_engines_over_hosts(placement: HostPlacement | None, rollout: RolloutSection) -> HostPlacement | None:
-    """Engines larger than a host are planned (--dry-run prints their vLLM multi-node commands) but not started."""
-    if placement is not None and placement.engines and placement.engines[0].nodes > 1:
-        raise UserError(f"rollout.parallelism: an engine of {rollout.parallelism.devices} devices spans {placement.engines[0].nodes} "
-                        "rollout hosts; composer plans it in vLLM's multi-node modes (`composer train rl --dry-run` prints the "
-                        "commands) but does not start it yet; use engines that fit one host")
-    return placement
+    them); `node_rank`, `engine_base`: as `place_host`'s."""
+    return place_host(name, planned_devices(recipe.rollout, name, found), recipe, node_rank=node_rank, engine_base=engine_base)
 
 
 def _store_args(sync: SyncSection, ssh: SSHSection) -> list[str]:
@@ -292,14 +518,28 @@ def _store_args(sync: SyncSection, ssh: SSHSection) -> list[str]:
             *(["--ssh-key", ssh.key_file] if ssh.key_file else []), *(["--known-hosts", ssh.known_hosts] if ssh.known_hosts else [])]
 
 
-def open_hosts(recipe: Recipe, files: RLRunFiles) -> list[LocalHost | RemoteHost]:
-    """The recipe's rollout hosts, connected (remote ones over SSH); closed again if one cannot be reached."""
+def open_hosts(recipe: Recipe, files: RLRunFiles) -> list[LocalHost | RemoteHost | EngineHosts]:
+    """The recipe's rollout hosts, connected (remote ones over SSH), those of an engine larger than a host together;
+    closed again if one cannot be reached or its engines do not fit."""
     hosts: list[LocalHost | RemoteHost] = []
     try:
         for name in recipe.rollout.hosts:
             hosts.append(LocalHost(recipe, files) if name == "localhost" else RemoteHost(name, recipe, files))
+        return engine_hosts(hosts)
     except BaseException:
         for host in hosts:
             host.close()
         raise
-    return hosts
+
+
+def engine_hosts(hosts: list[LocalHost | RemoteHost]) -> list[LocalHost | RemoteHost | EngineHosts]:
+    """Each host on its own, or, where an engine is larger than a host, consecutive hosts together (`EngineHosts`);
+    each host's placement is checked on the devices it has."""
+    spans = [host.placement().engines[0].nodes for host in hosts]
+    if max(spans) == 1:
+        return hosts
+    if len(set(spans)) > 1:
+        found = ", ".join(f"{host.name}: {len(host.devices().ids)} {host.devices().unit}s" for host in hosts)
+        raise UserError(f"rollout.hosts: an engine over several hosts needs hosts alike, but they have different devices ({found})")
+    span = spans[0]  # recipes.checks: they split into whole engines, none of them localhost
+    return [EngineHosts(hosts[i:i + span], number=i // span) for i in range(0, len(hosts), span)]

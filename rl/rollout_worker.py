@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from recipes.schema import EnvSection, RLEvalSection, RolloutSection, SSHSection
 from rl.evaluation import Evaluator
 from rl.protocol import POLL_SECONDS, RLRunFiles, RolloutQueue, group_id
-from rl.rollout_hosts import LocalHost, RemoteHost
+from rl.rollout_hosts import EngineHosts, LocalHost, RemoteHost
 from rl.trajectories import episode_stats
 from rollout.agent.environment import CodingEnvironment
 from rollout.agent.harness import Tokenizer
@@ -32,7 +32,7 @@ class EngineSlot:
     """One inference engine, the host it runs on, its agent loop, and the policy version its weights hold."""
 
     number: int
-    host: LocalHost | RemoteHost
+    host: LocalHost | RemoteHost | EngineHosts
     engine: Engine
     runner: EpisodeRunner
     version: int
@@ -42,7 +42,7 @@ class RolloutWorker:
     """The driver's engines on every rollout host, making groups of `group_size` episodes into `queue`."""
 
     def __init__(self, rollout: RolloutSection, env: EnvSection, group_size: int, seed: int, routed_experts: bool,
-                 hosts: list[LocalHost | RemoteHost], tokenizer_dir: str, queue: RolloutQueue, files: RLRunFiles,
+                 hosts: list[LocalHost | RemoteHost | EngineHosts], tokenizer_dir: str, queue: RolloutQueue, files: RLRunFiles,
                  on_group: Callable[[str, dict], None] = lambda gid, stats: None,
                  evaluation: RLEvalSection | None = None, steps: int = 0,
                  on_eval: Callable[[int, dict], None] = lambda version, record: None, ssh: SSHSection | None = None,
@@ -60,7 +60,7 @@ class RolloutWorker:
         self.metrics = MetricsWriter(files.root / "rollout_metrics.jsonl")
         self._metrics_lock = threading.Lock()
 
-    def _start_engines(self, hosts: list[LocalHost | RemoteHost], tokenizer_dir: str, routed_experts: bool) -> list[EngineSlot]:
+    def _start_engines(self, hosts: list[LocalHost | RemoteHost | EngineHosts], tokenizer_dir: str, routed_experts: bool) -> list[EngineSlot]:
         policy = self.files.policy()
         slots = []
         for host in hosts:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
 import os
+import posixpath
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +27,7 @@ from cluster.placement import EnginePlacement, HostPlacement, local_devices, pla
 from recipes.errors import UserError
 from recipes.schema import EngineParallelismSection, RolloutSection
 from rollout.engines import server_guard, vllm_serve
-from rollout.engines.worker_extension import WORKER_EXTENSION, fix_cpu_rotary_strides
+from rollout.engines.worker_extension import WORKER_EXTENSION, fix_cpu_rotary_strides, read_rank_reports
 from runtime.processes import free_port
 
 
@@ -333,6 +336,9 @@ class VllmServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **placement.env()}
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
+        p = rollout.parallelism
+        self.reports = local_rank_reports(log_path.parent / "rank-reports", p.devices) if p.dp > 1 else None
+        """Where its ranks report when it has replicas (a client passes them to `ServerEngine`)."""
         with log_path.open("ab") as log:
             # A session of its own, whose guard ends it all when this process ends, kill -9 included.
             self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -362,13 +368,42 @@ class VllmServer:
         self.stop()
 
 
+class ServerUnreachable(UserError):
+    """A server that does not answer (gone, or not yet listening)."""
+
+
+@dataclass(frozen=True)
+class RankReports:
+    """Where the ranks of a data-parallel server engine leave their collective_rpc results (vLLM's data-parallel client
+    returns the first replica's only; worker_extension.WeightUpdateExtension)."""
+
+    directory: str
+    """A directory at this path on every host of the engine."""
+    read: Callable[[str], list]
+    """Collects (and removes) the reports left under a prefix, every rank's (`read_rank_reports`)."""
+
+
+def local_rank_reports(directory: Path, ranks: int) -> RankReports:
+    """The reports the `ranks` ranks of a data-parallel engine on this host leave in `directory`."""
+
+    def read(prefix: str) -> list:
+        files = sorted(Path(prefix).parent.glob(f"{Path(prefix).name}.*.json"))
+        text = "".join(file.read_text() for file in files)
+        for file in files:
+            file.unlink()
+        return read_rank_reports(text, ranks)
+
+    return RankReports(str(directory), read)
+
+
 class ServerEngine(Engine):
     """Client of one OpenAI-compatible vLLM server: the same interface as `EmbeddedEngine`."""
 
-    def __init__(self, url: str, rollout: RolloutSection, model: str):
+    def __init__(self, url: str, rollout: RolloutSection, model: str, reports: RankReports | None = None):
         self.url = url.rstrip("/")
         self.model = model
         self._sampling = rollout.sampling
+        self._reports = reports
 
     def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None,
                  temperature: float | None = None) -> list[list[Completion]]:
@@ -393,15 +428,22 @@ class ServerEngine(Engine):
         self._post("/reset_prefix_cache", None)
 
     def update_weights(self, weights_dir: str | Path, changed: list[str], pieces: dict[str, list]) -> dict:
-        """As `EmbeddedEngine.update_weights`; `weights_dir` is a path on the server's host."""
-        body = {"method": "apply_weight_update", "args": [_update_request(weights_dir, changed, pieces)]}
-        results = self._post("/collective_rpc", body)["results"]
+        """As `EmbeddedEngine.update_weights`; `weights_dir` is a path on the server's hosts."""
+        results = self._rank_results("apply_weight_update", _update_request(weights_dir, changed, pieces))
         self._post("/reset_prefix_cache", None)
         return _engine_update(results)
 
     def weights_digest(self) -> list[dict[str, str]]:
-        """As `EmbeddedEngine.weights_digest` (with data parallelism: the first replica's ranks)."""
-        return self._post("/collective_rpc", {"method": "weights_digest"})["results"]
+        """As `EmbeddedEngine.weights_digest` (with data parallelism: every replica's ranks, replica by replica)."""
+        return self._rank_results("weights_digest")
+
+    def _rank_results(self, method: str, *args: str) -> list:
+        """`method` of the worker extension on every rank; their results (from their reports when there are replicas)."""
+        if self._reports is None:
+            return self._post("/collective_rpc", {"method": method, "args": list(args)})["results"]
+        prefix = posixpath.join(self._reports.directory, uuid.uuid4().hex)
+        self._post("/collective_rpc", {"method": method, "args": [*args, prefix]})
+        return self._reports.read(prefix)
 
     def _post(self, path: str, body: dict | None) -> dict:
         data = json.dumps(body).encode() if body is not None else b""
@@ -412,7 +454,9 @@ class ServerEngine(Engine):
         except urllib.error.HTTPError as e:
             raise UserError(f"vLLM server {self.url}{path}: HTTP {e.code}: {e.read()[:500].decode(errors='replace')}") from None
         except urllib.error.URLError as e:
-            raise UserError(f"vLLM server {self.url} unreachable: {e.reason}") from None
+            raise ServerUnreachable(f"vLLM server {self.url} unreachable: {e.reason}") from None
+        except (ConnectionError, http.client.HTTPException) as e:  # the server went away while answering
+            raise ServerUnreachable(f"vLLM server {self.url} unreachable: {type(e).__name__}: {e}") from None
         return json.loads(payload) if payload else {}
 
 
@@ -457,4 +501,4 @@ def build_engines(rollout: RolloutSection, weights: str, placement: HostPlacemen
         for server in servers:
             server.stop()
         raise
-    return [ServerEngine(server.url, rollout, model=weights) for server in servers], servers
+    return [ServerEngine(server.url, rollout, model=weights, reports=server.reports) for server in servers], servers

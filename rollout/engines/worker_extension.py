@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -141,6 +142,24 @@ def tensor_digest(tensor: torch.Tensor, start: int = 0, stop: int | None = None)
     return xxhash.xxh3_128_hexdigest(flat.view(torch.uint8).numpy() if flat.numel() else b"")
 
 
+def packed_linear_weight(module: torch.nn.Module, rows: int = 256) -> torch.Tensor | None:
+    """The weight a linear layer on CPU computes with, `[out, in]` as loaded, or None for other modules. vLLM packs
+    it for its CPU kernel and leaves an empty parameter; it is read back through the kernel: identity rows in,
+    each output one weight, exact in any dtype and for any thread count (one product by 1, the rest by 0)."""
+    weight = getattr(module, "weight", None)
+    if not hasattr(module, "cpu_linear") or not isinstance(weight, torch.Tensor) or weight.numel():
+        return None
+    columns = getattr(module, "input_size_per_partition", None) or module.input_size
+    out = []
+    with torch.no_grad():
+        for start in range(0, columns, rows):
+            count = min(rows, columns - start)
+            identity = torch.zeros(count, columns, dtype=module.params_dtype)
+            identity[torch.arange(count), torch.arange(start, start + count)] = 1
+            out.append(module.cpu_linear(identity, weight, None))
+    return torch.cat(out).t()
+
+
 def _safetensors_index(directory: str) -> dict[str, str]:
     """Checkpoint tensor name -> its file (headers only)."""
     index = {}
@@ -150,8 +169,32 @@ def _safetensors_index(directory: str) -> dict[str, str]:
     return index
 
 
+def read_rank_reports(text: str, ranks: int) -> list:
+    """The results the `ranks` ranks of an engine left (`WeightUpdateExtension._leave_report`; `text`: their report
+    files' lines, from every host of the engine), in replica and rank order; an error if one is missing."""
+    reports = sorted((json.loads(line) for line in text.splitlines() if line.strip()), key=lambda r: (r["replica"], r["rank"]))
+    if len(reports) != ranks:
+        found = [(r["replica"], r["rank"]) for r in reports]
+        raise RuntimeError(f"{len(reports)} of the engine's {ranks} ranks reported (replica, rank: {found})")
+    return [r["result"] for r in reports]
+
+
 class WeightUpdateExtension:
-    """Mixed into vLLM's worker: load new policy weights in place, whole or only the layers that changed."""
+    """Mixed into vLLM's worker: load new policy weights in place, whole or only the layers that changed.
+
+    A data-parallel engine's collective_rpc runs on every rank of every replica but returns the first replica's
+    results only (vLLM's data-parallel client keeps one): given a `report` path, each rank also leaves its result
+    in a file of its own on its host, from which the engine's hosts collect them all (`read_rank_reports`)."""
+
+    def _leave_report(self, report: str, result):
+        if report:
+            replica, rank = self.vllm_config.parallel_config.data_parallel_index, self.rank  # type: ignore[attr-defined]
+            path = Path(f"{report}.replica{replica}.rank{rank}.json")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".tmp-{path.name}")
+            tmp.write_text(json.dumps({"replica": replica, "rank": rank, "result": result}) + "\n")
+            os.replace(tmp, path)
+        return result
 
     def load_weights_from_dir(self, directory: str) -> int:
         return self._load(iter_safetensors(directory))
@@ -164,7 +207,7 @@ class WeightUpdateExtension:
         runner.reload_weights(weights_iterator=weights)
         return refresh_prepacked_weights(runner.get_model())
 
-    def apply_weight_update(self, request: str) -> dict:
+    def apply_weight_update(self, request: str, report: str = "") -> dict:
         """Reload the layers fed by the changed checkpoint tensors of `request` (JSON: `directory`, `changed`
         names, `pieces`: name -> [[stop, hash], ...] as the version's manifest records them). Every tensor read
         is checked against its piece hashes before anything is loaded, so a damaged or stale directory is
@@ -205,8 +248,8 @@ class WeightUpdateExtension:
             runner.reload_weights(weights_iterator=iter(tensors))
         refreshed = refresh_prepacked_weights(runner.get_model(), layers)
         seconds = {"read": read_at - started, "verify": verified_at - read_at, "reload": time.perf_counter() - verified_at}
-        return {"tensors": names, "layers": len(layers), "refreshed": refreshed, "digest": applied.hexdigest(),
-                "bytes": sum(t.numel() * t.element_size() for _, t in tensors), "seconds": seconds}
+        return self._leave_report(report, {"tensors": names, "layers": len(layers), "refreshed": refreshed, "digest": applied.hexdigest(),
+                                           "bytes": sum(t.numel() * t.element_size() for _, t in tensors), "seconds": seconds})
 
     def _layer_of_checkpoint_tensors(self, index: dict[str, str]) -> dict[str, str]:
         """Checkpoint tensor name -> name of the model module whose parameter its weight loader fills, found
@@ -247,11 +290,16 @@ class WeightUpdateExtension:
         self._layer_of = {name: layer for name, layer in found.items() if layer}
         return self._layer_of
 
-    def weights_digest(self) -> dict:
-        """Hash of every parameter and buffer the model computes from (prepacked forms included), by name."""
+    def weights_digest(self, report: str = "") -> dict:
+        """Hash of every parameter and buffer the model computes from (prepacked forms included, and the weights of
+        CPU linear layers read back from their kernels), by name."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-        return {name: tensor_digest(t) for name, t in sorted(state.items())}
+        for name, module in model.named_modules(remove_duplicate=False):
+            weight = packed_linear_weight(module)
+            if weight is not None:
+                state[f"{name}.weight"] = weight
+        return self._leave_report(report, {name: tensor_digest(t) for name, t in sorted(state.items())})
 
 
 WORKER_EXTENSION = f"{__spec__.name}.{WeightUpdateExtension.__qualname__}"
