@@ -70,14 +70,7 @@ def read_text(root: Path, path: str, max_bytes: int = MAX_FILE_BYTES) -> str:
     parts = workspace_relative(path)
     if not parts:
         raise PathRefused(f"{path}: a directory, not a file")
-    parent = _open_parent(root, parts, create=False)
-    try:
-        try:
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent)
-        except OSError as e:
-            raise _refusal(parts, parts[-1], e) from None
-    finally:
-        os.close(parent)
+    fd = _open_last(root, parts, os.O_RDONLY, create=False)
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(f.fileno())
         if stat.S_ISDIR(info.st_mode):
@@ -95,6 +88,18 @@ def read_text(root: Path, path: str, max_bytes: int = MAX_FILE_BYTES) -> str:
         raise PathRefused(f"{path}: not UTF-8 text") from None
 
 
+def _open_last(root: Path, parts: list[str], flags: int, *, create: bool) -> int:
+    """The descriptor of the last part of `parts` below `root`, opened with `flags` without following a symlink
+    (nor blocking on a FIFO); its parents opened the same way (`create`: made when missing)."""
+    parent = _open_parent(root, parts, create=create)
+    try:
+        return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=parent)
+    except OSError as e:
+        raise _refusal(parts, parts[-1], e) from None
+    finally:
+        os.close(parent)
+
+
 def write_text(root: Path, path: str, text: str) -> None:
     """Create or replace the regular file `path` inside `root` (parents made; no symlink followed, no hard link
     to a file elsewhere written through)."""
@@ -104,14 +109,7 @@ def write_text(root: Path, path: str, text: str) -> None:
     data = text.encode()
     if len(data) > MAX_FILE_BYTES:
         raise PathRefused(f"{path}: {len(data)} bytes, more than the file tools' {MAX_FILE_BYTES}")
-    parent = _open_parent(root, parts, create=True)
-    try:
-        try:
-            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=parent)
-        except OSError as e:
-            raise _refusal(parts, parts[-1], e) from None
-    finally:
-        os.close(parent)
+    fd = _open_last(root, parts, os.O_WRONLY | os.O_CREAT, create=True)
     with os.fdopen(fd, "wb") as f:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
