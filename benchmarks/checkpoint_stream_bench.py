@@ -48,7 +48,7 @@ def config(layers: int) -> dict:
 
 def shapes(m) -> dict[str, tuple[int, ...]]:
     """Every HF tensor of the architecture with its shape."""
-    from trainer.weights import expected_hf_names
+    from composer.trainer.weights import expected_hf_names
 
     h, heads = m.hidden_size, m.num_attention_heads
     by_suffix = {
@@ -76,7 +76,7 @@ def synthesize(out: Path, gib: float, shard_mb: int) -> tuple[int, int]:
     """The checkpoint, written shard by shard; returns (bytes, shards)."""
     from safetensors.torch import save_file
 
-    from trainer.hf_config import model_section_from_hf
+    from composer.trainer.hf_config import model_section_from_hf
 
     per_layer = EXPERTS * 3 * HIDDEN * MOE_FFN
     layers = math.ceil(gib * 2**30 / per_layer) + 1
@@ -127,11 +127,11 @@ def _reset_peak() -> None:
 
 
 def worker(checkpoint: Path, out: Path, ep: int, shard_mb: int, results: Path) -> None:
-    from recipes.schema import ParallelismSection
-    from trainer.distributed import init_distributed, shutdown_distributed
-    from trainer.hf_config import model_section_from_hf
-    from trainer.model import build_model
-    from trainer.weights import export_hf, load_hf_into
+    from composer.recipes.schema import ParallelismSection
+    from composer.trainer.distributed import init_distributed, shutdown_distributed
+    from composer.trainer.hf_config import model_section_from_hf
+    from composer.trainer.model import build_model
+    from composer.trainer.weights import export_hf, load_hf_into
 
     torch.set_num_threads(1)
     p = ParallelismSection(ep=ep)
@@ -159,7 +159,7 @@ def compare(a: Path, b: Path) -> int:
     """Tensors of b that differ from a's (bit patterns), read one at a time."""
     from safetensors import safe_open
 
-    from trainer.weights import hf_weight_files
+    from composer.trainer.weights import hf_weight_files
 
     fa, fb = hf_weight_files(a), hf_weight_files(b)
     if set(fa) != set(fb):
@@ -174,7 +174,7 @@ def compare(a: Path, b: Path) -> int:
 
 def run_ranks(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     """This script's worker as `nproc` gloo ranks under torchrun, output captured."""
-    from cluster.launch import torchrun_argv
+    from composer.cluster.launch import torchrun_argv
 
     return subprocess.run(torchrun_argv(sys.executable, nproc, "benchmarks.checkpoint_stream_bench", args), cwd=REPO,
                           env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)

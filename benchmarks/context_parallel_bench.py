@@ -36,11 +36,11 @@ def worker(cp: int, seq: int, steps: int, recipe_path: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from recipes.loader import load_recipe
-    from runtime.processes import reset_peak_resident, resident_bytes
-    from trainer.core import TrainerCore
-    from trainer.distributed import init_distributed, shutdown_distributed
-    from trainer.midtrain import BatchPlacement, train_step
+    from composer.recipes.loader import load_recipe
+    from composer.runtime.processes import reset_peak_resident, resident_bytes
+    from composer.trainer.core import TrainerCore
+    from composer.trainer.distributed import init_distributed, shutdown_distributed
+    from composer.trainer.midtrain import BatchPlacement, train_step
 
     torch.set_num_threads(1)
     recipe = load_recipe(Path(recipe_path), layout_overrides(cp, seq))
@@ -99,8 +99,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence (the longest cp1 holds here)")
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    from cluster.plan import make_plan
-    from recipes.loader import load_recipe
+    from composer.cluster.plan import make_plan
+    from composer.recipes.loader import load_recipe
 
     results = {cp: run_layout(cp, args.seq, args.steps, args.recipe) for cp in (1, 2)}
     for cp, r in results.items():

@@ -26,9 +26,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
-from data.inputs import plan_units  # noqa: E402
-from data.prepare import prepare_data  # noqa: E402
-from recipes.schema import DataSection  # noqa: E402
+from composer.data.inputs import plan_units  # noqa: E402
+from composer.data.prepare import prepare_data  # noqa: E402
+from composer.recipes.schema import DataSection  # noqa: E402
 
 EOS = "<|endoftext|>"
 SPECIAL = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|repo_name|>", "<|file_sep|>"]

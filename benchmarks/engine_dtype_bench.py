@@ -26,8 +26,8 @@ sys.path.insert(0, str(REPO))
 
 def measure(checkpoint: str, dtype: str, prompts: int, tokens: int, rounds: int) -> None:
     """In this process: the best round's generated tokens/s, printed as JSON."""
-    from recipes.schema import RolloutSection, SamplingSection
-    from rollout.engines.vllm_engine import EmbeddedEngine
+    from composer.recipes.schema import RolloutSection, SamplingSection
+    from composer.rollout.engines.vllm_engine import EmbeddedEngine
 
     rollout = RolloutSection(dtype=dtype, max_context=512, kv_cache_gib=0.25, sampling=SamplingSection(max_tokens=tokens))
     engine = EmbeddedEngine(checkpoint, rollout, seed=0, routed_experts=False)

@@ -27,23 +27,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import yaml  # noqa: E402
 
-from recipes.errors import UserError  # noqa: E402
-from recipes.schema import EngineParallelismSection, ModelSection, RolloutSection, SamplingSection  # noqa: E402
+from composer.recipes.errors import UserError  # noqa: E402
+from composer.recipes.schema import EngineParallelismSection, ModelSection, RolloutSection, SamplingSection  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {"tp1": EngineParallelismSection(), "tp2": EngineParallelismSection(tp=2), "dp2": EngineParallelismSection(dp=2)}
 
 
 def smoke_checkpoint(work: Path) -> tuple[Path, ModelSection]:
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     m = ModelSection(**yaml.safe_load((REPO / "recipes/base/tiny-moe.yaml").read_text())["model"])
     return init_hf_checkpoint(m, work / "smoke", tokenizer_bytes=2**18), m
 
 
 def smollm2_checkpoint(work: Path) -> tuple[Path, ModelSection]:
-    from trainer.checkpoint_init import import_smollm2
-    from trainer.hf_config import model_section_from_hf
+    from composer.trainer.checkpoint_init import import_smollm2
+    from composer.trainer.hf_config import model_section_from_hf
 
     out = import_smollm2(work / "smollm2", "float32")
     return out, model_section_from_hf(out)
@@ -51,8 +51,8 @@ def smollm2_checkpoint(work: Path) -> tuple[Path, ModelSection]:
 
 def refusal(m: ModelSection, rollout: RolloutSection) -> str | None:
     """Why this engine cannot be made here (the recipe checks' own words), or None."""
-    from cluster.placement import local_devices
-    from recipes.checks import engine_fit_problems, engine_split_problems
+    from composer.cluster.placement import local_devices
+    from composer.recipes.checks import engine_fit_problems, engine_split_problems
 
     devices = local_devices()
     problems = engine_split_problems(m, rollout) + engine_fit_problems(m, rollout, devices.section(), learner_devices=0,
@@ -78,7 +78,7 @@ def next_version(src: Path, dst: Path) -> Path:
 
 def measure(checkpoint: Path, rollout: RolloutSection, prompts: list[list[int]], tokens: int, work: Path,
             update: tuple[Path, list[str], dict]) -> dict:
-    from rollout.engines.vllm_engine import ServerEngine, VllmServer
+    from composer.rollout.engines.vllm_engine import ServerEngine, VllmServer
 
     server = VllmServer(checkpoint, rollout, seed=0, routed_experts=False, log_path=work / "vllm.log")
     try:
@@ -108,10 +108,10 @@ def main() -> None:
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True, text=True).stdout.strip()
     print(f"{os.cpu_count()} cores ({cpu}), load {os.getloadavg()[0]:.1f}; {args.prompts} prompts x {args.tokens} tokens, "
           "temperature 1, seeded; fp32\n")
-    from recipes.schema import SyncSection
-    from sync.pusher import push_version
-    from sync.receiver import pull
-    from sync.store import Store
+    from composer.recipes.schema import SyncSection
+    from composer.sync.pusher import push_version
+    from composer.sync.receiver import pull
+    from composer.sync.store import Store
 
     with tempfile.TemporaryDirectory(prefix="engine-parallel-bench-", dir=args.workdir) as tmp:
         work = Path(tmp)

@@ -39,13 +39,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recipes.errors import UserError  # noqa: E402
-from recipes.schema import KernelsSection, ModelSection, OptimSection, ParallelismSection  # noqa: E402
-from recipes.sizes import parameter_counts  # noqa: E402
-from trainer.distributed import init_distributed, shutdown_distributed  # noqa: E402
-from trainer.logprobs import token_logprobs  # noqa: E402
-from trainer.model import build_model  # noqa: E402
-from trainer.optimizer import TrainOptimizer, wrap_data_parallel  # noqa: E402
+from composer.recipes.errors import UserError  # noqa: E402
+from composer.recipes.schema import KernelsSection, ModelSection, OptimSection, ParallelismSection  # noqa: E402
+from composer.recipes.sizes import parameter_counts  # noqa: E402
+from composer.trainer.distributed import init_distributed, shutdown_distributed  # noqa: E402
+from composer.trainer.logprobs import token_logprobs  # noqa: E402
+from composer.trainer.model import build_model  # noqa: E402
+from composer.trainer.optimizer import TrainOptimizer, wrap_data_parallel  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -181,9 +181,9 @@ def parity(m: ModelSection, seq: int, steps: int = 20) -> bool:
 def sync_encode(size_gb: float, changed: float = 0.05) -> bool:
     """GB/s of the device encoder on a bf16 model in device memory vs the host encoder on the same pieces."""
     from benchmarks.sync_bench import threading_local_compressors
-    from sync.codec import encode_piece
-    from sync.device import DeviceDeltaEncoder
-    from sync.pool import num_threads, ordered_map
+    from composer.sync.codec import encode_piece
+    from composer.sync.device import DeviceDeltaEncoder
+    from composer.sync.pool import num_threads, ordered_map
 
     piece = 16 << 20  # bf16 elements per piece (32 MiB)
     numel = int(size_gb * 1e9 / 2)

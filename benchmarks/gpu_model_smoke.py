@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from recipes.schema import ModelSection, ParallelismSection
-from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.model import build_model, causal_mask, forward_logits, hf_config_from_model_section
-from trainer.weights import load_hf_into
+from composer.recipes.schema import ModelSection, ParallelismSection
+from composer.trainer.checkpoint_init import init_hf_checkpoint
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.model import build_model, causal_mask, forward_logits, hf_config_from_model_section
+from composer.trainer.weights import load_hf_into
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -28,7 +28,7 @@ from tests import netns_hosts  # noqa: E402  (the namespaced hosts of the tests)
 
 def composer(*args: str) -> float:
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "composer.cli", *args], cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     if result.returncode != 0:
         raise SystemExit(f"composer {' '.join(args[:3])} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
@@ -78,10 +78,10 @@ def main() -> None:
 
 def empty_job(work: Path, sets: list[str]) -> float:
     """The launcher alone: start ranks of a module that does nothing (`-m site`) on the variant's hosts, wait."""
-    from cluster.launch import run_to_end
-    from cluster.launchers import build_launcher
-    from recipes.loader import load_recipe
-    from runtime.run_dir import RunDir
+    from composer.cluster.launch import run_to_end
+    from composer.cluster.launchers import build_launcher
+    from composer.recipes.loader import load_recipe
+    from composer.runtime.run_dir import RunDir
 
     recipe = load_recipe(REPO / "recipes" / "smoke-midtrain.yaml", sets)
     run = RunDir(work / "empty" / str(time.monotonic_ns()))

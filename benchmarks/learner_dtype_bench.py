@@ -17,15 +17,15 @@ from pathlib import Path
 
 import torch
 
-from recipes.loader import load_recipe
-from recipes.schema import KernelsSection, ParallelismSection
-from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.hf_config import model_section_from_hf
-from trainer.logprobs import pad_micro_batch, token_logprobs
-from trainer.model import build_model
-from trainer.router_replay import replay_for_micro_batch, routing
-from trainer.weights import export_hf, load_hf_into
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import KernelsSection, ParallelismSection
+from composer.trainer.checkpoint_init import init_hf_checkpoint
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.logprobs import pad_micro_batch, token_logprobs
+from composer.trainer.model import build_model
+from composer.trainer.router_replay import replay_for_micro_batch, routing
+from composer.trainer.weights import export_hf, load_hf_into
 
 REPO = Path(__file__).resolve().parent.parent
 

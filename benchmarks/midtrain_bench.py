@@ -35,13 +35,13 @@ def bare_loop(run_dir: Path, steps: int) -> None:
     import torch.distributed as dist
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from recipes.loader import load_recipe
-    from runtime.run_dir import RunDir
-    from trainer.distributed import init_distributed
-    from trainer.midtrain import prepare_batches
-    from trainer.model import build_model, causal_mask
-    from trainer.optimizer import TrainOptimizer, wrap_data_parallel
-    from trainer.weights import load_hf_into
+    from composer.recipes.loader import load_recipe
+    from composer.runtime.run_dir import RunDir
+    from composer.trainer.distributed import init_distributed
+    from composer.trainer.midtrain import prepare_batches
+    from composer.trainer.model import build_model, causal_mask
+    from composer.trainer.optimizer import TrainOptimizer, wrap_data_parallel
+    from composer.trainer.weights import load_hf_into
 
     run = RunDir(run_dir)
     recipe = load_recipe(run.recipe_path)
@@ -147,11 +147,11 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace, work: Path) -> None:
-    from runtime.processes import free_port
-    from runtime.run_dir import read_metrics
+    from composer.runtime.processes import free_port
+    from composer.runtime.run_dir import read_metrics
 
     python = sys.executable
-    subprocess.run([python, "-m", "cli", "model", "init", str(work / "init")], cwd=REPO, check=True, capture_output=True)
+    subprocess.run([python, "-m", "composer.cli", "model", "init", str(work / "init")], cwd=REPO, check=True, capture_output=True)
     recipe = str(REPO / "recipes" / "smoke-midtrain.yaml")
     common = [f"model.checkpoint={work / 'init'}", f"data.cache_dir={work / 'cache'}", f"run.dir={work / 'runs'}",
               f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}"]
@@ -159,7 +159,7 @@ def measure(args: argparse.Namespace, work: Path) -> None:
     tokens_per_step = None
     for repeat in range(args.repeats):
         name = f"bench-{repeat}"
-        cmd = [python, "-m", "cli", "train", "midtrain", recipe, *[a for s in [*common, f"run.name={name}"] for a in ("--set", s)]]
+        cmd = [python, "-m", "composer.cli", "train", "midtrain", recipe, *[a for s in [*common, f"run.name={name}"] for a in ("--set", s)]]
         _, rss, wall = run_watched(cmd)
         rows = [r for r in read_metrics(work / "runs" / name / "metrics.jsonl") if r["step"] > 0]
         tokens_per_step = int(rows[0]["tokens"])

@@ -30,7 +30,7 @@ MODELS = {"tiny-moe": "smoke-midtrain.yaml", "tiny-deepseek-v3-qk-clip": "smoke-
 
 
 def composer(*args: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "composer.cli", *args], cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"composer {' '.join(args[:2])} failed:\n{result.stderr[-3000:]}")
 
@@ -62,12 +62,12 @@ def interleaved_step_seconds(recipe: str, steps: int, lrs: dict[str, float], qk_
     import torch
 
     sys.path.insert(0, str(REPO))
-    from recipes.loader import load_recipe
-    from recipes.schema import OptimSection
-    from trainer.distributed import init_distributed
-    from trainer.midtrain import train_step
-    from trainer.model import build_model
-    from trainer.optimizer import TrainOptimizer, wrap_data_parallel
+    from composer.recipes.loader import load_recipe
+    from composer.recipes.schema import OptimSection
+    from composer.trainer.distributed import init_distributed
+    from composer.trainer.midtrain import train_step
+    from composer.trainer.model import build_model
+    from composer.trainer.optimizer import TrainOptimizer, wrap_data_parallel
 
     r = load_recipe(REPO / "recipes" / recipe, ["cluster.procs_per_host=1", "parallelism.ep=1"])
     init_distributed(r.parallelism, seed=0)

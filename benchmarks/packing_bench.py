@@ -19,15 +19,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recipes.loader import load_recipe
-from trainer.distributed import shutdown_distributed
-from trainer.rl_learner import LearnerSequence, RLLearner
+from composer.recipes.loader import load_recipe
+from composer.trainer.distributed import shutdown_distributed
+from composer.trainer.rl_learner import LearnerSequence, RLLearner
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def recorded_lengths(run: Path) -> list[int]:
-    from rl.trajectories import decode_group
+    from composer.rl.trajectories import decode_group
 
     lengths = [len(segment.token_ids) for path in sorted((run / "trajectories").rglob("*.ctrj"))
                for trajectory in decode_group(path.read_bytes(), str(path)) for segment in trajectory.segments]

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 
 def composer(*args: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "composer.cli", *args], cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"composer {' '.join(args)} failed:\n{result.stderr[-3000:]}")
 
@@ -37,9 +37,9 @@ def prepare(work: Path) -> tuple[Path, Path]:
     import torch
 
     from tests.published_twins import make_twin
-    from trainer.checkpoint_init import train_tokenizer
-    from trainer.hf_config import model_section_from_hf
-    from trainer.weights import convert_hf
+    from composer.trainer.checkpoint_init import train_tokenizer
+    from composer.trainer.hf_config import model_section_from_hf
+    from composer.trainer.weights import convert_hf
 
     twin = make_twin(work / "kimi-k2-thinking", "kimi_k2_thinking")
     config = json.loads((twin / "config.json").read_text())
@@ -51,7 +51,7 @@ def prepare(work: Path) -> tuple[Path, Path]:
 
 
 def recipe(work: Path, checkpoint: Path, steps: int) -> Path:
-    from trainer.hf_config import model_section_from_hf
+    from composer.trainer.hf_config import model_section_from_hf
 
     model = model_section_from_hf(checkpoint).model_dump(mode="json", exclude_defaults=True)
     data = {

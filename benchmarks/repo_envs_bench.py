@@ -20,13 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes.schema import RepoTaskSettings, SandboxSection, SSHSection  # noqa: E402
-from rollout.sandbox.fleet import percentile  # noqa: E402
-from rollout.sandbox.hosts import SandboxFleet  # noqa: E402
-from rollout.sandbox.runs import Sandbox  # noqa: E402
-from rollout.tasks.remote import RemoteRepoWorkspace  # noqa: E402
-from rollout.tasks.repository import build_repo_tasks, load_tasks, open_workspace, repo_tests, set_dir  # noqa: E402
-from rollout.tasks.shipping import pack  # noqa: E402
+from composer.recipes.schema import RepoTaskSettings, SandboxSection, SSHSection  # noqa: E402
+from composer.rollout.sandbox.fleet import percentile  # noqa: E402
+from composer.rollout.sandbox.hosts import SandboxFleet  # noqa: E402
+from composer.rollout.sandbox.runs import Sandbox  # noqa: E402
+from composer.rollout.tasks.remote import RemoteRepoWorkspace  # noqa: E402
+from composer.rollout.tasks.repository import build_repo_tasks, load_tasks, open_workspace, repo_tests, set_dir  # noqa: E402
+from composer.rollout.tasks.shipping import pack  # noqa: E402
 from tests import netns_hosts  # noqa: E402
 from tests.user_project import make_project  # noqa: E402
 

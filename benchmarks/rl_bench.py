@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run(mode: str, staleness: int, checkpoint: Path, root: Path, steps: int) -> dict[str, float]:
     runs = root / mode
-    cmd = [sys.executable, "-m", "cli", "train", "rl", str(REPO / "recipes/smoke-rl.yaml"),
+    cmd = [sys.executable, "-m", "composer.cli", "train", "rl", str(REPO / "recipes/smoke-rl.yaml"),
            "--set", f"run.dir={runs}", "--set", f"model.checkpoint={checkpoint}", "--set", f"train.steps={steps}",
            "--set", f"rl.max_staleness={staleness}", "--set", f"train.checkpoint_every={steps}"]
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
@@ -48,8 +48,8 @@ def main() -> None:
         root = Path(tmp)
         checkpoint = args.checkpoint
         if checkpoint is None:
-            from recipes.loader import load_recipe
-            from trainer.checkpoint_init import init_hf_checkpoint
+            from composer.recipes.loader import load_recipe
+            from composer.trainer.checkpoint_init import init_hf_checkpoint
 
             checkpoint = init_hf_checkpoint(load_recipe(REPO / "recipes/smoke-rl.yaml").model, root / "init", tokenizer_bytes=2**20)
         results = {mode: run(mode, staleness, checkpoint, root, args.steps) for mode, staleness in (("sync", 0), ("async", 1))}

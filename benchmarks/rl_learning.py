@@ -27,7 +27,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rl.evaluation import bootstrap_interval  # noqa: E402
+from composer.rl.evaluation import bootstrap_interval  # noqa: E402
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -53,7 +53,7 @@ def main() -> None:
         if checkpoint is None:
             checkpoint = work / "smollm2"
             if not checkpoint.exists():
-                subprocess.run([sys.executable, "-m", "cli", "model", "import-smollm2", str(checkpoint)], cwd=REPO, check=True)
+                subprocess.run([sys.executable, "-m", "composer.cli", "model", "import-smollm2", str(checkpoint)], cwd=REPO, check=True)
         sets = ["--set", f"model.checkpoint={checkpoint.resolve()}", "--set", f"run.dir={work / 'runs'}",
                 "--set", f"train.seed={args.seed}", "--set", "run.name=rl-learning"]
         if args.steps:
@@ -62,7 +62,7 @@ def main() -> None:
             sets += ["--set", override]
         started = time.monotonic()
         with (work / "train.log").open("w") as log:
-            done = subprocess.run([sys.executable, "-m", "cli", "train", "rl", str(args.recipe), *sets], cwd=REPO,
+            done = subprocess.run([sys.executable, "-m", "composer.cli", "train", "rl", str(args.recipe), *sets], cwd=REPO,
                                   stdout=log, stderr=subprocess.STDOUT)
         wall = time.monotonic() - started
         run = work / "runs" / "rl-learning"

@@ -22,18 +22,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recipes.loader import load_recipe
-from recipes.schema import ParallelismSection, RolloutSection, SamplingSection
-from rl.trajectories import encode_group
-from rollout.agent.trajectory import Segment, Trajectory
-from rollout.engines.vllm_engine import EmbeddedEngine
-from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.hf_config import model_section_from_hf
-from trainer.logprobs import pad_micro_batch
-from trainer.model import build_model
-from trainer.router_replay import replay_metrics
-from trainer.weights import load_hf_into
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import ParallelismSection, RolloutSection, SamplingSection
+from composer.rl.trajectories import encode_group
+from composer.rollout.agent.trajectory import Segment, Trajectory
+from composer.rollout.engines.vllm_engine import EmbeddedEngine
+from composer.trainer.checkpoint_init import init_hf_checkpoint
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.logprobs import pad_micro_batch
+from composer.trainer.model import build_model
+from composer.trainer.router_replay import replay_metrics
+from composer.trainer.weights import load_hf_into
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes.schema import SandboxSection  # noqa: E402
-from rollout.sandbox.runs import Sandbox  # noqa: E402
-from rollout.tasks.functions import HumanEvalSource, smoke_task  # noqa: E402
+from composer.recipes.schema import SandboxSection  # noqa: E402
+from composer.rollout.sandbox.runs import Sandbox  # noqa: E402
+from composer.rollout.tasks.functions import HumanEvalSource, smoke_task  # noqa: E402
 
 
 def main(n: int) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rl.evaluation import bootstrap_interval  # noqa: E402
+from composer.rl.evaluation import bootstrap_interval  # noqa: E402
 
 RECIPE = REPO / "recipes" / "smollm2-recall.yaml"
 POLICIES = {
@@ -45,7 +45,7 @@ RUN_NAME = "recall-rl"
 
 def composer(args: list[str], log: Path) -> None:
     with log.open("a") as out:
-        done = subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        done = subprocess.run([sys.executable, "-m", "composer.cli", *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         sys.exit(f"composer {' '.join(args[:2])} failed (exit {done.returncode}); see {log}:\n" + log.read_text()[-3000:])
 

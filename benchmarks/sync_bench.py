@@ -40,8 +40,8 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes.schema import SyncSection  # noqa: E402
-from sync.checkpoint import Checkpoint, write_safetensors  # noqa: E402
+from composer.recipes.schema import SyncSection  # noqa: E402
+from composer.sync.checkpoint import Checkpoint, write_safetensors  # noqa: E402
 
 SHAPE = (4096, 4096)  # 32 MiB of bf16 per matrix
 HIDDEN = SHAPE[1]
@@ -186,9 +186,9 @@ def device_encode(args: argparse.Namespace) -> None:
     """GB/s of DeviceDeltaEncoder on --device vs the host encoder, both on the same in-memory bf16 pieces."""
     import torch
 
-    from sync.codec import encode_piece
-    from sync.device import DeviceDeltaEncoder
-    from sync.pool import num_threads, ordered_map
+    from composer.sync.codec import encode_piece
+    from composer.sync.device import DeviceDeltaEncoder
+    from composer.sync.pool import num_threads, ordered_map
 
     threads = num_threads(args.threads)
     num_matrices = max(1, round(args.size_gb * 1e9 / (SHAPE[0] * SHAPE[1] * 2)))
@@ -238,7 +238,7 @@ def threading_local_compressors():
 
 
 def _push(checkpoint: str, store: str, cache: str, chunk_mb: int, threads: int, anchor_every: int):
-    from sync.pusher import push_version
+    from composer.sync.pusher import push_version
 
     section = SyncSection(store=store, anchor_every=anchor_every, codec={"chunk_mb": chunk_mb, "threads": threads})
     started = time.perf_counter()
@@ -247,8 +247,8 @@ def _push(checkpoint: str, store: str, cache: str, chunk_mb: int, threads: int, 
 
 
 def _pull(store: str, to: str, version: str, threads: int):
-    from sync.receiver import pull
-    from sync.store import Store
+    from composer.sync.receiver import pull
+    from composer.sync.store import Store
 
     started = time.perf_counter()
     with Store.open(store) as s:
@@ -258,8 +258,8 @@ def _pull(store: str, to: str, version: str, threads: int):
 
 def _apply(store: str, version: str, base_dir: str, threads: int):
     """A live receiver: the parent's tensors in memory, updated with apply_version (no files written)."""
-    from sync.receiver import apply_version
-    from sync.store import Store
+    from composer.sync.receiver import apply_version
+    from composer.sync.store import Store
 
     with Checkpoint(Path(base_dir)) as ck:
         base = {name: ck.read(info, 0, info.numel, np.empty(info.numel, info.uint)) for name, info in ck.tensors.items()}
@@ -284,7 +284,7 @@ def in_fresh_process(fn, *args):
 
 def codec_only(relative_step: float) -> tuple[float, float]:
     """encode_piece / apply_piece alone on one in-memory 32 MiB tensor, one thread: (encode, decode) seconds."""
-    from sync.codec import apply_piece, encode_piece
+    from composer.sync.codec import apply_piece, encode_piece
 
     master = _master(0)
     old, new = to_bf16(master), to_bf16(_stepped(master, 0, relative_step))

@@ -31,7 +31,7 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sync_bench import _master, _stepped, calibrate_fp8, to_fp8_blocks  # noqa: E402
-from sync.codec import apply_piece, encode_piece  # noqa: E402
+from composer.sync.codec import apply_piece, encode_piece  # noqa: E402
 
 
 def measure_codec(density: float, repeats: int = 3) -> dict:

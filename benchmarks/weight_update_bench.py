@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from recipes.schema import ModelSection, RolloutSection, SamplingSection  # noqa: E402
+from composer.recipes.schema import ModelSection, RolloutSection, SamplingSection  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # ~1 GB of fp32: 4 layers of 18 experts (hidden 1024, expert FFN 768), 32k vocabulary, untied head
@@ -52,8 +52,8 @@ def write_model(m: ModelSection, out: Path, seed: int) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.checkpoint_init import randomize_for_parity
-    from trainer.model import hf_config_from_model_section
+    from composer.trainer.checkpoint_init import randomize_for_parity
+    from composer.trainer.model import hf_config_from_model_section
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**hf_config_from_model_section(m, torch.float32))
@@ -85,12 +85,12 @@ def next_version(src: Path, dst: Path, density: float, layers_touched: float, se
 
 
 def measure(label: str, m: ModelSection, work: Path, density: float, layers_touched: float, threads: int) -> dict:
-    from recipes.schema import SyncSection
-    from rollout.engines.vllm_engine import EmbeddedEngine
-    from sync.checkpoint import Checkpoint
-    from sync.pusher import push_version
-    from sync.receiver import pull, update_in_place
-    from sync.store import Store
+    from composer.recipes.schema import SyncSection
+    from composer.rollout.engines.vllm_engine import EmbeddedEngine
+    from composer.sync.checkpoint import Checkpoint
+    from composer.sync.pusher import push_version
+    from composer.sync.receiver import pull, update_in_place
+    from composer.sync.store import Store
 
     v0 = write_model(m, work / "v0", seed=0)
     v1 = next_version(v0, work / "v1", density, layers_touched, seed=1)

@@ -16,11 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from recipes.schema import SandboxSection
-from rollout.sandbox.isolation import installed_copies
-from rollout.sandbox.runs import Sandbox
-from rollout.tasks.repository import project_bases
-from rollout.tasks.workspace import RepoTests, RepoWorkspace, overlay_supported
+from composer.recipes.schema import SandboxSection
+from composer.rollout.sandbox.isolation import installed_copies
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.repository import project_bases
+from composer.rollout.tasks.workspace import RepoTests, RepoWorkspace, overlay_supported
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from recipes.loader import load_recipe
-from runtime.run_dir import RunDir
+from composer.recipes.loader import load_recipe
+from composer.runtime.run_dir import RunDir
 
 app = typer.Typer(help="Training hosts: check them before a run, see how a run reaches them.", no_args_is_help=True)
 console = Console(soft_wrap=True)
@@ -23,7 +23,7 @@ def check(
 ) -> None:
     """Per training host: reachable, same composer/torch/megatron-core/vLLM, GPUs or CPU, free disk in run.dir,
     clock skew, rendezvous port free, run.dir shared. Exit 2 on any problem."""
-    from cluster.check import PACKAGES, check_cluster
+    from composer.cluster.check import PACKAGES, check_cluster
 
     recipe = load_recipe(recipe_file, overrides)
     run_dir = RunDir.of(recipe).root
@@ -50,7 +50,7 @@ def check(
 
 def print_plan(plan, parallelism, world_size: int, out: Console) -> None:
     """A launch plan for --dry-run: hosts, node ranks, ranks, the command each host runs, and the parallel groups."""
-    from cluster.groups import describe_group, parallel_groups
+    from composer.cluster.groups import describe_group, parallel_groups
 
     out.print(f"[bold]launch plan[/]: launcher {plan.launcher}, {len(plan.hosts)} host(s), world size {world_size}, "
               f"rendezvous {escape(plan.rendezvous)}", highlight=False)
@@ -81,7 +81,7 @@ def print_plan(plan, parallelism, world_size: int, out: Console) -> None:
 def print_rollout_plan(plan, engine_kind: str, out: Console) -> None:
     """Per rollout host for --dry-run: which devices each learner rank and each engine rank gets, and the commands
     that start the engines."""
-    from cluster.placement import describe_devices
+    from composer.cluster.placement import describe_devices
 
     table = Table(title="rollout placement (devices per rank; engines' environment and command)")
     for column in ("host", "devices", "learner ranks", "engine", "ranks", "command"):

@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from recipes.errors import UserError
-from recipes.loader import load_recipe
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
 
 app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
 console = Console()
@@ -36,7 +36,7 @@ def prepare(
     inputs, settings and tokenizer; resumable after a kill; prints what each step did."""
     recipe = _data_recipe(recipe_file, overrides)
     # loads tokenizers, datatrove (and Megatron when writing): keep `composer --help` fast
-    from data.prepare import prepare_data, submit_data
+    from composer.data.prepare import prepare_data, submit_data
 
     args = dict(model_checkpoint=recipe.model.checkpoint, model_vocab_size=recipe.model.vocab_size)
     if submit:
@@ -59,7 +59,7 @@ def stats(recipe_file: Path = RecipeArgument, overrides: list[str] = SetOption) 
     """What `data prepare` did to each source: documents, tokens, what each step removed, near-duplicate clusters,
     languages, the FIM share, tokens per source after the mixture."""
     recipe = _data_recipe(recipe_file, overrides)
-    from data.prepare import prepared_sources
+    from composer.data.prepare import prepared_sources
 
     show(prepared_sources(recipe.data, model_checkpoint=recipe.model.checkpoint, model_vocab_size=recipe.model.vocab_size), recipe)
 

@@ -10,8 +10,8 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from recipes.errors import UserError
-from recipes.loader import load_recipe
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
 
 app = typer.Typer(help="Coding environments: tasks, sandbox, rewards.", no_args_is_help=True)
 console = Console()
@@ -26,7 +26,7 @@ def check(
 ) -> None:
     """Run each task set's reference solutions against their hidden tests in the sandbox; report pass rates. Repository
     task sets: each built task's original must pass its expected tests, its change fail its fail-to-pass tests."""
-    from rollout.agent.environment import CodingEnvironment, check_references
+    from composer.rollout.agent.environment import CodingEnvironment, check_references
 
     recipe = load_recipe(file, overrides)
     if recipe.env is None:
@@ -91,7 +91,7 @@ def check(
 
 def _check_repo(task_set, sandbox, sandbox_root: Path, limit: int | None, workers: int) -> int:
     """Test each built repository task again: its original passes, its change fails as recorded; the failures."""
-    from rollout.tasks.repository import check_repo_tasks, load_tasks
+    from composer.rollout.tasks.repository import check_repo_tasks, load_tasks
 
     total = len(load_tasks(task_set.repo)[:limit])
     with Progress(console=console, transient=True) as progress:
@@ -113,8 +113,8 @@ def build(
 ) -> None:
     """Build the recipe's repository task sets: seeded changes of real projects, each validated against the project's
     own tests (the original passes, the change fails). Cached; an interrupted build resumes where it stopped."""
-    from rollout.sandbox.isolation import DEFAULT_ROOT
-    from rollout.tasks.repository import build_repo_tasks, set_dir
+    from composer.rollout.sandbox.isolation import DEFAULT_ROOT
+    from composer.rollout.tasks.repository import build_repo_tasks, set_dir
 
     recipe = load_recipe(file, overrides)
     sets = [ts for ts in (recipe.env.tasks if recipe.env else []) if ts.name == "repo"]

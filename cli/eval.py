@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from recipes.loader import load_recipe
+from composer.recipes.loader import load_recipe
 
 console = Console(soft_wrap=True)
 
@@ -25,7 +25,7 @@ def eval_command(
 ) -> None:
     """Evaluate a checkpoint on the recipe's task sets through RL's engines, agent loop, harness, sandbox and graders:
     greedy pass@1 with its 95% interval, sampled pass@k, per kind, flags and infra failures; resumable."""
-    from rl.checkpoint_eval import evaluate
+    from composer.rl.checkpoint_eval import evaluate
 
     recipe = load_recipe(recipe_file, overrides)
     outcome = evaluate(recipe, checkpoint, compare, tasks, out, batch)

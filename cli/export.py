@@ -8,9 +8,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from recipes.errors import UserError
-from recipes.loader import load_recipe
-from runtime.run_dir import RunDir
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
+from composer.runtime.run_dir import RunDir
 
 app = typer.Typer(help="Export a run's newest checkpoint as an HF checkpoint (safetensors, config.json, tokenizer).")
 console = Console()
@@ -26,10 +26,10 @@ def export(
     if not run.recipe_path.is_file():
         raise UserError(f"{run_dir}: not a run directory (no recipe.yaml)")
     recipe = load_recipe(run.recipe_path)
-    from cluster.launch import run_to_end
-    from cluster.launchers import build_launcher
-    from trainer import midtrain
-    from trainer.checkpointing import Checkpointer
+    from composer.cluster.launch import run_to_end
+    from composer.cluster.launchers import build_launcher
+    from composer.trainer import midtrain
+    from composer.trainer.checkpointing import Checkpointer
 
     latest = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints).latest()
     if latest is None:

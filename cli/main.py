@@ -9,19 +9,19 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from cli import cluster as cluster_cmd
-from cli import data as data_cmd
-from cli import env as env_cmd
-from cli import eval as eval_cmd
-from cli import export as export_cmd
-from cli import model as model_cmd
-from cli import plan as plan_cmd
-from cli import recipe as recipe_cmd
-from cli import report as report_cmd
-from cli import runs as runs_cmd
-from cli import sync as sync_cmd
-from cli import train as train_cmd
-from recipes.errors import UserError
+from composer.cli import cluster as cluster_cmd
+from composer.cli import data as data_cmd
+from composer.cli import env as env_cmd
+from composer.cli import eval as eval_cmd
+from composer.cli import export as export_cmd
+from composer.cli import model as model_cmd
+from composer.cli import plan as plan_cmd
+from composer.cli import recipe as recipe_cmd
+from composer.cli import report as report_cmd
+from composer.cli import runs as runs_cmd
+from composer.cli import sync as sync_cmd
+from composer.cli import train as train_cmd
+from composer.recipes.errors import UserError
 
 app = typer.Typer(
     name="composer",

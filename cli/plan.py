@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from recipes.loader import load_recipe
+from composer.recipes.loader import load_recipe
 
 console = Console(soft_wrap=True)
 
@@ -28,7 +28,7 @@ def plan(
     """Per rank: parameters, gradients, optimizer state, activations; per rollout engine: weights and KV cache; FLOPs
     and step time; RL's synchronous vs asynchronous step; the layouts of the same world size that fit. Exit 2 when
     the recipe does not fit."""
-    from cluster.plan import GIB, Rates, fit_problems, layouts_that_fit, make_plan, measured_rates
+    from composer.cluster.plan import GIB, Rates, fit_problems, layouts_that_fit, make_plan, measured_rates
 
     recipe = load_recipe(recipe_file, overrides)
     rates = measured_rates(measured) if measured else Rates(generated_tokens_per_s, grade_seconds, generated_tokens, episode_tokens)

@@ -9,10 +9,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from cluster.plan import check_fits
-from recipes.errors import UserError
-from recipes.loader import load_recipe, recipe_to_yaml
-from recipes.schema import Recipe
+from composer.cluster.plan import check_fits
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe, recipe_to_yaml
+from composer.recipes.schema import Recipe
 
 app = typer.Typer(help="Validate, show and describe recipes.", no_args_is_help=True)
 console = Console(soft_wrap=True)
@@ -52,8 +52,8 @@ def validate(
 def _check_checkpoint(recipe: Recipe) -> None:
     checkpoint = recipe.model.checkpoint
     if checkpoint and (Path(checkpoint) / "config.json").is_file():
-        from rollout.agent.harness import check_tokenizer_code
-        from trainer.weights import check_checkpoint_before_launch  # torch: only when there is a checkpoint to read
+        from composer.rollout.agent.harness import check_tokenizer_code
+        from composer.trainer.weights import check_checkpoint_before_launch  # torch: only when there is a checkpoint to read
 
         check_checkpoint_before_launch(recipe.model)
         if recipe.rl:

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from recipes.errors import UserError
+from composer.recipes.errors import UserError
 
 console = Console(soft_wrap=True)
 
@@ -22,7 +22,7 @@ def report(
 ) -> None:
     """Plot a run's metrics.jsonl into RUN_DIR/report/, write RUN_DIR/report.html (self-contained: plots in panels, the
     headline ones first) and summarise the headline series; --compare overlays several runs in one page."""
-    from runtime.report import (  # imports matplotlib: keep `composer --help` fast
+    from composer.runtime.report import (  # imports matplotlib: keep `composer --help` fast
         is_headline,
         render_comparison,
         render_report,

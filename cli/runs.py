@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from runtime.progress import duration_text
-from runtime.status import RunStatus, find_runs, run_status
+from composer.runtime.progress import duration_text
+from composer.runtime.status import RunStatus, find_runs, run_status
 
 console = Console()
 

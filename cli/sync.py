@@ -15,8 +15,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from recipes.errors import UserError
-from recipes.schema import SSHSection, SyncSection
+from composer.recipes.errors import UserError
+from composer.recipes.schema import SSHSection, SyncSection
 
 app = typer.Typer(help="Distribute weights as lossless compressed deltas to stores and SSH hosts.", no_args_is_help=True)
 console = Console(soft_wrap=True)  # result lines hold paths and ids: never break them
@@ -56,7 +56,7 @@ def _settings(store: Optional[str], recipe: Optional[Path], overrides: list[str]
               known_hosts: Optional[Path], endpoint: Optional[str]) -> tuple[SyncSection, SSHSection]:
     """The sync and SSH settings: from the recipe when given, with command-line flags on top."""
     if recipe is not None:
-        from recipes.loader import load_recipe
+        from composer.recipes.loader import load_recipe
 
         loaded = load_recipe(recipe, overrides)
         if loaded.sync is None and store is None:
@@ -86,7 +86,7 @@ def _settings(store: Optional[str], recipe: Optional[Path], overrides: list[str]
 
 def _open_source(sync: SyncSection, ssh: SSHSection, relay_store: Optional[str], relay_endpoint: Optional[str]):
     """The store a pull reads: the relay copy when one was made, else the sync store."""
-    from sync.store import Store
+    from composer.sync.store import Store
 
     if relay_store is not None:
         return Store.open(relay_store, ssh, endpoint=relay_endpoint)
@@ -123,8 +123,8 @@ def push(
     settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Publish CHECKPOINT as the store's next version (a delta against the newest, or an anchor)."""
-    from sync.checkpoint import Checkpoint
-    from sync.pusher import push_version
+    from composer.sync.checkpoint import Checkpoint
+    from composer.sync.pusher import push_version
 
     sync, ssh = settings
     if anchor_every is not None:
@@ -153,9 +153,9 @@ def pull(
     settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Rebuild a version from its chain, verify it, and make it current in --to atomically."""
-    from sync.receiver import pull as pull_version
-    from sync.receiver import relay, update_in_place
-    from sync.store import Store
+    from composer.sync.receiver import pull as pull_version
+    from composer.sync.receiver import relay, update_in_place
+    from composer.sync.store import Store
 
     sync, ssh = settings
     with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source:
@@ -194,8 +194,8 @@ def relay(
     settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Copy a version's chain (manifests and chunks) into another store, e.g. one shared by a remote cluster."""
-    from sync.receiver import relay as relay_chain
-    from sync.store import Store
+    from composer.sync.receiver import relay as relay_chain
+    from composer.sync.store import Store
 
     sync, ssh = settings
     with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source, Store.open(to_store, ssh, create=True, endpoint=to_endpoint) as dest:
@@ -210,8 +210,8 @@ def status(
     settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """List the store's versions: parent, anchor, bytes stored and ratio against the full checkpoint."""
-    from sync.manifest import version_seq
-    from sync.store import Store
+    from composer.sync.manifest import version_seq
+    from composer.sync.store import Store
 
     sync, ssh = settings
     with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source:
@@ -240,8 +240,8 @@ def verify(
     settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Re-hash every chunk and rebuild every piece in memory, checking each version's hashes."""
-    from sync.rebuild import verify as verify_store
-    from sync.store import Store
+    from composer.sync.rebuild import verify as verify_store
+    from composer.sync.store import Store
 
     sync, ssh = settings
     with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source, _progress() as track:
@@ -258,7 +258,7 @@ def gc(
     settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Delete versions older than the newest K anchors' chains, and chunks no remaining version uses."""
-    from sync.store import Store
+    from composer.sync.store import Store
 
     sync, ssh = settings
     with Store.open(sync.store, ssh, endpoint=sync.endpoint) as target:

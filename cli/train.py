@@ -8,10 +8,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from cluster.plan import check_fits
-from recipes.errors import UserError
-from recipes.loader import load_recipe, recipe_to_yaml
-from runtime.run_dir import RunDir
+from composer.cluster.plan import check_fits
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe, recipe_to_yaml
+from composer.runtime.run_dir import RunDir
 
 app = typer.Typer(help="Train from a recipe: mid-training with Megatron-Core, RL with vLLM rollouts.", no_args_is_help=True)
 console = Console(soft_wrap=True)
@@ -22,8 +22,8 @@ SubmitOption = typer.Option(False, "--submit", help="cluster.launcher slurm: wri
 
 
 def _dry_run(kind: str, recipe, launcher, module: str, args: list[str], resume: bool) -> None:
-    from cli.cluster import print_plan
-    from cluster.slurm import SlurmLauncher, batch_script, in_allocation
+    from composer.cli.cluster import print_plan
+    from composer.cluster.slurm import SlurmLauncher, batch_script, in_allocation
 
     print_plan(launcher.plan(module, args, recipe.run.name), recipe.parallelism, recipe.cluster.world_size, console)
     if isinstance(launcher, SlurmLauncher) and not in_allocation():
@@ -32,8 +32,8 @@ def _dry_run(kind: str, recipe, launcher, module: str, args: list[str], resume: 
 
 
 def _submit(kind: str, recipe, run: RunDir, resume: bool) -> None:
-    from cluster.launchers import build_launcher
-    from cluster.slurm import SlurmLauncher, submit
+    from composer.cluster.launchers import build_launcher
+    from composer.cluster.slurm import SlurmLauncher, submit
 
     launcher = build_launcher(recipe.cluster)
     if not isinstance(launcher, SlurmLauncher):
@@ -56,9 +56,9 @@ def midtrain(
     recipe = load_recipe(recipe_file, overrides)
     check_fits(recipe)
     # torch is imported from here on; `composer --help` stays fast
-    from cluster.launch import run_to_end
-    from cluster.launchers import build_launcher
-    from trainer import midtrain
+    from composer.cluster.launch import run_to_end
+    from composer.cluster.launchers import build_launcher
+    from composer.trainer import midtrain
 
     midtrain.check_midtrain_recipe(recipe)
     run = RunDir.of(recipe)
@@ -73,7 +73,7 @@ def midtrain(
         _submit("midtrain", recipe, run, resume)
         return
     launcher.check_startable()
-    from data.prepare import prepare_data
+    from composer.data.prepare import prepare_data
 
     run.prepare(recipe_to_yaml(recipe), resume)
     with run.failures_recorded():
@@ -95,14 +95,14 @@ def rl(
     overrides: list[str] = SetOption,
 ) -> None:
     """Asynchronous RL: vLLM rollouts in sandboxed coding tasks, Megatron learner, delta weight sync."""
-    from rl.driver import check_rl_recipe, learner_launch, run_rl
+    from composer.rl.driver import check_rl_recipe, learner_launch, run_rl
 
     recipe = load_recipe(recipe_file, overrides)
     check_fits(recipe)
     if dry_run:
         check_rl_recipe(recipe)
-        from cli.cluster import print_rollout_plan
-        from rl.rollout_hosts import rollout_plan
+        from composer.cli.cluster import print_rollout_plan
+        from composer.rl.rollout_hosts import rollout_plan
 
         p = recipe.rollout.parallelism
         console.print(f"rollout hosts: {', '.join(recipe.rollout.hosts)} ({recipe.rollout.engine}, "

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipes.errors import UserError
-from recipes.schema import ClusterSection
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ClusterSection
 
 PACKAGES = ("composer-train", "torch", "megatron-core", "vllm")
 MAX_CLOCK_SKEW_SECONDS = 1.0
@@ -106,7 +106,7 @@ def _facts_here(report: HostReport, python: str, run_dir: Path, port: int) -> No
 
 
 def _facts_over_ssh(reports: list[HostReport], cluster: ClusterSection, python: str, run_dir: Path) -> None:
-    from cluster.ssh import SSHHost
+    from composer.cluster.ssh import SSHHost
 
     connections = []
     try:
@@ -133,7 +133,7 @@ def _facts_over_ssh(reports: list[HostReport], cluster: ClusterSection, python: 
                 clock = ssh.conn.run("date +%s.%N", hide=True, warn=True, in_stream=False)
                 report.skew = float(clock.stdout.strip()) - (asked + time.time()) / 2
         if len(connections) > 1:
-            from cluster.launch import unshared_hosts
+            from composer.cluster.launch import unshared_hosts
 
             for host in unshared_hosts(connections, run_dir):
                 next(r for r in reports if r.host == host).problems.append(
@@ -148,7 +148,7 @@ def _facts_under_srun(cluster: ClusterSection, python: str, run_dir: Path) -> li
     import os
     import uuid
 
-    from cluster.slurm import allocation_nodes, in_allocation
+    from composer.cluster.slurm import allocation_nodes, in_allocation
 
     if not in_allocation():
         raise UserError("cluster check: cluster.launcher is slurm; run the check inside an allocation (salloc), "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from recipes.schema import ParallelismSection
+from composer.recipes.schema import ParallelismSection
 
 
 def parallel_groups(p: ParallelismSection, world_size: int) -> dict[str, list[list[int]]]:

@@ -35,10 +35,10 @@ from typing import Callable
 from rich.console import Console
 from rich.markup import escape
 
-from recipes.errors import RunFailed, UserError
-from recipes.schema import ClusterSection
-from runtime.processes import die_with_parent, free_port
-from runtime.run_dir import RunDir
+from composer.recipes.errors import RunFailed, UserError
+from composer.recipes.schema import ClusterSection
+from composer.runtime.processes import die_with_parent, free_port
+from composer.runtime.run_dir import RunDir
 
 ERROR_PREFIX = "error-rank-"
 STOP_GRACE_SECONDS = 10
@@ -412,8 +412,6 @@ class LocalLauncher(Launcher):
         nproc = self.cluster.procs_per_host
         argv = torchrun_argv(self.python, nproc, module, args)
         env = rank_environment(self.cluster)
-        here = str(Path(__file__).resolve().parents[1])  # this checkout, also when composer is not installed
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         return LaunchPlan("local", [HostCommand(self.cluster.hosts[0], 0, range(nproc), argv, env, self.workdir)], "127.0.0.1 (standalone)")
 
     def start(self, module: str, args: list[str], run: RunDir, console: Console | None = None) -> Job:
@@ -436,7 +434,7 @@ class SSHLauncher(Launcher):
         return LaunchPlan("ssh", commands, endpoint)
 
     def start(self, module: str, args: list[str], run: RunDir, console: Console | None = None) -> Job:
-        from cluster.ssh import SSHHost
+        from composer.cluster.ssh import SSHHost
 
         plan = self.plan(module, args, f"{run.root.name}-{uuid.uuid4().hex[:8]}")
         connections: list[SSHHost] = []

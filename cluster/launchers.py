@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cluster.launch import Launcher, LocalLauncher, SSHLauncher
-from cluster.slurm import SlurmLauncher
-from recipes.schema import ClusterSection
+from composer.cluster.launch import Launcher, LocalLauncher, SSHLauncher
+from composer.cluster.slurm import SlurmLauncher
+from composer.recipes.schema import ClusterSection
 
 
 def build_launcher(cluster: ClusterSection) -> Launcher:

@@ -18,9 +18,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from recipes.checks import engine_fit_problems, learner_devices_on
-from recipes.errors import UserError
-from recipes.schema import Recipe, RolloutDevicesSection, RolloutSection
+from composer.recipes.checks import engine_fit_problems, learner_devices_on
+from composer.recipes.errors import UserError
+from composer.recipes.schema import Recipe, RolloutDevicesSection, RolloutSection
 
 RANK_CORES_ENV = "COMPOSER_RANK_CORES"
 """The cores of each local learner rank on a CPU host (`0|1|...`, by LOCAL_RANK), set by the driver when the

@@ -22,10 +22,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.checks import Problem, check_recipe
-from recipes.errors import UserError
-from recipes.schema import ModelSection, ParallelismSection, Recipe
-from recipes.sizes import (
+from composer.recipes.checks import Problem, check_recipe
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ModelSection, ParallelismSection, Recipe
+from composer.recipes.sizes import (
     engine_weight_bytes_per_device,
     kv_bytes_per_token_per_device,
     parameter_breakdown,
@@ -379,7 +379,7 @@ def _rl_timing(recipe: Recipe, rates: Rates, train_seconds: float | None) -> RLT
 def measured_rates(run_dir: Path) -> Rates:
     """A finished or running run's times (medians): mid-training step seconds, or RL learner seconds per step
     (training and publishing) and per-group rollout seconds and generated tokens."""
-    from runtime.run_dir import read_metrics
+    from composer.runtime.run_dir import read_metrics
 
     def median(path: Path, key: str) -> float | None:
         values = [r[key] for r in read_metrics(path) if key in r and r.get("step", 1) > 0] if path.is_file() else []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cluster.launch import (
+from composer.cluster.launch import (
     HostCommand,
     HostProcess,
     Job,
@@ -30,9 +30,9 @@ from cluster.launch import (
     rank_environment,
     torchrun_argv,
 )
-from recipes.errors import UserError
-from runtime.processes import die_with_parent
-from runtime.run_dir import RunDir, atomic_write_text
+from composer.recipes.errors import UserError
+from composer.runtime.processes import die_with_parent
+from composer.runtime.run_dir import RunDir, atomic_write_text
 
 
 def in_allocation() -> bool:
@@ -178,7 +178,7 @@ def sbatch_script(launcher: SlurmLauncher, command: list[str], run: RunDir, job_
 
 def batch_script(launcher: SlurmLauncher, kind: str, run: RunDir, resume: bool) -> str:
     """The sbatch script of `composer train KIND` for this run (its resolved recipe in RUN/slurm/recipe.yaml)."""
-    command = [launcher.python, "-m", "cli", "train", kind, str(run.root / "slurm" / "recipe.yaml"), *(["--resume"] if resume else [])]
+    command = [launcher.python, "-m", "composer.cli", "train", kind, str(run.root / "slurm" / "recipe.yaml"), *(["--resume"] if resume else [])]
     return sbatch_script(launcher, command, run, f"composer-{run.root.name}")
 
 

@@ -9,8 +9,8 @@ import select
 import socket
 import threading
 
-from recipes.errors import UserError
-from recipes.schema import SSHSection
+from composer.recipes.errors import UserError
+from composer.recipes.schema import SSHSection
 
 
 class SSHHost:

@@ -18,9 +18,9 @@ from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.filters.base_filter import BaseFilter
 from datatrove.pipeline.formatters.pii import PIIFormatter, public_ip_validator
 
-from data.tokenizer import text_tokenizer
-from recipes.schema import CleaningSection
-from runtime.run_dir import atomic_write_text
+from composer.data.tokenizer import text_tokenizer
+from composer.recipes.schema import CleaningSection
+from composer.runtime.run_dir import atomic_write_text
 
 
 @functools.cache

@@ -28,8 +28,8 @@ import zstandard
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
-from recipes.errors import UserError
-from recipes.schema import DataSource, InputFilesSection
+from composer.recipes.errors import UserError
+from composer.recipes.schema import DataSource, InputFilesSection
 
 BINARY_PROBE = 8192
 """Bytes read to tell binary from text: a NUL byte among them means binary."""
@@ -149,7 +149,7 @@ class SourceReader(PipelineStep):
         self.source, self.units, self.files = source, units, files
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from data.cleaning import repository_license  # the licence rules live with the licence filter
+        from composer.data.cleaning import repository_license  # the licence rules live with the licence filter
 
         share = len(self.units) * rank // world_size, len(self.units) * (rank + 1) // world_size
         for unit in self.units[share[0]:share[1]]:

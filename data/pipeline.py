@@ -18,7 +18,7 @@ which worker runs it, so any number of workers (or SLURM array jobs) gives the s
 
 Locally a pool of forked workers (dying with the driver) runs the tasks; a worker that dies is replaced and its
 task runs again. On SLURM (`composer data prepare --submit`) each stage is one job array over its unfinished tasks,
-`--dependency=afterok` on the stage before, each array task running `python -m data.pipeline WORK STAGE`.
+`--dependency=afterok` on the stage before, each array task running `python -m composer.data.pipeline WORK STAGE`.
 """
 
 from __future__ import annotations
@@ -62,14 +62,14 @@ from datatrove.utils.word_tokenizers import WordTokenizer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from data.cleaning import LicenseFilter, QualityFilter, Redactor, RemovedTally, read_tallies
-from data.inputs import SourceReader, plan_units
-from data.shaping import Shaper
-from data.tokenizer import CorpusTokenizer
-from recipes.errors import UserError
-from recipes.schema import ClusterSection, DataSection, DataSource
-from runtime.processes import die_with_parent
-from runtime.run_dir import atomic_write_text, fsync_dir
+from composer.data.cleaning import LicenseFilter, QualityFilter, Redactor, RemovedTally, read_tallies
+from composer.data.inputs import SourceReader, plan_units
+from composer.data.shaping import Shaper
+from composer.data.tokenizer import CorpusTokenizer
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ClusterSection, DataSection, DataSource
+from composer.runtime.processes import die_with_parent
+from composer.runtime.run_dir import atomic_write_text, fsync_dir
 
 CACHE_FORMAT = 3
 """Bump when the layout of cache entries or the preparation rules change, so old entries are not reused."""
@@ -543,7 +543,7 @@ def submit_to_slurm(plans: list[SourcePlan], cluster: ClusterSection) -> list[tu
                     argv.append(f"--{flag}={value}")
             if previous:
                 argv.append(f"--dependency=afterok:{previous}")
-            argv.append("--wrap=" + " ".join(["exec", python, "-m", "data.pipeline", str(plan.work), stage.name]))
+            argv.append("--wrap=" + " ".join(["exec", python, "-m", "composer.data.pipeline", str(plan.work), stage.name]))
             result = subprocess.run(argv, capture_output=True, text=True)
             if result.returncode != 0:
                 raise UserError(f"sbatch for {plan.source.name} {stage.name} failed: {(result.stderr or result.stdout).strip()}")
@@ -553,7 +553,7 @@ def submit_to_slurm(plans: list[SourcePlan], cluster: ClusterSection) -> list[tu
 
 
 def main(argv: list[str]) -> int:
-    """`python -m data.pipeline WORK STAGE [RANK]`: one task (RANK, else SLURM_ARRAY_TASK_ID)."""
+    """`python -m composer.data.pipeline WORK STAGE [RANK]`: one task (RANK, else SLURM_ARRAY_TASK_ID)."""
     work, stage = Path(argv[0]), argv[1]
     rank = int(argv[2]) if len(argv) > 2 else int(os.environ["SLURM_ARRAY_TASK_ID"])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

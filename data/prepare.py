@@ -13,11 +13,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from data.pipeline import ENTRY_PREFIX, MANIFEST, SourcePlan, plan_source, prepare_locally, submit_to_slurm
-from data.tokenizer import CorpusTokenizer, load_tokenizer
-from recipes.errors import UserError
-from recipes.schema import ClusterSection, DataSection
-from runtime.prepared_data import PreparedData, TokenSource
+from composer.data.pipeline import ENTRY_PREFIX, MANIFEST, SourcePlan, plan_source, prepare_locally, submit_to_slurm
+from composer.data.tokenizer import CorpusTokenizer, load_tokenizer
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ClusterSection, DataSection
+from composer.runtime.prepared_data import PreparedData, TokenSource
 
 
 @dataclass(frozen=True)

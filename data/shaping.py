@@ -29,8 +29,8 @@ import numpy as np
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
-from data.tokenizer import CorpusTokenizer, text_tokenizer
-from recipes.schema import FimSection
+from composer.data.tokenizer import CorpusTokenizer, text_tokenizer
+from composer.recipes.schema import FimSection
 
 
 def fim_split(text: str, rng: random.Random) -> tuple[str, str, str]:

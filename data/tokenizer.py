@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from recipes.errors import UserError
-from recipes.schema import DataSection
-from runtime.prepared_data import TokenizerIdentity
+from composer.recipes.errors import UserError
+from composer.recipes.schema import DataSection
+from composer.runtime.prepared_data import TokenizerIdentity
 
 SPECIAL_TOKENS = {
     # role: names in the tokenizers that have them (Qwen2.5-Coder style first, then StarCoder style)

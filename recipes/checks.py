@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recipes.errors import UserError
-from recipes.schema import ModelSection, ParallelismSection, Recipe, RolloutDevicesSection, RolloutSection
-from recipes.sizes import engine_weight_bytes_per_device, kv_bytes_per_token_per_device, sized_dtype
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ModelSection, ParallelismSection, Recipe, RolloutDevicesSection, RolloutSection
+from composer.recipes.sizes import engine_weight_bytes_per_device, kv_bytes_per_token_per_device, sized_dtype
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from typing import Any, Iterable
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from recipes.checks import Problem, check_recipe
-from recipes.errors import UserError
-from recipes.schema import Recipe
+from composer.recipes.checks import Problem, check_recipe
+from composer.recipes.errors import UserError
+from composer.recipes.schema import Recipe
 
 SHIPPED_DIR = Path(__file__).resolve().parent
 

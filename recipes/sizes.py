@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recipes.schema import EngineParallelismSection, ModelSection
+from composer.recipes.schema import EngineParallelismSection, ModelSection
 
 WEIGHT_BYTES = {"float32": (4, 4), "bfloat16": (2, 2), "fp8": (1, 1), "int4": (2, 0.5)}
 """Bytes per parameter (outside the routed experts, of a routed expert) of each rollout.dtype: fp8 quantizes every

@@ -28,11 +28,11 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from cluster.placement import HostPlacement, local_devices, place_host
-from recipes.errors import UserError
-from recipes.loader import load_recipe, recipe_to_yaml
-from recipes.schema import Recipe, RLEvalSection
-from rl.evaluation import (
+from composer.cluster.placement import HostPlacement, local_devices, place_host
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe, recipe_to_yaml
+from composer.recipes.schema import Recipe, RLEvalSection
+from composer.rl.evaluation import (
     EVAL_BATCH_TASKS,
     EvalSet,
     GradedEpisode,
@@ -45,16 +45,16 @@ from rl.evaluation import (
     set_record,
     task_kind,
 )
-from rl.protocol import RLRunFiles, sync_section
-from rollout.agent.environment import CodingEnvironment
-from rollout.agent.harness import Tokenizer
-from rollout.agent.loop import EpisodeRunner
-from rollout.engines.vllm_engine import build_engines, with_resolved_dtype
-from runtime.processes import output_to_log
-from runtime.progress import StepClock
-from runtime.run_dir import RunDir, atomic_write_text
-from sync.receiver import pull
-from sync.store import Store
+from composer.rl.protocol import RLRunFiles, sync_section
+from composer.rollout.agent.environment import CodingEnvironment
+from composer.rollout.agent.harness import Tokenizer
+from composer.rollout.agent.loop import EpisodeRunner
+from composer.rollout.engines.vllm_engine import build_engines, with_resolved_dtype
+from composer.runtime.processes import output_to_log
+from composer.runtime.progress import StepClock
+from composer.runtime.run_dir import RunDir, atomic_write_text
+from composer.sync.receiver import pull
+from composer.sync.store import Store
 
 STORE_VERSION = re.compile(r"^(?P<store>.+)@(?P<version>v\d{8})$")
 ROLES = ("checkpoint", "compare")
@@ -286,7 +286,7 @@ def evaluate(recipe: Recipe, checkpoint: str, compare: str | None, task_sets: li
         finally:
             view.stop()
     atomic_write_text(out / "results.json", json.dumps(results, indent=1) + "\n")
-    from runtime.report import write_eval_report  # matplotlib: not imported before the inputs are checked
+    from composer.runtime.report import write_eval_report  # matplotlib: not imported before the inputs are checked
 
     write_eval_report(out / "report.html", results)
     return EvalOutcome(out, results, time.monotonic() - started)

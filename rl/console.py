@@ -21,7 +21,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from runtime.progress import StepClock, duration_text
+from composer.runtime.progress import StepClock, duration_text
 
 RECENT_SECONDS = 60.0
 """Generated tokens/s is measured over the groups of the last minute."""

@@ -12,17 +12,17 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cluster.launch import Job, Launcher, run_to_end
-from cluster.launchers import build_launcher
-from cluster.placement import local_devices, place_host, planned_devices
-from recipes.checks import refuse_resume_changes, refuse_unhonoured
-from recipes.errors import RunFailed, UserError
-from recipes.loader import load_recipe, recipe_to_yaml
-from recipes.schema import ARCHITECTURE_FIELDS, LAYOUT_KEYS, Recipe
-from rl import learner_main
-from rl.console import RLConsole
-from rl.evaluation import summary_line
-from rl.protocol import (
+from composer.cluster.launch import Job, Launcher, run_to_end
+from composer.cluster.launchers import build_launcher
+from composer.cluster.placement import local_devices, place_host, planned_devices
+from composer.recipes.checks import refuse_resume_changes, refuse_unhonoured
+from composer.recipes.errors import RunFailed, UserError
+from composer.recipes.loader import load_recipe, recipe_to_yaml
+from composer.recipes.schema import ARCHITECTURE_FIELDS, LAYOUT_KEYS, Recipe
+from composer.rl import learner_main
+from composer.rl.console import RLConsole
+from composer.rl.evaluation import summary_line
+from composer.rl.protocol import (
     POLL_SECONDS,
     Heartbeat,
     Policy,
@@ -32,15 +32,15 @@ from rl.protocol import (
     StalenessRule,
     sync_section,
 )
-from rl.rollout_hosts import LocalHost, open_hosts, plan_fleet
-from rl.rollout_worker import RolloutWorker
-from rollout.agent.harness import check_tokenizer_code
-from rollout.engines.vllm_engine import check_local_serving_format, with_resolved_dtype
-from runtime.processes import output_to_log
-from runtime.run_dir import RunDir
-from sync.pusher import push_version
-from trainer.kernels import check_kernels_installed
-from trainer.weights import check_checkpoint_before_launch
+from composer.rl.rollout_hosts import LocalHost, open_hosts, plan_fleet
+from composer.rl.rollout_worker import RolloutWorker
+from composer.rollout.agent.harness import check_tokenizer_code
+from composer.rollout.engines.vllm_engine import check_local_serving_format, with_resolved_dtype
+from composer.runtime.processes import output_to_log
+from composer.runtime.run_dir import RunDir
+from composer.sync.pusher import push_version
+from composer.trainer.kernels import check_kernels_installed
+from composer.trainer.weights import check_checkpoint_before_launch
 
 UNHONOURED = {
     "parallelism.pp": "the RL learner's step does not run the pipeline schedule (trainer.pipeline) yet",
@@ -190,8 +190,8 @@ def starting_policy(recipe: Recipe, files: RLRunFiles) -> Path:
     else the checkpoint rewritten in that format, as the learner will export every later policy."""
     import torch
 
-    from trainer.hf_checkpoint import CheckpointLayout
-    from trainer.weights import convert_hf
+    from composer.trainer.hf_checkpoint import CheckpointLayout
+    from composer.trainer.weights import convert_hf
 
     stored = CheckpointLayout.of(recipe.model.checkpoint).quantization
     rollout = recipe.rollout

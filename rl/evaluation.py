@@ -24,14 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.errors import UserError
-from recipes.schema import RLEvalSection, TaskSet
-from rollout.agent.environment import CodingEnvironment
-from rollout.agent.loop import EpisodeRunner
-from rollout.agent.trajectory import Trajectory
-from rollout.tasks.functions import Task
-from rollout.tasks.pool import TaskPool
-from runtime.run_dir import MetricsWriter, atomic_write_text, read_metrics
+from composer.recipes.errors import UserError
+from composer.recipes.schema import RLEvalSection, TaskSet
+from composer.rollout.agent.environment import CodingEnvironment
+from composer.rollout.agent.loop import EpisodeRunner
+from composer.rollout.agent.trajectory import Trajectory
+from composer.rollout.tasks.functions import Task
+from composer.rollout.tasks.pool import TaskPool
+from composer.runtime.run_dir import MetricsWriter, atomic_write_text, read_metrics
 
 EVAL_SEED = 7_777_777
 """Seeds evaluation episodes apart from training groups (which are seeded by train.seed and the group index)."""

@@ -1,4 +1,4 @@
-"""The learner role of an RL run, one process per rank under torchrun: `python -m rl.learner_main RUN_DIR`.
+"""The learner role of an RL run, one process per rank under torchrun: `python -m composer.rl.learner_main RUN_DIR`.
 
 Each step: take `rl.prompts_per_step` groups (rl.protocol: fresh ones from the rollouts, or a recorded run's on
 replay; rank 0 takes them, the other ranks read which in the run directory) -> train on them -> publish the new
@@ -18,21 +18,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cluster.placement import bind_this_rank
-from recipes.errors import UserError
-from recipes.loader import load_recipe
-from recipes.schema import Recipe, RLSection
-from rl.protocol import LearnerQueue, Policy, ReplayQueue, RLRunFiles, StepGroups, learner_queue, sync_section
-from rl.trajectories import episode_stats
-from rollout.agent.trajectory import Trajectory
-from runtime.processes import die_with_parent
-from runtime.progress import Trackers
-from runtime.run_dir import MetricsWriter, RunDir, drop_records_after
-from sync.pusher import push_version
-from trainer.core import Every
-from trainer.launch import record_rank_error, redirect_rank_output
-from trainer.rl_learner import LearnerSequence, RLLearner
-from trainer.rl_objective import group_advantages, has_signal
+from composer.cluster.placement import bind_this_rank
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import Recipe, RLSection
+from composer.rl.protocol import LearnerQueue, Policy, ReplayQueue, RLRunFiles, StepGroups, learner_queue, sync_section
+from composer.rl.trajectories import episode_stats
+from composer.rollout.agent.trajectory import Trajectory
+from composer.runtime.processes import die_with_parent
+from composer.runtime.progress import Trackers
+from composer.runtime.run_dir import MetricsWriter, RunDir, drop_records_after
+from composer.sync.pusher import push_version
+from composer.trainer.core import Every
+from composer.trainer.launch import record_rank_error, redirect_rank_output
+from composer.trainer.rl_learner import LearnerSequence, RLLearner
+from composer.trainer.rl_objective import group_advantages, has_signal
 
 MODULE = __spec__.name
 """This entry point, as `python -m` names it (the driver starts it under torchrun)."""

@@ -35,11 +35,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.errors import UserError
-from recipes.schema import Recipe, RLSection, SyncSection
-from rl.trajectories import TrajectoryStore
-from rollout.agent.trajectory import Trajectory
-from runtime.run_dir import atomic_write_text, read_metrics
+from composer.recipes.errors import UserError
+from composer.recipes.schema import Recipe, RLSection, SyncSection
+from composer.rl.trajectories import TrajectoryStore
+from composer.rollout.agent.trajectory import Trajectory
+from composer.runtime.run_dir import atomic_write_text, read_metrics
 
 DRIVER_PATIENCE_SECONDS = 120.0
 """How long the learner waits on a silent driver before it gives up (the driver beats every second)."""

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.placement import (
+from composer.cluster.placement import (
     PROBE,
     EnginePlacement,
     HostDevices,
@@ -36,12 +36,12 @@ from cluster.placement import (
     place_host,
     planned_devices,
 )
-from cluster.ssh import SSHHost
-from recipes.errors import UserError
-from recipes.schema import Recipe, RolloutSection, SSHSection, SyncSection
-from rl.protocol import RLRunFiles, sync_section
-from rollout.engines import server_guard
-from rollout.engines.vllm_engine import (
+from composer.cluster.ssh import SSHHost
+from composer.recipes.errors import UserError
+from composer.recipes.schema import Recipe, RolloutSection, SSHSection, SyncSection
+from composer.rl.protocol import RLRunFiles, sync_section
+from composer.rollout.engines import server_guard
+from composer.rollout.engines.vllm_engine import (
     SERVER_START_SECONDS,
     Engine,
     RankReports,
@@ -54,10 +54,10 @@ from rollout.engines.vllm_engine import (
     server_args,
     wait_healthy,
 )
-from rollout.engines.worker_extension import read_rank_reports
-from runtime.run_dir import atomic_write_text
-from sync.receiver import pull, update_in_place
-from sync.store import Store
+from composer.rollout.engines.worker_extension import read_rank_reports
+from composer.runtime.run_dir import atomic_write_text
+from composer.sync.receiver import pull, update_in_place
+from composer.sync.store import Store
 
 SERVER_STOP_SECONDS = 30
 ENGINE_RESTARTS = 3
@@ -219,7 +219,7 @@ class RemoteHost:
         return result.stdout
 
     def _composer(self, *args: str) -> str:
-        return self._run(shlex.join([self.python, "-m", "cli", *args]))
+        return self._run(shlex.join([self.python, "-m", "composer.cli", *args]))
 
     def pull(self, store_version: str) -> str:
         if self._pulled is None or self._pulled[0] != store_version:

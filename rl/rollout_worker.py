@@ -14,17 +14,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from recipes.schema import EnvSection, RLEvalSection, RolloutSection, SSHSection
-from rl.evaluation import Evaluator
-from rl.protocol import POLL_SECONDS, RLRunFiles, RolloutQueue, group_id
-from rl.rollout_hosts import EngineHosts, LocalHost, RemoteHost
-from rl.trajectories import episode_stats
-from rollout.agent.environment import CodingEnvironment
-from rollout.agent.harness import Tokenizer
-from rollout.agent.loop import EpisodeRunner
-from rollout.agent.trajectory import Trajectory
-from rollout.engines.vllm_engine import Engine
-from runtime.run_dir import MetricsWriter
+from composer.recipes.schema import EnvSection, RLEvalSection, RolloutSection, SSHSection
+from composer.rl.evaluation import Evaluator
+from composer.rl.protocol import POLL_SECONDS, RLRunFiles, RolloutQueue, group_id
+from composer.rl.rollout_hosts import EngineHosts, LocalHost, RemoteHost
+from composer.rl.trajectories import episode_stats
+from composer.rollout.agent.environment import CodingEnvironment
+from composer.rollout.agent.harness import Tokenizer
+from composer.rollout.agent.loop import EpisodeRunner
+from composer.rollout.agent.trajectory import Trajectory
+from composer.rollout.engines.vllm_engine import Engine
+from composer.runtime.run_dir import MetricsWriter
 
 
 @dataclass

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from recipes.errors import UserError
-from rollout.agent.trajectory import Segment, Trajectory
-from rollout.sandbox.graders import FLAGS
-from runtime.run_dir import atomic_write_bytes, fsync_dir
+from composer.recipes.errors import UserError
+from composer.rollout.agent.trajectory import Segment, Trajectory
+from composer.rollout.sandbox.graders import FLAGS
+from composer.runtime.run_dir import atomic_write_bytes, fsync_dir
 
 _MAGIC = b"CTRJ2\n"
 _HEADER_LIMIT = 4096

@@ -10,8 +10,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from recipes.errors import UserError
-from runtime.run_dir import atomic_write_text
+from composer.recipes.errors import UserError
+from composer.runtime.run_dir import atomic_write_text
 
 FILE = "prepared-data.json"
 """Its name in the run directory."""

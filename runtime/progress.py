@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.run_dir import atomic_write_text
+from composer.runtime.run_dir import atomic_write_text
 
 log = logging.getLogger("composer.trackers")
 

@@ -22,9 +22,9 @@ from typing import Callable
 
 from matplotlib.figure import Figure
 
-from recipes.errors import UserError
-from runtime.run_dir import atomic_write_bytes, atomic_write_text, read_metrics
-from runtime.status import run_status
+from composer.recipes.errors import UserError
+from composer.runtime.run_dir import atomic_write_bytes, atomic_write_text, read_metrics
+from composer.runtime.status import run_status
 
 NOT_SERIES = ("step", "time")
 EVAL_METRICS = "eval_metrics.jsonl"

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from recipes.errors import UserError
-from recipes.schema import Recipe
+from composer.recipes.errors import UserError
+from composer.recipes.schema import Recipe
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipes.errors import UserError
-from recipes.loader import load_recipe
-from runtime.run_dir import FAILURE_FILE, RunDir, read_metrics
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
+from composer.runtime.run_dir import FAILURE_FILE, RunDir, read_metrics
 
 KEY_FIGURES = {
     "midtrain": ("loss", "eval_loss", "tokens_per_s"),

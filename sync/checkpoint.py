@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.errors import UserError
-from sync.codec import UINT_OF_WIDTH
+from composer.recipes.errors import UserError
+from composer.sync.codec import UINT_OF_WIDTH
 
 # safetensors dtype -> bytes per element. Bit patterns are compared as unsigned ints of this width.
 DTYPE_SIZES = {

@@ -21,7 +21,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from recipes.errors import UserError
+from composer.recipes.errors import UserError
 
 SAME, SPARSE, XOR, RAW = "same", "sparse", "xor", "raw"
 UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import zstandard
 
-from sync.codec import RAW, SAME, EncodedPiece, _to_planes, encode_changes, gap_dtype_for, sparse_pays
+from composer.sync.codec import RAW, SAME, EncodedPiece, _to_planes, encode_changes, gap_dtype_for, sparse_pays
 
 _SIGNED_OF_WIDTH = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 _UNSIGNED_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

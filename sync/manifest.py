@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from sync.checkpoint import DTYPE_SIZES
-from sync.codec import ENCODINGS, RAW, SAME, CorruptDataError, digest
+from composer.sync.checkpoint import DTYPE_SIZES
+from composer.sync.codec import ENCODINGS, RAW, SAME, CorruptDataError, digest
 
 FORMAT = 1
 

@@ -23,14 +23,14 @@ from typing import Callable
 import numpy as np
 import zstandard
 
-from recipes.schema import CodecSection, SSHSection, SyncSection
-from sync.checkpoint import Checkpoint, TensorInfo
-from sync.codec import digest, encode_piece, hasher, piece_stops
-from sync.manifest import FileRecord, Manifest, OpaqueRecord, Piece, TensorRecord, version_id, version_seq
-from sync.pool import num_threads, ordered_map
-from sync.rebuild import WrongBaseError
-from sync.receiver import ReceiverDir, pull
-from sync.store import Store
+from composer.recipes.schema import CodecSection, SSHSection, SyncSection
+from composer.sync.checkpoint import Checkpoint, TensorInfo
+from composer.sync.codec import digest, encode_piece, hasher, piece_stops
+from composer.sync.manifest import FileRecord, Manifest, OpaqueRecord, Piece, TensorRecord, version_id, version_seq
+from composer.sync.pool import num_threads, ordered_map
+from composer.sync.rebuild import WrongBaseError
+from composer.sync.receiver import ReceiverDir, pull
+from composer.sync.store import Store
 
 Progress = Callable[[int], None]
 

@@ -19,14 +19,14 @@ from typing import BinaryIO, Callable, Mapping
 import numpy as np
 import zstandard
 
-from recipes.errors import UserError
-from runtime.run_dir import atomic_write_bytes
-from sync.checkpoint import UINT_OF_WIDTH
-from sync.codec import RAW, CorruptDataError, apply_piece, digest, hasher
-from sync.manifest import Manifest, OpaqueRecord, Piece
-from sync.pool import num_threads, ordered_map
-from sync.store import CHUNKS, Store
-from sync.transports import LocalTransport
+from composer.recipes.errors import UserError
+from composer.runtime.run_dir import atomic_write_bytes
+from composer.sync.checkpoint import UINT_OF_WIDTH
+from composer.sync.codec import RAW, CorruptDataError, apply_piece, digest, hasher
+from composer.sync.manifest import Manifest, OpaqueRecord, Piece
+from composer.sync.pool import num_threads, ordered_map
+from composer.sync.store import CHUNKS, Store
+from composer.sync.transports import LocalTransport
 
 Progress = Callable[[int], None]
 

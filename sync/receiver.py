@@ -28,12 +28,12 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from recipes.errors import UserError
-from runtime.run_dir import atomic_write_bytes, fsync_dir
-from sync.checkpoint import UINT_OF_WIDTH, Checkpoint, create_safetensors, numpy_dtype, parse_header
-from sync.manifest import Manifest, TensorRecord
-from sync.pool import num_threads, ordered_map
-from sync.rebuild import (
+from composer.recipes.errors import UserError
+from composer.runtime.run_dir import atomic_write_bytes, fsync_dir
+from composer.sync.checkpoint import UINT_OF_WIDTH, Checkpoint, create_safetensors, numpy_dtype, parse_header
+from composer.sync.manifest import Manifest, TensorRecord
+from composer.sync.pool import num_threads, ordered_map
+from composer.sync.rebuild import (
     PiecePlan,
     Progress,
     Rebuilder,
@@ -43,8 +43,8 @@ from sync.rebuild import (
     plan_tensor,
     restore_opaque,
 )
-from sync.store import Store
-from sync.transports import LocalTransport
+from composer.sync.store import Store
+from composer.sync.transports import LocalTransport
 
 
 class ReceiverDir:

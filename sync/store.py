@@ -12,11 +12,11 @@ import re
 import time
 from dataclasses import dataclass
 
-from recipes.errors import UserError
-from recipes.schema import SSHSection
-from sync.codec import CorruptDataError, digest
-from sync.manifest import Manifest
-from sync.transports import Transport, build_transport, is_temp
+from composer.recipes.errors import UserError
+from composer.recipes.schema import SSHSection
+from composer.sync.codec import CorruptDataError, digest
+from composer.sync.manifest import Manifest
+from composer.sync.transports import Transport, build_transport, is_temp
 
 CHUNKS, MANIFESTS = "chunks", "manifests"
 _MANIFEST_NAME = re.compile(r"^(v\d{8})\.json$")

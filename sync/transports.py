@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlsplit
 
-from cluster.ssh import SSHHost
-from recipes.errors import UserError
-from recipes.schema import SSHSection
-from runtime.run_dir import fsync_dir
+from composer.cluster.ssh import SSHHost
+from composer.recipes.errors import UserError
+from composer.recipes.schema import SSHSection
+from composer.runtime.run_dir import fsync_dir
 
 
 class Transport(ABC):

@@ -12,19 +12,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
-from runtime.processes import free_port
+from composer.runtime.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 
 
-COMPOSER = [sys.executable, "-m", "cli"]
+COMPOSER = [sys.executable, "-m", "composer.cli"]
 
 
 def run_ranks(nproc: int, module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m module args...` as `nproc` local ranks under torchrun (the launchers' own command line), output
     captured; one intra-op thread per rank (faster than sharing the cores)."""
-    from cluster.launch import torchrun_argv
+    from composer.cluster.launch import torchrun_argv
 
     env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(torchrun_argv(sys.executable, nproc, module, list(args)), cwd=REPO, env=env,

@@ -17,16 +17,16 @@ import torch.distributed as dist
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from recipes.schema import ParallelismSection
-from trainer import context_parallel
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.hf_config import model_section_from_hf
-from trainer.logprobs import layout_for, sequence_logprobs
-from trainer.model import build_model, causal_mask
-from trainer.optimizer import wrap_data_parallel
-from trainer.packing import stream_of
-from trainer.router_replay import replay_for_micro_batch, routing
-from trainer.weights import iter_hf_tensors, load_hf_into
+from composer.recipes.schema import ParallelismSection
+from composer.trainer import context_parallel
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.logprobs import layout_for, sequence_logprobs
+from composer.trainer.model import build_model, causal_mask
+from composer.trainer.optimizer import wrap_data_parallel
+from composer.trainer.packing import stream_of
+from composer.trainer.router_replay import replay_for_micro_batch, routing
+from composer.trainer.weights import iter_hf_tensors, load_hf_into
 
 LAYOUTS = {
     "cp1": ParallelismSection(),

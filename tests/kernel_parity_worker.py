@@ -12,13 +12,13 @@ import sys
 import numpy as np
 import torch
 
-from recipes.schema import KernelsSection, ParallelismSection
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.hf_config import model_section_from_hf
-from trainer.logprobs import pad_micro_batch, token_logprobs
-from trainer.model import build_model
-from trainer.router_replay import replay_for_micro_batch, routing
-from trainer.weights import load_hf_into
+from composer.recipes.schema import KernelsSection, ParallelismSection
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.logprobs import pad_micro_batch, token_logprobs
+from composer.trainer.model import build_model
+from composer.trainer.router_replay import replay_for_micro_batch, routing
+from composer.trainer.weights import load_hf_into
 
 BASELINE = KernelsSection(experts="sequential", attention="local")
 FAST = KernelsSection(experts="grouped", attention="sdpa")

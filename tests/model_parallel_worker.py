@@ -11,11 +11,11 @@ import sys
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-from recipes.schema import ParallelismSection
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.hf_config import model_section_from_hf
-from trainer.model import build_model, causal_mask, forward_logits
-from trainer.weights import export_hf, iter_hf_tensors, load_hf_into
+from composer.recipes.schema import ParallelismSection
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.model import build_model, causal_mask, forward_logits
+from composer.trainer.weights import export_hf, iter_hf_tensors, load_hf_into
 
 # name -> (parallel sizes, MoE token dispatcher)
 MOE_SPLITS = {

@@ -12,12 +12,12 @@ import sys
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from recipes.schema import ParallelismSection
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.hf_config import model_section_from_hf
-from trainer.model import build_model
-from trainer.pipeline import forward_backward
-from trainer.weights import export_hf, iter_hf_tensors, load_hf_into
+from composer.recipes.schema import ParallelismSection
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.model import build_model
+from composer.trainer.pipeline import forward_backward
+from composer.trainer.weights import export_hf, iter_hf_tensors, load_hf_into
 
 LAYOUTS = {"pp1": ParallelismSection(), "pp2": ParallelismSection(pp=2)}
 LR = 0.5

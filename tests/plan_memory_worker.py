@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from recipes.loader import load_recipe
-from runtime.processes import reset_peak_resident, resident_bytes
-from trainer.core import TrainerCore
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.midtrain import BatchPlacement, train_step
+from composer.recipes.loader import load_recipe
+from composer.runtime.processes import reset_peak_resident, resident_bytes
+from composer.trainer.core import TrainerCore
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.midtrain import BatchPlacement, train_step
 
 
 def tensor_bytes(tensors) -> int:

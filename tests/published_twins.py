@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint_init import randomize_for_parity
-from trainer.quantization import fp8_quantize, int4_quantize
+from composer.trainer.checkpoint_init import randomize_for_parity
+from composer.trainer.quantization import fp8_quantize, int4_quantize
 
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 AUTO_MAP = {"AutoConfig": "configuration_deepseek.DeepseekV3Config", "AutoModel": "modeling_deepseek.DeepseekV3Model",

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from recipes.schema import ParallelismSection
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.hf_config import model_section_from_hf
-from trainer.model import build_model, forward_logits
-from trainer.weights import export_hf, load_hf_into
+from composer.recipes.schema import ParallelismSection
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.model import build_model, forward_logits
+from composer.trainer.weights import export_hf, load_hf_into
 
 SPLITS = {
     "tp1": ParallelismSection(),

@@ -11,13 +11,13 @@ import sys
 
 import torch
 
-from recipes.schema import ParallelismSection
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.hf_config import model_section_from_hf
-from trainer.logprobs import pad_micro_batch, token_logprobs
-from trainer.model import build_model
-from trainer.router_replay import moe_routers, replay_for_micro_batch, routing, routing_disagreement
-from trainer.weights import load_hf_into
+from composer.recipes.schema import ParallelismSection
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.logprobs import pad_micro_batch, token_logprobs
+from composer.trainer.model import build_model
+from composer.trainer.router_replay import moe_routers, replay_for_micro_batch, routing, routing_disagreement
+from composer.trainer.weights import load_hf_into
 
 LAYOUTS = {
     "tp2_sp": ParallelismSection(tp=2, sequence_parallel=True),

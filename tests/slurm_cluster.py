@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from runtime.processes import free_port
+from composer.runtime.processes import free_port
 from tests.conftest import not_installed
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sinfo", "srun", "sbatch", "salloc", "squeue", "scancel")

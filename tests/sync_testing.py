@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.schema import SyncSection
-from sync.checkpoint import write_safetensors
+from composer.recipes.schema import SyncSection
+from composer.sync.checkpoint import write_safetensors
 from tests.conftest import run_composer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from recipes.loader import load_recipe
-from recipes.schema import EnvSection, RolloutSection, SamplingSection, TaskSet
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import EnvSection, RolloutSection, SamplingSection, TaskSet
 from tests.conftest import RECIPES
 
 pytestmark = pytest.mark.engines
@@ -14,7 +14,7 @@ MAX_CONTEXT = 512
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     model = load_recipe(RECIPES / "smoke-midtrain.yaml").model
     return init_hf_checkpoint(model, tmp_path_factory.mktemp("agent") / "tiny", tokenizer_bytes=2**20)
@@ -27,9 +27,9 @@ ROLLOUT = RolloutSection(max_context=MAX_CONTEXT, max_turns=30, summarize_at=0.6
 @pytest.fixture(scope="module")
 def parts(tiny_model, tmp_path_factory):
     """A real engine, tokenizer and coding environment (smoke and HumanEval tasks)."""
-    from rollout.agent.environment import CodingEnvironment
-    from rollout.agent.harness import Tokenizer
-    from rollout.engines.vllm_engine import EmbeddedEngine
+    from composer.rollout.agent.environment import CodingEnvironment
+    from composer.rollout.agent.harness import Tokenizer
+    from composer.rollout.engines.vllm_engine import EmbeddedEngine
 
     env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="smoke"), TaskSet(name="humaneval")]), seed=0,
                             sandbox_root=tmp_path_factory.mktemp("sandbox"))
@@ -40,7 +40,7 @@ def parts(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def episodes(parts):
-    from rollout.agent.loop import EpisodeRunner
+    from composer.rollout.agent.loop import EpisodeRunner
 
     engine, tokenizer, env = parts
     runner = EpisodeRunner(engine, tokenizer, env, ROLLOUT)
@@ -59,7 +59,7 @@ def test_long_episodes_run_to_their_end_within_the_context(episodes):
 
 
 def test_segment_structure_and_masks(episodes):
-    from rollout.agent.loop import SUMMARY_HEADER, SUMMARY_REQUEST
+    from composer.rollout.agent.loop import SUMMARY_HEADER, SUMMARY_REQUEST
 
     trajectories, tok, prompt_text = episodes
     prompt = tok.encode(prompt_text)
@@ -82,8 +82,8 @@ def test_segment_structure_and_masks(episodes):
 
 
 def test_segments_share_the_episode_advantage(episodes):
-    from recipes.schema import RLSection
-    from rl.learner_main import learner_sequences
+    from composer.recipes.schema import RLSection
+    from composer.rl.learner_main import learner_sequences
 
     trajectories, _, _ = episodes
     trajectories[0].reward, trajectories[1].reward = 1.0, 0.0
@@ -93,7 +93,7 @@ def test_segments_share_the_episode_advantage(episodes):
 
 
 def test_summarization_metrics(episodes):
-    from rl.trajectories import episode_stats
+    from composer.rl.trajectories import episode_stats
 
     trajectories, _, _ = episodes
     stats = episode_stats(trajectories, MAX_CONTEXT)
@@ -106,7 +106,7 @@ def test_summarization_metrics(episodes):
 def test_tool_episodes_with_the_real_engine(parts):
     """The tools harness around real sampling: whatever the policy writes, the episode is graded, observations are
     untrained, routes cover every position, and self-summarization keeps each segment inside the context."""
-    from rollout.agent.loop import EpisodeRunner
+    from composer.rollout.agent.loop import EpisodeRunner
 
     engine, tok, env = parts
     rollout = ROLLOUT.model_copy(update={"harness": "tools", "max_context": 1024, "max_turns": 6, "summarize_at": 0.8})

@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from cluster.groups import describe_group, parallel_groups
-from cluster.launch import LocalLauncher, RanksFailed, run_to_end, torchrun_argv
-from cluster.plan import GIB, make_plan, rank_params, stage_memory
-from recipes.errors import UserError
-from recipes.loader import load_recipe
-from recipes.schema import ClusterSection, ParallelismSection
-from recipes.sizes import parameter_counts, routed_expert_parameters
-from runtime.run_dir import RunDir
+from composer.cluster.groups import describe_group, parallel_groups
+from composer.cluster.launch import LocalLauncher, RanksFailed, run_to_end, torchrun_argv
+from composer.cluster.plan import GIB, make_plan, rank_params, stage_memory
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import ClusterSection, ParallelismSection
+from composer.recipes.sizes import parameter_counts, routed_expert_parameters
+from composer.runtime.run_dir import RunDir
 from tests.conftest import RECIPES, REPO, run_composer
 
 LAYOUTS = [  # tp, cp, pp, ep, etp, world
@@ -213,7 +213,7 @@ def test_a_layout_that_cannot_fit_is_refused_naming_the_key(tmp_path):
 def test_muon_is_not_told_to_shard_its_state():
     """Megatron-Core's Muon has no distributed optimizer: where Adam is told to shard its state, Muon (one momentum
     per weight matrix, less state unsharded) is told another change."""
-    from cluster.plan import fit_problems
+    from composer.cluster.plan import fit_problems
 
     tight = ["parallelism.distributed_optimizer=false", "cluster.device_memory_gib=64"]
     adam = load_recipe(RECIPES / "qwen3-30b-a3b-midtrain.yaml", tight)

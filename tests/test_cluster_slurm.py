@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.processes import free_port
-from runtime.run_dir import read_metrics
+from composer.runtime.processes import free_port
+from composer.runtime.run_dir import read_metrics
 from tests import slurm_cluster
 from tests.conftest import RECIPES, REPO
 
@@ -39,7 +39,7 @@ def midtrain(init: Path, run_dir: Path, name: str, *more: str) -> list[str]:
             f"train.steps={STEPS}", f"train.eval_every={STEPS}", "train.eval_batches=1", f"train.checkpoint_every={STEPS}",
             "optim.warmup_steps=1", "data.split=[90,10,0]", 'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
             "cluster.launcher=slurm", f"cluster.rdzv_port={free_port()}"]
-    return [sys.executable, "-m", "cli", "train", "midtrain", str(RECIPES / "smoke-midtrain.yaml"), *(a for s in sets for a in ("--set", s)), *more]
+    return [sys.executable, "-m", "composer.cli", "train", "midtrain", str(RECIPES / "smoke-midtrain.yaml"), *(a for s in sets for a in ("--set", s)), *more]
 
 
 def steps(run: Path) -> list[int]:

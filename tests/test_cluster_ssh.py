@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.run_dir import read_metrics
+from composer.runtime.run_dir import read_metrics
 from tests import netns_hosts
 from tests.conftest import COMPOSER, RECIPES, REPO, run_composer
 
@@ -177,7 +177,7 @@ def test_cluster_check_passes_healthy_hosts_and_names_each_problem(hosts, tmp_pa
 
 
 def rollout_recipe(hosts, tmp_path: Path, host: str, *more: str):
-    from recipes.loader import load_recipe
+    from composer.recipes.loader import load_recipe
 
     sets = [f"run.dir={tmp_path / 'runs'}", "model.checkpoint=unused", "rollout.engine=server", f"rollout.hosts=[{host}]",
             f"rollout.remote_dir={tmp_path / 'remote'}", f"rollout.remote_python={hosts.cluster_python}", "cluster.ssh.user=root",
@@ -186,9 +186,9 @@ def rollout_recipe(hosts, tmp_path: Path, host: str, *more: str):
 
 
 def test_a_rollout_host_pulls_from_an_ssh_store_with_the_recipe_key_and_known_hosts(hosts, tmp_path):
-    from rl.protocol import RLRunFiles
-    from rl.rollout_hosts import RemoteHost
-    from sync.pusher import push_version
+    from composer.rl.protocol import RLRunFiles
+    from composer.rl.rollout_hosts import RemoteHost
+    from composer.sync.pusher import push_version
     from tests.sync_testing import TrainingRun
 
     weights = TrainingRun(tmp_path / "checkpoints")
@@ -207,9 +207,9 @@ def test_a_rollout_host_pulls_from_an_ssh_store_with_the_recipe_key_and_known_ho
 
 
 def test_a_rollout_host_that_does_not_see_a_directory_store_is_refused(hosts):
-    from recipes.errors import UserError
-    from rl.protocol import RLRunFiles
-    from rl.rollout_hosts import RemoteHost
+    from composer.recipes.errors import UserError
+    from composer.rl.protocol import RLRunFiles
+    from composer.rl.rollout_hosts import RemoteHost
 
     shared = hosts.dir / "shared" / "rl"  # host 3 mounts its own directory there
     recipe = rollout_recipe(hosts, shared, hosts.names[2])
@@ -220,9 +220,9 @@ def test_a_rollout_host_that_does_not_see_a_directory_store_is_refused(hosts):
 
 @pytest.mark.engines
 def test_the_rl_learner_runs_on_two_hosts(hosts, tmp_path):
-    from recipes.loader import load_recipe
+    from composer.recipes.loader import load_recipe
     from tests.test_rl import metrics, start
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)
     learner = cluster_sets(hosts, hosts.names[:2]) + ["cluster.procs_per_host=1", "train.steps=3"]

@@ -11,15 +11,15 @@ import textwrap
 import pytest
 from rich.console import Console
 
-from rl.console import RLConsole, alarms
-from runtime import progress
-from runtime.run_dir import MetricsWriter
+from composer.rl.console import RLConsole, alarms
+from composer.runtime import progress
+from composer.runtime.run_dir import MetricsWriter
 from tests.conftest import REPO
 
 SCRIPT = textwrap.dedent("""
     import atexit, logging, os, subprocess, sys
     from pathlib import Path
-    from runtime.processes import output_to_log
+    from composer.runtime.processes import output_to_log
 
     atexit.register(lambda: os.write(2, b"nanobind: leaked 3 functions!\\n"))  # as a library's teardown does, last
     log = Path(sys.argv[1])
@@ -128,8 +128,8 @@ def test_tensorboard_gets_every_numeric_value_of_a_record(tmp_path):
 
 
 def test_a_driver_crash_ends_in_its_cause_and_the_log_that_holds_the_traceback(tmp_path, capsys):
-    from recipes.errors import RunFailed
-    from rl.driver import crash_explained
+    from composer.recipes.errors import RunFailed
+    from composer.rl.driver import crash_explained
 
     log = tmp_path / "driver.log"
     with pytest.raises(RunFailed) as failed:
@@ -140,8 +140,8 @@ def test_a_driver_crash_ends_in_its_cause_and_the_log_that_holds_the_traceback(t
 
 
 def test_the_view_follows_a_metrics_file_the_resuming_learner_replaced(tmp_path):
-    from rl.console import MetricsTail
-    from runtime.run_dir import drop_records_after
+    from composer.rl.console import MetricsTail
+    from composer.runtime.run_dir import drop_records_after
 
     metrics = tmp_path / "metrics.jsonl"
     write_steps(metrics, [1, 2, 3])

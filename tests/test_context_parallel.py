@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.errors import UserError
-from recipes.loader import load_recipe
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
 from tests.conftest import RECIPES, run_composer, run_ranks
-from trainer.checkpoint_init import init_hf_checkpoint
+from composer.trainer.checkpoint_init import init_hf_checkpoint
 
 pytestmark = pytest.mark.engines
 
@@ -64,7 +64,7 @@ def test_cp2_and_cp2_x_tp2_compute_what_one_rank_computes(checkpoints, tmp_path)
 def test_midtrain_at_cp2_reproduces_cp1(checkpoints, tmp_path):
     """The DeepSeek-V3 twin on 2 ranks, documents packed with their own attention: cp2 (each sample split over both
     ranks) against 2 data-parallel replicas; every recorded metric of 2 steps and 2 evaluations agrees."""
-    from runtime.run_dir import read_metrics
+    from composer.runtime.run_dir import read_metrics
 
     runs = {}
     for cp in (1, 2):

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from data.prepare import prepare_data
-from recipes.errors import UserError
-from recipes.schema import DataSection
-from runtime.prepared_data import PreparedData
+from composer.data.prepare import prepare_data
+from composer.recipes.errors import UserError
+from composer.recipes.schema import DataSection
+from composer.runtime.prepared_data import PreparedData
 from tests.data_helpers import train_tokenizer, write_jsonl
-from trainer.datasets import build_gpt_datasets
+from composer.trainer.datasets import build_gpt_datasets
 
 SEQ = 32
 

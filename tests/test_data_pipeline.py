@@ -21,9 +21,9 @@ import zstandard
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer
 
-from data.prepare import prepare_data
-from recipes.errors import UserError
-from recipes.loader import load_recipe
+from composer.data.prepare import prepare_data
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
 from tests.conftest import COMPOSER, REPO, run_composer
 from tests.data_helpers import EOS, STDLIB, train_tokenizer, write_recipe
 

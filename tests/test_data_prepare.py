@@ -10,11 +10,11 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer
 
-from data.inputs import plan_units
-from data.prepare import prepare_data
-from recipes.errors import UserError
-from recipes.loader import load_recipe
-from recipes.schema import DataSource
+from composer.data.inputs import plan_units
+from composer.data.prepare import prepare_data
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import DataSource
 from tests.conftest import run_composer
 from tests.data_helpers import EOS, STDLIB, train_tokenizer, write_jsonl, write_recipe
 

@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.errors import UserError
-from recipes.loader import load_recipe
-from recipes.schema import ParallelismSection, RolloutSection, SamplingSection
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import ParallelismSection, RolloutSection, SamplingSection
 from tests.conftest import run_ranks
 from tests.test_model_engines import assert_same_weights
-from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.hf_config import model_section_from_hf
-from trainer.logprobs import pad_micro_batch, token_logprobs
-from trainer.model import build_model, forward_logits
-from trainer.router_replay import replay_for_micro_batch, routing, routing_disagreement
-from trainer.weights import export_hf, load_hf_into
+from composer.trainer.checkpoint_init import init_hf_checkpoint
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.logprobs import pad_micro_batch, token_logprobs
+from composer.trainer.model import build_model, forward_logits
+from composer.trainer.router_replay import replay_for_micro_batch, routing, routing_disagreement
+from composer.trainer.weights import export_hf, load_hf_into
 
 pytestmark = pytest.mark.engines
 
@@ -133,7 +133,7 @@ def test_import_export_round_trip_is_bit_exact(checkpoint, megatron, tmp_path):
 def served(checkpoint, megatron, tokens, tmp_path_factory) -> dict:
     """The fp32 embedded engine (CPU_MLA backend): teacher-forced logprobs of `tokens` and 2 sampled continuations
     with their routed experts (saved for the torchrun replay worker too)."""
-    from rollout.engines.vllm_engine import EmbeddedEngine
+    from composer.rollout.engines.vllm_engine import EmbeddedEngine
 
     rollout = RolloutSection(max_context=64, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=8))
     engine = EmbeddedEngine(checkpoint, rollout, seed=0, routed_experts=True)
@@ -213,8 +213,8 @@ def test_tensor_and_expert_parallel_match_single_process(checkpoint, tmp_path):
 def test_layouts_and_shapes_the_provider_cannot_build_are_refused(checkpoint, megatron, tmp_path):
     import shutil
 
-    from rollout.engines.vllm_engine import cpu_attention_backend
-    from trainer.model import check_supported
+    from composer.rollout.engines.vllm_engine import cpu_attention_backend
+    from composer.trainer.model import check_supported
 
     m, _ = megatron
     with pytest.raises(UserError, match="parallelism.tp: 3 does not divide model.num_attention_heads=4"):
@@ -259,7 +259,7 @@ def composer_ok(*args: str) -> str:
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    from runtime.run_dir import read_metrics
+    from composer.runtime.run_dir import read_metrics
 
     root = tmp_path_factory.mktemp("chain")
     composer_ok("model", "init", str(root / "init"), "--recipe", str(TWIN))
@@ -289,7 +289,7 @@ def test_twin_midtrains_and_the_expert_bias_balances(chain):
     assert all(r["moe_aux_loss"] > 0 for r in chain["midtrain"][1:])
     from safetensors import safe_open
 
-    from trainer.weights import hf_weight_files
+    from composer.trainer.weights import hf_weight_files
 
     name = "model.layers.2.mlp.gate.e_score_correction_bias"
     tensors = []
@@ -316,9 +316,9 @@ def test_twin_rl_replayed_with_fp8_policies_ships_fp8_deltas(chain):
     """The same learner steps (--replay of the run above, no engines) with rollout.dtype fp8: every policy goes out
     in block fp8 (starting policy converted, the learner's exports quantized), as sparse deltas, and pulls back as a
     checkpoint composer reads."""
-    from runtime.run_dir import read_metrics
-    from trainer.hf_checkpoint import CheckpointLayout
-    from trainer.weights import expected_hf_names
+    from composer.runtime.run_dir import read_metrics
+    from composer.trainer.hf_checkpoint import CheckpointLayout
+    from composer.trainer.weights import expected_hf_names
 
     root = chain["root"]
     composer_ok(

@@ -1,7 +1,7 @@
 """`rollout.dtype: auto`: bf16 only where the CPU computes it natively (emulated bf16 is slower than fp32)."""
 
-from recipes.schema import RolloutSection
-from rollout.engines.vllm_engine import cpu_has_native_bf16, resolved_dtype, with_resolved_dtype
+from composer.recipes.schema import RolloutSection
+from composer.rollout.engines.vllm_engine import cpu_has_native_bf16, resolved_dtype, with_resolved_dtype
 
 AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n"
 AVX512_BF16 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16 avx512_vnni\n"

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from recipes.errors import UserError
+from composer.recipes.errors import UserError
 from tests import netns_hosts
 from tests.conftest import RECIPES, REPO
 
@@ -83,9 +83,9 @@ def _edit(src: Path, dst: Path) -> Path:
 @pytest.fixture(scope="module")
 def policies(tmp_path_factory):
     """The dense model as v1 and v2 (two layers edited) in a sync store both hosts see, and recipe settings for them."""
-    from recipes.loader import load_recipe
-    from sync.pusher import push_version
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.recipes.loader import load_recipe
+    from composer.sync.pusher import push_version
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     root = tmp_path_factory.mktemp("engine-over-hosts")
     sets = [f"run.dir={root / 'runs'}", "model.checkpoint=unused", *DENSE, "rollout.engine=server", "rollout.max_context=256",
@@ -100,9 +100,9 @@ def policies(tmp_path_factory):
 @contextlib.contextmanager
 def engine_over_hosts(hosts, policies, parallelism: str):
     """The recipe's two rollout hosts opened as composer's driver opens them, its engine started on v1."""
-    from recipes.loader import load_recipe
-    from rl.protocol import RLRunFiles
-    from rl.rollout_hosts import EngineHosts, open_hosts
+    from composer.recipes.loader import load_recipe
+    from composer.rl.protocol import RLRunFiles
+    from composer.rl.rollout_hosts import EngineHosts, open_hosts
 
     sets, _, versions = policies
     name = parallelism.replace("=", "")
@@ -136,8 +136,8 @@ def tp2(hosts, policies):
 @pytest.fixture(scope="module")
 def single(policies):
     """A single-process engine (the same vLLM, in this process), on v1 unless a test loads v2."""
-    from recipes.loader import load_recipe
-    from rollout.engines.vllm_engine import EmbeddedEngine
+    from composer.recipes.loader import load_recipe
+    from composer.rollout.engines.vllm_engine import EmbeddedEngine
 
     sets, (v1, _), _ = policies
     return EmbeddedEngine(v1, load_recipe(RECIPES / "smoke-rl.yaml", sets).rollout.model_copy(update={"engine": "embedded"}),
@@ -146,7 +146,7 @@ def single(policies):
 
 def on_replica(engine, rollout, rank: int):
     """The engine's client with every request sent to one data-parallel replica (vLLM's X-data-parallel-rank)."""
-    from rollout.engines.vllm_engine import ServerEngine
+    from composer.rollout.engines.vllm_engine import ServerEngine
 
     class OneReplica(ServerEngine):
         def _post(self, path, body):
@@ -212,7 +212,7 @@ class TestDataParallelOverHosts:
 
     def test_a_killed_part_restarts_the_whole_engine_and_the_run_stops_once_restarts_are_spent(self, dp2, single, hosts, monkeypatch,
                                                                                                   capfd):
-        import rl.rollout_hosts
+        import composer.rl.rollout_hosts as rollout_hosts
 
         group, engine, recipe = dp2
         expected = sample(single)  # the policy the hosts hold (v2 after the previous test)
@@ -227,7 +227,7 @@ class TestDataParallelOverHosts:
         for rank in (0, 1):
             assert_same_samples(sample(on_replica(engine, recipe.rollout, rank)), expected)
 
-        monkeypatch.setattr(rl.rollout_hosts, "ENGINE_RESTARTS", 1)
+        monkeypatch.setattr(rollout_hosts, "ENGINE_RESTARTS", 1)
         kill_headless_rank(hosts)
         with pytest.raises(UserError, match=r"its part .*vllm-0-node1\.log exited, and the engine was restarted 1 time\(s\) in this "
                                              r"run already; the run stops"):

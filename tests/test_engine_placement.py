@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from cluster.placement import RANK_CORES_ENV, HostDevices, place_host
-from recipes.loader import RecipeError, load_recipe
+from composer.cluster.placement import RANK_CORES_ENV, HostDevices, place_host
+from composer.recipes.loader import RecipeError, load_recipe
 from tests.conftest import RECIPES, REPO, run_composer
 from tests.test_cluster_plan import flat
 from tests.test_recipes import MINIMAL
@@ -105,7 +105,7 @@ def test_cpu_host_engine_ranks_get_their_own_cores_and_the_learner_is_bound_off_
 
 
 def test_cpu_workarounds_are_forced_on_cpus_only():
-    from rollout.engines.vllm_engine import engine_options
+    from composer.rollout.engines.vllm_engine import engine_options
 
     section = recipe_with("rollout.parallelism.tp=2").rollout
     cpu = engine_options("/m", section, "cpu", seed=0, routed_experts=True, tokenizer=True, cpu_backend="CPU_MLA")
@@ -146,7 +146,7 @@ def test_engines_that_do_not_fit_this_machine_are_refused_before_anything_starts
 
 
 def test_tensor_and_pipeline_groups_over_hosts_use_vllms_multi_node_executor():
-    from rl.rollout_hosts import rollout_plan
+    from composer.rl.rollout_hosts import rollout_plan
 
     recipe = load_recipe(RECIPES / "kimi-k2-rl.yaml", ["rollout.parallelism.pp=2", "rollout.parallelism.dp=1",
                                                        "rollout.parallelism.enable_expert_parallel=false", "rollout.devices.memory_gib=192"])

@@ -10,10 +10,10 @@ crashes (SIGSEGV) on the first forward pass, fp32 and bf16; a data-parallel MoE 
 import numpy as np
 import pytest
 
-from recipes.schema import EngineParallelismSection, RolloutSection, SamplingSection
-from sync.pusher import push_version
-from sync.receiver import pull, update_in_place
-from sync.store import Store
+from composer.recipes.schema import EngineParallelismSection, RolloutSection, SamplingSection
+from composer.sync.pusher import push_version
+from composer.sync.receiver import pull, update_in_place
+from composer.sync.store import Store
 from tests.sync_testing import sync_section
 from tests.test_weight_update import EDITED, _edit
 from tests.tiny_hf import make_tiny_qwen3_moe
@@ -39,7 +39,7 @@ def versions(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2(versions, tmp_path_factory):
-    from rollout.engines.vllm_engine import ServerEngine, VllmServer
+    from composer.rollout.engines.vllm_engine import ServerEngine, VllmServer
 
     v1 = versions[2]
     server = VllmServer(v1, TP2, seed=0, routed_experts=True, log_path=tmp_path_factory.mktemp("logs") / "vllm-tp2.log")
@@ -52,7 +52,7 @@ def tp2(versions, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp1(versions):
-    from rollout.engines.vllm_engine import EmbeddedEngine
+    from composer.rollout.engines.vllm_engine import EmbeddedEngine
 
     return EmbeddedEngine(versions[2], ROLLOUT, seed=0, routed_experts=True)
 

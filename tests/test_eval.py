@@ -23,8 +23,8 @@ def lines(path):
 @pytest.fixture(scope="module")
 def rl_run(tmp_path_factory):
     """A one-step RL run of the smoke recipe that evaluates its starting and its final policy (8 held-out tasks)."""
-    from recipes.loader import load_recipe
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.recipes.loader import load_recipe
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     root = tmp_path_factory.mktemp("eval")
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, root / "init", tokenizer_bytes=2**20)

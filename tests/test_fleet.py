@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from rollout.sandbox.fleet import Failure, Provider, SandboxPool, SimulatedClock
-from rollout.sandbox.results import AssertionTests, SandboxResult
-from rollout.sandbox.server import RunRequest
+from composer.rollout.sandbox.fleet import Failure, Provider, SandboxPool, SimulatedClock
+from composer.rollout.sandbox.results import AssertionTests, SandboxResult
+from composer.rollout.sandbox.server import RunRequest
 
 OK = SandboxResult(1.0, 1, 1, "ok", "", "", "", 0.1)
 INFRA = SandboxResult(0.0, 0, 0, "infra", "the host starved the run", "", "", 0.1, infra_failure=True)
@@ -198,8 +198,8 @@ def test_with_no_host_up_queued_runs_end_as_infra_failure():
 
 
 def test_requests_and_results_cross_the_wire_unchanged_and_nothing_else_does():
-    from rollout.sandbox.results import Call, CallTests, CaseResult, CaseTests, GeneratedCalls, ScriptRun, Statement
-    from rollout.sandbox.server import ProtocolError, from_wire, to_wire
+    from composer.rollout.sandbox.results import Call, CallTests, CaseResult, CaseTests, GeneratedCalls, ScriptRun, Statement
+    from composer.rollout.sandbox.server import ProtocolError, from_wire, to_wire
 
     values = [
         RunRequest("x = 1\n", ScriptRun()),
@@ -221,9 +221,9 @@ def test_requests_and_results_cross_the_wire_unchanged_and_nothing_else_does():
 
 
 def test_a_real_local_fleet_runs_programs_concurrently_up_to_its_limit(tmp_path):
-    from recipes.schema import SandboxSection, SSHSection
-    from rollout.sandbox.hosts import SandboxFleet
-    from rollout.sandbox.results import ScriptRun
+    from composer.recipes.schema import SandboxSection, SSHSection
+    from composer.rollout.sandbox.hosts import SandboxFleet
+    from composer.rollout.sandbox.results import ScriptRun
 
     fleet = SandboxFleet(SandboxSection(sandboxes_per_host=3, max_concurrent=2, wall_seconds=30), SSHSection(), root=tmp_path)
     try:
@@ -273,7 +273,7 @@ def test_the_live_view_shows_the_fleet_in_one_row(tmp_path):
 
     from rich.console import Console
 
-    from rl.console import RLConsole
+    from composer.rl.console import RLConsole
 
     clock = SimulatedClock()
     provider = FakeProvider(clock, {"a": always(OK), "b": always(Failure("connection_lost", "fake"))})
@@ -294,8 +294,8 @@ def test_the_sandbox_server_grades_what_it_is_sent_and_refuses_what_is_not_a_req
     import subprocess
     import sys
 
-    from recipes.schema import SandboxSection
-    from rollout.sandbox.server import MODULE, frame_bytes, from_wire, read_frame, to_wire
+    from composer.recipes.schema import SandboxSection
+    from composer.rollout.sandbox.server import MODULE, frame_bytes, from_wire, read_frame, to_wire
     from tests.conftest import REPO
 
     server = subprocess.Popen([sys.executable, "-m", MODULE], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

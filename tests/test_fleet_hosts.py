@@ -33,13 +33,13 @@ def hosts(tmp_path_factory):
 
 
 def ssh_section(hosts):
-    from recipes.schema import SSHSection
+    from composer.recipes.schema import SSHSection
 
     return SSHSection(user="root", key_file=str(hosts.client_key), known_hosts=str(hosts.known_hosts))
 
 
 def sandbox_section(names: list[str], hosts=None, **more):
-    from recipes.schema import SandboxSection
+    from composer.recipes.schema import SandboxSection
 
     if hosts is not None:
         more = {"remote_python": str(hosts.python), **more}
@@ -49,7 +49,7 @@ def sandbox_section(names: list[str], hosts=None, **more):
 
 def numbered(i: int, seconds: float):
     """A program returning `i` after `seconds`, and tests that pass only for `i`: a result is its own run's."""
-    from rollout.sandbox.results import AssertionTests
+    from composer.rollout.sandbox.results import AssertionTests
 
     program = f"import time\n\ndef answer():\n    time.sleep({seconds})\n    return {i}\n"
     return program, AssertionTests(entry_point="answer", setup="", cases=(f"assert candidate() == {i}",))
@@ -63,10 +63,10 @@ def wait_for_no_process(hosts, pattern: str, seconds: float = 20) -> list[str]:
 
 
 def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
-    from recipes.schema import SandboxSection
-    from rollout.sandbox.hosts import SandboxFleet
-    from rollout.sandbox.results import CallTests, GeneratedCalls, ScriptRun
-    from rollout.sandbox.runs import Sandbox
+    from composer.recipes.schema import SandboxSection
+    from composer.rollout.sandbox.hosts import SandboxFleet
+    from composer.rollout.sandbox.results import CallTests, GeneratedCalls, ScriptRun
+    from composer.rollout.sandbox.runs import Sandbox
 
     cases = [
         numbered(7, 0),
@@ -93,8 +93,8 @@ def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
 
 
 def test_an_unreachable_host_or_a_missing_composer_at_start_is_one_clear_error(hosts):
-    from recipes.errors import UserError
-    from rollout.sandbox.hosts import SandboxFleet
+    from composer.recipes.errors import UserError
+    from composer.rollout.sandbox.hosts import SandboxFleet
 
     with pytest.raises(UserError, match=f"root@{netns_hosts.UNUSED_ADDRESS}:22: cannot connect"):
         SandboxFleet(sandbox_section([hosts.names[0], netns_hosts.UNUSED_ADDRESS], hosts), ssh_section(hosts))
@@ -106,9 +106,9 @@ def test_an_unreachable_host_or_a_missing_composer_at_start_is_one_clear_error(h
 def test_a_killed_driver_leaves_no_sandbox_server(hosts):
     driver_code = textwrap.dedent(f"""
         import time
-        from recipes.schema import SandboxSection, SSHSection
-        from rollout.sandbox.hosts import SandboxFleet
-        from rollout.sandbox.server import RunRequest
+        from composer.recipes.schema import SandboxSection, SSHSection
+        from composer.rollout.sandbox.hosts import SandboxFleet
+        from composer.rollout.sandbox.server import RunRequest
         from tests.test_fleet_hosts import numbered
 
         ssh = SSHSection(user="root", key_file={str(hosts.client_key)!r}, known_hosts={str(hosts.known_hosts)!r})
@@ -158,10 +158,10 @@ def test_env_check_grades_every_reference_on_the_recipes_sandbox_hosts(hosts, wr
 def test_an_rl_run_grades_its_episodes_on_the_sandbox_hosts(hosts, tmp_path):
     import json
 
-    from recipes.loader import load_recipe
+    from composer.recipes.loader import load_recipe
     from tests.conftest import RECIPES
     from tests.test_rl import start
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)
     sets = [f"env.sandbox.hosts=[{hosts.names[0]}, {hosts.names[1]}]", "env.sandbox.sandboxes_per_host=2", "cluster.ssh.user=root",
@@ -179,8 +179,8 @@ def test_an_rl_run_grades_its_episodes_on_the_sandbox_hosts(hosts, tmp_path):
 
 def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others_and_is_readmitted_when_back(hosts):
     """Last in this module: it kills the third host (and brings it back)."""
-    from rollout.sandbox.hosts import SandboxFleet
-    from rollout.sandbox.server import RunRequest
+    from composer.rollout.sandbox.hosts import SandboxFleet
+    from composer.rollout.sandbox.server import RunRequest
 
     runs = 24
     fleet = SandboxFleet(sandbox_section(hosts.names, hosts, readmit_seconds=2), ssh_section(hosts))

@@ -6,16 +6,16 @@ import logging
 import numpy as np
 import pytest
 
-from recipes.schema import EnvSection, SandboxSection, TaskSet
-from rl.trajectories import episode_stats
-from rollout.agent.environment import CodingEnvironment
-from rollout.agent.trajectory import Trajectory
-from rollout.sandbox import plain_data
-from rollout.sandbox.graders import judge_call, rewrite_assertions
-from rollout.sandbox.results import Call, CaseTests, ScriptRun, Statement
-from rollout.sandbox.runs import Sandbox
-from rollout.tasks.functions import CodeIOSource, HumanEvalSource, canary_of, smoke_task
-from trainer.rl_objective import group_advantages
+from composer.recipes.schema import EnvSection, SandboxSection, TaskSet
+from composer.rl.trajectories import episode_stats
+from composer.rollout.agent.environment import CodingEnvironment
+from composer.rollout.agent.trajectory import Trajectory
+from composer.rollout.sandbox import plain_data
+from composer.rollout.sandbox.graders import judge_call, rewrite_assertions
+from composer.rollout.sandbox.results import Call, CaseTests, ScriptRun, Statement
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.functions import CodeIOSource, HumanEvalSource, canary_of, smoke_task
+from composer.trainer.rl_objective import group_advantages
 
 # A wall limit far away, so the CPU limit ends loops however busy this machine is.
 LIMITS = SandboxSection(cpu_seconds=1, wall_seconds=120, memory_mb=768, max_processes=16, max_file_mb=2, max_output_kb=8)
@@ -244,8 +244,7 @@ def test_guards_decide_what_a_flagged_episode_earns(tmp_path, tasks):
 
 
 def test_a_sandbox_that_cannot_start_is_an_infrastructure_failure(tmp_path, monkeypatch, caplog):
-    import rollout.sandbox.runs as sandbox_module
-
+    import composer.rollout.sandbox.runs as sandbox_module
     sandbox = Sandbox(LIMITS.model_copy(update={"infra_retries": 1}), root=tmp_path)
     broken = dict(sandbox_module.root_layout(), read_only=["/nonexistent-composer-lib"])
     monkeypatch.setattr(sandbox_module, "root_layout", lambda: broken)

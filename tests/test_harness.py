@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from recipes.schema import EnvSection, RolloutSection, SamplingSection, TaskSet
-from rollout.agent.harness import CallError, ToolBox, ToolCall, parse_tool_calls, truncate
-from rollout.engines.vllm_engine import Completion
+from composer.recipes.schema import EnvSection, RolloutSection, SamplingSection, TaskSet
+from composer.rollout.agent.harness import CallError, ToolBox, ToolCall, parse_tool_calls, truncate
+from composer.rollout.engines.vllm_engine import Completion
 
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
 {{ messages[0].content if messages[0].role == 'system' else '' }}
@@ -61,7 +61,7 @@ class ScriptedPolicy:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    from trainer.checkpoint_init import train_tokenizer
+    from composer.trainer.checkpoint_init import train_tokenizer
 
     out = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer(4096, 2**18).save_pretrained(out)
@@ -70,14 +70,14 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tok(tokenizer_dir):
-    from rollout.agent.harness import Tokenizer
+    from composer.rollout.agent.harness import Tokenizer
 
     return Tokenizer(str(tokenizer_dir))
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from rollout.agent.environment import CodingEnvironment
+    from composer.rollout.agent.environment import CodingEnvironment
 
     return CodingEnvironment(EnvSection(tasks=[TaskSet(name="smoke"), TaskSet(name="humaneval")]), seed=0,
                              sandbox_root=tmp_path_factory.mktemp("sandbox"))
@@ -88,7 +88,7 @@ HUMANEVAL_0 = "    return any(abs(a - b) < threshold for i, a in enumerate(numbe
 
 
 def run_episode(tok, env, replies, task_index=(1, 0), rollout=TOOLS, **policy):
-    from rollout.agent.loop import EpisodeRunner
+    from composer.rollout.agent.loop import EpisodeRunner
 
     policy = ScriptedPolicy(tok, replies, **policy)
     [trajectory] = EpisodeRunner(policy, tok, env, rollout).run_group(env.pool.task(*task_index), "g", 1, 0, seed=0)
@@ -241,7 +241,7 @@ def test_malformed_calls_get_error_observations_and_the_episode_goes_on(tok, env
     assert "unknown argument reason" in policy.prompts[4]
     assert trajectory.info["end_reason"] == "finished" and trajectory.info["tool_errors"] == 5
     assert trajectory.info["tests_total"] == 4  # graded; the call after finish did not run
-    from rl.trajectories import episode_stats
+    from composer.rl.trajectories import episode_stats
 
     stats = episode_stats([trajectory], TOOLS.max_context)
     assert stats["tool_calls_per_episode"] == 7 and stats["tool_error_rate"] == 5 / 7
@@ -257,7 +257,7 @@ def test_long_observations_are_cut_to_the_budget_with_a_note(tok, env):
 
 
 def test_self_summarization_keeps_working_with_tools(tok, env):
-    from rollout.agent.loop import SUMMARY_HEADER, SUMMARY_REQUEST
+    from composer.rollout.agent.loop import SUMMARY_HEADER, SUMMARY_REQUEST
 
     rollout = TOOLS.model_copy(update={"max_context": 3072, "summarize_at": 0.5, "max_summaries": 4, "max_turns": 12,
                                        "sampling": SamplingSection(max_tokens=160)})
@@ -283,8 +283,8 @@ def smollm2_tok(tmp_path_factory):
     """SmolLM2-135M-Instruct's real tokenizer and chat template (ChatML; it does not render `tools=`)."""
     from transformers import AutoTokenizer
 
-    from rollout.agent.harness import Tokenizer
-    from trainer.checkpoint_init import smollm2_gguf
+    from composer.rollout.agent.harness import Tokenizer
+    from composer.trainer.checkpoint_init import smollm2_gguf
 
     gguf = smollm2_gguf()
     out = tmp_path_factory.mktemp("smollm2")
@@ -293,7 +293,7 @@ def smollm2_tok(tmp_path_factory):
 
 
 def test_a_template_without_tools_gets_the_plain_tool_guide_and_tool_turns(smollm2_tok, env):
-    from rollout.agent.harness import ChatFormat, plain_tool_guide
+    from composer.rollout.agent.harness import ChatFormat, plain_tool_guide
 
     chat = ChatFormat(smollm2_tok, chat_template=True, tools=True)
     assert not chat.template_tools
@@ -312,7 +312,7 @@ def test_a_template_without_tools_gets_the_plain_tool_guide_and_tool_turns(smoll
 def test_a_template_that_renders_tools_gets_the_schemas_through_it(tokenizer_dir, tmp_path, env):
     from transformers import AutoTokenizer
 
-    from rollout.agent.harness import TOOL_SCHEMAS, ChatFormat, Tokenizer, plain_tool_guide
+    from composer.rollout.agent.harness import TOOL_SCHEMAS, ChatFormat, Tokenizer, plain_tool_guide
 
     hf = AutoTokenizer.from_pretrained(tokenizer_dir)
     hf.chat_template = HERMES_TEMPLATE
@@ -350,11 +350,11 @@ EGO_FIX = ("if distance is None:\n            sp, _ = nx.single_source_dijkstra(
 def repo_task(tmp_path_factory):
     """A networkx bug task made the way `composer env build` makes them (its seeded mutation `is not` -> `is` in
     ego_graph breaks test_ego_distance, test_ego still passes), without the build's survey of the whole project."""
-    from rollout.sandbox.isolation import installed_copies
-    from rollout.tasks.functions import Task
-    from rollout.tasks.mutations import changed_module, mutations
-    from rollout.tasks.repository import project_bases
-    from rollout.tasks.workspace import RepoTests
+    from composer.rollout.sandbox.isolation import installed_copies
+    from composer.rollout.tasks.functions import Task
+    from composer.rollout.tasks.mutations import changed_module, mutations
+    from composer.rollout.tasks.repository import project_bases
+    from composer.rollout.tasks.workspace import RepoTests
 
     root = tmp_path_factory.mktemp("repo")
     bases = project_bases(root / "cache", "networkx")
@@ -378,7 +378,7 @@ REPO = TOOLS.model_copy(update={"max_context": 8192, "max_turns": 6, "sampling":
 
 
 def test_scripted_tool_calls_that_fix_a_repository_bug_earn_full_reward(tok, env, repo_task):
-    from rollout.agent.loop import EpisodeRunner
+    from composer.rollout.agent.loop import EpisodeRunner
 
     policy = ScriptedPolicy(tok, [
         call("search", pattern="def ego_graph") + call("shell", command="python -c 'import networkx; print(networkx.__file__)'"),
@@ -406,7 +406,7 @@ SKIP_ALL = "import pytest\n\n\ndef pytest_collection_modifyitems(items):\n    fo
     + call("edit", path=EGO, old_string=EGO_FIX[0], new_string=EGO_FIX[1]),  # a fix, but with a cheat
 ], ids=["edit-test", "delete-failing-test", "conftest-skips", "fix-and-conftest"])
 def test_scripted_cheats_earn_nothing_and_are_flagged(tok, env, repo_task, cheat):
-    from rollout.agent.loop import EpisodeRunner
+    from composer.rollout.agent.loop import EpisodeRunner
 
     policy = ScriptedPolicy(tok, [cheat + call("run_tests"), call("finish")])
     [trajectory] = EpisodeRunner(policy, tok, env, REPO).run_group(repo_task, "c", 1, 0, seed=0)

@@ -16,16 +16,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recipes.errors import UserError
-from recipes.loader import load_recipe
-from recipes.schema import KernelsSection, ParallelismSection
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import KernelsSection, ParallelismSection
 from tests.conftest import run_ranks
 from tests.kernel_parity_worker import kernel_parity
-from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.hf_config import model_section_from_hf
-from trainer.kernels import check_kernels_installed, resolve_kernels
-from trainer.model import build_model
+from composer.trainer.checkpoint_init import init_hf_checkpoint
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.kernels import check_kernels_installed, resolve_kernels
+from composer.trainer.model import build_model
 
 pytestmark = pytest.mark.engines
 
@@ -76,9 +76,9 @@ def test_parity_under_tensor_and_expert_parallelism(checkpoints, tmp_path):
 
 
 def test_auto_picks_the_fast_kernels_and_the_choice_is_logged(checkpoints, capsys, monkeypatch):
-    import trainer.model
+    import composer.trainer.model as model_module
 
-    monkeypatch.setattr(trainer.model, "_logged_kernels", set())  # as in a fresh process (other tests built models)
+    monkeypatch.setattr(model_module, "_logged_kernels", set())  # as in a fresh process (other tests built models)
     m = model_section_from_hf(checkpoints["qwen3_moe"])
     assert m.kernels == KernelsSection(experts="auto", attention="auto")
     init_distributed(ParallelismSection())
@@ -95,7 +95,7 @@ def test_auto_picks_the_fast_kernels_and_the_choice_is_logged(checkpoints, capsy
 
 
 def test_a_torch_without_grouped_mm_refuses_grouped_and_falls_back_under_auto(monkeypatch):
-    from trainer import kernels
+    from composer.trainer import kernels
 
     monkeypatch.delattr(F, "grouped_mm")
     monkeypatch.delattr(torch, "_grouped_mm")
@@ -103,7 +103,7 @@ def test_a_torch_without_grouped_mm_refuses_grouped_and_falls_back_under_auto(mo
     try:
         with pytest.raises(UserError, match="model.kernels.experts=grouped: torch .* has no grouped_mm"):
             check_kernels_installed(KernelsSection(experts="grouped"))
-        from trainer.midtrain import check_midtrain_recipe
+        from composer.trainer.midtrain import check_midtrain_recipe
 
         with pytest.raises(UserError, match="has no grouped_mm"):  # at recipe check, before anything launches
             check_midtrain_recipe(load_recipe(REPO / "recipes/smoke-midtrain.yaml", ["model.kernels.experts=grouped"]))
@@ -137,9 +137,9 @@ def test_gpu_benchmark_runs_tiny_on_cpu():
 def test_bf16_training_keeps_fp32_master_weights_and_gradients():
     """model.dtype=bfloat16: bf16 parameters, fp32 gradient buffers and fp32 master weights in the optimizer, and
     the loss of a few steps within bf16 noise of the same steps in fp32 (the fast kernels in both)."""
-    from recipes.schema import OptimSection
-    from trainer.logprobs import token_logprobs
-    from trainer.optimizer import TrainOptimizer, wrap_data_parallel
+    from composer.recipes.schema import OptimSection
+    from composer.trainer.logprobs import token_logprobs
+    from composer.trainer.optimizer import TrainOptimizer, wrap_data_parallel
 
     torch.set_num_threads(1)
     m = load_recipe(REPO / "recipes/smoke-midtrain.yaml", []).model

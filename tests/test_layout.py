@@ -13,12 +13,17 @@ APART = {("trainer", "rollout"), ("rollout", "trainer"), ("sync", "trainer"), ("
 
 
 def _modules() -> dict[str, Path]:
+    """composer.<package>.<module> -> its file (the folders at the top of the repository install under `composer`)."""
     found = {}
     for package in LAYER:
         for path in sorted((REPO / package).rglob("*.py")) if (REPO / package).is_dir() else ():
-            name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            name = ".".join(("composer", *path.relative_to(REPO).with_suffix("").parts)).removesuffix(".__init__")
             found[name] = path
     return found
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1]
 
 
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
@@ -38,9 +43,9 @@ def test_no_module_imports_a_package_above_its_own_or_across_the_wall():
     modules = _modules()
     wrong = []
     for name, path in modules.items():
-        mine = name.split(".")[0]
+        mine = _package(name)
         for target in _imports(path, modules):
-            theirs = target.split(".")[0]
+            theirs = _package(target)
             if theirs != mine and (LAYER[theirs] >= LAYER[mine] or (mine, theirs) in APART):
                 wrong.append(f"{name} -> {target}")
     assert wrong == []

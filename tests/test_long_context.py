@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import pytest
 
-from recipes.loader import load_recipe
-from runtime.run_dir import read_metrics
+from composer.recipes.loader import load_recipe
+from composer.runtime.run_dir import read_metrics
 from tests.conftest import RECIPES, run_composer
-from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.hf_config import model_section_from_hf
+from composer.trainer.checkpoint_init import init_hf_checkpoint
+from composer.trainer.hf_config import model_section_from_hf
 
 
 def test_a_rescaled_stage_exports_its_own_rope(tmp_path):
     short = load_recipe(RECIPES / "long-context-stage1.yaml", ["model.vocab_size=512"]).model
     source = init_hf_checkpoint(short, tmp_path / "stage1", tokenizer_bytes=2**18)
-    from trainer.weights import convert_hf
+    from composer.trainer.weights import convert_hf
 
     long = load_recipe(RECIPES / "long-context-stage2.yaml", ["model.vocab_size=512", f"model.checkpoint={source}"]).model
     out = convert_hf(long, tmp_path / "stage2")

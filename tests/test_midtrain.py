@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.run_dir import read_metrics
+from composer.runtime.run_dir import read_metrics
 from tests.conftest import COMPOSER, RECIPES, REPO, run_composer
 
 pytestmark = pytest.mark.engines

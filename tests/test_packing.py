@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.loader import load_recipe
-from recipes.schema import OptimSection, ParallelismSection, RLSection, TrainSection
-from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.hf_config import model_section_from_hf
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import OptimSection, ParallelismSection, RLSection, TrainSection
+from composer.trainer.checkpoint_init import init_hf_checkpoint
+from composer.trainer.hf_config import model_section_from_hf
 
 pytestmark = pytest.mark.engines
 
@@ -37,7 +37,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 def learner_sequences(m, seed: int = 0):
-    from trainer.rl_learner import LearnerSequence
+    from composer.trainer.rl_learner import LearnerSequence
 
     rng = np.random.default_rng(seed)
     out = []
@@ -53,10 +53,10 @@ def learner_sequences(m, seed: int = 0):
 
 
 def learner_step(m, sequences, packed: bool, checkpoints: Path) -> dict:
-    from trainer.distributed import shutdown_distributed
-    from trainer.logprobs import layout_for, sequence_logprobs
-    from trainer.rl_learner import RLLearner
-    from trainer.router_replay import replay_for_micro_batch, routing
+    from composer.trainer.distributed import shutdown_distributed
+    from composer.trainer.logprobs import layout_for, sequence_logprobs
+    from composer.trainer.rl_learner import RLLearner
+    from composer.trainer.router_replay import replay_for_micro_batch, routing
 
     rl = RLSection(pack_sequences=packed, kl_coeff=0.05, group_size=2)
     train = TrainSection(steps=2, micro_batch_size=3, global_batch_size=6)
@@ -101,10 +101,10 @@ def test_the_learner_step_is_the_same_packed_and_padded(checkpoints, tmp_path, f
 def test_document_attention_equals_each_document_alone(checkpoints):
     """Two samples of 24 tokens holding five documents (EOD ends each): packed with attention and positions per
     document, every token's loss equals the loss it gets when its document is the whole input."""
-    from trainer.distributed import init_distributed, shutdown_distributed
-    from trainer.midtrain import BatchPlacement, _token_losses
-    from trainer.model import build_model
-    from trainer.weights import load_hf_into
+    from composer.trainer.distributed import init_distributed, shutdown_distributed
+    from composer.trainer.midtrain import BatchPlacement, _token_losses
+    from composer.trainer.model import build_model
+    from composer.trainer.weights import load_hf_into
 
     torch.set_num_threads(1)
     eod = 0

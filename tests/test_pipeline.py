@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.loader import load_recipe
+from composer.recipes.loader import load_recipe
 from tests.conftest import run_ranks
 from tests.test_model_engines import assert_same_weights
-from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.hf_config import model_section_from_hf
+from composer.trainer.checkpoint_init import init_hf_checkpoint
+from composer.trainer.hf_config import model_section_from_hf
 
 pytestmark = pytest.mark.engines
 
@@ -51,7 +51,7 @@ def test_pp2_step_equals_pp1_and_exports_from_both_stages(checkpoints, tmp_path)
 def test_midtrain_at_pp2_reproduces_pp1(checkpoints, tmp_path):
     """`composer train midtrain` with the twin split over 2 stages (dp=1) against 2 data-parallel replicas (pp=1):
     every recorded metric of 2 steps and 3 evaluations agrees, and the run checkpoints and exports from both stages."""
-    from runtime.run_dir import read_metrics
+    from composer.runtime.run_dir import read_metrics
     from tests.conftest import run_composer
 
     runs = {}

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.errors import UserError
+from composer.recipes.errors import UserError
 from tests.conftest import run_composer
 from tests.published_twins import make_twin, twin_config, write_reference
 from tests.tiktoken_checkpoint import write_tiktoken_tokenizer
-from trainer.hf_config import model_section_from_hf
+from composer.trainer.hf_config import model_section_from_hf
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("deepseek_v3", "kimi_k2", "kimi_k2_thinking", "kimi_k25")
@@ -47,7 +47,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_published_configs_are_read_as_deepseek_v3_with_yarn_and_mtp(twins):
-    from trainer.hf_checkpoint import CheckpointLayout
+    from composer.trainer.hf_checkpoint import CheckpointLayout
 
     for kind, twin in twins.items():
         m = model_section_from_hf(twin)
@@ -143,8 +143,8 @@ def test_model_info_says_what_composer_trains_and_what_vllm_serves(twins):
 
 @pytest.fixture(scope="module")
 def megatron():
-    from recipes.schema import ParallelismSection
-    from trainer.distributed import init_distributed, shutdown_distributed
+    from composer.recipes.schema import ParallelismSection
+    from composer.trainer.distributed import init_distributed, shutdown_distributed
 
     torch.set_num_threads(1)
     init_distributed(ParallelismSection())
@@ -153,9 +153,9 @@ def megatron():
 
 
 def load(twin: Path, dtype: str = "float32", **update):
-    from recipes.schema import ParallelismSection
-    from trainer.model import build_model
-    from trainer.weights import load_hf_into
+    from composer.recipes.schema import ParallelismSection
+    from composer.trainer.model import build_model
+    from composer.trainer.weights import load_hf_into
 
     m = model_section_from_hf(twin, dtype=dtype).model_copy(update=update)
     model = build_model(m, ParallelismSection()).eval()
@@ -170,7 +170,7 @@ def test_megatron_matches_transformers_past_the_original_context(twins, megatron
     interpolates; without YaRN they would not."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.model import forward_logits
+    from composer.trainer.model import forward_logits
 
     reference = write_reference(twins[kind], tmp_path / "reference")
     m, model = load(twins[kind])
@@ -192,10 +192,10 @@ def test_vllm_on_cpu_serves_the_dense_conversions_as_megatron_computes_them(twin
     """vLLM on CPU runs neither block-fp8 linears nor INT4 MoE without AMX, and the K2.5 twin's vision tower is not
     MoonViT's; what it serves here are the dense (fp32) conversions of the kimi_k2 and deepseek_v3 twins (YaRN,
     DeepSeek-V3's carried MTP layer ignored): prompt logprobs equal Megatron's past the original context."""
-    from recipes.schema import RolloutSection, SamplingSection
-    from rollout.engines.vllm_engine import EmbeddedEngine
-    from trainer.model import forward_logits
-    from trainer.weights import convert_hf
+    from composer.recipes.schema import RolloutSection, SamplingSection
+    from composer.rollout.engines.vllm_engine import EmbeddedEngine
+    from composer.trainer.model import forward_logits
+    from composer.trainer.weights import convert_hf
 
     tokens = torch.randint(2, 1000, (2, 64), generator=torch.Generator().manual_seed(1))
     for kind in ("kimi_k2", "deepseek_v3"):
@@ -219,7 +219,7 @@ def test_vllm_on_cpu_serves_the_dense_conversions_as_megatron_computes_them(twin
 def test_import_export_round_trip_is_bit_exact(twins, megatron, tmp_path, kind):
     """Exported in the checkpoint's own quantized layout, every stored tensor (MTP layers, vision tower and
     projector included) and config.json come back bit for bit, shard by shard."""
-    from trainer.weights import export_hf
+    from composer.trainer.weights import export_hf
 
     m, model = load(twins[kind])
     export_hf(model, m, tmp_path / "export", quantize=QUANTIZE[kind], max_shard_bytes=2**20)
@@ -236,7 +236,7 @@ def test_import_export_round_trip_is_bit_exact(twins, megatron, tmp_path, kind):
 def test_a_bf16_master_from_int4_requantizes_to_the_published_bytes(twins, megatron, tmp_path):
     """Kimi-K2.5's INT4 experts dequantized into a bf16 Megatron model re-quantize, before any step, to exactly
     the published codes and scales; a weight moved past its group's range gets a fresh scale in that group only."""
-    from trainer.weights import export_hf
+    from composer.trainer.weights import export_hf
 
     m, model = load(twins["kimi_k25"], dtype="bfloat16")
     export_hf(model, m, tmp_path / "fixed", quantize="int4")
@@ -259,7 +259,7 @@ def test_a_bf16_master_from_int4_requantizes_to_the_published_bytes(twins, megat
 def test_mtp_layers_dropped_and_dense_exports(twins, megatron, tmp_path):
     """model.mtp: drop leaves the MTP layer out (and says so in config.json); a dense export of a quantized
     checkpoint holds its dequantized values and no quantization_config."""
-    from trainer.weights import export_hf
+    from composer.trainer.weights import export_hf
 
     m, model = load(twins["deepseek_v3"], mtp="drop")
     export_hf(model, m, tmp_path / "dense", dtype=torch.float32)
@@ -297,7 +297,7 @@ def test_a_tiktoken_tokenizer_shipped_as_code_loads_offline_only_when_trusted(tw
     """The agent loop's tokenizer of a Kimi-style checkpoint: refused (naming the key) until model.trust_remote_code,
     then its own tiktoken code runs offline: text round-trips, role tokens are single ids past the ranks, and the
     chat template (with tool declarations) renders."""
-    from rollout.agent.harness import Tokenizer
+    from composer.rollout.agent.harness import Tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="tokenization_kimi.TikTokenTokenizer, named by tokenizer_config.json.*set model.trust_remote_code: true"):
@@ -336,7 +336,7 @@ def test_an_rl_recipe_on_such_a_checkpoint_is_refused_before_launch_until_truste
 def test_the_starting_policy_is_converted_as_the_learner_exports(twins, megatron, tmp_path):
     """The RL starting policy in the engines' format (no model built) has the bytes of the learner's export of the
     same weights: bf16 from block fp8; INT4 from INT4 (the published bytes); fp8 from INT4 (fresh block scales)."""
-    from trainer.weights import convert_hf, export_hf
+    from composer.trainer.weights import convert_hf, export_hf
 
     for kind, dtype, quantize in (("kimi_k2", torch.bfloat16, None), ("kimi_k25", None, "int4"), ("kimi_k25", None, "fp8")):
         m, model = load(twins[kind])

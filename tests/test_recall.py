@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from recipes.schema import EnvSection, RecallSettings, RLSection, RolloutSection, SamplingSection, TaskSet
-from rollout.agent.trajectory import Trajectory
-from rollout.engines.vllm_engine import Completion, Engine
+from composer.recipes.schema import EnvSection, RecallSettings, RLSection, RolloutSection, SamplingSection, TaskSet
+from composer.rollout.agent.trajectory import Trajectory
+from composer.rollout.engines.vllm_engine import Completion, Engine
 
 PARTS = 6
 CONTEXT = 1536
@@ -28,7 +28,7 @@ class ScriptedAgent(Engine):
         return [[self._reply(prompt)] for prompt in prompts]
 
     def _reply(self, prompt: list[int]) -> Completion:
-        from rollout.agent.loop import SUMMARY_REQUEST
+        from composer.rollout.agent.loop import SUMMARY_REQUEST
 
         context = self.tok.decode(prompt)
         codes = dict(re.findall(r"CODE of part (\d+): (\d+)", context)) | dict(re.findall(r"part (\d+) = (\d+)", context))
@@ -55,9 +55,9 @@ class ScriptedAgent(Engine):
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    from rollout.agent.environment import CodingEnvironment
-    from rollout.agent.harness import Tokenizer
-    from trainer.checkpoint_init import train_tokenizer
+    from composer.rollout.agent.environment import CodingEnvironment
+    from composer.rollout.agent.harness import Tokenizer
+    from composer.trainer.checkpoint_init import train_tokenizer
 
     directory = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer(4096, 2**20).save_pretrained(directory)
@@ -68,7 +68,7 @@ def parts(tmp_path_factory):
 
 
 def play(parts, keeps_codes: bool, **rollout) -> tuple[Trajectory, ScriptedAgent]:
-    from rollout.agent.loop import EpisodeRunner
+    from composer.rollout.agent.loop import EpisodeRunner
 
     tok, env = parts
     settings = {"harness": "tools", "max_context": CONTEXT, "max_turns": 3 * PARTS, "summarize_at": 0.5, "max_summaries": 10,
@@ -88,7 +88,7 @@ def test_summaries_that_keep_the_codes_succeed_and_lose_nothing(parts):
 
 
 def test_summaries_that_drop_the_codes_fail_with_compaction_error_1(parts):
-    from rl.trajectories import episode_stats
+    from composer.rl.trajectories import episode_stats
 
     t, _ = play(parts, keeps_codes=False)
     assert t.info["end_reason"] == "finished" and t.reward < 0.5 and t.info["summaries"] >= 2
@@ -100,7 +100,7 @@ def test_summaries_that_drop_the_codes_fail_with_compaction_error_1(parts):
 
 
 def test_dropping_the_oldest_turns_loses_codes_and_a_large_context_needs_no_compaction(parts):
-    from rollout.agent.loop import DROPPED_NOTE
+    from composer.rollout.agent.loop import DROPPED_NOTE
 
     tok, _ = parts
     dropped, agent = play(parts, keeps_codes=True, compaction="drop_oldest")
@@ -118,10 +118,10 @@ def test_the_episode_reward_reaches_the_summary_tokens(parts):
     pushed up, those that dropped them down, and no observation token gets a gradient."""
     import torch
 
-    from rl.learner_main import learner_sequences
-    from rollout.agent.loop import SUMMARY_HEADER, SUMMARY_REQUEST
-    from trainer.rl_learner import _aligned
-    from trainer.rl_objective import policy_gradient_loss
+    from composer.rl.learner_main import learner_sequences
+    from composer.rollout.agent.loop import SUMMARY_HEADER, SUMMARY_REQUEST
+    from composer.trainer.rl_learner import _aligned
+    from composer.trainer.rl_objective import policy_gradient_loss
 
     tok, _ = parts
     request, header = tok.encode(SUMMARY_REQUEST), tok.encode(SUMMARY_HEADER)

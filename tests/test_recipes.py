@@ -5,9 +5,9 @@ import textwrap
 import pytest
 import yaml
 
-from recipes.checks import refuse_unhonoured
-from recipes.errors import UserError
-from recipes.loader import RecipeError, load_recipe, recipe_to_yaml
+from composer.recipes.checks import refuse_unhonoured
+from composer.recipes.errors import UserError
+from composer.recipes.loader import RecipeError, load_recipe, recipe_to_yaml
 from tests.conftest import RECIPES
 
 SHIPPED = sorted(RECIPES.glob("*.yaml"))

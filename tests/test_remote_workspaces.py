@@ -47,8 +47,8 @@ def hosts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     """A history task of the user project (tests/user_project.py), built on this machine."""
-    from recipes.schema import RepoTaskSettings, SandboxSection
-    from rollout.tasks.repository import build_repo_tasks, load_tasks, repo_tests
+    from composer.recipes.schema import RepoTaskSettings, SandboxSection
+    from composer.rollout.tasks.repository import build_repo_tasks, load_tasks, repo_tests
     from tests.user_project import make_project
 
     base = tmp_path_factory.mktemp("remote-task")
@@ -63,15 +63,15 @@ def task(tmp_path_factory):
 
 
 def sandbox_section(hosts, names):
-    from recipes.schema import SandboxSection
+    from composer.recipes.schema import SandboxSection
 
     return SandboxSection(hosts=names, sandboxes_per_host=2, cpu_seconds=60, wall_seconds=120, memory_mb=2048,
                           retry_backoff_seconds=0.05, remote_python=str(hosts.python))
 
 
 def fleet_of(hosts, names):
-    from recipes.schema import SSHSection
-    from rollout.sandbox.hosts import SandboxFleet
+    from composer.recipes.schema import SSHSection
+    from composer.rollout.sandbox.hosts import SandboxFleet
 
     ssh = SSHSection(user="root", key_file=str(hosts.client_key), known_hosts=str(hosts.known_hosts))
     return SandboxFleet(sandbox_section(hosts, names), ssh)
@@ -96,9 +96,9 @@ def play(workspace, fix: dict, commands: list[str]):
 
 
 def test_a_task_graded_on_a_remote_host_earns_what_it_earns_here(hosts, task):
-    from rollout.sandbox.runs import Sandbox
-    from rollout.tasks.remote import RemoteRepoWorkspace
-    from rollout.tasks.repository import open_workspace
+    from composer.rollout.sandbox.runs import Sandbox
+    from composer.rollout.tasks.remote import RemoteRepoWorkspace
+    from composer.rollout.tasks.repository import open_workspace
 
     tests, fix, sandbox_root = task
     local = Sandbox(sandbox_section(hosts, ["localhost"]), root=sandbox_root)
@@ -143,7 +143,7 @@ def test_a_task_graded_on_a_remote_host_earns_what_it_earns_here(hosts, task):
 
 
 def test_what_arrives_is_checked_against_its_digest(tmp_path):
-    from rollout.tasks.shipping import ShippingError, Store, pack
+    from composer.rollout.tasks.shipping import ShippingError, Store, pack
 
     tree = tmp_path / "tree"
     (tree / "pkg").mkdir(parents=True)
@@ -180,7 +180,7 @@ def test_a_killed_driver_leaves_no_workspace_mounted_on_any_host(hosts, task):
     driver_code = textwrap.dedent(f"""
         import pickle, sys, time
         from tests.test_remote_workspaces import fleet_of
-        from rollout.tasks.remote import RemoteRepoWorkspace
+        from composer.rollout.tasks.remote import RemoteRepoWorkspace
 
         class Hosts:
             names = {hosts.names!r}
@@ -220,8 +220,8 @@ def test_env_build_spreads_its_surveys_and_validations_over_the_sandbox_hosts(ho
     """The set a build on the two hosts makes (this machine not among them) is the one built here."""
     import shutil
 
-    from recipes.schema import RepoTaskSettings, SSHSection
-    from rollout.tasks.repository import build_repo_tasks, load_tasks, set_dir
+    from composer.recipes.schema import RepoTaskSettings, SSHSection
+    from composer.rollout.tasks.repository import build_repo_tasks, load_tasks, set_dir
 
     tests, _, _ = task
     cache = tests.grading_base.parents[2]
@@ -250,7 +250,7 @@ def wait_servers_gone(hosts, seconds: float = 20) -> bool:
 @pytest.mark.slow
 def test_a_host_killed_in_the_middle_of_an_episode_is_replaced(hosts, task):
     """Last in this module: it kills a host (and brings it back)."""
-    from rollout.tasks.remote import RemoteRepoWorkspace
+    from composer.rollout.tasks.remote import RemoteRepoWorkspace
 
     tests, fix, _ = task
     fleet = fleet_of(hosts, hosts.names)
@@ -277,10 +277,10 @@ def test_rl_on_repository_tasks_graded_on_the_remote_hosts(hosts, tmp_path, comp
     runs its tools and is graded there (the tiny model's reward may stay 0: the episodes and verdicts are checked)."""
     import json
 
-    from recipes.loader import load_recipe
-    from rl.trajectories import TrajectoryStore
+    from composer.recipes.loader import load_recipe
+    from composer.rl.trajectories import TrajectoryStore
     from tests.conftest import RECIPES
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     recipe = RECIPES / "smoke-repo-rl.yaml"
     cache = ["--set", f"env.tasks.0.repo.cache_dir={tmp_path / 'repo-tasks'}"]

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from trainer.packing import SequenceLayout
-from trainer.replay_layout import ReplayLayoutError, replay_tensors
+from composer.trainer.packing import SequenceLayout
+from composer.trainer.replay_layout import ReplayLayoutError, replay_tensors
 
 
 def padded(lengths, width=None):

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from recipes.schema import SandboxSection
-from rollout.sandbox.results import CommandResult
-from rollout.sandbox.runs import Sandbox
-from rollout.tasks import pytest_report
-from rollout.tasks.grading_policy import NOT_A_FILE, Scope, forbidden_uses, keep_change, module_imports, splice
-from rollout.tasks.workspace import read_report, run_tests_guarded, sentinel_tests
+from composer.recipes.schema import SandboxSection
+from composer.rollout.sandbox.results import CommandResult
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks import pytest_report
+from composer.rollout.tasks.grading_policy import NOT_A_FILE, Scope, forbidden_uses, keep_change, module_imports, splice
+from composer.rollout.tasks.workspace import read_report, run_tests_guarded, sentinel_tests
 from tests.repo_cheats import ANSWERS, CLASSES, PAYLOADS, in_function, payloads, pyc
 
 # --- what grading takes -------------------------------------------------------------------------

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipes.errors import UserError
-from recipes.loader import load_recipe, recipe_to_yaml, validate_recipe
-from recipes.schema import RepoTaskSettings, SandboxSection, TaskSet
-from rollout.sandbox.graders import DEFAULT_GUARDED, guarded_reward
-from rollout.sandbox.isolation import installed_copies
-from rollout.sandbox.runs import Sandbox
-from rollout.tasks.grading_policy import NOT_A_FILE
-from rollout.tasks.mutations import Mutation, changed_module, mutations
-from rollout.tasks.repository import (
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe, recipe_to_yaml, validate_recipe
+from composer.recipes.schema import RepoTaskSettings, SandboxSection, TaskSet
+from composer.rollout.sandbox.graders import DEFAULT_GUARDED, guarded_reward
+from composer.rollout.sandbox.isolation import installed_copies
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.grading_policy import NOT_A_FILE
+from composer.rollout.tasks.mutations import Mutation, changed_module, mutations
+from composer.rollout.tasks.repository import (
     build_repo_tasks,
     candidates,
     check_repo_tasks,
@@ -33,7 +33,7 @@ from rollout.tasks.repository import (
     repo_tests,
     set_dir,
 )
-from rollout.tasks.workspace import RepoWorkspace
+from composer.rollout.tasks.workspace import RepoWorkspace
 from tests.conftest import REPO
 from tests.repo_cheats import ANSWERS, CLASSES, in_function, payloads, pyc, written
 
@@ -201,7 +201,7 @@ def test_a_build_killed_mid_way_resumes_to_the_same_set(built, tmp_path, compose
                 "tasks": [{"name": "repo", "repo": settings(tmp_path / "cache").model_dump(include={"projects", "num_tasks", "include", "cache_dir"})}]},
     }))
     verdicts = set_dir(settings(tmp_path / "cache")) / "verdicts"
-    build = subprocess.Popen([sys.executable, "-m", "cli", "env", "build", str(recipe), "--workers", "2"], cwd=REPO,
+    build = subprocess.Popen([sys.executable, "-m", "composer.cli", "env", "build", str(recipe), "--workers", "2"], cwd=REPO,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while not (verdicts.is_dir() and list(verdicts.glob("*.json"))) and time.monotonic() < deadline and build.poll() is None:

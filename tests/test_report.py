@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from recipes.errors import UserError
-from runtime.report import render_report
-from runtime.run_dir import MetricsWriter
+from composer.recipes.errors import UserError
+from composer.runtime.report import render_report
+from composer.runtime.run_dir import MetricsWriter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def test_cli_prints_the_summary_and_errors_without_traceback(tmp_path):
 
 
 def test_plots_are_grouped_into_panels_headline_first(tmp_path):
-    from runtime.report import OTHER_PANEL, PANELS
+    from composer.runtime.report import OTHER_PANEL, PANELS
 
     write_run(tmp_path)
     with MetricsWriter(tmp_path / "eval_metrics.jsonl") as evals:
@@ -108,7 +108,7 @@ def test_plots_are_grouped_into_panels_headline_first(tmp_path):
 
 
 def test_compare_overlays_every_run_in_every_plot(tmp_path):
-    from runtime.report import render_comparison
+    from composer.runtime.report import render_comparison
 
     for name in ("a", "b"):
         write_run(tmp_path / "runs" / name)

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from runtime.processes import free_port
+from composer.runtime.processes import free_port
 from tests.conftest import not_installed
 from tests.test_report import write_run
 from tests.test_run_status import make_run

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime.status import run_status
+from composer.runtime.status import run_status
 from tests.conftest import COMPOSER, RECIPES, REPO
 
 pytestmark = pytest.mark.engines
@@ -36,8 +36,8 @@ def metrics(run):
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory):
-    from recipes.loader import load_recipe
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.recipes.loader import load_recipe
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     root = tmp_path_factory.mktemp("rl")
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, root / "init", tokenizer_bytes=2**20)
@@ -204,7 +204,7 @@ def test_a_failed_run_says_why_and_is_listed_failed(tmp_path, composer):
 
 
 def test_held_out_evaluation_at_the_start_and_the_end_on_tasks_never_trained(killed_and_resumed):
-    from rl.trajectories import TrajectoryStore
+    from composer.rl.trajectories import TrajectoryStore
 
     run = killed_and_resumed.run
     records = [json.loads(line) for line in (run / "eval_metrics.jsonl").read_text().splitlines()]

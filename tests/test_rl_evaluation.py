@@ -7,11 +7,11 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from recipes.errors import UserError
-from recipes.schema import EnvSection, RLEvalSection, TaskSet
-from rl.evaluation import bootstrap_interval, held_out_sets, pass_at_k
-from rollout.agent.environment import CodingEnvironment
-from rollout.tasks.pool import held_out_split
+from composer.recipes.errors import UserError
+from composer.recipes.schema import EnvSection, RLEvalSection, TaskSet
+from composer.rl.evaluation import bootstrap_interval, held_out_sets, pass_at_k
+from composer.rollout.agent.environment import CodingEnvironment
+from composer.rollout.tasks.pool import held_out_split
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
@@ -81,7 +81,7 @@ def test_interval_math_matches_a_normal_approximation():
 def test_evaluations_are_due_once_per_window_at_the_start_and_at_the_end(tmp_path):
     import json
 
-    from rl.evaluation import Evaluator
+    from composer.rl.evaluation import Evaluator
 
     tasks = [TaskSet(name="smoke", held_out=10)]
     env = CodingEnvironment(EnvSection(tasks=tasks), seed=0, sandbox_root=tmp_path / "sandbox")
@@ -104,7 +104,7 @@ def test_the_learning_benchmark_exits_non_zero_when_learning_is_not_shown(tmp_pa
     import subprocess
     import sys
 
-    from recipes.loader import load_recipe, recipe_to_yaml
+    from composer.recipes.loader import load_recipe, recipe_to_yaml
     from tests.conftest import RECIPES, REPO
 
     run = tmp_path / "run"
@@ -124,8 +124,8 @@ def test_the_learning_benchmark_exits_non_zero_when_learning_is_not_shown(tmp_pa
 
 
 def test_batches_skip_what_the_log_holds_and_keep_task_numbers(tmp_path):
-    from rl.evaluation import EvalSet, GradedEpisode, GradedLog, episode_batches
-    from rollout.tasks.functions import smoke_task
+    from composer.rl.evaluation import EvalSet, GradedEpisode, GradedLog, episode_batches
+    from composer.rollout.tasks.functions import smoke_task
 
     tasks = [smoke_task(i) for i in range(5)]
     sets = [EvalSet("smoke", tasks, 0)]

@@ -6,10 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from recipes.loader import load_recipe, recipe_to_yaml
-from rl.protocol import Heartbeat, Policy, RLRunFiles, RolloutQueue, StalenessRule, group_id, sync_section
-from rollout.agent.trajectory import Segment, Trajectory
-from runtime.run_dir import RunDir, read_metrics
+from composer.recipes.loader import load_recipe, recipe_to_yaml
+from composer.rl.protocol import Heartbeat, Policy, RLRunFiles, RolloutQueue, StalenessRule, group_id, sync_section
+from composer.rollout.agent.trajectory import Segment, Trajectory
+from composer.runtime.run_dir import RunDir, read_metrics
 from tests.conftest import RECIPES, run_ranks
 
 pytestmark = pytest.mark.engines
@@ -37,8 +37,8 @@ def group(index: int, version: int, size: int, layers: int, top_k: int, experts:
 def test_a_step_whose_rollouts_outlast_the_collective_timeout_is_trained(tmp_path):
     """Long episodes make slow steps normal: no rank may wait for rollouts inside a collective, which would end
     the run when its timeout passes ("Timed out waiting ...ms for recv")."""
-    from sync.pusher import push_version
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.sync.pusher import push_version
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     overrides = [f"run.dir={tmp_path / 'runs'}", "train.steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
                  "train.micro_batch_size=1", "train.global_batch_size=2", "rl.eval=null"]

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.schema import RLSection
-from trainer.rl_objective import group_advantages, policy_gradient_loss
+from composer.recipes.schema import RLSection
+from composer.trainer.rl_objective import group_advantages, policy_gradient_loss
 
 
 def test_group_advantages():
@@ -80,7 +80,7 @@ def grad_of(lp, rollout, adv, mask, rl, normaliser=1.0, **kw):
 
 
 def test_uniform_groups_carry_no_signal():
-    from trainer.rl_objective import has_signal
+    from composer.trainer.rl_objective import has_signal
 
     assert not has_signal(np.array([0.25, 0.25, 0.25])) and not has_signal(np.zeros(8))
     assert has_signal(np.array([0.0, 0.0, 1.0]))
@@ -94,8 +94,8 @@ def test_uniform_groups_carry_no_signal():
 
 
 def test_learner_leaves_uniform_groups_out():
-    from rl.learner_main import learner_sequences
-    from rollout.agent.trajectory import Segment, Trajectory
+    from composer.rl.learner_main import learner_sequences
+    from composer.rollout.agent.trajectory import Segment, Trajectory
 
     def trajectory(reward, version=3):
         seg = Segment(np.arange(4), np.array([0, 1, 1, 1], bool), np.zeros(4))
@@ -143,7 +143,7 @@ def test_sequence_mask_band_drops_whole_sequences():
 
 
 def test_sequence_mean_weighs_episodes_not_tokens():
-    from trainer.rl_learner import LearnerSequence, sequence_normalisers
+    from composer.trainer.rl_learner import LearnerSequence, sequence_normalisers
 
     def seq(episode, trained):
         mask = np.array([False] + [True] * trained)
@@ -189,7 +189,7 @@ def test_entropy_and_on_policy_mismatch_metrics():
 
 
 def test_alarms_fire_above_their_thresholds():
-    from rl.learner_main import alarm_message, health_alarms
+    from composer.rl.learner_main import alarm_message, health_alarms
 
     rl = RLSection()
     quiet = health_alarms({"on_policy_prob_ratio_error": 0.01, "on_policy_logprob_abs_diff": 0.02}, rl)
@@ -204,12 +204,12 @@ def test_alarms_fire_above_their_thresholds():
 def test_the_learner_scores_tokens_at_the_sampling_temperature(tmp_path):
     """At temperature T the learner's logprobs are log_softmax(logits / T) (the distribution the engine sampled
     from and reports), so on-policy tokens get ratio 1; the untempered ones would be off by far more than noise."""
-    from recipes.loader import load_recipe
-    from recipes.schema import ParallelismSection
+    from composer.recipes.loader import load_recipe
+    from composer.recipes.schema import ParallelismSection
     from tests.conftest import RECIPES
-    from trainer.distributed import init_distributed, shutdown_distributed
-    from trainer.logprobs import token_logprobs
-    from trainer.model import build_model, forward_logits
+    from composer.trainer.distributed import init_distributed, shutdown_distributed
+    from composer.trainer.logprobs import token_logprobs
+    from composer.trainer.model import build_model, forward_logits
 
     moe = load_recipe(RECIPES / "smoke-rl.yaml").model
     dense = moe.model_copy(update=dict(family="llama", num_experts=0, moe_top_k=0, moe_ffn_hidden_size=0, ffn_hidden_size=64, num_layers=1))

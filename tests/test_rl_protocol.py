@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from recipes.errors import UserError
-from rl.protocol import (
+from composer.recipes.errors import UserError
+from composer.rl.protocol import (
     Heartbeat,
     LearnerQueue,
     Policy,
@@ -21,8 +21,8 @@ from rl.protocol import (
     driver_silent_for,
     group_id,
 )
-from rl.trajectories import TrajectoryStore
-from rollout.agent.trajectory import Segment, Trajectory
+from composer.rl.trajectories import TrajectoryStore
+from composer.rollout.agent.trajectory import Segment, Trajectory
 
 PROMPTS = 2
 

@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.engines, pytest.mark.ssh]
 
 
 def test_a_remote_rollout_host_serves_every_policy_and_dies_with_the_driver(sshd, tmp_path):
-    from recipes.loader import load_recipe
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.recipes.loader import load_recipe
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     port, key, known_hosts, _ = sshd
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)
@@ -52,9 +52,9 @@ def test_a_remote_rollout_host_serves_every_policy_and_dies_with_the_driver(sshd
 
 
 def test_an_unreachable_rollout_host_is_one_clear_error(sshd, tmp_path, composer):
-    from recipes.loader import load_recipe
-    from runtime.processes import free_port
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.recipes.loader import load_recipe
+    from composer.runtime.processes import free_port
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     _, key, known_hosts, _ = sshd
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)

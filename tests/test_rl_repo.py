@@ -11,9 +11,9 @@ pytestmark = pytest.mark.engines
 
 
 def test_rl_on_repository_tasks_runs_end_to_end(tmp_path, composer):
-    from recipes.loader import load_recipe
-    from rl.trajectories import TrajectoryStore
-    from trainer.checkpoint_init import init_hf_checkpoint
+    from composer.recipes.loader import load_recipe
+    from composer.rl.trajectories import TrajectoryStore
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     recipe = RECIPES / "smoke-repo-rl.yaml"
     cache = ["--set", f"env.tasks.0.repo.cache_dir={tmp_path / 'repo-tasks'}"]

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from recipes.schema import RolloutSection, SamplingSection
+from composer.recipes.schema import RolloutSection, SamplingSection
 from tests.tiny_hf import hf_logprobs_and_routes, make_tiny_qwen3_moe, perturb_checkpoint
 
 pytestmark = pytest.mark.engines
@@ -20,7 +20,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoints):
-    from rollout.engines.vllm_engine import EmbeddedEngine
+    from composer.rollout.engines.vllm_engine import EmbeddedEngine
 
     rollout = RolloutSection(max_context=256, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=16))
     return EmbeddedEngine(checkpoints[0], rollout, seed=0, routed_experts=True)
@@ -74,15 +74,15 @@ def test_in_place_update_equals_the_new_weights(engine, checkpoints):
 
 
 def test_missing_checkpoint_is_a_user_error(tmp_path):
-    from recipes.errors import UserError
-    from rollout.engines.vllm_engine import EmbeddedEngine
+    from composer.recipes.errors import UserError
+    from composer.rollout.engines.vllm_engine import EmbeddedEngine
 
     with pytest.raises(UserError, match="is not an HF checkpoint"):
         EmbeddedEngine(tmp_path, RolloutSection(), seed=0, routed_experts=False)
 
 
 def test_server_engine_generates_and_updates_in_place(checkpoints, tmp_path):
-    from rollout.engines.vllm_engine import ServerEngine, VllmServer
+    from composer.rollout.engines.vllm_engine import ServerEngine, VllmServer
 
     rollout = RolloutSection(engine="server", max_context=256, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=8))
     with VllmServer(checkpoints[0], rollout, seed=0, routed_experts=True, log_path=tmp_path / "vllm.log") as server:

@@ -14,19 +14,19 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.errors import UserError
-from recipes.loader import load_recipe
-from recipes.schema import ParallelismSection, RolloutSection, SamplingSection
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import ParallelismSection, RolloutSection, SamplingSection
 from tests.conftest import run_ranks
 from tests.router_replay_worker import perturb_routers
-from trainer.checkpoint_init import init_hf_checkpoint
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.hf_config import model_section_from_hf
-from trainer.logprobs import pad_micro_batch, token_logprobs
-from trainer.model import build_model, forward_logits
-from trainer.replay_layout import ReplayLayoutError
-from trainer.router_replay import moe_routers, replay_for_micro_batch, replay_metrics, routing, routing_disagreement
-from trainer.weights import load_hf_into
+from composer.trainer.checkpoint_init import init_hf_checkpoint
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.hf_config import model_section_from_hf
+from composer.trainer.logprobs import pad_micro_batch, token_logprobs
+from composer.trainer.model import build_model, forward_logits
+from composer.trainer.replay_layout import ReplayLayoutError
+from composer.trainer.router_replay import moe_routers, replay_for_micro_batch, replay_metrics, routing, routing_disagreement
+from composer.trainer.weights import load_hf_into
 
 pytestmark = pytest.mark.engines
 
@@ -51,7 +51,7 @@ def megatron_ready(checkpoint):
 @pytest.fixture(scope="module")
 def rollouts(checkpoint, megatron_ready, tmp_path_factory) -> dict:
     """Samples of a bf16 vLLM engine: tokens, per-token engine logprobs and loss masks, routed experts."""
-    from rollout.engines.vllm_engine import EmbeddedEngine
+    from composer.rollout.engines.vllm_engine import EmbeddedEngine
 
     rollout = RolloutSection(max_context=64, kv_cache_gib=0.0625, dtype="bfloat16", sampling=SamplingSection(max_tokens=10))
     engine = EmbeddedEngine(checkpoint, rollout, seed=0, routed_experts=True)

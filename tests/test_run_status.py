@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from recipes.loader import load_recipe, recipe_to_yaml
-from runtime.run_dir import MetricsWriter, RunDir
-from runtime.status import find_runs, run_status
+from composer.recipes.loader import load_recipe, recipe_to_yaml
+from composer.runtime.run_dir import MetricsWriter, RunDir
+from composer.runtime.status import find_runs, run_status
 from tests.conftest import RECIPES, REPO
 
 

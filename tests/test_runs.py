@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from recipes.errors import UserError
-from recipes.loader import load_recipe, recipe_to_yaml
-from runtime.run_dir import MetricsWriter, RunDir, atomic_write_bytes, read_metrics
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe, recipe_to_yaml
+from composer.runtime.run_dir import MetricsWriter, RunDir, atomic_write_bytes, read_metrics
 from tests.conftest import RECIPES
 
 

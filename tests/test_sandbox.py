@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from recipes.schema import SandboxSection
-from rollout.sandbox.isolation import Isolation, installed_copies, root_layout
-from rollout.sandbox.results import AssertionTests
-from rollout.sandbox.runs import Sandbox
+from composer.recipes.schema import SandboxSection
+from composer.rollout.sandbox.isolation import Isolation, installed_copies, root_layout
+from composer.rollout.sandbox.results import AssertionTests
+from composer.rollout.sandbox.runs import Sandbox
 from tests.conftest import REPO
 
 LIMITS = dict(cpu_seconds=2, wall_seconds=4, memory_mb=512, max_processes=16, max_file_mb=2, max_output_kb=8)
@@ -282,9 +282,9 @@ def test_a_command_writes_only_in_its_work_directory(sandbox, tmp_path):
 ENVIRONMENT_DRIVER = """
 import json, sys
 from pathlib import Path
-from recipes.errors import UserError
-from recipes.schema import SandboxSection
-from rollout.sandbox.runs import Sandbox
+from composer.recipes.errors import UserError
+from composer.recipes.schema import SandboxSection
+from composer.rollout.sandbox.runs import Sandbox
 
 work, limits = Path(sys.argv[1]), SandboxSection(**json.loads(sys.argv[2]))
 try:

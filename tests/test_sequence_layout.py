@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.packing import (
+from composer.trainer.packing import (
     SequenceLayout,
     context_parallel_layout,
     document_lengths,
@@ -79,8 +79,8 @@ def test_documents_end_at_their_eod_token_and_labels_stay_inside_each_sequence()
 
 
 def test_packing_needs_the_sdpa_attention_and_no_pipeline():
-    from recipes.errors import UserError
-    from recipes.loader import load_recipe
+    from composer.recipes.errors import UserError
+    from composer.recipes.loader import load_recipe
     from tests.conftest import RECIPES
 
     with pytest.raises(UserError, match="model.kernels.attention: rl.pack_sequences need attention sdpa"):

@@ -59,7 +59,7 @@ def test_pull_and_verify(pushed, tmp_path):
 ])
 def test_user_errors_exit_2_without_traceback(pushed, tmp_path, args, message, monkeypatch, capsys):
     # main() in this process (the same path the `composer` script takes; the subprocess tests cover startup)
-    from cli.main import main
+    from composer.cli.main import main
 
     _, _, store = pushed
     monkeypatch.setattr(sys, "argv", ["composer", "sync", *[a.format(tmp=tmp_path, store=store) for a in args]])

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import zstandard
 
-from sync.codec import RAW, SAME, SPARSE, XOR, apply_piece, encode_piece
-from sync.pusher import push_version
-from sync.receiver import apply_version, pull
-from sync.store import Store
+from composer.sync.codec import RAW, SAME, SPARSE, XOR, apply_piece, encode_piece
+from composer.sync.pusher import push_version
+from composer.sync.receiver import apply_version, pull
+from composer.sync.store import Store
 from tests.sync_testing import TrainingRun, checkpoint_files, sync_section
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -136,7 +136,7 @@ def test_anchor_delta_chain_and_incremental_pull(tmp_path):
 
 
 def test_tensors_added_removed_and_reshaped_between_versions(tmp_path):
-    from sync.checkpoint import write_safetensors
+    from composer.sync.checkpoint import write_safetensors
 
     store = tmp_path / "store"
     shapes = [{"a": (100,), "b": (10, 10)}, {"a": (100,), "c": (5,)}, {"a": (50, 2), "c": (5,)}]
@@ -152,7 +152,7 @@ def test_tensors_added_removed_and_reshaped_between_versions(tmp_path):
 
 
 def test_apply_version_yields_only_changed_tensors_and_refuses_a_wrong_base(tmp_path):
-    from sync.checkpoint import Checkpoint
+    from composer.sync.checkpoint import Checkpoint
 
     run = TrainingRun(tmp_path / "train")
     section = sync_section(tmp_path / "store")
@@ -178,7 +178,7 @@ def test_apply_version_yields_only_changed_tensors_and_refuses_a_wrong_base(tmp_
             assert np.array_equal(array.view(v2[name].dtype), v2[name]), name
         wrong = dict(v1)
         wrong["model.embed.weight"] = v2["model.embed.weight"]  # already at v2: not the parent
-        from sync.rebuild import WrongBaseError
+        from composer.sync.rebuild import WrongBaseError
 
         with pytest.raises(WrongBaseError, match="does not match version v00000001"):
             list(apply_version(store, "v00000002", wrong))
@@ -221,7 +221,7 @@ def test_device_encoder_writes_the_bytes_of_the_host_encoder(dtype, density):
     """The torch path (on the GPU where there is one; here on CPU tensors) chooses and encodes pieces exactly as
     the numpy path does, anchors included."""
     torch = pytest.importorskip("torch")
-    from sync.device import DeviceDeltaEncoder
+    from composer.sync.device import DeviceDeltaEncoder
 
     g = torch.Generator().manual_seed(0)
     pairs = []

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from sync.checkpoint import write_safetensors
-from sync.pusher import push_version
-from sync.receiver import ReceiverDir, pull, update_in_place
-from sync.store import Store
+from composer.sync.checkpoint import write_safetensors
+from composer.sync.pusher import push_version
+from composer.sync.receiver import ReceiverDir, pull, update_in_place
+from composer.sync.store import Store
 from tests.sync_testing import REPO, TrainingRun, checkpoint_files, run_cli, sync_section, to_bf16
 
 
@@ -73,8 +73,8 @@ def test_a_hard_linked_copy_is_never_written_through(tmp_path):
 UPDATE_SCRIPT = """
 import sys
 from pathlib import Path
-from sync.receiver import update_in_place
-from sync.store import Store
+from composer.sync.receiver import update_in_place
+from composer.sync.store import Store
 with Store.open(sys.argv[1]) as store:
     update_in_place(store, Path(sys.argv[2]), threads=1)
 """

@@ -16,14 +16,14 @@ import boto3
 import numpy as np
 import pytest
 
-from recipes.errors import UserError
-from runtime.processes import free_port
-from sync.checkpoint import write_safetensors
-from sync.manifest import Manifest
-from sync.pusher import push_version
-from sync.rebuild import verify
-from sync.receiver import pull, relay
-from sync.store import Store, VersionTakenError
+from composer.recipes.errors import UserError
+from composer.runtime.processes import free_port
+from composer.sync.checkpoint import write_safetensors
+from composer.sync.manifest import Manifest
+from composer.sync.pusher import push_version
+from composer.sync.rebuild import verify
+from composer.sync.receiver import pull, relay
+from composer.sync.store import Store, VersionTakenError
 from tests.sync_testing import REPO, TrainingRun, checkpoint_files, run_cli, sync_section, to_bf16
 
 BUCKET = "composer-sync"
@@ -112,7 +112,7 @@ def test_versions_are_published_exclusively(s3_emulator, tmp_path):
 PUSH_SCRIPT = """
 import sys
 from pathlib import Path
-from sync.pusher import push_version
+from composer.sync.pusher import push_version
 from tests.sync_testing import sync_section
 push_version(sys.argv[1], sync_section(sys.argv[2], endpoint=sys.argv[3], codec={"chunk_mb": 32, "threads": 1}),
              cache_dir=Path(sys.argv[4]))

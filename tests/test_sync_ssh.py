@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from recipes.errors import UserError
-from recipes.schema import SSHSection
-from runtime.processes import free_port
-from sync.manifest import Manifest
-from sync.pusher import push_version
-from sync.rebuild import verify
-from sync.receiver import pull, relay
-from sync.store import Store, VersionTakenError
+from composer.recipes.errors import UserError
+from composer.recipes.schema import SSHSection
+from composer.runtime.processes import free_port
+from composer.sync.manifest import Manifest
+from composer.sync.pusher import push_version
+from composer.sync.rebuild import verify
+from composer.sync.receiver import pull, relay
+from composer.sync.store import Store, VersionTakenError
 from tests.conftest import keygen
 from tests.sync_testing import TrainingRun, checkpoint_files, run_cli, sync_section
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recipes.errors import UserError
-from sync.checkpoint import write_safetensors
-from sync.codec import CorruptDataError
-from sync.pusher import push_version
-from sync.rebuild import WrongBaseError, verify
-from sync.receiver import pull, relay
-from sync.store import CHUNKS, MANIFESTS, Store, VersionTakenError
+from composer.recipes.errors import UserError
+from composer.sync.checkpoint import write_safetensors
+from composer.sync.codec import CorruptDataError
+from composer.sync.pusher import push_version
+from composer.sync.rebuild import WrongBaseError, verify
+from composer.sync.receiver import pull, relay
+from composer.sync.store import CHUNKS, MANIFESTS, Store, VersionTakenError
 from tests.sync_testing import REPO, TrainingRun, checkpoint_files, sync_section, to_bf16
 
 
@@ -117,8 +117,8 @@ def test_pusher_rebuilds_a_tampered_base_cache_from_the_store(two_versions, tmp_
 PUSH_SCRIPT = """
 import sys
 from pathlib import Path
-from recipes.schema import SyncSection
-from sync.pusher import push_version
+from composer.recipes.schema import SyncSection
+from composer.sync.pusher import push_version
 push_version(sys.argv[1], SyncSection(store=sys.argv[2], codec={"chunk_mb": 1, "threads": 1}), cache_dir=Path(sys.argv[3]))
 """
 
@@ -259,8 +259,8 @@ def test_relay_copies_the_chain_once_and_serves_pulls(tmp_path):
 PULL_SCRIPT = """
 import sys
 from pathlib import Path
-from sync.receiver import pull
-from sync.store import Store
+from composer.sync.receiver import pull
+from composer.sync.store import Store
 with Store.open(sys.argv[1]) as store:
     pull(store, Path(sys.argv[2]), threads=1)
 """
@@ -292,7 +292,7 @@ def test_pull_killed_midway_leaves_the_previous_version_current(tmp_path):
 def test_verify_checks_a_piece_whose_chain_ends_where_another_piece_goes_on(tmp_path):
     """The next version stores piece 1 raw (densely changed) and piece 0 as a delta: piece 1 of this version
     must still be rebuilt and checked by itself."""
-    from sync.manifest import Manifest
+    from composer.sync.manifest import Manifest
 
     a = np.random.default_rng(0).integers(0, 65535, 1 << 20, dtype=np.uint16)  # two 1 MiB pieces as bf16
     b = a.copy()

@@ -7,10 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from recipes.schema import EnvSection, SandboxSection, TaskSet
-from rollout.agent.environment import CodingEnvironment
-from rollout.sandbox.runs import Sandbox
-from rollout.tasks.functions import (
+from composer.recipes.schema import EnvSection, SandboxSection, TaskSet
+from composer.rollout.agent.environment import CodingEnvironment
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.functions import (
     RGYM_DATASETS,
     RGYM_PER_DATASET,
     CodeIOSource,
@@ -19,7 +19,7 @@ from rollout.tasks.functions import (
     extract_code,
     smoke_task,
 )
-from rollout.tasks.pool import TaskPool
+from composer.rollout.tasks.pool import TaskPool
 from tests.conftest import RECIPES
 
 WORKERS = 4

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from runtime.progress import Trackers
-from runtime.run_dir import MetricsWriter, read_metrics
+from composer.runtime.progress import Trackers
+from composer.runtime.run_dir import MetricsWriter, read_metrics
 
 RECORDS = [{"loss": 4.0 / step, "reward_mean": step / 10, "sync_ratio": 20.0 + step, "groups": "g1,g2", "alarm": False}
            for step in range(1, 7)]

@@ -35,8 +35,8 @@ def test_resume_continues_bitwise_with_schedule(run):
 
 
 def test_resume_with_another_model_parallel_layout_is_refused(run):
-    from recipes.errors import UserError
-    from trainer.checkpointing import Checkpointer
+    from composer.recipes.errors import UserError
+    from composer.trainer.checkpointing import Checkpointer
 
     checkpointer = Checkpointer(run[0], keep=2)
     with pytest.raises(UserError, match=r"cannot resume with another model-parallel layout \(tp=1 in the checkpoint, 2 now\)"):

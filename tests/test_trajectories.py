@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from recipes.errors import UserError
-from rl.trajectories import TrajectoryStore, decode_group, encode_group
-from rollout.agent.trajectory import Segment, Trajectory
+from composer.recipes.errors import UserError
+from composer.rl.trajectories import TrajectoryStore, decode_group, encode_group
+from composer.rollout.agent.trajectory import Segment, Trajectory
 
 
 def make_trajectory(i: int, tokens: int = 50, layers: int = 3, top_k: int = 8, experts: int = 384, seed: int = 0) -> Trajectory:

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipes.errors import UserError
-from recipes.schema import ProjectSettings, RepoTaskSettings, SandboxSection
-from rollout.sandbox.runs import Sandbox
-from rollout.tasks.projects import environment_dir, resolve_project
-from rollout.tasks.repository import build_repo_tasks, load_tasks, open_workspace, repo_tests, set_dir
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ProjectSettings, RepoTaskSettings, SandboxSection
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.projects import environment_dir, resolve_project
+from composer.rollout.tasks.repository import build_repo_tasks, load_tasks, open_workspace, repo_tests, set_dir
 from tests.conftest import REPO
 from tests.user_project import FIXES, make_project
 
@@ -168,7 +168,7 @@ CHEATS = {
 
 @pytest.mark.parametrize("kind", ["history", "multi"])
 def test_grading_cheats_earn_nothing_on_history_and_multi_tasks(project, history, multi, sandbox, kind):
-    from rollout.sandbox.graders import DEFAULT_GUARDED, guarded_reward
+    from composer.rollout.sandbox.graders import DEFAULT_GUARDED, guarded_reward
 
     chosen, _, tasks = history if kind == "history" else multi
     tests = repo_tests(tasks[0], chosen)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from recipes.errors import UserError
-from recipes.schema import RolloutSection, SamplingSection
-from sync.pusher import push_version
-from sync.receiver import pull, update_in_place
-from sync.store import Store
+from composer.recipes.errors import UserError
+from composer.recipes.schema import RolloutSection, SamplingSection
+from composer.sync.pusher import push_version
+from composer.sync.receiver import pull, update_in_place
+from composer.sync.store import Store
 from tests.sync_testing import sync_section
 from tests.tiny_hf import hf_logprobs_and_routes, make_tiny_qwen3_moe, perturb_checkpoint
 
@@ -60,7 +60,7 @@ def _move(engine, store, receiver: Path, held: str, target: str) -> dict:
 
 
 def test_in_place_updates_equal_a_fresh_engine_embedded_and_server(store, tmp_path):
-    from rollout.engines.vllm_engine import EmbeddedEngine, ServerEngine, VllmServer
+    from composer.rollout.engines.vllm_engine import EmbeddedEngine, ServerEngine, VllmServer
 
     store, checkpoints = store
     receiver = tmp_path / "receiver"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint_init import randomize_for_parity
+from composer.trainer.checkpoint_init import randomize_for_parity
 
 
 def make_tiny_qwen3_moe(out: Path, *, seed: int = 0, tie: bool = True, vocab: int = 512) -> Path:

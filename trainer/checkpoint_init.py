@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from recipes.errors import UserError
-from recipes.schema import ModelSection, ParallelismSection
-from runtime.run_dir import publish_dir
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ModelSection, ParallelismSection
+from composer.runtime.run_dir import publish_dir
 
 EOS_TOKEN = "<|endoftext|>"
 SHAPING_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|repo_name|>", "<|file_sep|>"]
@@ -80,7 +80,7 @@ def init_hf_checkpoint(m: ModelSection, out_dir: str | Path, seed: int = 0, toke
     """Write a random HF checkpoint of architecture `m` with a locally trained tokenizer to `out_dir` (atomically)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.model import check_supported, hf_config_from_model_section
+    from composer.trainer.model import check_supported, hf_config_from_model_section
 
     out = Path(out_dir)
     if out.exists():

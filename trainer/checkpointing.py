@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from recipes.errors import UserError
-from recipes.schema import LAYOUT_KEYS
-from runtime.processes import die_with_parent
-from runtime.run_dir import atomic_write_text, fsync_dir
-from trainer.cpu_compat import cuda_calls_on_cpu
-from trainer.optimizer import TrainOptimizer
+from composer.recipes.errors import UserError
+from composer.recipes.schema import LAYOUT_KEYS
+from composer.runtime.processes import die_with_parent
+from composer.runtime.run_dir import atomic_write_text, fsync_dir
+from composer.trainer.cpu_compat import cuda_calls_on_cpu
+from composer.trainer.optimizer import TrainOptimizer
 
 _writer_queue_manager = None
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from recipes.schema import ModelSection, OptimSection, ParallelismSection, TrainSection
-from trainer.checkpointing import Checkpointer
-from trainer.distributed import init_distributed
-from trainer.model import build_model
-from trainer.optimizer import TrainOptimizer, wrap_data_parallel
-from trainer.weights import export_hf, load_hf_into
+from composer.recipes.schema import ModelSection, OptimSection, ParallelismSection, TrainSection
+from composer.trainer.checkpointing import Checkpointer
+from composer.trainer.distributed import init_distributed
+from composer.trainer.model import build_model
+from composer.trainer.optimizer import TrainOptimizer, wrap_data_parallel
+from composer.trainer.weights import export_hf, load_hf_into
 
 
 @dataclass(frozen=True)

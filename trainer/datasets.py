@@ -10,8 +10,8 @@ from typing import Callable
 
 from torch.utils.data import Dataset
 
-from recipes.errors import UserError
-from runtime.prepared_data import PreparedData
+from composer.recipes.errors import UserError
+from composer.runtime.prepared_data import PreparedData
 
 with warnings.catch_warnings():
     # Importing megatron.core announces that the optional Transformer Engine / Apex kernels are absent.

@@ -10,10 +10,10 @@ import os
 
 import torch
 
-from recipes.checks import world_problems
-from recipes.errors import UserError
-from recipes.schema import ParallelismSection
-from runtime.processes import free_port
+from composer.recipes.checks import world_problems
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ParallelismSection
+from composer.runtime.processes import free_port
 
 
 def init_distributed(p: ParallelismSection, seed: int = 1234) -> None:
@@ -24,7 +24,7 @@ def init_distributed(p: ParallelismSection, seed: int = 1234) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from trainer.cpu_compat import apply_cpu_patches
+    from composer.trainer.cpu_compat import apply_cpu_patches
 
     apply_cpu_patches()
     if not dist.is_initialized():

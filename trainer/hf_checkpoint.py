@@ -16,9 +16,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.errors import UserError
-from recipes.schema import ModelSection
-from trainer.hf_config import WRAPPED_LANGUAGE_MODEL, Quantization, parse_quantization, read_hf_config
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ModelSection
+from composer.trainer.hf_config import WRAPPED_LANGUAGE_MODEL, Quantization, parse_quantization, read_hf_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

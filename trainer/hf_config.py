@@ -15,8 +15,8 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from recipes.errors import UserError
-from recipes.schema import ARCHITECTURE_FIELDS, ModelSection
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ARCHITECTURE_FIELDS, ModelSection
 
 FAMILIES = {"qwen3_moe": "qwen3_moe", "llama": "llama", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3"}
 """config.json model_type -> the family composer builds it as."""

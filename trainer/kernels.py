@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from recipes.errors import UserError
-from recipes.schema import KernelsSection
-from trainer.qk_clip import MaxLogitRecorder
+from composer.recipes.errors import UserError
+from composer.recipes.schema import KernelsSection
+from composer.trainer.qk_clip import MaxLogitRecorder
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def sdp_attention():
             q, k, v = (t.unsqueeze(1).permute(1, 2, 0, 3) if packed else t.permute(1, 2, 0, 3) for t in (query, key, value))
             bounds = packed_seq_params.cu_seqlens_q_padded.tolist() if packed else [0, q.shape[2] * cp]
             if cp > 1:
-                from trainer.context_parallel import ring_attention
+                from composer.trainer.context_parallel import ring_attention
 
                 if self.config.qk_clip:
                     raise UserError("optim.qk_clip with context parallelism (parallelism.cp > 1) is not built")
@@ -222,6 +222,6 @@ def sdp_attention():
 @functools.lru_cache(maxsize=16)
 def _context_parallel_layout(spans: tuple[int, ...], cp: int, packed: bool):
     """Every layer of a micro-batch asks for the same layout."""
-    from trainer.packing import context_parallel_layout
+    from composer.trainer.packing import context_parallel_layout
 
     return context_parallel_layout(list(spans), cp, packed)

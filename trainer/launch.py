@@ -11,9 +11,9 @@ import os
 import sys
 from typing import TextIO
 
-from cluster.launch import ERROR_PREFIX
-from runtime.processes import send_output_to
-from runtime.run_dir import RunDir, atomic_write_text
+from composer.cluster.launch import ERROR_PREFIX
+from composer.runtime.processes import send_output_to
+from composer.runtime.run_dir import RunDir, atomic_write_text
 
 
 def redirect_rank_output(run: RunDir, rank: int) -> TextIO | None:

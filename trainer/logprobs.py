@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.model import causal_mask
-from trainer.packing import SequenceLayout, next_token_labels, stream_of
+from composer.trainer.model import causal_mask
+from composer.trainer.packing import SequenceLayout, next_token_labels, stream_of
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Mid-training (continued pre-training) on code tokens: one process per rank under torchrun.
 
-    python -m trainer.midtrain train RUN_DIR [--resume]     (started by `composer train midtrain`)
-    python -m trainer.midtrain export RUN_DIR OUT_DIR       (started by `composer export`)
+    python -m composer.trainer.midtrain train RUN_DIR [--resume]     (started by `composer train midtrain`)
+    python -m composer.trainer.midtrain export RUN_DIR OUT_DIR       (started by `composer export`)
 
 Every rank reads the resolved recipe from RUN_DIR/recipe.yaml. The loop (`Midtrainer.run`) evaluates,
 checkpoints and logs; `train_step` does one optimizer step and returns its metrics. Global batch `k` (0-based)
@@ -26,25 +26,25 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from recipes.checks import refuse_resume_changes, refuse_unhonoured
-from recipes.errors import UserError
-from recipes.loader import load_recipe
-from recipes.schema import ARCHITECTURE_FIELDS, Recipe
-from runtime.prepared_data import PreparedData
-from runtime.processes import die_with_parent
-from runtime.progress import StepClock, Trackers
-from runtime.run_dir import RunDir, drop_records_after
-from trainer.checkpointing import Checkpointer, check_layout
-from trainer.core import Every, TrainerCore, export_checkpoint
-from trainer.distributed import shutdown_distributed
-from trainer.kernels import check_kernels_installed
-from trainer.launch import record_rank_error, redirect_rank_output
-from trainer.logprobs import forward_token_losses
-from trainer.model import causal_mask
-from trainer.optimizer import TrainOptimizer
-from trainer.packing import SequenceLayout, document_lengths
-from trainer.pipeline import forward_backward
-from trainer.weights import check_checkpoint_before_launch
+from composer.recipes.checks import refuse_resume_changes, refuse_unhonoured
+from composer.recipes.errors import UserError
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import ARCHITECTURE_FIELDS, Recipe
+from composer.runtime.prepared_data import PreparedData
+from composer.runtime.processes import die_with_parent
+from composer.runtime.progress import StepClock, Trackers
+from composer.runtime.run_dir import RunDir, drop_records_after
+from composer.trainer.checkpointing import Checkpointer, check_layout
+from composer.trainer.core import Every, TrainerCore, export_checkpoint
+from composer.trainer.distributed import shutdown_distributed
+from composer.trainer.kernels import check_kernels_installed
+from composer.trainer.launch import record_rank_error, redirect_rank_output
+from composer.trainer.logprobs import forward_token_losses
+from composer.trainer.model import causal_mask
+from composer.trainer.optimizer import TrainOptimizer
+from composer.trainer.packing import SequenceLayout, document_lengths
+from composer.trainer.pipeline import forward_backward
+from composer.trainer.weights import check_checkpoint_before_launch
 
 MODULE = __spec__.name
 """This entry point, as `python -m` names it (the CLI starts it under torchrun)."""
@@ -290,7 +290,7 @@ def prepare_batches(recipe: Recipe, run: RunDir) -> MidtrainData:
     sized for the whole run, on every rank."""
     from megatron.core import parallel_state
 
-    from trainer.datasets import build_gpt_datasets
+    from composer.trainer.datasets import build_gpt_datasets
 
     data, train = recipe.data, recipe.train
     prepared = PreparedData.read(run.root)

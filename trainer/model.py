@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from recipes.checks import model_problems, split_problems
-from recipes.errors import UserError
-from recipes.schema import ModelSection, ParallelismSection
-from trainer.hf_config import HF_ARCHITECTURES
-from trainer.kernels import KernelChoice, grouped_gemm_experts, local_attention, resolve_kernels, sdp_attention
-from trainer.qk_clip import ALPHA as QK_CLIP_ALPHA
+from composer.recipes.checks import model_problems, split_problems
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ModelSection, ParallelismSection
+from composer.trainer.hf_config import HF_ARCHITECTURES
+from composer.trainer.kernels import KernelChoice, grouped_gemm_experts, local_attention, resolve_kernels, sdp_attention
+from composer.trainer.qk_clip import ALPHA as QK_CLIP_ALPHA
 
 
 def hf_config_from_model_section(m: ModelSection, dtype: torch.dtype, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
@@ -285,7 +285,7 @@ def build_model(m: ModelSection, p: ParallelismSection, recompute_activations: b
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from trainer.cpu_compat import apply_cpu_patches, define_missing_transformer_engine_names, fix_expert_bias_padding
+    from composer.trainer.cpu_compat import apply_cpu_patches, define_missing_transformer_engine_names, fix_expert_bias_padding
 
     apply_cpu_patches()
     define_missing_transformer_engine_names()

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from recipes.errors import UserError
-from recipes.schema import MuonSection, OptimSection, ParallelismSection
-from trainer.cpu_compat import cuda_calls_on_cpu, fit_emerging_optimizers_to_megatron
-from trainer.qk_clip import clip_attention_logits
+from composer.recipes.errors import UserError
+from composer.recipes.schema import MuonSection, OptimSection, ParallelismSection
+from composer.trainer.cpu_compat import cuda_calls_on_cpu, fit_emerging_optimizers_to_megatron
+from composer.trainer.qk_clip import clip_attention_logits
 
 _DECAY_STYLE = {"cosine": "cosine", "wsd": "WSD", "constant": "constant"}
 

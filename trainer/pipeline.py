@@ -15,8 +15,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from trainer.cpu_compat import cuda_calls_on_cpu
-from trainer.model import causal_mask
+from composer.trainer.cpu_compat import cuda_calls_on_cpu
+from composer.trainer.model import causal_mask
 
 
 def _forward_step(local_tokens: float, num_micro_batches: int, data_iterator, model):

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from recipes.errors import UserError
-from trainer.packing import SequenceLayout
+from composer.recipes.errors import UserError
+from composer.trainer.packing import SequenceLayout
 
 
 class ReplayLayoutError(UserError):

@@ -15,12 +15,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from recipes.schema import ModelSection, OptimSection, ParallelismSection, RLSection, TrainSection
-from trainer.core import TrainerCore
-from trainer.logprobs import layout_for, sequence_logprobs
-from trainer.packing import SequenceLayout
-from trainer.rl_objective import PolicyLossStats, policy_gradient_loss
-from trainer.router_replay import replay_for_micro_batch, routing, routing_disagreement
+from composer.recipes.schema import ModelSection, OptimSection, ParallelismSection, RLSection, TrainSection
+from composer.trainer.core import TrainerCore
+from composer.trainer.logprobs import layout_for, sequence_logprobs
+from composer.trainer.packing import SequenceLayout
+from composer.trainer.rl_objective import PolicyLossStats, policy_gradient_loss
+from composer.trainer.router_replay import replay_for_micro_batch, routing, routing_disagreement
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from recipes.schema import RLSection
+from composer.recipes.schema import RLSection
 
 
 def group_advantages(rewards: np.ndarray, mode: str, eps: float = 1e-6, valid: np.ndarray | None = None) -> np.ndarray:

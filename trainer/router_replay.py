@@ -28,9 +28,9 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from recipes.errors import UserError
-from trainer.packing import SequenceLayout
-from trainer.replay_layout import ReplayLayoutError, replay_tensors
+from composer.recipes.errors import UserError
+from composer.trainer.packing import SequenceLayout
+from composer.trainer.replay_layout import ReplayLayoutError, replay_tensors
 
 BALANCING_THAT_KEEPS_REPLAY = {"aux_loss", "seq_aux_loss", "global_aux_loss", "none"}
 """Load-balancing types that leave the top-k selection to RouterReplay (sinkhorn computes its own)."""
@@ -282,7 +282,7 @@ def replay_metrics(model, batch, routes: list[np.ndarray], engine_logprobs: list
     `own` (the router's own top-k on the replayed pass's layer input, what training logs for free) and `replay`
     (0 unless replay is broken); and mean/max |learner - engine| logprob of the generated tokens both ways.
     """
-    from trainer.logprobs import logprob_mismatch, token_logprobs
+    from composer.trainer.logprobs import logprob_mismatch, token_logprobs
 
     metrics: dict[str, float] = {}
     replay = replay_for_micro_batch(model, "r3", routes, batch.layout)

@@ -27,13 +27,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from recipes.errors import UserError
-from recipes.schema import ModelSection
-from runtime.run_dir import atomic_write_text, publish_dir
-from trainer.hf_checkpoint import INT4_PARTS, CheckpointLayout, read_stored_tensors
-from trainer.hf_config import Quantization, check_matches_checkpoint, language_config, read_hf_config
-from trainer.model import hf_config_from_model_section
-from trainer.quantization import fp8_dequantize, fp8_quantize, int4_dequantize, int4_parts_shapes, int4_quantize
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ModelSection
+from composer.runtime.run_dir import atomic_write_text, publish_dir
+from composer.trainer.hf_checkpoint import INT4_PARTS, CheckpointLayout, read_stored_tensors
+from composer.trainer.hf_config import Quantization, check_matches_checkpoint, language_config, read_hf_config
+from composer.trainer.model import hf_config_from_model_section
+from composer.trainer.quantization import fp8_dequantize, fp8_quantize, int4_dequantize, int4_parts_shapes, int4_quantize
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",

@@ -13,16 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipes.errors import UserError
-from recipes.schema import EnvSection, SSHSection
-from rollout.sandbox.graders import case_tests, guarded_reward
-from rollout.sandbox.hosts import SandboxFleet
-from rollout.sandbox.results import CommandResult, SandboxResult, Statement
-from rollout.tasks.files import PathRefused, read_text, write_text
-from rollout.tasks.functions import Task, defines
-from rollout.tasks.pool import TaskPool
-from rollout.tasks.remote import open_repo_workspace
-from rollout.tasks.workspace import RepoTests, Workspace, is_full, mount_capped, unmount
+from composer.recipes.errors import UserError
+from composer.recipes.schema import EnvSection, SSHSection
+from composer.rollout.sandbox.graders import case_tests, guarded_reward
+from composer.rollout.sandbox.hosts import SandboxFleet
+from composer.rollout.sandbox.results import CommandResult, SandboxResult, Statement
+from composer.rollout.tasks.files import PathRefused, read_text, write_text
+from composer.rollout.tasks.functions import Task, defines
+from composer.rollout.tasks.pool import TaskPool
+from composer.rollout.tasks.remote import open_repo_workspace
+from composer.rollout.tasks.workspace import RepoTests, Workspace, is_full, mount_capped, unmount
 
 log = logging.getLogger("composer.env")
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recipes.errors import UserError
-from rollout.sandbox.results import CommandResult
-from rollout.tasks.files import PathRefused, workspace_relative
-from rollout.tasks.workspace import Workspace
+from composer.recipes.errors import UserError
+from composer.rollout.sandbox.results import CommandResult
+from composer.rollout.tasks.files import PathRefused, workspace_relative
+from composer.rollout.tasks.workspace import Workspace
 
 MAX_CALLS_PER_REPLY = 8
 MAX_READ_LINES = 400

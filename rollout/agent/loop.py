@@ -33,15 +33,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recipes.schema import RolloutSection
-from rollout.agent.environment import SOLUTION_FILE, CodingEnvironment
-from rollout.agent.harness import ChatFormat, Tokenizer, ToolBox, run_reply
-from rollout.agent.trajectory import Segment, Trajectory
-from rollout.engines.vllm_engine import Completion, Engine
-from rollout.sandbox.results import SandboxResult
-from rollout.tasks.files import write_text
-from rollout.tasks.functions import Task
-from rollout.tasks.workspace import Workspace
+from composer.recipes.schema import RolloutSection
+from composer.rollout.agent.environment import SOLUTION_FILE, CodingEnvironment
+from composer.rollout.agent.harness import ChatFormat, Tokenizer, ToolBox, run_reply
+from composer.rollout.agent.trajectory import Segment, Trajectory
+from composer.rollout.engines.vllm_engine import Completion, Engine
+from composer.rollout.sandbox.results import SandboxResult
+from composer.rollout.tasks.files import write_text
+from composer.rollout.tasks.functions import Task
+from composer.rollout.tasks.workspace import Workspace
 
 SUMMARY_REQUEST = "\n\n[The context is nearly full. Summarize the task, what you tried and what the tests said, so you can continue from the summary alone.]\nSummary:"
 SUMMARY_HEADER = "\n\n[Summary of your earlier work]\n"

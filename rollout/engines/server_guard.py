@@ -1,4 +1,4 @@
-"""Runs a vLLM server (`python -m rollout.engines.server_guard SERVER_ARGS...`) and ends it, with every process it started,
+"""Runs a vLLM server (`python -m composer.rollout.engines.server_guard SERVER_ARGS...`) and ends it, with every process it started,
 when composer stops it or dies: vLLM's graceful shutdown can hang (uvicorn waits for requests of a client that is
 gone), so after a grace period the whole process group is killed."""
 
@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from runtime.processes import die_with_parent
+from composer.runtime.processes import die_with_parent
 
 GRACE_SECONDS = 10
 MODULE = __spec__.name

@@ -23,12 +23,12 @@ from typing import Callable
 
 import numpy as np
 
-from cluster.placement import EnginePlacement, HostPlacement, local_devices, place_engines
-from recipes.errors import UserError
-from recipes.schema import EngineParallelismSection, RolloutSection
-from rollout.engines import server_guard, vllm_serve
-from rollout.engines.worker_extension import WORKER_EXTENSION, fix_cpu_rotary_strides, read_rank_reports
-from runtime.processes import free_port
+from composer.cluster.placement import EnginePlacement, HostPlacement, local_devices, place_engines
+from composer.recipes.errors import UserError
+from composer.recipes.schema import EngineParallelismSection, RolloutSection
+from composer.rollout.engines import server_guard, vllm_serve
+from composer.rollout.engines.worker_extension import WORKER_EXTENSION, fix_cpu_rotary_strides, read_rank_reports
+from composer.runtime.processes import free_port
 
 
 @dataclass

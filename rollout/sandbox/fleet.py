@@ -29,8 +29,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rollout.sandbox.results import SandboxResult
-from rollout.sandbox.server import SandboxRequest
+from composer.rollout.sandbox.results import SandboxResult
+from composer.rollout.sandbox.server import SandboxRequest
 
 log = logging.getLogger("composer.fleet")
 

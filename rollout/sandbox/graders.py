@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
-from recipes.schema import SandboxSection
-from rollout.sandbox import plain_data
-from rollout.sandbox.isolation import starved_seconds
-from rollout.sandbox.results import (
+from composer.recipes.schema import SandboxSection
+from composer.rollout.sandbox import plain_data
+from composer.rollout.sandbox.isolation import starved_seconds
+from composer.rollout.sandbox.results import (
     AssertionTests,
     Call,
     CallTests,
@@ -45,7 +45,7 @@ from rollout.sandbox.results import (
     Tests,
     reward_for,
 )
-from rollout.sandbox.session import Session
+from composer.rollout.sandbox.session import Session
 
 FLAGS = {
     "harness_touched": "the program read the harness or test data, another process's /proc, or patched harness functions",

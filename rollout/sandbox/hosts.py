@@ -19,14 +19,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from recipes.errors import UserError
-from recipes.schema import SandboxSection, SSHSection
-from rollout.sandbox.fleet import Failure, Outcome, Provider, RealClock, SandboxPool
-from rollout.sandbox.isolation import DEFAULT_ROOT, Isolation
-from rollout.sandbox.results import AssertionTests, RewardMode, SandboxResult, Tests
-from rollout.sandbox.runs import Sandbox
-from rollout.sandbox.server import MODULE as SERVER_MODULE
-from rollout.sandbox.server import (
+from composer.recipes.errors import UserError
+from composer.recipes.schema import SandboxSection, SSHSection
+from composer.rollout.sandbox.fleet import Failure, Outcome, Provider, RealClock, SandboxPool
+from composer.rollout.sandbox.isolation import DEFAULT_ROOT, Isolation
+from composer.rollout.sandbox.results import AssertionTests, RewardMode, SandboxResult, Tests
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.sandbox.server import MODULE as SERVER_MODULE
+from composer.rollout.sandbox.server import (
     ProtocolError,
     RunRequest,
     SandboxRequest,
@@ -125,7 +125,7 @@ class RemoteSandboxHost(SandboxHost):
 
     def _connect(self) -> None:
         """SSH to the host, start its server and wait for it to be ready (UserError when it cannot be)."""
-        from cluster.ssh import SSHHost
+        from composer.cluster.ssh import SSHHost
 
         host = SSHHost(self.name, self._ssh)
         self.where = host.where

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from recipes.errors import UserError
+from composer.recipes.errors import UserError
 
 # A range of uids no account uses: one per concurrent run, claimed through a lock file.
 SANDBOX_UID_BASE = 1_900_000_000

@@ -23,10 +23,10 @@ from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-from recipes.errors import UserError
-from recipes.schema import SandboxSection
-from rollout.sandbox.graders import grade_program
-from rollout.sandbox.isolation import (
+from composer.recipes.errors import UserError
+from composer.recipes.schema import SandboxSection
+from composer.rollout.sandbox.graders import grade_program
+from composer.rollout.sandbox.isolation import (
     COMMAND_TOOLS,
     DEFAULT_ROOT,
     UID_LOCK_DIR,
@@ -38,8 +38,8 @@ from rollout.sandbox.isolation import (
     kill_uid,
     root_layout,
 )
-from rollout.sandbox.results import AssertionTests, CommandResult, RewardMode, RunEnvironment, SandboxResult, Tests
-from rollout.sandbox.session import InfraError, Session, command_result, sandbox_environment, zygote_for
+from composer.rollout.sandbox.results import AssertionTests, CommandResult, RewardMode, RunEnvironment, SandboxResult, Tests
+from composer.rollout.sandbox.session import InfraError, Session, command_result, sandbox_environment, zygote_for
 
 log = logging.getLogger("composer.sandbox")
 

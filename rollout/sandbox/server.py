@@ -1,6 +1,6 @@
 """A sandbox host's server, and the framed protocol the fleet (`rollout.sandbox.fleet`) speaks to it over SSH.
 
-The fleet starts `python -m rollout.sandbox.server` once per host over SSH, with the composer installed there, and
+The fleet starts `python -m composer.rollout.sandbox.server` once per host over SSH, with the composer installed there, and
 talks to it over the SSH channel's stdin/stdout. The server runs the real `Sandbox` on its host, so grading stays
 trusted there; it runs the requests it is sent concurrently (the fleet keeps them within the host's limit) and
 exits when its stdin closes, i.e. when the driver's SSH connection ends (the sandbox's fork server then kills the
@@ -38,9 +38,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from recipes.schema import SandboxSection
-from rollout.sandbox import plain_data
-from rollout.sandbox.results import (
+from composer.recipes.schema import SandboxSection
+from composer.rollout.sandbox import plain_data
+from composer.rollout.sandbox.results import (
     AssertionTests,
     Call,
     CallTests,
@@ -54,10 +54,10 @@ from rollout.sandbox.results import (
     Statement,
     Tests,
 )
-from rollout.sandbox.runs import Sandbox
-from rollout.sandbox.session import MAX_RESULT_BYTES
-from rollout.tasks.shipping import ShippedTask, ShippedTests, Store, WorkspaceService
-from rollout.tasks.workspace import TestReport
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.sandbox.session import MAX_RESULT_BYTES
+from composer.rollout.tasks.shipping import ShippedTask, ShippedTests, Store, WorkspaceService
+from composer.rollout.tasks.workspace import TestReport
 
 MODULE = __spec__.name
 _HEADER = struct.Struct(">I")

@@ -21,9 +21,9 @@ import threading
 import time
 from pathlib import Path
 
-from recipes.schema import SandboxSection
-from rollout.sandbox.isolation import WORK_DIR, starved_seconds
-from rollout.sandbox.results import CommandResult
+from composer.recipes.schema import SandboxSection
+from composer.rollout.sandbox.isolation import WORK_DIR, starved_seconds
+from composer.rollout.sandbox.results import CommandResult
 
 log = logging.getLogger("composer.sandbox")
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from recipes.errors import UserError
-from rollout.sandbox.graders import case_tests
-from rollout.sandbox.results import AssertionTests, Call, CallTests, CaseTests, GeneratedCalls, Tests
-from rollout.sandbox.runs import Sandbox
-from rollout.tasks.workspace import RepoTests
+from composer.recipes.errors import UserError
+from composer.rollout.sandbox.graders import case_tests
+from composer.rollout.sandbox.results import AssertionTests, Call, CallTests, CaseTests, GeneratedCalls, Tests
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.workspace import RepoTests
 
 CODEIO_CASES = 8
 SMOKE_TASKS = 100

@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 import threading
 
-from recipes.errors import UserError
-from recipes.schema import TaskSet
-from rollout.sandbox.runs import Sandbox
-from rollout.tasks.functions import (
+from composer.recipes.errors import UserError
+from composer.recipes.schema import TaskSet
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.functions import (
     CodeIOSource,
     HumanEvalSource,
     ReasoningGymSource,
@@ -18,8 +18,8 @@ from rollout.tasks.functions import (
     TaskSource,
     canary_of,
 )
-from rollout.tasks.recall import RecallSource
-from rollout.tasks.repository import load_tasks, repo_tests
+from composer.rollout.tasks.recall import RecallSource
+from composer.rollout.tasks.repository import load_tasks, repo_tests
 
 
 class RepoSource(TaskSource):

@@ -28,12 +28,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from recipes.errors import UserError
-from recipes.schema import ProjectSettings, RepoTaskSettings, SandboxSection
-from rollout.sandbox.isolation import installed_copies
-from rollout.sandbox.results import RunEnvironment
-from rollout.sandbox.runs import Sandbox
-from runtime.run_dir import atomic_write_text
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ProjectSettings, RepoTaskSettings, SandboxSection
+from composer.rollout.sandbox.isolation import installed_copies
+from composer.rollout.sandbox.results import RunEnvironment
+from composer.rollout.sandbox.runs import Sandbox
+from composer.runtime.run_dir import atomic_write_text
 
 ENVIRONMENT_VERSION = 1
 """Bump when how an environment is made changes: part of every environment's digest."""

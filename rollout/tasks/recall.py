@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import random
 
-from recipes.schema import RecallSettings
-from rollout.sandbox.results import AssertionTests
-from rollout.sandbox.runs import Sandbox
-from rollout.tasks.functions import Task, TaskSource
+from composer.recipes.schema import RecallSettings
+from composer.rollout.sandbox.results import AssertionTests
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.functions import Task, TaskSource
 
 RECALL_TASKS = 1000
 

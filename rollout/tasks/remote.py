@@ -17,12 +17,12 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout.sandbox.fleet import Failure
-from rollout.sandbox.hosts import LOCALHOST, RemoteSandboxHost, SandboxFleet
-from rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult
-from rollout.sandbox.server import from_wire, to_wire
-from rollout.tasks.shipping import CHUNK_BYTES, ShippedTask, ShippedTests, pack
-from rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, Workspace
+from composer.rollout.sandbox.fleet import Failure
+from composer.rollout.sandbox.hosts import LOCALHOST, RemoteSandboxHost, SandboxFleet
+from composer.rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult
+from composer.rollout.sandbox.server import from_wire, to_wire
+from composer.rollout.tasks.shipping import CHUNK_BYTES, ShippedTask, ShippedTests, pack
+from composer.rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, Workspace
 
 log = logging.getLogger("composer.workspace")
 

@@ -53,16 +53,16 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, Thr
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from recipes.errors import UserError
-from recipes.schema import RepoTaskSettings, SandboxSection, SSHSection
-from rollout.sandbox.hosts import LOCALHOST, SandboxFleet
-from rollout.sandbox.isolation import installed_copies
-from rollout.sandbox.results import RewardMode, RunEnvironment
-from rollout.sandbox.runs import Sandbox
-from rollout.tasks.grading_policy import Scope
-from rollout.tasks.history import history_commits, is_test_file, parent_text
-from rollout.tasks.mutations import Mutation, changed_module, mutations
-from rollout.tasks.projects import (
+from composer.recipes.errors import UserError
+from composer.recipes.schema import RepoTaskSettings, SandboxSection, SSHSection
+from composer.rollout.sandbox.hosts import LOCALHOST, SandboxFleet
+from composer.rollout.sandbox.isolation import installed_copies
+from composer.rollout.sandbox.results import RewardMode, RunEnvironment
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.grading_policy import Scope
+from composer.rollout.tasks.history import history_commits, is_test_file, parent_text
+from composer.rollout.tasks.mutations import Mutation, changed_module, mutations
+from composer.rollout.tasks.projects import (
     ProjectSpec,
     _chmod_tree,
     environment_dir,
@@ -72,10 +72,10 @@ from rollout.tasks.projects import (
     resolve_project,
     resolve_projects,
 )
-from rollout.tasks.projects import project_bases as _bases_of
-from rollout.tasks.remote import remote_test_run
-from rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, run_tests_guarded, unmount
-from runtime.run_dir import atomic_write_text
+from composer.rollout.tasks.projects import project_bases as _bases_of
+from composer.rollout.tasks.remote import remote_test_run
+from composer.rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, run_tests_guarded, unmount
+from composer.runtime.run_dir import atomic_write_text
 
 log = logging.getLogger("composer.repo_tasks")
 

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from rollout.sandbox.isolation import installed_copies
-from rollout.sandbox.results import RunEnvironment
-from rollout.sandbox.runs import Sandbox
-from rollout.tasks.files import PathRefused
-from rollout.tasks.grading_policy import Scope
-from rollout.tasks.projects import _chmod_tree
-from rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, run_tests_guarded
+from composer.rollout.sandbox.isolation import installed_copies
+from composer.rollout.sandbox.results import RunEnvironment
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.files import PathRefused
+from composer.rollout.tasks.grading_policy import Scope
+from composer.rollout.tasks.projects import _chmod_tree
+from composer.rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, run_tests_guarded
 
 CHUNK_BYTES = 8 << 20
 """Bytes of a shipped archive per frame."""

@@ -37,10 +37,10 @@ from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult, reward_for
-from rollout.sandbox.runs import CHANNEL_FD, Sandbox
-from rollout.tasks.files import read_text, write_text
-from rollout.tasks.grading_policy import NOT_A_FILE, Scope, keep_change
+from composer.rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult, reward_for
+from composer.rollout.sandbox.runs import CHANNEL_FD, Sandbox
+from composer.rollout.tasks.files import read_text, write_text
+from composer.rollout.tasks.grading_policy import NOT_A_FILE, Scope, keep_change
 
 log = logging.getLogger("composer.workspace")
 

@@ -14,13 +14,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from recipes.loader import load_recipe
-from recipes.schema import ModelSection, MuonSection, OptimSection, ParallelismSection, RLSection, TrainSection
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.model import build_model, causal_mask
-from trainer.optimizer import TrainOptimizer, wrap_data_parallel
-from trainer.rl_learner import LearnerSequence, RLLearner
-from trainer.weights import export_hf, iter_hf_tensors, load_hf_into
+from composer.recipes.loader import load_recipe
+from composer.recipes.schema import ModelSection, MuonSection, OptimSection, ParallelismSection, RLSection, TrainSection
+from composer.trainer.distributed import init_distributed, shutdown_distributed
+from composer.trainer.model import build_model, causal_mask
+from composer.trainer.optimizer import TrainOptimizer, wrap_data_parallel
+from composer.trainer.rl_learner import LearnerSequence, RLLearner
+from composer.trainer.weights import export_hf, iter_hf_tensors, load_hf_into
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 MUON_SPLITS = {

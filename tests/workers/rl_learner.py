@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from recipes.loader import load_recipe
-from rl import learner_main
-from rl.protocol import RLRunFiles
-from runtime.run_dir import RunDir
+from composer.recipes.loader import load_recipe
+from composer.rl import learner_main
+from composer.rl.protocol import RLRunFiles
+from composer.runtime.run_dir import RunDir
 
 
 def main() -> None:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from recipes.loader import load_recipe
-from trainer.checkpointing import Checkpointer
-from trainer.distributed import init_distributed
-from trainer.model import build_model, forward_logits
-from trainer.optimizer import TrainOptimizer, wrap_data_parallel
+from composer.recipes.loader import load_recipe
+from composer.trainer.checkpointing import Checkpointer
+from composer.trainer.distributed import init_distributed
+from composer.trainer.model import build_model, forward_logits
+from composer.trainer.optimizer import TrainOptimizer, wrap_data_parallel
 
 
 def setup(recipe):

@@ -1,0 +1,3 @@
+from composer.cli.main import main
+
+main()
