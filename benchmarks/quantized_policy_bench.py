@@ -1,6 +1,6 @@
 """Sync delta of RL policies shipped in the serving formats of the published checkpoints: bf16 vs block fp8 vs INT4.
 
-The Kimi-K2-Thinking twin (tests/published_twins.py: INT4 routed experts, YaRN) gets a tokenizer; an RL run of its
+The Kimi-K2-Thinking twin (tests/helpers/published_twins.py: INT4 routed experts, YaRN) gets a tokenizer; an RL run of its
 fp32 copy on the smoke tasks is recorded with the fp32 embedded engine (vLLM on this CPU runs neither block-fp8
 linears nor INT4 MoE without AMX). The learner then replays those groups (`--replay`: no engines) from the INT4
 twin itself, once per `rollout.dtype` (bfloat16, fp8, int4) at the learning rate of recipes/kimi-k2-rl.yaml, and
@@ -36,7 +36,7 @@ def prepare(work: Path) -> tuple[Path, Path]:
     """(the INT4 twin with a tokenizer, its fp32 copy)."""
     import torch
 
-    from tests.published_twins import make_twin
+    from tests.helpers.published_twins import make_twin
     from composer.trainer.checkpoint_init import train_tokenizer
     from composer.trainer.hf_config import model_section_from_hf
     from composer.trainer.weights import convert_hf

@@ -1,4 +1,4 @@
-"""Repository tasks from a user's project on sandbox hosts: what a build of the test project (tests/user_project.py)
+"""Repository tasks from a user's project on sandbox hosts: what a build of the test project (tests/helpers/user_project.py)
 validates per kind and rejects, the build's time on 1 and on 2 SSH sandbox hosts (network namespaces on this
 machine, as root; their ratio), grading latency of the same task here and on a remote host (p50/p95), and the bytes
 shipped to a host for the project's environment, its files and one task.
@@ -28,7 +28,7 @@ from composer.rollout.tasks.remote import RemoteRepoWorkspace  # noqa: E402
 from composer.rollout.tasks.repository import build_repo_tasks, load_tasks, open_workspace, repo_tests, set_dir  # noqa: E402
 from composer.rollout.tasks.shipping import pack  # noqa: E402
 from tests import netns_hosts  # noqa: E402
-from tests.user_project import make_project  # noqa: E402
+from tests.helpers.user_project import make_project  # noqa: E402
 
 LIMITS = dict(cpu_seconds=60, wall_seconds=120, memory_mb=2048)
 

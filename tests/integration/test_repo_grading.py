@@ -1,0 +1,454 @@
+"""Repository-task grading a policy cannot fool, layer by layer: what of an episode's change is taken (source only, the
+task's function(s)), the policy on the kept change, and the trusted pytest run (modules from source only, the report
+on a chained channel, sentinel tests, the watch on pytest's reporting), on a small project of its own so each
+mechanism gets a run. The end-to-end classes on networkx bug and feature tasks are in test_repo_tasks.py."""
+
+import ast
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from composer.recipes.schema import SandboxSection
+from composer.rollout.sandbox.results import CommandResult
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks import pytest_report
+from composer.rollout.tasks.grading_policy import NOT_A_FILE, Scope, forbidden_uses, keep_change, module_imports, splice
+from composer.rollout.tasks.workspace import read_report, run_tests_guarded, sentinel_tests
+from tests.helpers.repo_cheats import ANSWERS, CLASSES, PAYLOADS, in_function, payloads, pyc
+
+# --- what grading takes -------------------------------------------------------------------------
+
+MODULE = '''"""Shapes."""
+import math
+
+
+def area(r):
+    """Area of a circle."""
+    return math.pi * r * 3  # the bug
+
+
+def perimeter(r):
+    return 2 * math.pi * r
+
+
+class Box:
+    def volume(self, a):
+        return a * a
+'''
+ORIGINAL = MODULE.replace("math.pi * r * 3  # the bug", "math.pi * r * r")
+
+
+@pytest.fixture
+def base(tmp_path) -> Path:
+    """A grading base: the package `shapes` with its module (the original) and tests."""
+    (tmp_path / "shapes" / "tests").mkdir(parents=True)
+    (tmp_path / "shapes" / "__init__.py").write_text("from shapes.core import area\n")
+    (tmp_path / "shapes" / "core.py").write_text(ORIGINAL)
+    (tmp_path / "shapes" / "other.py").write_text("def helper():\n    return 1\n")
+    (tmp_path / "shapes" / "tests" / "test_core.py").write_text("def test_area():\n    pass\n")
+    return tmp_path
+
+
+TASK = {"shapes/core.py": MODULE.encode()}
+SCOPE = (Scope("shapes/core.py", ("area",)),)
+
+
+def test_an_honest_fix_is_taken_as_written_and_nothing_else_is(base):
+    fixed = MODULE.replace("math.pi * r * 3  # the bug", "math.pi * r ** 2  # fixed")
+    kept = keep_change({"shapes/core.py": fixed.encode()}, TASK, base, "shapes", SCOPE)
+    assert (kept.files, kept.dropped, kept.protected, kept.forbidden) == ({"shapes/core.py": fixed.encode()}, (), (), ())
+    # Comments and blank lines elsewhere change nothing the tests see: taken without a word.
+    styled = fixed.replace("def perimeter(r):", "# a note\n\ndef perimeter(r):")
+    assert keep_change({"shapes/core.py": styled.encode()}, TASK, base, "shapes", SCOPE).dropped == ()
+
+
+def test_changes_outside_the_tasks_function_are_dropped_and_named(base):
+    episode = (MODULE.replace("math.pi * r * 3  # the bug", "math.pi * r * r")
+               .replace("return 2 * math.pi * r", "return 0")  # another function
+               .replace("return a * a", "return a")  # a method
+               + "\nimport builtins\nbuiltins.len = lambda x: 0\n")  # module-level code
+    kept = keep_change({"shapes/core.py": episode.encode(), "shapes/other.py": b"def helper():\n    return 2\n",
+                        "shapes/other.py.orig": b"x", "shapes/new.py": b"import os\n", "notes.txt": b"scratch"},
+                       TASK, base, "shapes", SCOPE)
+    text = kept.files["shapes/core.py"].decode()
+    assert "math.pi * r * r" in text and "return 2 * math.pi * r" in text and "return a * a" in text
+    assert "builtins" not in text and set(kept.files) == {"shapes/core.py"}
+    dropped = "\n".join(kept.dropped)
+    assert "shapes/core.py: changes outside area dropped" in dropped
+    assert all(p in dropped for p in ("shapes/other.py:", "shapes/other.py.orig", "shapes/new.py")) and "notes.txt" not in dropped
+    assert kept.forbidden == ()  # the builtins patch was never taken, so never checked
+
+
+def test_what_a_fix_adds_at_module_level_for_its_function_is_kept(base):
+    episode = MODULE.replace('import math\n', 'import math\nfrom functools import lru_cache\n').replace(
+        "def area(r):", "_SQUARE = 2\n\n\ndef _square(x):\n    return x ** _SQUARE\n\n\n@lru_cache\ndef area(r):").replace(
+        "math.pi * r * 3  # the bug", "math.pi * _square(r)")
+    kept = keep_change({"shapes/core.py": episode.encode()}, TASK, base, "shapes", SCOPE)
+    namespace = {}
+    exec(kept.files["shapes/core.py"].decode(), namespace)
+    assert namespace["area"](2) == pytest.approx(4 * 3.141592653589793) and kept.dropped == () and kept.forbidden == ()
+
+
+def test_only_source_is_taken(base):
+    """Bytecode beside or instead of a module, compiled modules, a FIFO or symlink for the task's file: never
+    taken (the task's own file is graded), and named; a deleted task file is the task's file too."""
+    changed = {"shapes/__pycache__/core.cpython-311.pyc": b"forged", "shapes/core.pyc": b"forged",
+               "shapes/fast.cpython-311-x86_64-linux-gnu.so": b"\x7fELF", "shapes/tests/__pycache__/x.pyc": b"",
+               "shapes/core.py": NOT_A_FILE}
+    kept = keep_change(changed, TASK, base, "shapes", SCOPE)
+    assert kept.files == TASK and kept.protected == ()
+    assert len(kept.dropped) == 5 and sum("bytecode or a compiled module" in d for d in kept.dropped) == 4
+    assert "shapes/core.py: not a regular file (graded as the task left it)" in kept.dropped
+    assert keep_change({"shapes/core.py": None}, TASK, base, "shapes", SCOPE).files == TASK
+    unparsable = keep_change({"shapes/core.py": b"def area(:\n"}, TASK, base, "shapes", SCOPE)
+    assert unparsable.files == TASK and "does not parse" in unparsable.dropped[0]
+
+
+def test_tests_and_test_configuration_are_never_taken(base):
+    changed = {"shapes/tests/test_core.py": b"", "shapes/conftest.py": b"", "conftest.py": b"", "pytest.ini": b"",
+               "shapes/zz.pth": b"", "sitecustomize.py": b"", "pytest.py": b"", "json.py": b""}
+    kept = keep_change(changed, TASK, base, "shapes", SCOPE)
+    assert kept.files == TASK and sorted(kept.protected) == sorted(changed)
+
+
+def test_a_scope_of_several_functions_and_files(base):
+    """What task kinds that change several functions or files need: each named function spliced, a whole file
+    taken as written (new, or deleted), everything else dropped."""
+    scope = (Scope("shapes/core.py", ("area", "Box.volume")), Scope("shapes/extra.py"), Scope("shapes/other.py"))
+    episode = MODULE.replace("math.pi * r * 3  # the bug", "math.pi * r * r").replace("return a * a", "return a ** 3").replace(
+        "return 2 * math.pi * r", "return -1")
+    kept = keep_change({"shapes/core.py": episode.encode(), "shapes/extra.py": b"VALUE = 1\n", "shapes/other.py": None},
+                       TASK, base, "shapes", scope)
+    text = kept.files["shapes/core.py"].decode()
+    assert "math.pi * r * r" in text and "return a ** 3" in text and "return 2 * math.pi * r" in text
+    assert kept.files["shapes/extra.py"] == b"VALUE = 1\n" and kept.files["shapes/other.py"] is None
+    assert len(kept.dropped) == 1 and "outside area, Box.volume" in kept.dropped[0]
+
+
+def test_without_a_scope_every_existing_source_file_is_taken_whole(base):
+    kept = keep_change({"shapes/other.py": b"def helper():\n    return 2\n", "shapes/new.py": b"X = 1\n",
+                        "shapes/core.py": None}, TASK, base, "shapes", ())
+    assert kept.files == {**TASK, "shapes/other.py": b"def helper():\n    return 2\n"}
+    assert {d.split(":")[0] for d in kept.dropped} == {"shapes/new.py", "shapes/core.py"}
+
+
+# --- the policy on the kept change --------------------------------------------------------------
+
+HONEST = '''
+import collections
+import heapq
+import io
+import math
+import os
+import sys
+import warnings
+from functools import lru_cache
+
+
+class NotFound(Exception):
+    pass
+
+
+def fix(G, source, weight=None, cutoff=None):
+    """Honest code of the kind fixes are made of."""
+    if source not in G:
+        raise NotFound(f"Source {source} is not in G")
+    if cutoff is None:
+        cutoff = sys.maxsize if weight is None else math.inf
+    seen, queue = {source: 0}, collections.deque([source])
+    heap = [(0, source)]
+    heapq.heapify(heap)
+    while queue:
+        node = queue.popleft()
+        for other in sorted(G[node], key=lambda n: (str(type(n).__name__), n)):
+            if getattr(G, "is_directed", None) is not None and hasattr(G, "succ") and other not in seen:
+                seen[other] = seen[node] + 1
+                queue.append(other)
+    if len(seen) > 10 ** 6:
+        warnings.warn("large", RuntimeWarning, stacklevel=2)
+    text = io.StringIO(os.path.join("a", "b") + os.sep)
+    return {k: v for k, v in seen.items() if v <= cutoff}, text, type(G).__name__, super(NotFound, NotFound(1)).__str__()
+'''
+
+
+def test_honest_fixes_reach_nothing_the_policy_refuses():
+    tree = ast.parse(HONEST)
+    assert forbidden_uses(tree.body, module_imports(tree)) == set()
+
+
+# Constructs each refused on its own, by what it reaches (evasions of a naive name check included).
+REFUSED = {
+    "import _pytest.runner": "the test runner", "from pluggy import HookimplMarker": "the test runner",
+    "import importlib; importlib.import_module('g' + 'c')": "the import system",
+    "import sys; sys.modules['x'] = None": "the import system", "from sys import modules as m": "the import system",
+    "import sys; sys.meta_path.insert(0, object())": "the import system",
+    "import sys; sys.settrace(print)": "frames and tracing", "import sys; f = sys._getframe(1)": "frames and tracing",
+    "try:\n    1 / 0\nexcept Exception as e:\n    f = e.__traceback__.tb_frame.f_back": "frames and tracing",
+    "import inspect; inspect.stack()": "frames and tracing", "import linecache": "frames and tracing",
+    "import gc; gc.get_objects()": "the interpreter's objects", "import ctypes": "the interpreter's objects",
+    "f = print.__self__": "the interpreter's objects", "g = (lambda: 0).__globals__": "the interpreter's objects",
+    "x = ().__class__.__base__.__subclasses__()": "the interpreter's objects",
+    "import os; os.dup2(1, 2)": "processes and descriptors", "import os as o; o.fork()": "processes and descriptors",
+    "import os; os.write(99, b'')": "processes and descriptors", "import os; os.environ['X'] = '1'": "processes and descriptors",
+    "import networkx; networkx.utils.backends.os.kill(1, 9)": "processes and descriptors",
+    "import atexit": "processes and descriptors", "import subprocess": "processes and descriptors",
+    "import threading": "processes and descriptors", "import sys; sys.exit(0)": "processes and descriptors",
+    "p = '/proc/self/fd/3'": "processes and descriptors", "import builtins": "builtins",
+    "x = __builtins__": "builtins", "eval('1')": "builtins", "exec('1')": "builtins", "globals()['x'] = 1": "builtins",
+    "import sys; vars(sys)": "builtins", "import sys; sys.__dict__['mod' + 'ules']": "the interpreter's objects",
+    "import sys; getattr(sys, 'mod' + 'ules')": "builtins", "import sys; getattr(sys, 'modules')": "the import system",
+    "open('/sandbox/x').read()": "files", "import pathlib": "files",
+    "class R(dict):\n    def __eq__(self, other):\n        return True": "answers that match anything",
+    "R = type('R', (dict,), {'__eq__': lambda s, o: True})": "answers that match anything",
+    "class R(int):\n    __eq__ = lambda s, o: True": "answers that match anything",
+    "x = 1\nx.__class__ = int": "builtins",
+}
+
+
+@pytest.mark.parametrize("code", list(REFUSED))
+def test_each_construct_that_reaches_for_the_test_run_is_refused(code):
+    function = ast.parse("def fix():\n" + "".join(f"    {line}\n" for line in code.splitlines()))
+    found = forbidden_uses(function.body, {})
+    assert any(hit.startswith(REFUSED[code] + ":") for hit in found), found
+
+
+@pytest.mark.parametrize("name", [*PAYLOADS, *ANSWERS])
+def test_every_cheat_in_the_tasks_function_is_refused(base, name):
+    """The cheats of test_repo_tasks (runner patches, report rewriting, neutralised tests, shaped answers), put in
+    the task's function: each taken (it is in scope) and refused."""
+    if name in PAYLOADS:
+        episode = in_function(MODULE, "area", [payloads("shapes.tests.test_core", "/x/test_core.py")[name]])
+    else:
+        episode = in_function(MODULE, "area", [], ANSWERS[name])
+    kept = keep_change({"shapes/core.py": episode.encode()}, TASK, base, "shapes", SCOPE)
+    assert kept.dropped == () and kept.forbidden, kept
+    assert "@_prepare" in kept.files["shapes/core.py"].decode()
+
+
+def test_what_the_original_function_itself_uses_is_allowed():
+    """A fix that restores a function which uses such things itself is not refused for them (only for more)."""
+    original = "import inspect\n\n\ndef f(g):\n    return inspect.signature(g)\n"
+    task = "import inspect\n\n\ndef f(g):\n    raise NotImplementedError\n"
+    assert splice(task, original, ("f",), original)[2] == set()
+    more = original.replace("return inspect", "import gc\n    gc.collect()\n    return inspect")
+    assert splice(task, more, ("f",), original)[2] == {"the interpreter's objects: import gc", "the interpreter's objects: gc.collect"}
+
+
+# --- the report channel and the sentinels -------------------------------------------------------
+
+
+def channel_of(records: list[dict], key: bytes) -> bytes:
+    """What the trusted entry's sender writes for `records`."""
+    read, write = os.pipe()
+    send = pytest_report._sender(write, key)
+    for record in records:
+        send(record)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        return f.read()
+
+
+def report_of(channel: bytes, key: bytes, sentinels: dict[str, str]):
+    return read_report(CommandResult(0, "ok", "", 1.0, channel=channel), key, sentinels)
+
+
+def test_the_report_is_believed_only_as_the_trusted_entry_chained_it():
+    key, other = os.urandom(32), os.urandom(32)
+    sentinels = {"t.py::test_good": "passed", "t.py::test_bad": "failed"}
+    run = [{"id": "t.py::test_a", "outcome": "passed"}, {"id": "t.py::test_good", "outcome": "passed"},
+           {"id": "t.py::test_bad", "outcome": "failed"}, {"end": True, "exitstatus": 1, "tampered": []}]
+    honest = report_of(channel_of(run, key), key, sentinels)
+    assert (honest.complete, honest.flags, honest.outcomes) == (True, (), {"t.py::test_a": "passed"})
+    lines = channel_of(run, key).splitlines(keepends=True)
+    changed = lines[0].replace(b'"passed"', b'"failed"')
+    for name, channel in {"a line changed": lines[0].replace(b"test_a", b"test_z") + b"".join(lines[1:]),
+                          "a line dropped": b"".join(lines[1:]), "lines swapped": b"".join([lines[1], lines[0], *lines[2:]]),
+                          "a line added": channel_of(run[:1], other) + b"".join(lines),
+                          "a line after the end": b"".join(lines) + changed,
+                          "the end forged early": channel_of(run[:1] + run[-1:], key) + b"".join(lines[1:])}.items():
+        report = report_of(channel, key, sentinels)
+        assert not report.complete and "forged_records" in report.flags, name
+    silent = report_of(b"", key, sentinels)
+    assert (silent.complete, silent.flags) == (False, ("early_exit",))
+
+
+@pytest.mark.parametrize("outcomes, tripped", [
+    ({"test_good": "passed", "test_bad": "passed"}, True),  # asserts stripped, outcomes rewritten
+    ({"test_bad": "failed"}, True),  # a must-pass sentinel missing while real tests pass (the module swapped)
+    ({"test_good": "failed", "test_bad": "failed"}, True),
+    ({"test_good": "passed", "test_bad": "failed"}, False),
+])
+def test_sentinels_not_reported_as_written_make_the_report_untrusted(outcomes, tripped):
+    key = os.urandom(32)
+    sentinels = {"t.py::test_good": "passed", "t.py::test_bad": "failed"}
+    run = [{"id": "t.py::test_a", "outcome": "passed"}] + [{"id": f"t.py::{i}", "outcome": o} for i, o in outcomes.items()]
+    report = report_of(channel_of(run + [{"end": True, "tampered": []}], key), key, sentinels)
+    assert report.complete is not tripped and ("sentinel_tripped" in report.flags) is tripped
+
+
+def test_a_file_that_runs_no_test_runs_no_sentinel():
+    """A test file that fails to import (a broken fix) reports no test: its sentinels are not missed."""
+    key = os.urandom(32)
+    report = report_of(channel_of([{"collect_error": "t.py"}, {"end": True, "tampered": []}], key), key,
+                       {"t.py::test_good": "passed", "t.py::test_bad": "failed"})
+    assert (report.complete, report.flags, report.outcomes) == (True, (), {})
+
+
+def test_sentinels_are_named_like_the_files_own_tests_and_drawn_anew():
+    source = "def test_shortest_path_length():\n    pass\n\n\ndef test_bidirectional_path():\n    pass\n"
+    first, expected = sentinel_tests("t.py", source, random.Random(1))
+    second, _ = sentinel_tests("t.py", source, random.Random(2))
+    assert first != second and sorted(expected.values()) == ["failed", "failed", "passed", "passed"]
+    names = [i.split("::")[1] for i in expected]
+    assert all(n.startswith("test_") and n not in source for n in names)
+    assert any(w in "".join(names) for w in ("shortest", "path", "length", "bidirectional"))
+    namespace = {}
+    exec(first, namespace)
+    for test_id, outcome in expected.items():
+        try:
+            namespace[test_id.split("::")[1]]()
+            got = "passed"
+        except AssertionError:
+            got = "failed"
+        assert got == outcome
+
+
+# --- the trusted run, mechanism by mechanism, on a small project --------------------------------
+
+CORE = '''def double(x):
+    """Twice x."""
+    return x + x + 1
+'''
+TESTS = '''from toy.core import double
+
+
+def test_double():
+    assert double(2) == 4
+
+
+def test_double_zero():
+    assert double(0) == 0
+
+
+def test_type():
+    assert isinstance(double(1), int)
+'''
+TEST_FILE = "toy/tests/test_core.py"
+FAILING = (f"{TEST_FILE}::test_double", f"{TEST_FILE}::test_double_zero")
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> Path:
+    """A project's grading base (root's files): a package whose conftest imports it, a bug, three tests."""
+    root = tmp_path_factory.mktemp("toy")
+    os.chmod(root, 0o755)
+    (root / "toy" / "tests").mkdir(parents=True)
+    (root / "toy" / "__init__.py").write_text("from toy.core import double\n")
+    (root / "toy" / "core.py").write_text(CORE)
+    (root / "toy" / "conftest.py").write_text("import toy\n")
+    (root / "toy" / "tests" / "__init__.py").write_text("")
+    (root / "toy" / "tests" / TEST_FILE.rsplit("/", 1)[1]).write_text(TESTS)
+    for path in [root, *root.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    return root
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory) -> Sandbox:
+    return Sandbox(SandboxSection(cpu_seconds=60, wall_seconds=120, memory_mb=2048), root=tmp_path_factory.mktemp("sandboxes"))
+
+
+def guarded(sandbox: Sandbox, toy: Path, changes: dict, tmp_path: Path):
+    return run_tests_guarded(sandbox, toy, changes, (TEST_FILE,), (), 60, (), tmp_path / "views")
+
+
+def unguarded(sandbox: Sandbox, toy: Path, variants: dict[str, dict], tmp_path: Path) -> dict[str, str]:
+    """Each variant of the project (its changes: bytes, or None to delete) tested by plain pytest, as an agent's own
+    run does, all in one sandboxed command: variant -> pytest's summary line."""
+    import shutil
+
+    work = tmp_path / "unguarded"
+    commands = []
+    for n, changes in enumerate(variants.values()):
+        copy = work / str(n)
+        shutil.copytree(toy, copy)  # keeps the files' times: bytecode can claim to match them
+        for relative, content in changes.items():
+            path = copy / relative
+            if content is None:
+                path.unlink()
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(content if path.suffix == ".pyc" else content.replace(b"/sandbox/repo/", f"/sandbox/{n}/".encode()))
+        commands.append(f"cd /sandbox/{n} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -q -p no:cacheprovider {TEST_FILE}"
+                        f" 2>&1 | tail -1 | sed 's/ in .*//; s/^/{n}: /'")
+    for path in [work, *work.rglob("*")]:
+        os.chmod(path, 0o777 if path.is_dir() else 0o666)
+    result = sandbox.run_command("; ".join(commands), work, timeout_s=120)
+    lines = dict(line.split(": ", 1) for line in result.output.splitlines() if ": " in line)
+    return {name: lines.get(str(n), result.output[-300:]) for n, name in enumerate(variants)}
+
+
+CHEATS = payloads("toy.tests.test_core", f"/sandbox/repo/{TEST_FILE}", FAILING)
+
+
+def with_payload(name: str) -> dict:
+    return {"toy/core.py": (CORE + "\n" + CHEATS[name]).encode()}
+
+
+def test_the_cheats_work_on_an_unguarded_run(sandbox, toy, tmp_path):
+    """The controls: each runner patch and each way of neutralising the tests passes every test of a plain
+    pytest run (the report rewriters have no report to rewrite there)."""
+    names = CLASSES["patching the test runner"][:3] + CLASSES["neutralising the tests"]
+    summaries = unguarded(sandbox, toy, {"bug": {}, **{name: with_payload(name) for name in names}}, tmp_path)
+    assert summaries.pop("bug") == "2 failed, 1 passed"
+    assert summaries == dict.fromkeys(names, "3 passed")
+
+
+@pytest.mark.parametrize("name", list(PAYLOADS))
+def test_each_cheat_from_inside_the_run_is_caught_by_the_run_itself(sandbox, toy, tmp_path, name):
+    """Without the kept-change layers (the payload straight into the graded module): the report is not believed,
+    and says why."""
+    report = guarded(sandbox, toy, with_payload(name), tmp_path)
+    assert not report.complete and not report.infra_failure, (report.flags, report.output[-2000:])
+    assert set(report.flags) & {"harness_touched", "sentinel_tripped", "forged_records"}, report.flags
+
+
+def test_bytecode_is_never_read_in_the_run(sandbox, toy, tmp_path):
+    """Forged bytecode that a plain run loads (an unchecked pyc of the task's module, a timestamp pyc matching an
+    untouched module, a sourceless pyc standing in for the module, pytest's cache of a rewritten conftest) is
+    ignored by the trusted run even when it is in the view."""
+    import _pytest
+
+    tag = sys.implementation.cache_tag
+    fixed = CORE.replace("x + x + 1", "x + x")
+    init, conftest = toy / "toy" / "__init__.py", toy / "toy" / "conftest.py"
+    all_pass = ("import pytest\n\n\n@pytest.hookimpl(wrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+                "    report = yield\n    report.outcome = 'passed'\n    return report\n")
+    variants = {
+        "unchecked pyc": {f"toy/__pycache__/core.{tag}.pyc": pyc(fixed, "/sandbox/repo/toy/core.py", None)},
+        "timestamp pyc": {f"toy/__pycache__/__init__.{tag}.pyc": pyc(
+            "import toy.core\ntoy.core.double = lambda x: 2 * x\nfrom toy.core import double\n", "/sandbox/repo/toy/__init__.py",
+            (int(init.stat().st_mtime), init.stat().st_size))},
+        "sourceless pyc": {"toy/core.py": None, "toy/core.pyc": pyc(fixed, "core.py", None)},
+        "conftest pyc": {f"toy/__pycache__/conftest.{tag}-pytest-{_pytest.__version__}.pyc": pyc(
+            "import toy\n" + all_pass, "/sandbox/repo/toy/conftest.py", conftest.read_bytes())},
+    }
+    assert unguarded(sandbox, toy, variants, tmp_path) == dict.fromkeys(variants, "3 passed")
+    whole = {relative: content for changes in list(variants.values())[:2] + list(variants.values())[3:] for relative, content in changes.items()}
+    report = guarded(sandbox, toy, whole, tmp_path)
+    assert (report.complete, report.flags) == (True, ())
+    assert [report.outcomes[i] for i in FAILING] == ["failed", "failed"]
+    sourceless = guarded(sandbox, toy, variants["sourceless pyc"], tmp_path)
+    assert (sourceless.complete, sourceless.flags, sourceless.outcomes) == (True, (), {})  # no module: nothing runs
+
+
+def test_a_change_that_breaks_the_import_is_a_failed_run_not_an_early_exit(sandbox, toy, tmp_path):
+    """The conftest imports the package: a module that raises stops pytest before its session. That is a complete
+    report with no test passing, not a program that ended the run."""
+    report = guarded(sandbox, toy, {"toy/core.py": b"raise ImportError('broken')\n"}, tmp_path)
+    assert (report.complete, report.flags, report.outcomes) == (True, (), {}), report.output[-1500:]
+    honest = guarded(sandbox, toy, {"toy/core.py": CORE.replace("x + x + 1", "x + x").encode()}, tmp_path)
+    assert (honest.complete, honest.flags) == (True, ()) and set(honest.outcomes.values()) == {"passed"}

@@ -1,0 +1,237 @@
+"""Repository tasks from a user's own project, declared in the recipe: a git repository made by the test
+(tests/helpers/user_project.py: a pure-Python package with its tests, and commits that each fix a bug and add a test).
+
+`env build` makes the project's environment once (the install command run in the sandbox with this machine's package
+index), then history tasks (fail-to-pass: exactly each commit's new test) and multi tasks (several seeded bugs at
+once); the commit's own change earns 1.0, no change 0, and today's grading cheats 0 on both kinds. Bad input is one
+clear line each, and leaves no environment behind."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from composer.recipes.errors import UserError
+from composer.recipes.schema import ProjectSettings, RepoTaskSettings, SandboxSection
+from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.projects import environment_dir, resolve_project
+from composer.rollout.tasks.repository import build_repo_tasks, load_tasks, open_workspace, repo_tests, set_dir
+from tests.conftest import REPO
+from tests.helpers.user_project import FIXES, make_project
+
+SANDBOX = SandboxSection(cpu_seconds=60, wall_seconds=120, memory_mb=2048)
+INSTALL = "pip install pytest"
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> tuple[Path, dict]:
+    repo = tmp_path_factory.mktemp("user-project") / "tally"
+    return repo, make_project(repo)
+
+
+def tally(repo: Path, **more) -> dict:
+    return {"name": "tally", "path": str(repo), "commit": "main", "package": "src/tally", "install": INSTALL, **more}
+
+
+def settings(repo: Path, cache: Path, kinds: list[str], num_tasks: int, **more) -> RepoTaskSettings:
+    return RepoTaskSettings(projects=[tally(repo, **more)], kinds=kinds, num_tasks=num_tasks, cache_dir=str(cache))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("user-cache")
+
+
+@pytest.fixture(scope="module")
+def sandbox_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("user-sandboxes")
+
+
+@pytest.fixture(scope="module")
+def history(project, cache, sandbox_root):
+    repo, _ = project
+    chosen = settings(repo, cache, ["history"], len(FIXES))
+    report = build_repo_tasks(chosen, SANDBOX, sandbox_root, workers=2)
+    return chosen, report, load_tasks(chosen)
+
+
+@pytest.fixture(scope="module")
+def multi(project, cache, sandbox_root, history):
+    repo, _ = project
+    chosen = settings(repo, cache, ["multi"], 1)
+    report = build_repo_tasks(chosen, SANDBOX, sandbox_root, workers=2)
+    return chosen, report, load_tasks(chosen)
+
+
+@pytest.fixture(scope="module")
+def sandbox(sandbox_root) -> Sandbox:
+    return Sandbox(SANDBOX, root=sandbox_root)
+
+
+def test_history_tasks_are_the_commits_that_fixed_a_bug_with_a_test(project, history):
+    _, made = project
+    chosen, report, tasks = history
+    assert report.validated == len(FIXES) and report.by_project_kind == {("tally", "history"): len(FIXES)}
+    by_commit = {t["base"]: t for t in tasks}
+    assert set(by_commit) == {f["commit"] for f in made["fixes"]}  # the docs-only and source-only commits are not tasks
+    for fix in made["fixes"]:
+        task = by_commit[fix["commit"]]
+        assert task["fail_to_pass"] == [fix["test_id"]]  # exactly the commit's new test
+        assert fix["test_id"] not in task["pass_to_pass"] and len(task["pass_to_pass"]) >= 4
+        assert task["paths"] == [fix["source"]] and task["kind"] == "history"
+        assert fix["message"] in task["prompt"] and fix["test_id"] in task["prompt"]
+
+
+def test_the_environment_is_made_once_per_digest(project, history, cache, sandbox_root):
+    repo, _ = project
+    chosen, _, _ = history
+    spec = resolve_project(chosen.projects[0], chosen.kinds)
+    assert spec == resolve_project(ProjectSettings(**tally(repo)), chosen.kinds)  # same inputs, same digest
+    environment = environment_dir(cache, spec)
+    manifest = json.loads((environment / "manifest.json").read_text())
+    assert any(line.startswith("pytest==") for line in manifest["frozen"])
+    assert not any(line.lower().startswith("tally") for line in manifest["frozen"])  # the project itself is not installed
+    made_at = (environment / "manifest.json").stat().st_mtime_ns
+    other_kind = settings(repo, cache, ["history"], 1, exclude_markers=["slow"])  # other test runs, the same environment
+    assert resolve_project(other_kind.projects[0], other_kind.kinds).digest == spec.digest
+    build_repo_tasks(other_kind, SANDBOX, sandbox_root, workers=1)
+    assert (environment / "manifest.json").stat().st_mtime_ns == made_at
+    assert resolve_project(ProjectSettings(**tally(repo, install="pip install pytest iniconfig")), []).digest != spec.digest
+    if os.geteuid() == 0:
+        assert all(os.stat(p).st_uid == 0 for p in [environment / "venv", *(environment / "venv").rglob("*.py")][:200])
+
+
+def written(path: str, text: str) -> str:
+    return f"cat > {path} <<'COMPOSER_EOF'\n{text}COMPOSER_EOF"
+
+
+def task_for(history, fix: dict) -> dict:
+    return next(t for t in history[2] if t["base"] == fix["commit"])
+
+
+def test_the_commits_own_change_earns_full_reward_and_no_change_nothing(project, history, sandbox):
+    _, made = project
+    chosen = history[0]
+    for fix in made["fixes"][:2]:
+        tests = repo_tests(task_for(history, fix), chosen)
+        with open_workspace(tests, sandbox) as ws:
+            untouched = ws.grade()
+            shown = ws.run_tests()  # the project's environment runs the tests the agent sees
+            assert shown.exit_code == 1 and "1 failed" in shown.output, shown.output[-1500:]
+            assert ws.shell(written(fix["source"], fix["fixed"]), 30).exit_code == 0
+            fixed = ws.grade()
+        assert (untouched.reward, untouched.flags) == (0.0, ())
+        assert (fixed.reward, fixed.flags, fixed.passed) == (1.0, (), fixed.total), (fixed.detail, fixed.stdout_tail[-1500:])
+
+
+def test_multi_tasks_hold_several_bugs_in_different_functions(multi, sandbox):
+    chosen, report, (task,) = multi
+    assert report.validated == 1 and task["kind"] == "multi"
+    functions = task["function"].split(", ")
+    assert 2 <= len(functions) == len(set(functions)) <= 3
+    tests = repo_tests(task, chosen)
+    with open_workspace(tests, sandbox) as ws:
+        assert ws.grade().reward == 0.0
+        for path in task["paths"]:  # every bug fixed: the original files back
+            ws.shell(written(path, (tests.grading_base / path).read_text()), 30)
+        fixed = ws.grade()
+    assert (fixed.reward, fixed.flags) == (1.0, ())
+
+
+def appended(path: str, code: str) -> str:
+    return f"cat >> {path} <<'COMPOSER_EOF'\n{code}COMPOSER_EOF"
+
+
+OUTSIDE = ("change_dropped",)
+"""A history task's scope is the commit's source files, whole; a multi task's is its functions: module-level code put
+in a multi task's file is left out of grading (and flagged)."""
+CHEATS = {
+    "edit the failing tests": ("sed -i -E 's/^( +)assert .*/\\1pass/' tests/test_stats.py tests/test_text.py", ("tests_modified",)),
+    "a conftest that skips everything": (appended("tests/conftest.py", (
+        "import pytest\n\n\ndef pytest_collection_modifyitems(items):\n"
+        "    for item in items:\n        item.add_marker(pytest.mark.skip)\n")), ("tests_modified",)),
+    "a pytest.ini with addopts": ("printf '[pytest]\\naddopts = -k nothing\\n' > pytest.ini", ("tests_modified",)),
+    "os._exit(0) in the task's file": ("sed -i '1i import os; os._exit(0)' SCOPED", ("early_exit", *OUTSIDE)),
+    "a forged report": (appended("SCOPED", (
+        "import os\nwith open('../report/report.jsonl', 'a') as forged:\n"
+        "    forged.write('{\"nonce\": \"guess\", \"end\": true, \"tampered\": []}\\n')\nos._exit(0)\n")), ("forbidden_code", *OUTSIDE)),
+    "patching pytest's reports from the task's file": (appended("SCOPED", (
+        "import _pytest.reports\n_make = _pytest.reports.TestReport.from_item_and_call\n\n\n"
+        "def _passed(item, call):\n    report = _make(item, call)\n    report.outcome = 'passed'\n    return report\n\n\n"
+        "_pytest.reports.TestReport.from_item_and_call = staticmethod(_passed)\n")), ("forbidden_code", *OUTSIDE)),
+}
+
+
+@pytest.mark.parametrize("kind", ["history", "multi"])
+def test_grading_cheats_earn_nothing_on_history_and_multi_tasks(project, history, multi, sandbox, kind):
+    from composer.rollout.sandbox.graders import DEFAULT_GUARDED, guarded_reward
+
+    chosen, _, tasks = history if kind == "history" else multi
+    tests = repo_tests(tasks[0], chosen)
+    for name, (command, flags) in CHEATS.items():
+        with open_workspace(tests, sandbox) as ws:
+            applied = ws.shell(command.replace("SCOPED", tests.scope[0].path), 30)
+            assert applied.exit_code == 0, (name, applied.output)
+            result = ws.grade()
+        assert set(flags) & set(result.flags), (name, result.flags, result.detail, result.stdout_tail[-1000:])
+        assert guarded_reward(result.reward, result.flags, DEFAULT_GUARDED, 0.0) == 0.0, name
+        assert result.passed <= len(tests.pass_to_pass), name  # no fail-to-pass test passed
+
+
+# --- bad input: one clear line, nothing half-written ------------------------------------------------
+
+
+def build_recipe(tmp_path: Path, project: dict, kinds: list[str], cache: Path | None = None) -> Path:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "extends": str(REPO / "recipes" / "smoke-rl.yaml"),
+        "rollout": {"harness": "tools", "max_turns": 2},
+        "env": {"sandbox": SANDBOX.model_dump(include={"cpu_seconds", "wall_seconds", "memory_mb"}),
+                "tasks": [{"name": "repo", "repo": {"projects": [project], "kinds": kinds, "num_tasks": 1,
+                                                    "cache_dir": str(cache or tmp_path / "cache")}}]},
+    }))
+    return recipe
+
+
+def one_line_error(result) -> str:
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stdout[-2000:] + result.stderr[-3000:]
+    return " ".join(result.stderr.split())
+
+
+def test_an_install_that_fails_names_its_log_and_leaves_no_environment(project, tmp_path, composer):
+    repo, _ = project
+    recipe = build_recipe(tmp_path, tally(repo, install="pip install no-such-package-composer-test==0.0.1"), ["bug"])
+    error = one_line_error(composer("env", "build", str(recipe)))
+    assert "project tally: its install command failed" in error and "the install log: " in error
+    log = Path(error.split("the install log: ")[1].split()[0])
+    assert log.is_file() and "no-such-package-composer-test" in log.read_text()
+    assert [p.name for p in (tmp_path / "cache" / "envs").iterdir() if not p.name.startswith(".")] == []
+
+
+def test_tests_that_fail_on_the_original_are_one_clear_error(project, history, cache, tmp_path, composer):
+    repo, _ = project
+    # a pytest plugin that does not exist: no test file runs on the original (the environment is the one built)
+    recipe = build_recipe(tmp_path, tally(repo, pytest_args=["-p", "no_such_plugin_composer"]), ["bug"], cache)
+    error = one_line_error(composer("env", "build", str(recipe)))
+    assert "project tally: its tests fail on the original" in error
+    assert not (set_dir(settings(repo, cache, ["bug"], 1, pytest_args=["-p", "no_such_plugin_composer"])) / "tasks.json").exists()
+
+
+def test_history_of_a_directory_that_is_not_a_checkout_is_refused(project, tmp_path, composer):
+    repo, _ = project
+    plain = tmp_path / "plain"
+    (plain / "src").mkdir(parents=True)
+    os.system(f"cp -r {repo}/src {repo}/tests {plain}/")
+    recipe = build_recipe(tmp_path, {**tally(plain), "commit": None}, ["history"])
+    assert "history tasks come from a git log, and " in one_line_error(composer("env", "build", str(recipe)))
+    unpinned = build_recipe(tmp_path, {**tally(repo), "commit": None}, ["bug"])
+    assert "is a git checkout; pin the commit" in one_line_error(composer("env", "build", str(unpinned)))
+    assert not (tmp_path / "cache" / "envs").exists() or not any((tmp_path / "cache" / "envs").iterdir())
+    with pytest.raises(UserError, match="its package src/nothing is not a directory"):
+        resolve_project(ProjectSettings(**tally(repo, package="src/nothing")), ["bug"])
+    with pytest.raises(ValueError, match="ready-made project"):
+        ProjectSettings(**tally(repo, name="networkx"))
