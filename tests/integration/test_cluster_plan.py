@@ -79,7 +79,7 @@ def test_dry_run_of_the_32_node_rl_recipe(tmp_path):
     assert "train-31 31 248-255" in out
     assert "srun: srun --nodes=32 --ntasks=32 --ntasks-per-node=1 --kill-on-bad-exit=1" in out
     assert '--node-rank "$SLURM_NODEID"' in out
-    assert "-m rl.learner_main" in out
+    assert "-m composer.rl.learner_main" in out
     assert "#SBATCH --nodes=32" in out and "train rl" in out  # the script --submit would submit
     assert "tensor (TP) 8 32 0-7 8-15" in out
     assert "expert (EP) 128 2 0-127 128-255" in out
