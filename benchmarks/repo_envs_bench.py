@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from composer.recipes.schema import RepoTaskSettings, SandboxSection, SSHSection  # noqa: E402
+from composer.recipes.env_schema import RepoTaskSettings, SandboxSection
+from composer.recipes.schema import SSHSection  # noqa: E402
 from composer.rollout.sandbox.fleet import percentile  # noqa: E402
 from composer.rollout.sandbox.hosts import SandboxFleet  # noqa: E402
 from composer.rollout.sandbox.runs import Sandbox  # noqa: E402

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from composer.recipes.schema import SandboxSection
+from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.repository import project_bases

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from composer.recipes.errors import UserError
-from composer.recipes.schema import EnvSection, SSHSection
+from composer.recipes.env_schema import EnvSection
+from composer.recipes.schema import SSHSection
 from composer.rollout.sandbox.graders import case_tests, guarded_reward
 from composer.rollout.sandbox.hosts import SandboxFleet
 from composer.rollout.sandbox.results import CommandResult, SandboxResult, Statement

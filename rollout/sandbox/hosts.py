@@ -20,7 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from composer.recipes.errors import UserError
-from composer.recipes.schema import SandboxSection, SSHSection
+from composer.recipes.env_schema import SandboxSection
+from composer.recipes.schema import SSHSection
 from composer.rollout.sandbox.fleet import Failure, Outcome, Provider, RealClock, SandboxPool
 from composer.rollout.sandbox.isolation import DEFAULT_ROOT, Isolation
 from composer.rollout.sandbox.results import AssertionTests, RewardMode, SandboxResult, Tests

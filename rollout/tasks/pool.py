@@ -7,7 +7,7 @@ import random
 import threading
 
 from composer.recipes.errors import UserError
-from composer.recipes.schema import TaskSet
+from composer.recipes.env_schema import TaskSet
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.functions import (
     CodeIOSource,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from composer.recipes.errors import UserError
-from composer.recipes.schema import ProjectSettings, RepoTaskSettings, SandboxSection
+from composer.recipes.env_schema import ProjectSettings, RepoTaskSettings, SandboxSection
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.results import RunEnvironment
 from composer.rollout.sandbox.runs import Sandbox

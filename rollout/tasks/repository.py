@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from composer.recipes.errors import UserError
-from composer.recipes.schema import RepoTaskSettings, SandboxSection, SSHSection
+from composer.recipes.env_schema import RepoTaskSettings, SandboxSection
+from composer.recipes.schema import SSHSection
 from composer.rollout.sandbox.hosts import LOCALHOST, SandboxFleet
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.results import RewardMode, RunEnvironment

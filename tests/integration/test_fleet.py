@@ -221,7 +221,8 @@ def test_requests_and_results_cross_the_wire_unchanged_and_nothing_else_does():
 
 
 def test_a_real_local_fleet_runs_programs_concurrently_up_to_its_limit(tmp_path):
-    from composer.recipes.schema import SandboxSection, SSHSection
+    from composer.recipes.env_schema import SandboxSection
+    from composer.recipes.schema import SSHSection
     from composer.rollout.sandbox.hosts import SandboxFleet
     from composer.rollout.sandbox.results import ScriptRun
 
@@ -294,7 +295,7 @@ def test_the_sandbox_server_grades_what_it_is_sent_and_refuses_what_is_not_a_req
     import subprocess
     import sys
 
-    from composer.recipes.schema import SandboxSection
+    from composer.recipes.env_schema import SandboxSection
     from composer.rollout.sandbox.server import MODULE, frame_bytes, from_wire, read_frame, to_wire
     from tests.conftest import REPO
 

@@ -39,7 +39,7 @@ def ssh_section(hosts):
 
 
 def sandbox_section(names: list[str], hosts=None, **more):
-    from composer.recipes.schema import SandboxSection
+    from composer.recipes.env_schema import SandboxSection
 
     if hosts is not None:
         more = {"remote_python": str(hosts.python), **more}
@@ -63,7 +63,7 @@ def wait_for_no_process(hosts, pattern: str, seconds: float = 20) -> list[str]:
 
 
 def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
-    from composer.recipes.schema import SandboxSection
+    from composer.recipes.env_schema import SandboxSection
     from composer.rollout.sandbox.hosts import SandboxFleet
     from composer.rollout.sandbox.results import CallTests, GeneratedCalls, ScriptRun
     from composer.rollout.sandbox.runs import Sandbox
@@ -106,7 +106,8 @@ def test_an_unreachable_host_or_a_missing_composer_at_start_is_one_clear_error(h
 def test_a_killed_driver_leaves_no_sandbox_server(hosts):
     driver_code = textwrap.dedent(f"""
         import time
-        from composer.recipes.schema import SandboxSection, SSHSection
+        from composer.recipes.env_schema import SandboxSection
+        from composer.recipes.schema import SSHSection
         from composer.rollout.sandbox.hosts import SandboxFleet
         from composer.rollout.sandbox.server import RunRequest
         from tests.integration.test_fleet_hosts import numbered

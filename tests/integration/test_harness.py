@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from composer.recipes.schema import EnvSection, RolloutSection, SamplingSection, TaskSet
+from composer.recipes.env_schema import EnvSection, TaskSet
+from composer.recipes.schema import RolloutSection, SamplingSection
 from composer.rollout.agent.harness import CallError, ToolBox, ToolCall, parse_tool_calls, truncate
 from composer.rollout.engines.vllm_engine import Completion
 

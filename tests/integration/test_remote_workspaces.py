@@ -47,7 +47,7 @@ def hosts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     """A history task of the user project (tests/helpers/user_project.py), built on this machine."""
-    from composer.recipes.schema import RepoTaskSettings, SandboxSection
+    from composer.recipes.env_schema import RepoTaskSettings, SandboxSection
     from composer.rollout.tasks.repository import build_repo_tasks, load_tasks, repo_tests
     from tests.helpers.user_project import make_project
 
@@ -63,7 +63,7 @@ def task(tmp_path_factory):
 
 
 def sandbox_section(hosts, names):
-    from composer.recipes.schema import SandboxSection
+    from composer.recipes.env_schema import SandboxSection
 
     return SandboxSection(hosts=names, sandboxes_per_host=2, cpu_seconds=60, wall_seconds=120, memory_mb=2048,
                           retry_backoff_seconds=0.05, remote_python=str(hosts.python))
@@ -220,7 +220,8 @@ def test_env_build_spreads_its_surveys_and_validations_over_the_sandbox_hosts(ho
     """The set a build on the two hosts makes (this machine not among them) is the one built here."""
     import shutil
 
-    from composer.recipes.schema import RepoTaskSettings, SSHSection
+    from composer.recipes.env_schema import RepoTaskSettings
+    from composer.recipes.schema import SSHSection
     from composer.rollout.tasks.repository import build_repo_tasks, load_tasks, set_dir
 
     tests, _, _ = task

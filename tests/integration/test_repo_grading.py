@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from composer.recipes.schema import SandboxSection
+from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.results import CommandResult
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks import pytest_report

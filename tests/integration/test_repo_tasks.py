@@ -17,7 +17,7 @@ import yaml
 
 from composer.recipes.errors import UserError
 from composer.recipes.loader import load_recipe, recipe_to_yaml, validate_recipe
-from composer.recipes.schema import RepoTaskSettings, SandboxSection, TaskSet
+from composer.recipes.env_schema import RepoTaskSettings, SandboxSection, TaskSet
 from composer.rollout.sandbox.graders import DEFAULT_GUARDED, guarded_reward
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.runs import Sandbox

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from composer.recipes.schema import SandboxSection
+from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.results import ScriptRun
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.workspace import RepoTests, RepoWorkspace
