@@ -132,7 +132,7 @@ def test_cpu_workarounds_are_forced_on_cpus_only():
 
 
 def test_a_learner_rank_binds_itself_to_its_planned_cores():
-    code = "from cluster.placement import bind_this_rank; import os; bind_this_rank(); print(sorted(os.sched_getaffinity(0)))"
+    code = "from composer.cluster.placement import bind_this_rank; import os; bind_this_rank(); print(sorted(os.sched_getaffinity(0)))"
     env = {**os.environ, RANK_CORES_ENV: "1|0", "LOCAL_RANK": "1", "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[0]"
