@@ -41,13 +41,13 @@ def worker(cache_dir: str, num_tasks: int) -> None:
     """Grade the tasks asked for on stdin (one index a line) with this process's tree; one JSON line each."""
     from composer.recipes.env_schema import SandboxSection
     from composer.rollout.sandbox.runs import Sandbox
-    from composer.rollout.tasks.repository import load_tasks, open_workspace, repo_tests
+    from composer.rollout.tasks.repository.task_set import load_tasks, open_workspace, repo_tests
 
     tasks = load_tasks(settings(cache_dir, num_tasks))
     sandbox = Sandbox(SandboxSection(cpu_seconds=120, wall_seconds=300, memory_mb=2048), root=Path(tempfile.mkdtemp(prefix="grading-bench-")))
     keep = None
     try:
-        from composer.rollout.tasks.grading_policy import keep_change as keep
+        from composer.rollout.tasks.repository.grading_policy import keep_change as keep
     except ImportError:
         pass
     print(json.dumps({"ready": len(tasks)}), flush=True)
@@ -97,7 +97,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(REPO))
     from composer.recipes.env_schema import SandboxSection
-    from composer.rollout.tasks.repository import build_repo_tasks
+    from composer.rollout.tasks.repository.build import build_repo_tasks
 
     cache_dir = str(Path(args.cache_dir).resolve())
     report = build_repo_tasks(settings(cache_dir, args.tasks), SandboxSection(), Path(tempfile.mkdtemp(prefix="grading-build-")), workers=2)

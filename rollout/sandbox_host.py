@@ -1,27 +1,14 @@
-"""A sandbox host's server, and the framed protocol the fleet (`rollout.sandbox.fleet`) speaks to it over SSH.
+"""A sandbox host's server program: `python -m composer.rollout.sandbox_host`, which the fleet
+(`rollout.sandbox.hosts`) starts once per host over SSH, with the composer installed there, speaking the protocol of
+`rollout.sandbox.wire` over the SSH channel's stdin/stdout.
 
-The fleet starts `python -m composer.rollout.sandbox.server` once per host over SSH, with the composer installed there, and
-talks to it over the SSH channel's stdin/stdout. The server runs the real `Sandbox` on its host, so grading stays
-trusted there; it runs the requests it is sent concurrently (the fleet keeps them within the host's limit) and
-exits when its stdin closes, i.e. when the driver's SSH connection ends (the sandbox's fork server then kills the
-runs still going). A frame is a 4-byte big-endian length and a JSON object:
-
-  driver -> server   {"op": "hello", "sandbox": <SandboxSection>, "threads": n}
-                     {"op": "run", "id": n, "request": <wire>}
-                     repository workspaces (`rollout.tasks.shipping`): {"op": "have", "id", "digest"};
-                     {"op": "put", "id", "digest", "data": base64, "last": bool, "relocate_from": path | null} (a
-                     tree's archive in chunks); {"op": "ws_open", "id", "task": <wire>}; {"op": "ws", "id",
-                     "workspace": n, "name": shell | run_tests | read | write | grade | close, "arguments": {...}};
-                     {"op": "tests", "id", "job": <wire>} (a build's survey or validation run)
-  server -> driver   {"op": "ready", "cpus": n, "isolation": {...}} or {"op": "refused", "error": "..."}
-                     {"op": "started", "id": n}    {"op": "result", "id": n, "result": <wire>}
-                     {"op": "reply", "id": n, "value": <wire>}    {"op": "failed", "id": n, "error": "..."}
+It runs the real `Sandbox` on its host, so grading stays trusted there, and the repository workspaces the driver
+opens there (`rollout.tasks.repository.shipping`); it runs the requests it is sent concurrently (the fleet keeps them
+within the host's limit) and exits when its stdin closes, i.e. when the driver's SSH connection ends (the sandbox's
+fork server then kills the runs still going). It sits above both tasks/ and sandbox/, which it serves.
 
 The server lives in a mount namespace of its own (as root): the workspaces' views and tmpfs mounts end with it, so
 a driver killed with -9 leaves nothing mounted on the host.
-
-Requests and results cross as data, never as pickles: dataclasses of an allow-list (`WIRE_TYPES`) with their
-values in `plain_data`, decoded strictly on each side.
 """
 
 from __future__ import annotations
@@ -29,144 +16,28 @@ from __future__ import annotations
 import base64
 import ctypes
 import dataclasses
-import json
 import os
-import struct
 import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from composer.recipes.env_schema import SandboxSection
-from composer.rollout.sandbox import plain_data
-from composer.rollout.sandbox.results import (
-    AssertionTests,
-    Call,
-    CallTests,
-    CaseResult,
-    CaseTests,
-    CommandResult,
-    GeneratedCalls,
-    RewardMode,
-    SandboxResult,
-    ScriptRun,
-    Statement,
-    Tests,
-)
+from composer.rollout.sandbox.hosts import serve_request
 from composer.rollout.sandbox.runs import Sandbox
-from composer.rollout.sandbox.session import MAX_RESULT_BYTES
-from composer.rollout.tasks.shipping import ShippedTask, ShippedTests, Store, WorkspaceService
-from composer.rollout.tasks.workspace import TestReport
+from composer.rollout.sandbox.wire import (
+    Op,
+    ProtocolError,
+    RunRequest,
+    SandboxRequest,
+    exact_reader,
+    frame_bytes,
+    from_wire,
+    read_frame,
+    to_wire,
+)
+from composer.rollout.tasks.repository.shipping import WIRE_TYPES, ShippedTask, ShippedTests, Store, WorkspaceService
 
 MODULE = __spec__.name
-_HEADER = struct.Struct(">I")
-
-
-@dataclass(frozen=True)
-class RunRequest:
-    """Grade `program` against `tests` (`Sandbox.run`)."""
-
-    program: str
-    tests: Tests
-    reward: RewardMode = "fraction"
-
-
-SandboxRequest = RunRequest
-"""What a sandbox host is asked to do; each kind is served by `serve_request`."""
-
-
-def serve_request(sandbox: Sandbox, request: SandboxRequest) -> SandboxResult:
-    """Run `request` in `sandbox` (on whichever host holds it)."""
-    return sandbox.run(request.program, request.tests, request.reward)
-
-
-# --- the wire codec ------------------------------------------------------------------------------
-
-WIRE_TYPES = {cls.__name__: cls for cls in (RunRequest, AssertionTests, CallTests, GeneratedCalls, ScriptRun, CaseTests,
-                                            Call, Statement, SandboxResult, CaseResult, CommandResult, ShippedTask,
-                                            ShippedTests, TestReport)}
-
-
-class ProtocolError(ValueError):
-    """A frame that is not what the protocol allows."""
-
-
-def to_wire(value) -> object:
-    """`value` (an allow-listed dataclass, a tuple of them, bytes, or plain data) as JSON-ready data."""
-    if dataclasses.is_dataclass(value) and type(value).__name__ in WIRE_TYPES:
-        return {"$dc": type(value).__name__, "fields": {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}}
-    if type(value) is tuple and any(dataclasses.is_dataclass(v) for v in value):
-        return {"$dcs": [to_wire(v) for v in value]}
-    if type(value) is bytes:  # a command's report channel
-        return {"$b": base64.b64encode(value).decode()}
-    return {"$v": plain_data.encode(value)}
-
-
-def from_wire(node: object) -> object:
-    """The value `to_wire` made; anything else (another type, a stray key) is a ProtocolError."""
-    keys = set(node) if isinstance(node, dict) else None
-    if keys == {"$v"} and isinstance(node["$v"], str):
-        return plain_data.decode(node["$v"])
-    if keys == {"$dcs"} and isinstance(node["$dcs"], list):
-        return tuple(from_wire(v) for v in node["$dcs"])
-    if keys == {"$b"} and isinstance(node["$b"], str):
-        try:
-            return base64.b64decode(node["$b"], validate=True)
-        except ValueError:
-            raise ProtocolError("bytes that are not base64") from None
-    if keys != {"$dc", "fields"}:
-        raise ProtocolError("not a wire value")
-    cls = WIRE_TYPES.get(node["$dc"]) if isinstance(node["$dc"], str) else None
-    fields = node["fields"]
-    if cls is None or not isinstance(fields, dict) or set(fields) - {f.name for f in dataclasses.fields(cls)}:
-        raise ProtocolError(f"not an allowed value: {str(node['$dc'])[:60]}")
-    try:
-        return cls(**{name: from_wire(v) for name, v in fields.items()})
-    except TypeError as e:
-        raise ProtocolError(str(e)) from None
-
-
-def frame_bytes(message: dict) -> bytes:
-    data = json.dumps(message, separators=(",", ":")).encode()
-    return _HEADER.pack(len(data)) + data
-
-
-def read_frame(read_exactly) -> dict | None:
-    """The next message, read with `read_exactly(n)` (which returns fewer bytes only at the end); None at the end."""
-    header = read_exactly(_HEADER.size)
-    if len(header) < _HEADER.size:
-        return None
-    (size,) = _HEADER.unpack(header)
-    if size > MAX_RESULT_BYTES:
-        raise ProtocolError(f"a frame of {size} bytes (at most {MAX_RESULT_BYTES})")
-    data = read_exactly(size)
-    if len(data) < size:
-        return None
-    try:
-        message = json.loads(data)
-    except ValueError as e:
-        raise ProtocolError(f"a frame that is not JSON ({e})") from None
-    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
-        raise ProtocolError("a frame without an op")
-    return message
-
-
-def exact_reader(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
-    """`read(n)` (a stream's read, a channel's recv) made to return exactly n bytes, or fewer only at the end."""
-    def read_exactly(n: int) -> bytes:
-        chunks, left = [], n
-        while left:
-            chunk = read(left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    return read_exactly
-
-
-# --- the server ------------------------------------------------------------------------------------
 
 
 CLONE_NEWNS = 0x00020000
@@ -200,19 +71,19 @@ def main() -> None:
         config = SandboxSection.model_validate(hello.get("sandbox")).model_copy(update={"infra_retries": 0})
         sandbox = Sandbox(config)
     except Exception as e:  # a composer there that refuses these settings, or a sandbox that cannot run
-        send({"op": "refused", "error": f"{type(e).__name__}: {e}"[:2000]})
+        send({"op": Op.REFUSED, "error": f"{type(e).__name__}: {e}"[:2000]})
         return
     threads = hello.get("threads")
-    send({"op": "ready", "cpus": os.cpu_count() or 1, "isolation": dataclasses.asdict(sandbox.isolation)})
+    send({"op": Op.READY, "cpus": os.cpu_count() or 1, "isolation": dataclasses.asdict(sandbox.isolation)})
     # the fleet sends at most `threads` runs at once, and a health probe may come on top
     workers = ThreadPoolExecutor(max_workers=(threads if isinstance(threads, int) and threads > 0 else os.cpu_count() or 1) + 1)
 
     def run(number: int, request: SandboxRequest) -> None:
-        send({"op": "started", "id": number})
+        send({"op": Op.STARTED, "id": number})
         try:
-            reply = {"op": "result", "id": number, "result": to_wire(serve_request(sandbox, request))}
+            reply = {"op": Op.RESULT, "id": number, "result": to_wire(serve_request(sandbox, request), WIRE_TYPES)}
         except Exception as e:
-            reply = {"op": "failed", "id": number, "error": f"{type(e).__name__}: {e}"[:2000]}
+            reply = {"op": Op.FAILED, "id": number, "error": f"{type(e).__name__}: {e}"[:2000]}
         send(reply)
 
     store = Store(sandbox.root)
@@ -220,9 +91,9 @@ def main() -> None:
 
     def answer(number: int, work) -> None:
         try:
-            reply = {"op": "reply", "id": number, "value": to_wire(work())}
+            reply = {"op": Op.REPLY, "id": number, "value": to_wire(work(), WIRE_TYPES)}
         except Exception as e:
-            reply = {"op": "failed", "id": number, "error": f"{type(e).__name__}: {e}"[:2000]}
+            reply = {"op": Op.FAILED, "id": number, "error": f"{type(e).__name__}: {e}"[:2000]}
         send(reply)
 
     def put(message: dict) -> None:
@@ -245,29 +116,29 @@ def main() -> None:
             break
         number = message.get("id")
         op = message["op"]
-        if op == "have":
+        if op == Op.HAVE:
             answer(number, lambda: store.have(str(message.get("digest"))))
-        elif op == "put":
+        elif op == Op.PUT:
             try:
                 put(message)
             except Exception as e:
-                send({"op": "failed", "id": number, "error": f"{type(e).__name__}: {e}"[:2000]})
-        elif op == "ws_open":
+                send({"op": Op.FAILED, "id": number, "error": f"{type(e).__name__}: {e}"[:2000]})
+        elif op == Op.WS_OPEN:
             task = message.get("task")
             workers.submit(answer, number, lambda task=task: workspaces.open(_decoded(task, ShippedTask)))
-        elif op == "tests":
+        elif op == Op.TESTS:
             job = message.get("job")
             workers.submit(answer, number, lambda job=job: workspaces.test(_decoded(job, ShippedTests)))
-        elif op == "ws":
+        elif op == Op.WS:
             call = (message.get("workspace"), str(message.get("name")), message.get("arguments") or {})
             workers.submit(answer, number, lambda call=call: workspaces.call(*call))
-        elif message["op"] == "run":
+        elif op == Op.RUN:
             try:
-                request = from_wire(message.get("request"))
+                request = from_wire(message.get("request"), WIRE_TYPES)
                 if not isinstance(request, RunRequest):
                     raise ProtocolError("not a request")
             except (ProtocolError, ValueError) as e:
-                send({"op": "failed", "id": number, "error": f"bad request: {e}"})
+                send({"op": Op.FAILED, "id": number, "error": f"bad request: {e}"})
                 continue
             workers.submit(run, number, request)
     # The driver hung up: end now; the sandbox's fork server kills the runs still going as its socket closes, and the
@@ -277,7 +148,7 @@ def main() -> None:
 
 
 def _decoded(node: object, kind: type):
-    value = from_wire(node)
+    value = from_wire(node, WIRE_TYPES)
     if not isinstance(value, kind):
         raise ProtocolError(f"not a {kind.__name__}")
     return value

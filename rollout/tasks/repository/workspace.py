@@ -1,28 +1,22 @@
-"""Workspaces: an episode's writable files and the sandboxed commands that act on them.
+"""A repository task's workspace: the episode's copy-on-write view of its project, and the guarded grading of it.
 
-A `Workspace` is what the agent harness works with, whatever the task: the one-file workspace of function tasks
-(HumanEval, CodeI/O, smoke) or a repository task's copy-on-write view of its project (`RepoWorkspace`).
-
-Repository views. A project is kept twice per build (`rollout.tasks.repository`): an *episode base* (files 0666,
+A project is kept twice per build (`rollout.tasks.repository.build`): an *episode base* (files 0666,
 directories 0777: every command of an episode runs as another uid, so the agent's view must be writable by any)
 and a *grading base* (root's 0644/0755: nothing a sandboxed run does can change it). As root an episode gets an
 overlayfs view, its task's changed file and the episode base as read-only lower layers and an upper layer of its
 own; else a plain copy. Grading never trusts the episode's files: it takes from them only what the task asks for
-(`rollout.tasks.grading_policy`: source only, the task's function(s), no tests or test configuration; the kept
-change checked for code that reaches for the test run), builds a fresh read-only view of the grading base with
-it, and runs pytest there in the sandbox through `rollout.tasks.pytest_report`, which streams its report over a
-channel no file of the run holds, each line HMAC-chained under a per-run key, among trusted sentinel tests that
-must pass and fail (`read_report` believes nothing else).
+(`rollout.tasks.repository.grading_policy`: source only, the task's function(s), no tests or test configuration;
+the kept change checked for code that reaches for the test run), builds a fresh read-only view of the grading base
+with it, and runs pytest there in the sandbox through `rollout.tasks.repository.pytest_report`, which streams its
+report over a channel no file of the run holds, each line HMAC-chained under a per-run key, among trusted sentinel
+tests that must pass and fail (`read_report` believes nothing else).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import errno
 import hmac
 import json
-import logging
 import os
 import random
 import re
@@ -31,26 +25,23 @@ import shlex
 import shutil
 import stat
 import tempfile
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from composer.rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult, reward_for
 from composer.rollout.sandbox.runs import CHANNEL_FD, Sandbox
-from composer.rollout.tasks.files import read_text, write_text
-from composer.rollout.tasks.grading_policy import NOT_A_FILE, Scope, keep_change
-
-log = logging.getLogger("composer.workspace")
+from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE, Scope, keep_change
+from composer.rollout.tasks.workspace import Workspace, is_full, mount_capped, mount_overlay, overlay_supported, unmount
 
 PassToPass = Literal["required", "scored"]
 _PYTEST_REPORT = Path(__file__).with_name("pytest_report.py")
 
 
 @dataclass(frozen=True)
-class RepoTests:
-    """What a repository task's workspace needs: its bases, its changed file, its tests and how to score them."""
+class RepoTestPlan:
+    """A repository task's tests and how to score them: the same on every host (it crosses to a sandbox host as it
+    is, inside a `shipping.ShippedTask`)."""
 
     package: str
     """The project's package, relative to the project root (`networkx`, `src/mylib`): only changes in it are graded."""
@@ -58,21 +49,38 @@ class RepoTests:
     fail_to_pass: tuple[str, ...]
     pass_to_pass: tuple[str, ...]
     pytest_args: tuple[str, ...]
+    timeout_s: float
+    pass_to_pass_policy: PassToPass = "required"
+    scope: tuple[Scope, ...] = ()
+    """What the task asks to change (its function(s) or files): the only part of an episode's change that grading
+    takes (`grading_policy.keep_change`); () lets it change any source file of the package, each whole."""
+    source: str = ""
+    """The directory holding the package, relative to the project root, when it is not the root (`src`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepoTests(RepoTestPlan):
+    """What a repository task's workspace needs: its tests (`RepoTestPlan`), and where its bases, its changed file and
+    its environment are on this host."""
+
     layer: Path
     """The task's changed file, at its path in the project (the episode's top lower layer)."""
     episode_base: Path
     grading_base: Path
     hidden: tuple[str, ...]
     """Installed copies of the project, unreadable in the sandbox."""
-    timeout_s: float
-    pass_to_pass_policy: PassToPass = "required"
-    scope: tuple[Scope, ...] = ()
-    """What the task asks to change (its function(s) or files): the only part of an episode's change that grading
-    takes (`grading_policy.keep_change`); () lets it change any source file of the package, each whole."""
     environment: RunEnvironment | None = None
     """The project's own virtual environment (a user's project); None: the sandbox's interpreter."""
-    source: str = ""
-    """The directory holding the package, relative to the project root, when it is not the root (`src`)."""
+
+    @property
+    def plan(self) -> RepoTestPlan:
+        """The tests alone (what a sandbox host is sent)."""
+        return RepoTestPlan(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RepoTestPlan)})
+
+    @classmethod
+    def of_plan(cls, plan: RepoTestPlan, **trees) -> RepoTests:
+        """`plan`'s tests with `trees` (layer, episode_base, grading_base, hidden, environment) of this host."""
+        return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(RepoTestPlan)}, **trees)
 
     def run_environment(self, root: str) -> RunEnvironment | None:
         """The environment of a command run whose project root is `root` (relative to the work directory)."""
@@ -80,99 +88,6 @@ class RepoTests:
             return None
         return dataclasses.replace(self.environment or RunEnvironment(),
                                    pythonpath=(str(PurePosixPath(root) / self.source),) if self.source else ())
-
-
-class Workspace(ABC):
-    """An episode's files and the sandbox that acts on them (the agent's tools and the grader use only this)."""
-
-    root: Path
-    """The episode's writable view of the task's files, on the host that holds it (at /sandbox inside the sandbox)."""
-
-    def read_file(self, path: str) -> str:
-        """The text of a file of the workspace (`rollout.tasks.files.read_text`: nothing outside it)."""
-        return read_text(self.root, path)
-
-    def write_file(self, path: str, text: str) -> None:
-        """Create or replace a file of the workspace (`rollout.tasks.files.write_text`)."""
-        write_text(self.root, path, text)
-
-    @abstractmethod
-    def shell(self, command: str, timeout_s: float) -> CommandResult:
-        """Run `command` in the sandbox, in `root`."""
-
-    @abstractmethod
-    def run_tests(self) -> CommandResult:
-        """The agent-visible test run (what "run the tests" shows)."""
-
-    @abstractmethod
-    def grade(self) -> SandboxResult:
-        """The trusted, guarded grade of the final state (reward, flags)."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Destroy the view and everything the episode started."""
-
-
-# --- mounts ------------------------------------------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-MS_RDONLY = 1
-MNT_DETACH = 2
-
-
-@cache
-def overlay_supported(area: Path) -> bool:
-    """Whether overlayfs views can be mounted in `area` (root, a kernel with overlayfs, a fitting filesystem)."""
-    if os.geteuid() != 0:
-        return False
-    probe = Path(tempfile.mkdtemp(prefix="overlay-probe-", dir=area))
-    try:
-        for name in ("lower", "upper", "work", "merged"):
-            (probe / name).mkdir()
-        mount_overlay(probe / "merged", [probe / "lower"], probe / "upper", probe / "work")
-        unmount(probe / "merged")
-        return True
-    except OSError as e:
-        log.warning("workspace: overlayfs is not available in %s (%s); episodes get plain copies", area, e)
-        return False
-    finally:
-        shutil.rmtree(probe, ignore_errors=True)
-
-
-def mount_overlay(target: Path, lowers: list[Path], upper: Path | None = None, work: Path | None = None) -> None:
-    """An overlayfs at `target`: `lowers` top first; read-only when there is no `upper`."""
-    options = "lowerdir=" + ":".join(str(p) for p in lowers)
-    if upper is not None:
-        options += f",upperdir={upper},workdir={work}"
-    flags = 0 if upper is not None else MS_RDONLY
-    if _libc.mount(b"overlay", str(target).encode(), b"overlay", flags, options.encode()) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"mount overlay on {target}: {os.strerror(code)}")
-
-
-def mount_capped(target: Path, max_bytes: int, max_inodes: int) -> None:
-    """A tmpfs of `max_bytes` and `max_inodes` at `target` (an episode's files beyond its task's: writes past
-    the cap are refused by the kernel, and the host's disk and memory are never at the episode's mercy)."""
-    options = f"mode=0755,size={max_bytes},nr_inodes={max_inodes}".encode()
-    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", 0, options) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"mount tmpfs on {target}: {os.strerror(code)}")
-
-
-def is_full(target: Path) -> bool:
-    """The filesystem at `target` has (almost) no room or no inode left."""
-    st = os.statvfs(target)
-    return st.f_bavail * st.f_frsize < 64 << 10 or st.f_favail == 0
-
-
-def unmount(target: Path) -> None:
-    if _libc.umount2(str(target).encode(), 0) != 0:
-        code = ctypes.get_errno()
-        if code == errno.EINVAL:  # not a mount point (any more)
-            return
-        if _libc.umount2(str(target).encode(), MNT_DETACH) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"unmount {target}: {os.strerror(code)}")
 
 
 def _is_whiteout(st: os.stat_result) -> bool:

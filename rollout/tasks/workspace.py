@@ -1,0 +1,116 @@
+"""Workspaces: an episode's writable files and the sandboxed commands that act on them.
+
+A `Workspace` is what the agent harness works with, whatever the task: the one-file workspace of function tasks
+(HumanEval, CodeI/O, smoke) or a repository task's copy-on-write view of its project
+(`rollout.tasks.repository.workspace.RepoWorkspace`). The mounts here (tmpfs caps, overlayfs views) serve both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from functools import cache
+from pathlib import Path
+
+from composer.rollout.sandbox.results import CommandResult, SandboxResult
+from composer.rollout.tasks.files import read_text, write_text
+
+log = logging.getLogger("composer.workspace")
+
+
+class Workspace(ABC):
+    """An episode's files and the sandbox that acts on them (the agent's tools and the grader use only this)."""
+
+    root: Path
+    """The episode's writable view of the task's files, on the host that holds it (at /sandbox inside the sandbox)."""
+
+    def read_file(self, path: str) -> str:
+        """The text of a file of the workspace (`rollout.tasks.files.read_text`: nothing outside it)."""
+        return read_text(self.root, path)
+
+    def write_file(self, path: str, text: str) -> None:
+        """Create or replace a file of the workspace (`rollout.tasks.files.write_text`)."""
+        write_text(self.root, path, text)
+
+    @abstractmethod
+    def shell(self, command: str, timeout_s: float) -> CommandResult:
+        """Run `command` in the sandbox, in `root`."""
+
+    @abstractmethod
+    def run_tests(self) -> CommandResult:
+        """The agent-visible test run (what "run the tests" shows)."""
+
+    @abstractmethod
+    def grade(self) -> SandboxResult:
+        """The trusted, guarded grade of the final state (reward, flags)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Destroy the view and everything the episode started."""
+
+
+# --- mounts ------------------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY = 1
+MNT_DETACH = 2
+
+
+@cache
+def overlay_supported(area: Path) -> bool:
+    """Whether overlayfs views can be mounted in `area` (root, a kernel with overlayfs, a fitting filesystem)."""
+    if os.geteuid() != 0:
+        return False
+    probe = Path(tempfile.mkdtemp(prefix="overlay-probe-", dir=area))
+    try:
+        for name in ("lower", "upper", "work", "merged"):
+            (probe / name).mkdir()
+        mount_overlay(probe / "merged", [probe / "lower"], probe / "upper", probe / "work")
+        unmount(probe / "merged")
+        return True
+    except OSError as e:
+        log.warning("workspace: overlayfs is not available in %s (%s); episodes get plain copies", area, e)
+        return False
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+def mount_overlay(target: Path, lowers: list[Path], upper: Path | None = None, work: Path | None = None) -> None:
+    """An overlayfs at `target`: `lowers` top first; read-only when there is no `upper`."""
+    options = "lowerdir=" + ":".join(str(p) for p in lowers)
+    if upper is not None:
+        options += f",upperdir={upper},workdir={work}"
+    flags = 0 if upper is not None else MS_RDONLY
+    if _libc.mount(b"overlay", str(target).encode(), b"overlay", flags, options.encode()) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mount overlay on {target}: {os.strerror(code)}")
+
+
+def mount_capped(target: Path, max_bytes: int, max_inodes: int) -> None:
+    """A tmpfs of `max_bytes` and `max_inodes` at `target` (an episode's files beyond its task's: writes past
+    the cap are refused by the kernel, and the host's disk and memory are never at the episode's mercy)."""
+    options = f"mode=0755,size={max_bytes},nr_inodes={max_inodes}".encode()
+    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", 0, options) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mount tmpfs on {target}: {os.strerror(code)}")
+
+
+def is_full(target: Path) -> bool:
+    """The filesystem at `target` has (almost) no room or no inode left."""
+    st = os.statvfs(target)
+    return st.f_bavail * st.f_frsize < 64 << 10 or st.f_favail == 0
+
+
+def unmount(target: Path) -> None:
+    if _libc.umount2(str(target).encode(), 0) != 0:
+        code = ctypes.get_errno()
+        if code == errno.EINVAL:  # not a mount point (any more)
+            return
+        if _libc.umount2(str(target).encode(), MNT_DETACH) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"unmount {target}: {os.strerror(code)}")
