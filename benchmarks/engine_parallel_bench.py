@@ -28,7 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import yaml  # noqa: E402
 
 from composer.recipes.errors import UserError  # noqa: E402
-from composer.recipes.schema import EngineParallelismSection, ModelSection, RolloutSection, SamplingSection  # noqa: E402
+from composer.recipes.schema import (
+    EngineParallelismSection,
+    ModelSection,
+    RolloutSection,
+    SamplingSection  # noqa: E402,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {"tp1": EngineParallelismSection(), "tp2": EngineParallelismSection(tp=2), "dp2": EngineParallelismSection(dp=2)}
@@ -52,7 +57,8 @@ def smollm2_checkpoint(work: Path) -> tuple[Path, ModelSection]:
 def refusal(m: ModelSection, rollout: RolloutSection) -> str | None:
     """Why this engine cannot be made here (the recipe checks' own words), or None."""
     from composer.cluster.placement import local_devices
-    from composer.recipes.checks import engine_fit_problems, engine_split_problems
+    from composer.cluster.engine_fit import engine_fit_problems
+    from composer.recipes.checks import engine_split_problems
 
     devices = local_devices()
     problems = engine_split_problems(m, rollout) + engine_fit_problems(m, rollout, devices.section(), learner_devices=0,

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from composer.rollout.sandbox.fleet import Failure, Provider, SandboxPool, SimulatedClock  # noqa: E402
 from composer.rollout.sandbox.results import AssertionTests, SandboxResult  # noqa: E402
-from composer.rollout.sandbox.server import RunRequest  # noqa: E402
+from composer.rollout.sandbox.wire import RunRequest  # noqa: E402
 
 TASK_SETS = {"humaneval": 2.0, "codeio": 1.0, "repo": 1.0}
 RESULT = SandboxResult(1.0, 1, 1, "ok", "", "", "", 0.0)

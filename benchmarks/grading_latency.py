@@ -27,7 +27,7 @@ MODULES = ["networkx/algorithms/shortest_paths/unweighted.py", "networkx/generat
 
 
 def settings(cache_dir: str, num_tasks: int):
-    from composer.recipes.schema import RepoTaskSettings
+    from composer.recipes.env_schema import RepoTaskSettings
 
     return RepoTaskSettings(projects=["networkx"], num_tasks=num_tasks, include=MODULES, cache_dir=cache_dir)
 
@@ -39,15 +39,15 @@ def percentile(values: list[float], q: float) -> float:
 
 def worker(cache_dir: str, num_tasks: int) -> None:
     """Grade the tasks asked for on stdin (one index a line) with this process's tree; one JSON line each."""
-    from composer.recipes.schema import SandboxSection
+    from composer.recipes.env_schema import SandboxSection
     from composer.rollout.sandbox.runs import Sandbox
-    from composer.rollout.tasks.repository import load_tasks, open_workspace, repo_tests
+    from composer.rollout.tasks.repository.task_set import load_tasks, open_workspace, repo_tests
 
     tasks = load_tasks(settings(cache_dir, num_tasks))
     sandbox = Sandbox(SandboxSection(cpu_seconds=120, wall_seconds=300, memory_mb=2048), root=Path(tempfile.mkdtemp(prefix="grading-bench-")))
     keep = None
     try:
-        from composer.rollout.tasks.grading_policy import keep_change as keep
+        from composer.rollout.tasks.repository.grading_policy import keep_change as keep
     except ImportError:
         pass
     print(json.dumps({"ready": len(tasks)}), flush=True)
@@ -96,8 +96,8 @@ def main() -> None:
         worker(args.worker[0], int(args.worker[1]))
         return
     sys.path.insert(0, str(REPO))
-    from composer.recipes.schema import SandboxSection
-    from composer.rollout.tasks.repository import build_repo_tasks
+    from composer.recipes.env_schema import SandboxSection
+    from composer.rollout.tasks.repository.build import build_repo_tasks
 
     cache_dir = str(Path(args.cache_dir).resolve())
     report = build_repo_tasks(settings(cache_dir, args.tasks), SandboxSection(), Path(tempfile.mkdtemp(prefix="grading-build-")), workers=2)

@@ -16,11 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from composer.recipes.schema import SandboxSection
+from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.runs import Sandbox
-from composer.rollout.tasks.repository import project_bases
-from composer.rollout.tasks.workspace import RepoTests, RepoWorkspace, overlay_supported
+from composer.rollout.tasks.repository.task_set import project_bases
+from composer.rollout.tasks.repository.workspace import RepoTests, RepoWorkspace
+from composer.rollout.tasks.workspace import overlay_supported
 
 
 def percentile(values: list[float], q: float) -> float:

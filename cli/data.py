@@ -11,6 +11,7 @@ from rich.table import Table
 
 from composer.recipes.errors import UserError
 from composer.recipes.loader import load_recipe
+from composer.runtime.progress import print_whole_table
 
 app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
 console = Console()
@@ -69,12 +70,12 @@ def show(prepared, recipe) -> None:
     trained = recipe.train.steps * recipe.train.global_batch_size * recipe.data.seq_length
     table = Table(title=f"data ({escape(str(prepared.tokenizer.directory))}, vocab {prepared.tokenizer.vocab_size})")
     for column in ("source", "weight", "inputs", "documents", "tokens", "mixture tokens", "epochs", "cache"):
-        table.add_column(column, justify="left" if column in ("source", "cache") else "right")
+        table.add_column(column, justify="left" if column in ("source", "cache") else "right", overflow="fold", no_wrap=column != "source")
     for s in prepared.sources:
         drawn = trained * s.weight / total_weight
         table.add_row(escape(s.name), f"{s.weight:g}", f"{s.summary['inputs']:,}", f"{s.num_documents:,}", f"{s.num_tokens:,}",
                       f"{drawn:,.0f}", f"{drawn / s.num_tokens:.2f}", "[green]hit[/]" if s.cached else "built")
-    console.print(table)
+    print_whole_table(console, table)
     for s in prepared.sources:
         _show_source(s)
 
@@ -92,12 +93,12 @@ def _show_source(s) -> None:
                       + f" (report: {escape(str(s.prefix.parent / 'redactions.jsonl'))})", highlight=False, soft_wrap=True)
     table = Table(box=None, padding=(0, 2), show_header=True)
     for column in ("step", "documents removed", "tokens removed", "why"):
-        table.add_column(column, justify="right" if "removed" in column else "left")
+        table.add_column(column, justify="right" if "removed" in column else "left", overflow="fold", no_wrap=column != "why")
     for step in ("licence", "quality", "exact duplicates", "near duplicates"):
         removed = summary["removed"].get(step, {"documents": 0, "tokens": 0, "reasons": {}})
         why = ", ".join(f"{escape(k)} {v:,}" for k, v in sorted(removed["reasons"].items()) if k != step)
         table.add_row(step, f"{removed['documents']:,}", f"{removed['tokens']:,}", why)
-    console.print(table)
+    print_whole_table(console, table)
     near = summary["near_dedup"]
     if near:
         odds = ", ".join(f"J={k}: {v:.2f}" for k, v in near["catch_probability"].items())

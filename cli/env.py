@@ -91,7 +91,7 @@ def check(
 
 def _check_repo(task_set, sandbox, sandbox_root: Path, limit: int | None, workers: int) -> int:
     """Test each built repository task again: its original passes, its change fails as recorded; the failures."""
-    from composer.rollout.tasks.repository import check_repo_tasks, load_tasks
+    from composer.rollout.tasks.repository.task_set import check_repo_tasks, load_tasks
 
     total = len(load_tasks(task_set.repo)[:limit])
     with Progress(console=console, transient=True) as progress:
@@ -114,7 +114,7 @@ def build(
     """Build the recipe's repository task sets: seeded changes of real projects, each validated against the project's
     own tests (the original passes, the change fails). Cached; an interrupted build resumes where it stopped."""
     from composer.rollout.sandbox.isolation import DEFAULT_ROOT
-    from composer.rollout.tasks.repository import build_repo_tasks, set_dir
+    from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
 
     recipe = load_recipe(file, overrides)
     sets = [ts for ts in (recipe.env.tasks if recipe.env else []) if ts.name == "repo"]

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from composer.runtime.progress import duration_text
+from composer.runtime.progress import duration_text, print_whole_table
 from composer.runtime.status import RunStatus, find_runs, run_status
 
 console = Console()
@@ -39,11 +39,12 @@ def runs(
         return
     table = Table(title=escape(str(directory)))
     for column in ("run", "kind", "status", "steps", "last figures", "age"):
-        table.add_column(column, justify="right" if column in ("steps", "age") else "left")
+        table.add_column(column, justify="right" if column in ("steps", "age") else "left", overflow="fold",
+                         no_wrap=column != "last figures")
     for s in statuses:
         name = str(s.root.relative_to(directory)) if s.root != directory else str(s.root)
         table.add_row(escape(name), s.kind, status_text(s), f"{s.steps_done}/{s.steps}", escape(figures_text(s)), age_text(s))
-    console.print(table)
+    print_whole_table(console, table)
 
 
 def show(s: RunStatus) -> None:

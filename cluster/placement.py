@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from composer.recipes.checks import engine_fit_problems, learner_devices_on
+from composer.cluster.engine_fit import engine_fit_problems, learner_devices_on
 from composer.recipes.errors import UserError
 from composer.recipes.schema import Recipe, RolloutDevicesSection, RolloutSection
 

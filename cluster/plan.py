@@ -22,6 +22,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from composer.cluster.engine_fit import declared_engine_problems
 from composer.recipes.checks import Problem, check_recipe
 from composer.recipes.errors import UserError
 from composer.recipes.schema import ModelSection, ParallelismSection, Recipe
@@ -470,9 +471,9 @@ def layouts_that_fit(recipe: Recipe, mfu: float = 0.35) -> list[tuple[Plan, floa
 
 
 def fit_problems(recipe: Recipe) -> list[Problem]:
-    """Whether the recipe's layout fits cluster.device_memory_gib and its engines hold one max_context sequence;
-    each problem names the key to change."""
-    problems = []
+    """Whether the recipe's layout fits cluster.device_memory_gib, its engines fit the hosts rollout.devices declares and
+    hold one max_context sequence; each problem names the key to change."""
+    problems = declared_engine_problems(recipe)
     plan = make_plan(recipe)
     if plan.engine is not None and plan.engine.sequences < 1:
         problems.append(Problem("rollout.kv_cache_gib", f"{recipe.rollout.kv_cache_gib} GiB holds no sequence of rollout.max_context="

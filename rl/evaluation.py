@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from composer.recipes.errors import UserError
-from composer.recipes.schema import RLEvalSection, TaskSet
+from composer.recipes.env_schema import TaskSet
+from composer.recipes.schema import RLEvalSection
 from composer.rollout.agent.environment import CodingEnvironment
 from composer.rollout.agent.loop import EpisodeRunner
 from composer.rollout.agent.trajectory import Trajectory

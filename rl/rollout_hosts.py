@@ -62,7 +62,7 @@ from composer.sync.store import Store
 SERVER_STOP_SECONDS = 30
 ENGINE_RESTARTS = 3
 """Restarts of an engine over several hosts in one run (after a part of it exited) before the run stops."""
-_FREE_PORTS = "import sys; from runtime.processes import free_port; print(*(free_port() for _ in range(int(sys.argv[1]))))"
+_FREE_PORTS = "import sys; from composer.runtime.processes import free_port; print(*(free_port() for _ in range(int(sys.argv[1]))))"
 """Run by the host's composer: free ports there."""
 
 

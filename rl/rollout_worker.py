@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from composer.recipes.schema import EnvSection, RLEvalSection, RolloutSection, SSHSection
+from composer.recipes.env_schema import EnvSection
+from composer.recipes.schema import RLEvalSection, RolloutSection, SSHSection
 from composer.rl.evaluation import Evaluator
 from composer.rl.protocol import POLL_SECONDS, RLRunFiles, RolloutQueue, group_id
 from composer.rl.rollout_hosts import EngineHosts, LocalHost, RemoteHost

@@ -158,3 +158,16 @@ class Trackers:
     def close(self) -> None:
         for sink in self._sinks:
             sink.close()
+
+
+def print_whole_table(console, table) -> None:
+    """Print a rich table with nothing cut: on a terminal it fits the terminal (long text folds onto more lines);
+    written to a pipe or a file, which has no width to fit, it is printed at its natural width."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    natural = Measurement.get(console, console.options.update(width=100_000), table).maximum
+    Console(file=console.file, width=max(natural, console.width), no_color=console.no_color).print(table)

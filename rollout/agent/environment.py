@@ -14,15 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from composer.recipes.errors import UserError
-from composer.recipes.schema import EnvSection, SSHSection
+from composer.recipes.env_schema import EnvSection
+from composer.recipes.schema import SSHSection
 from composer.rollout.sandbox.graders import case_tests, guarded_reward
 from composer.rollout.sandbox.hosts import SandboxFleet
 from composer.rollout.sandbox.results import CommandResult, SandboxResult, Statement
 from composer.rollout.tasks.files import PathRefused, read_text, write_text
 from composer.rollout.tasks.functions import Task, defines
 from composer.rollout.tasks.pool import TaskPool
-from composer.rollout.tasks.remote import open_repo_workspace
-from composer.rollout.tasks.workspace import RepoTests, Workspace, is_full, mount_capped, unmount
+from composer.rollout.tasks.repository.remote import open_repo_workspace
+from composer.rollout.tasks.repository.workspace import RepoTests
+from composer.rollout.tasks.workspace import Workspace, is_full, mount_capped, unmount
 
 log = logging.getLogger("composer.env")
 
@@ -56,7 +58,7 @@ class CodingEnvironment:
     def grade_program(self, task: Task, program: str) -> SandboxResult:
         if isinstance(task.tests, RepoTests):
             raise UserError(f"{task.id}: a repository task is graded through its workspace "
-                            "(rollout.tasks.repository.open_workspace), not as one program")
+                            "(rollout.tasks.repository.task_set.open_workspace), not as one program")
         result = self.sandbox.run(program, task.tests, "all_or_nothing" if task.canary else self.reward, task_set=task.family)
         flags = result.flags
         if task.canary and result.reward > 0:

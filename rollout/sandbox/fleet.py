@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from composer.rollout.sandbox.results import SandboxResult
-from composer.rollout.sandbox.server import SandboxRequest
+from composer.rollout.sandbox.wire import SandboxRequest
 
 log = logging.getLogger("composer.fleet")
 

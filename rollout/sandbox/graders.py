@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
-from composer.recipes.schema import SandboxSection
+from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox import plain_data
 from composer.rollout.sandbox.isolation import starved_seconds
 from composer.rollout.sandbox.results import (

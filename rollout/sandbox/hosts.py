@@ -1,7 +1,8 @@
 """The real sandbox hosts of the fleet and the fleet the environment uses (`SandboxFleet`): this machine
 (`localhost`: the Sandbox in this process, one thread per run) and hosts reached over SSH (cluster.ssh, host keys
-checked), each running one `rollout.sandbox.server` with its own composer, which grades there and ends with the
-connection. The scheduling is `rollout.sandbox.fleet.SandboxPool`'s.
+checked), each running one sandbox server program (`rollout.sandbox_host`, spoken to in `rollout.sandbox.wire`)
+with its own composer, which grades there and ends with the connection. The scheduling is
+`rollout.sandbox.fleet.SandboxPool`'s.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from composer.recipes.errors import UserError
-from composer.recipes.schema import SandboxSection, SSHSection
+from composer.recipes.env_schema import SandboxSection
+from composer.recipes.schema import SSHSection
 from composer.rollout.sandbox.fleet import Failure, Outcome, Provider, RealClock, SandboxPool
 from composer.rollout.sandbox.isolation import DEFAULT_ROOT, Isolation
 from composer.rollout.sandbox.results import AssertionTests, RewardMode, SandboxResult, Tests
 from composer.rollout.sandbox.runs import Sandbox
-from composer.rollout.sandbox.server import MODULE as SERVER_MODULE
-from composer.rollout.sandbox.server import (
+from composer.rollout.sandbox.wire import (
+    SANDBOX_TYPES,
+    SERVER_MODULE,
+    Op,
     ProtocolError,
     RunRequest,
     SandboxRequest,
@@ -34,7 +38,6 @@ from composer.rollout.sandbox.server import (
     frame_bytes,
     from_wire,
     read_frame,
-    serve_request,
     to_wire,
 )
 
@@ -47,6 +50,11 @@ PROBE = RunRequest("def probe():\n    return 1\n", AssertionTests(entry_point="p
 PROBE_SECONDS = 60.0
 CONNECT_SECONDS = 120.0
 """A new host's server: SSH, its composer's imports, its sandbox's isolation probe."""
+
+
+def serve_request(sandbox: Sandbox, request: SandboxRequest) -> SandboxResult:
+    """Run `request` in `sandbox` (on whichever host holds it: this machine's, or a host's server program)."""
+    return sandbox.run(request.program, request.tests, request.reward)
 
 
 class SandboxHost(ABC):
@@ -105,8 +113,8 @@ class LocalSandboxHost(SandboxHost):
 
 
 class RemoteSandboxHost(SandboxHost):
-    """A host over SSH (cluster.ssh, host keys checked), running one `rollout.sandbox.server` started with its
-    composer; runs are frames over the session's stdin/stdout, answered by id. The server ends with the connection."""
+    """A host over SSH (cluster.ssh, host keys checked), running one server program (`wire.SERVER_MODULE`) started
+    with its composer; runs are frames over the session's stdin/stdout, answered by id. The server ends with the connection."""
 
     def __init__(self, name: str, config: SandboxSection, ssh: SSHSection, python: str, capacity: int | None):
         self.name, self._config, self._ssh, self._python, self._asked = name, config, ssh, python, capacity
@@ -133,7 +141,7 @@ class RemoteSandboxHost(SandboxHost):
             channel = host.conn.client.get_transport().open_session()
             channel.exec_command(shlex.join([self._python, "-m", SERVER_MODULE]))
             channel.settimeout(CONNECT_SECONDS)
-            channel.sendall(frame_bytes({"op": "hello", "sandbox": self._config.model_dump(), "threads": self._asked}))
+            channel.sendall(frame_bytes({"op": Op.HELLO, "sandbox": self._config.model_dump(), "threads": self._asked}))
             threading.Thread(target=self._drain_errors, args=(channel,), daemon=True, name=f"sandbox-{self.name}-stderr").start()
             reply = read_frame(exact_reader(channel.recv))
         except Exception as e:
@@ -141,7 +149,7 @@ class RemoteSandboxHost(SandboxHost):
             if isinstance(e, (OSError, ProtocolError)):
                 raise UserError(f"sandbox host {self.where}: its sandbox server did not start ({e}) {self._said()}") from None
             raise host.explain(e) from None
-        if reply is None or reply["op"] != "ready":
+        if reply is None or reply["op"] != Op.READY:
             host.close()
             said = reply.get("error") if reply else self._said()
             raise UserError(f"sandbox host {self.where}: its sandbox server ({self._python} -m {SERVER_MODULE}) did not start: {said}; "
@@ -198,20 +206,20 @@ class RemoteSandboxHost(SandboxHost):
                 break
             with self._lock:
                 callbacks = self._pending.get(number)
-                if message["op"] in ("result", "reply", "failed"):
+                if message["op"] in (Op.RESULT, Op.REPLY, Op.FAILED):
                     self._pending.pop(number, None)
             if callbacks is None:
                 continue
             _, started, done = callbacks
-            if message["op"] == "started":
+            if message["op"] == Op.STARTED:
                 started()
-            elif message["op"] == "reply":
+            elif message["op"] == Op.REPLY:
                 done(message)
-            elif message["op"] == "failed":
+            elif message["op"] == Op.FAILED:
                 done(Failure("server_error", str(message.get("error"))[:500]))
             else:
                 try:
-                    result = from_wire(message.get("result"))
+                    result = from_wire(message.get("result"), SANDBOX_TYPES)
                     if not isinstance(result, SandboxResult):
                         raise ProtocolError("not a result")
                 except (ProtocolError, ValueError) as e:
@@ -232,7 +240,7 @@ class RemoteSandboxHost(SandboxHost):
 
     def start(self, number: int, request: SandboxRequest | dict, started: Callable[[], None], done: Callable[[Outcome], None]) -> None:
         """Send a run (or, as a dict, another operation with its id) on the current connection."""
-        frame = frame_bytes(request if isinstance(request, dict) else {"op": "run", "id": number, "request": to_wire(request)})
+        frame = frame_bytes(request if isinstance(request, dict) else {"op": Op.RUN, "id": number, "request": to_wire(request, SANDBOX_TYPES)})
         with self._lock:
             channel = self._channel
             if channel is not None:
@@ -352,7 +360,7 @@ class SandboxFleet:
         self.isolations = {host.name: host.isolation for host in hosts}
         self.capacities = {host.name: host.capacity for host in hosts}
         self.open_workspaces: Counter[str] = Counter()
-        """Repository workspaces open on each host (`rollout.tasks.remote` places episodes by it)."""
+        """Repository workspaces open on each host (`rollout.tasks.repository.remote` places episodes by it)."""
         self.shipped_bytes: Counter[str] = Counter()
         """Bytes of trees shipped to each host (project files, environments, tasks' changed files)."""
         self.clock = RealClock()

@@ -24,7 +24,7 @@ from functools import cache
 from pathlib import Path
 
 from composer.recipes.errors import UserError
-from composer.recipes.schema import SandboxSection
+from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.graders import grade_program
 from composer.rollout.sandbox.isolation import (
     COMMAND_TOOLS,

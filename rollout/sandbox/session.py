@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from composer.recipes.schema import SandboxSection
+from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.isolation import WORK_DIR, starved_seconds
 from composer.rollout.sandbox.results import CommandResult
 

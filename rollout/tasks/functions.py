@@ -26,7 +26,7 @@ from composer.recipes.errors import UserError
 from composer.rollout.sandbox.graders import case_tests
 from composer.rollout.sandbox.results import AssertionTests, Call, CallTests, CaseTests, GeneratedCalls, Tests
 from composer.rollout.sandbox.runs import Sandbox
-from composer.rollout.tasks.workspace import RepoTests
+from composer.rollout.tasks.repository.workspace import RepoTests
 
 CODEIO_CASES = 8
 SMOKE_TASKS = 100
@@ -67,7 +67,7 @@ class Task:
     """The function the tests call (empty for repository tasks)."""
     tests: Tests | RepoTests
     """Hidden tests, in the form the sandbox runs; a repository task's tests, run and graded by its workspace
-    (`rollout.tasks.repository.open_workspace`)."""
+    (`rollout.tasks.repository.task_set.open_workspace`)."""
     answer: Literal["function", "expression"] = "function"
     """`function`: the completion defines `entry_point` (or continues `continues`); `expression`: its
     first word completes `continues`."""

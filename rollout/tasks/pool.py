@@ -7,7 +7,7 @@ import random
 import threading
 
 from composer.recipes.errors import UserError
-from composer.recipes.schema import TaskSet
+from composer.recipes.env_schema import TaskSet
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.functions import (
     CodeIOSource,
@@ -19,7 +19,7 @@ from composer.rollout.tasks.functions import (
     canary_of,
 )
 from composer.rollout.tasks.recall import RecallSource
-from composer.rollout.tasks.repository import load_tasks, repo_tests
+from composer.rollout.tasks.repository.task_set import load_tasks, repo_tests
 
 
 class RepoSource(TaskSource):

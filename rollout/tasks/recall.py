@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 
-from composer.recipes.schema import RecallSettings
+from composer.recipes.env_schema import RecallSettings
 from composer.rollout.sandbox.results import AssertionTests
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.functions import Task, TaskSource

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from composer.recipes.loader import load_recipe
-from composer.recipes.schema import EnvSection, RolloutSection, SamplingSection, TaskSet
+from composer.recipes.env_schema import EnvSection, TaskSet
+from composer.recipes.schema import RolloutSection, SamplingSection
 from tests.conftest import RECIPES
 
 pytestmark = pytest.mark.engines

@@ -10,7 +10,7 @@ import pytest
 
 from composer.rollout.sandbox.fleet import Failure, Provider, SandboxPool, SimulatedClock
 from composer.rollout.sandbox.results import AssertionTests, SandboxResult
-from composer.rollout.sandbox.server import RunRequest
+from composer.rollout.sandbox.wire import RunRequest
 
 OK = SandboxResult(1.0, 1, 1, "ok", "", "", "", 0.1)
 INFRA = SandboxResult(0.0, 0, 0, "infra", "the host starved the run", "", "", 0.1, infra_failure=True)
@@ -199,7 +199,7 @@ def test_with_no_host_up_queued_runs_end_as_infra_failure():
 
 def test_requests_and_results_cross_the_wire_unchanged_and_nothing_else_does():
     from composer.rollout.sandbox.results import Call, CallTests, CaseResult, CaseTests, GeneratedCalls, ScriptRun, Statement
-    from composer.rollout.sandbox.server import ProtocolError, from_wire, to_wire
+    from composer.rollout.sandbox.wire import SANDBOX_TYPES, ProtocolError, from_wire, to_wire
 
     values = [
         RunRequest("x = 1\n", ScriptRun()),
@@ -213,15 +213,33 @@ def test_requests_and_results_cross_the_wire_unchanged_and_nothing_else_does():
     import json
 
     for value in values:
-        assert from_wire(json.loads(json.dumps(to_wire(value)))) == value
+        assert from_wire(json.loads(json.dumps(to_wire(value, SANDBOX_TYPES))), SANDBOX_TYPES) == value
     for forged in ({"$dc": "Popen", "fields": {}}, {"$dc": "RunRequest", "fields": {"program": {"$v": '"p"'}, "shell": {"$v": "1"}}},
                    {"$pickle": "..."}, {"$v": '{"$object": "os.system"}'}, {"$v": '"p"', "$dc": "RunRequest"}, {"$v": 3}):
         with pytest.raises((ProtocolError, ValueError)):
-            from_wire(forged)
+            from_wire(forged, SANDBOX_TYPES)
 
+
+
+def test_a_repository_task_crosses_the_wire_only_where_its_types_are_spoken():
+    import json
+
+    from composer.rollout.sandbox.wire import SANDBOX_TYPES, ProtocolError, from_wire, to_wire
+    from composer.rollout.tasks.repository.grading_policy import Scope
+    from composer.rollout.tasks.repository.shipping import WIRE_TYPES, ShippedTask, ShippedTrees
+    from composer.rollout.tasks.repository.workspace import RepoTestPlan
+
+    plan = RepoTestPlan("pkg", ("tests/test_a.py",), ("tests/test_a.py::t1",), (), ("-q",), 60.0, "scored",
+                        (Scope("pkg/a.py", ("f", "C.g")), Scope("pkg/b.py")), "src")
+    task = ShippedTask(plan, ShippedTrees("pkg", False, "a" * 64, "b" * 64, ("/usr",)), "c" * 64, "all_or_nothing")
+    wire = json.loads(json.dumps(to_wire(task, WIRE_TYPES)))
+    assert from_wire(wire, WIRE_TYPES) == task
+    with pytest.raises(ProtocolError):
+        from_wire(wire, SANDBOX_TYPES)  # the sandbox's side alone does not speak repository tasks
 
 def test_a_real_local_fleet_runs_programs_concurrently_up_to_its_limit(tmp_path):
-    from composer.recipes.schema import SandboxSection, SSHSection
+    from composer.recipes.env_schema import SandboxSection
+    from composer.recipes.schema import SSHSection
     from composer.rollout.sandbox.hosts import SandboxFleet
     from composer.rollout.sandbox.results import ScriptRun
 
@@ -294,10 +312,12 @@ def test_the_sandbox_server_grades_what_it_is_sent_and_refuses_what_is_not_a_req
     import subprocess
     import sys
 
-    from composer.recipes.schema import SandboxSection
-    from composer.rollout.sandbox.server import MODULE, frame_bytes, from_wire, read_frame, to_wire
+    from composer.recipes.env_schema import SandboxSection
+    from composer.rollout.sandbox.wire import SANDBOX_TYPES, SERVER_MODULE, frame_bytes, from_wire, read_frame, to_wire
+    from composer.rollout.sandbox_host import MODULE
     from tests.conftest import REPO
 
+    assert MODULE == SERVER_MODULE  # the name the fleet starts over SSH is the program's own
     server = subprocess.Popen([sys.executable, "-m", MODULE], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
     try:
@@ -311,7 +331,7 @@ def test_the_sandbox_server_grades_what_it_is_sent_and_refuses_what_is_not_a_req
         send({"op": "hello", "sandbox": SandboxSection(wall_seconds=30).model_dump(), "threads": 2})
         ready = receive()
         assert ready["op"] == "ready" and ready["cpus"] >= 1 and set(ready["isolation"]) == {"dedicated_uid", "namespaces"}
-        send({"op": "run", "id": 1, "request": to_wire(request(5))})
+        send({"op": "run", "id": 1, "request": to_wire(request(5), SANDBOX_TYPES)})
         send({"op": "run", "id": 2, "request": {"$dc": "Popen", "fields": {}}})
         replies = {}
         while len(replies) < 2:
@@ -319,7 +339,7 @@ def test_the_sandbox_server_grades_what_it_is_sent_and_refuses_what_is_not_a_req
             if message["op"] != "started":
                 replies[message["id"]] = message
         assert replies[2]["op"] == "failed" and "bad request" in replies[2]["error"]
-        assert replies[1]["op"] == "result" and from_wire(replies[1]["result"]).reward == 1.0
+        assert replies[1]["op"] == "result" and from_wire(replies[1]["result"], SANDBOX_TYPES).reward == 1.0
         server.stdin.write((1 << 31).to_bytes(4, "big"))  # a frame of 2 GiB: not the protocol's
         server.stdin.flush()
         assert receive() is None and server.wait(timeout=30) == 0  # it hangs up

@@ -39,7 +39,7 @@ def ssh_section(hosts):
 
 
 def sandbox_section(names: list[str], hosts=None, **more):
-    from composer.recipes.schema import SandboxSection
+    from composer.recipes.env_schema import SandboxSection
 
     if hosts is not None:
         more = {"remote_python": str(hosts.python), **more}
@@ -63,7 +63,7 @@ def wait_for_no_process(hosts, pattern: str, seconds: float = 20) -> list[str]:
 
 
 def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
-    from composer.recipes.schema import SandboxSection
+    from composer.recipes.env_schema import SandboxSection
     from composer.rollout.sandbox.hosts import SandboxFleet
     from composer.rollout.sandbox.results import CallTests, GeneratedCalls, ScriptRun
     from composer.rollout.sandbox.runs import Sandbox
@@ -89,7 +89,7 @@ def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
         assert sum(fleet.metrics()["sandbox_host_runs"].values()) == len(cases)
     finally:
         fleet.close()
-    assert wait_for_no_process(hosts, "rollout.sandbox.server") == []  # closing the fleet ends its servers
+    assert wait_for_no_process(hosts, "rollout.sandbox_host") == []  # closing the fleet ends its servers
 
 
 def test_an_unreachable_host_or_a_missing_composer_at_start_is_one_clear_error(hosts):
@@ -98,7 +98,7 @@ def test_an_unreachable_host_or_a_missing_composer_at_start_is_one_clear_error(h
 
     with pytest.raises(UserError, match=f"root@{netns_hosts.UNUSED_ADDRESS}:22: cannot connect"):
         SandboxFleet(sandbox_section([hosts.names[0], netns_hosts.UNUSED_ADDRESS], hosts), ssh_section(hosts))
-    assert wait_for_no_process(hosts, "rollout.sandbox.server") == []  # the reachable host was closed again
+    assert wait_for_no_process(hosts, "rollout.sandbox_host") == []  # the reachable host was closed again
     with pytest.raises(UserError, match=f"sandbox host root@{hosts.names[0]}:22: its sandbox server .* did not start: .*No such file.*env.sandbox.remote_python"):
         SandboxFleet(sandbox_section([hosts.names[0]], remote_python="/nonexistent/python"), ssh_section(hosts))
 
@@ -106,9 +106,10 @@ def test_an_unreachable_host_or_a_missing_composer_at_start_is_one_clear_error(h
 def test_a_killed_driver_leaves_no_sandbox_server(hosts):
     driver_code = textwrap.dedent(f"""
         import time
-        from composer.recipes.schema import SandboxSection, SSHSection
+        from composer.recipes.env_schema import SandboxSection
+        from composer.recipes.schema import SSHSection
         from composer.rollout.sandbox.hosts import SandboxFleet
-        from composer.rollout.sandbox.server import RunRequest
+        from composer.rollout.sandbox.wire import RunRequest
         from tests.integration.test_fleet_hosts import numbered
 
         ssh = SSHSection(user="root", key_file={str(hosts.client_key)!r}, known_hosts={str(hosts.known_hosts)!r})
@@ -123,11 +124,11 @@ def test_a_killed_driver_leaves_no_sandbox_server(hosts):
     driver = subprocess.Popen([sys.executable, "-c", driver_code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert driver.stdout.readline().strip() == "running"
-        assert len(hosts.processes("rollout.sandbox.server")) == 2
+        assert len(hosts.processes("rollout.sandbox_host")) == 2
     finally:
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
-    assert wait_for_no_process(hosts, "rollout.sandbox.server") == []
+    assert wait_for_no_process(hosts, "rollout.sandbox_host") == []
     assert wait_for_no_process(hosts, "sandbox/zygote.py") == []
 
 
@@ -147,7 +148,7 @@ def test_env_check_grades_every_reference_on_the_recipes_sandbox_hosts(hosts, wr
         assert f"sandbox on {name} (1 at once): a dedicated uid per run, mount, PID and network namespaces" in result.stdout
     rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 5}
     assert "100.0%" in rows["smoke"] and "100.0%" in rows["humaneval"]
-    assert wait_for_no_process(hosts, "rollout.sandbox.server") == []
+    assert wait_for_no_process(hosts, "rollout.sandbox_host") == []
 
     unreachable = run_composer("env", "check", str(recipe), "--set", f"env.sandbox.hosts=[{hosts.names[0]}, {netns_hosts.UNUSED_ADDRESS}]")
     assert unreachable.returncode == 2 and "Traceback" not in unreachable.stderr
@@ -174,13 +175,13 @@ def test_an_rl_run_grades_its_episodes_on_the_sandbox_hosts(hosts, tmp_path):
     last = groups[-1]
     assert set(last["sandbox_host_runs"]) == set(hosts.names[:2]) and all(n > 0 for n in last["sandbox_host_runs"].values())
     assert last["sandbox_infra_failures"] == 0 and last["infra_failure_rate"] == 0 and last["sandbox_hosts_up"] == 2
-    assert wait_for_no_process(hosts, "rollout.sandbox.server") == []
+    assert wait_for_no_process(hosts, "rollout.sandbox_host") == []
 
 
 def test_a_host_killed_mid_run_has_its_runs_retried_on_the_others_and_is_readmitted_when_back(hosts):
     """Last in this module: it kills the third host (and brings it back)."""
     from composer.rollout.sandbox.hosts import SandboxFleet
-    from composer.rollout.sandbox.server import RunRequest
+    from composer.rollout.sandbox.wire import RunRequest
 
     runs = 24
     fleet = SandboxFleet(sandbox_section(hosts.names, hosts, readmit_seconds=2), ssh_section(hosts))

@@ -6,7 +6,7 @@ import logging
 import numpy as np
 import pytest
 
-from composer.recipes.schema import EnvSection, SandboxSection, TaskSet
+from composer.recipes.env_schema import EnvSection, SandboxSection, TaskSet
 from composer.rl.trajectories import episode_stats
 from composer.rollout.agent.environment import CodingEnvironment
 from composer.rollout.agent.trajectory import Trajectory

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from composer.recipes.schema import EnvSection, RolloutSection, SamplingSection, TaskSet
+from composer.recipes.env_schema import EnvSection, TaskSet
+from composer.recipes.schema import RolloutSection, SamplingSection
 from composer.rollout.agent.harness import CallError, ToolBox, ToolCall, parse_tool_calls, truncate
 from composer.rollout.engines.vllm_engine import Completion
 
@@ -352,9 +353,9 @@ def repo_task(tmp_path_factory):
     ego_graph breaks test_ego_distance, test_ego still passes), without the build's survey of the whole project."""
     from composer.rollout.sandbox.isolation import installed_copies
     from composer.rollout.tasks.functions import Task
-    from composer.rollout.tasks.mutations import changed_module, mutations
-    from composer.rollout.tasks.repository import project_bases
-    from composer.rollout.tasks.workspace import RepoTests
+    from composer.rollout.tasks.repository.mutations import changed_module, mutations
+    from composer.rollout.tasks.repository.task_set import project_bases
+    from composer.rollout.tasks.repository.workspace import RepoTests
 
     root = tmp_path_factory.mktemp("repo")
     bases = project_bases(root / "cache", "networkx")

@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from composer.recipes.schema import EnvSection, RecallSettings, RLSection, RolloutSection, SamplingSection, TaskSet
+from composer.recipes.env_schema import EnvSection, RecallSettings, TaskSet
+from composer.recipes.schema import RLSection, RolloutSection, SamplingSection
 from composer.rollout.agent.trajectory import Trajectory
 from composer.rollout.engines.vllm_engine import Completion, Engine
 

@@ -47,8 +47,9 @@ def hosts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     """A history task of the user project (tests/helpers/user_project.py), built on this machine."""
-    from composer.recipes.schema import RepoTaskSettings, SandboxSection
-    from composer.rollout.tasks.repository import build_repo_tasks, load_tasks, repo_tests
+    from composer.recipes.env_schema import RepoTaskSettings, SandboxSection
+    from composer.rollout.tasks.repository.build import build_repo_tasks
+    from composer.rollout.tasks.repository.task_set import load_tasks, repo_tests
     from tests.helpers.user_project import make_project
 
     base = tmp_path_factory.mktemp("remote-task")
@@ -63,7 +64,7 @@ def task(tmp_path_factory):
 
 
 def sandbox_section(hosts, names):
-    from composer.recipes.schema import SandboxSection
+    from composer.recipes.env_schema import SandboxSection
 
     return SandboxSection(hosts=names, sandboxes_per_host=2, cpu_seconds=60, wall_seconds=120, memory_mb=2048,
                           retry_backoff_seconds=0.05, remote_python=str(hosts.python))
@@ -97,8 +98,8 @@ def play(workspace, fix: dict, commands: list[str]):
 
 def test_a_task_graded_on_a_remote_host_earns_what_it_earns_here(hosts, task):
     from composer.rollout.sandbox.runs import Sandbox
-    from composer.rollout.tasks.remote import RemoteRepoWorkspace
-    from composer.rollout.tasks.repository import open_workspace
+    from composer.rollout.tasks.repository.remote import RemoteRepoWorkspace
+    from composer.rollout.tasks.repository.task_set import open_workspace
 
     tests, fix, sandbox_root = task
     local = Sandbox(sandbox_section(hosts, ["localhost"]), root=sandbox_root)
@@ -143,7 +144,7 @@ def test_a_task_graded_on_a_remote_host_earns_what_it_earns_here(hosts, task):
 
 
 def test_what_arrives_is_checked_against_its_digest(tmp_path):
-    from composer.rollout.tasks.shipping import ShippingError, Store, pack
+    from composer.rollout.tasks.repository.shipping import ShippingError, Store, pack
 
     tree = tmp_path / "tree"
     (tree / "pkg").mkdir(parents=True)
@@ -180,7 +181,7 @@ def test_a_killed_driver_leaves_no_workspace_mounted_on_any_host(hosts, task):
     driver_code = textwrap.dedent(f"""
         import pickle, sys, time
         from tests.integration.test_remote_workspaces import fleet_of
-        from composer.rollout.tasks.remote import RemoteRepoWorkspace
+        from composer.rollout.tasks.repository.remote import RemoteRepoWorkspace
 
         class Hosts:
             names = {hosts.names!r}
@@ -210,9 +211,9 @@ def test_a_killed_driver_leaves_no_workspace_mounted_on_any_host(hosts, task):
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
     deadline = time.monotonic() + 30
-    while (hosts.processes("rollout.sandbox.server") or mounted_workspaces() != before) and time.monotonic() < deadline:
+    while (hosts.processes("rollout.sandbox_host") or mounted_workspaces() != before) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert hosts.processes("rollout.sandbox.server") == []
+    assert hosts.processes("rollout.sandbox_host") == []
     assert mounted_workspaces() == before
 
 
@@ -220,8 +221,10 @@ def test_env_build_spreads_its_surveys_and_validations_over_the_sandbox_hosts(ho
     """The set a build on the two hosts makes (this machine not among them) is the one built here."""
     import shutil
 
-    from composer.recipes.schema import RepoTaskSettings, SSHSection
-    from composer.rollout.tasks.repository import build_repo_tasks, load_tasks, set_dir
+    from composer.recipes.env_schema import RepoTaskSettings
+    from composer.recipes.schema import SSHSection
+    from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
+    from composer.rollout.tasks.repository.task_set import load_tasks
 
     tests, _, _ = task
     cache = tests.grading_base.parents[2]
@@ -242,15 +245,15 @@ def test_env_build_spreads_its_surveys_and_validations_over_the_sandbox_hosts(ho
 
 def wait_servers_gone(hosts, seconds: float = 20) -> bool:
     deadline = time.monotonic() + seconds
-    while hosts.processes("rollout.sandbox.server") and time.monotonic() < deadline:
+    while hosts.processes("rollout.sandbox_host") and time.monotonic() < deadline:
         time.sleep(0.2)
-    return bool(hosts.processes("rollout.sandbox.server"))
+    return bool(hosts.processes("rollout.sandbox_host"))
 
 
 @pytest.mark.slow
 def test_a_host_killed_in_the_middle_of_an_episode_is_replaced(hosts, task):
     """Last in this module: it kills a host (and brings it back)."""
-    from composer.rollout.tasks.remote import RemoteRepoWorkspace
+    from composer.rollout.tasks.repository.remote import RemoteRepoWorkspace
 
     tests, fix, _ = task
     fleet = fleet_of(hosts, hosts.names)

@@ -11,12 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from composer.recipes.schema import SandboxSection
+from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.results import CommandResult
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks import pytest_report
-from composer.rollout.tasks.grading_policy import NOT_A_FILE, Scope, forbidden_uses, keep_change, module_imports, splice
-from composer.rollout.tasks.workspace import read_report, run_tests_guarded, sentinel_tests
+from composer.rollout.tasks.repository.grading_policy import (
+    NOT_A_FILE,
+    Scope,
+    forbidden_uses,
+    keep_change,
+    module_imports,
+    splice,
+)
+from composer.rollout.tasks.repository.workspace import read_report, run_tests_guarded, sentinel_tests
 from tests.helpers.repo_cheats import ANSWERS, CLASSES, PAYLOADS, in_function, payloads, pyc
 
 # --- what grading takes -------------------------------------------------------------------------

@@ -17,23 +17,22 @@ import yaml
 
 from composer.recipes.errors import UserError
 from composer.recipes.loader import load_recipe, recipe_to_yaml, validate_recipe
-from composer.recipes.schema import RepoTaskSettings, SandboxSection, TaskSet
+from composer.recipes.env_schema import RepoTaskSettings, SandboxSection, TaskSet
 from composer.rollout.sandbox.graders import DEFAULT_GUARDED, guarded_reward
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.runs import Sandbox
-from composer.rollout.tasks.grading_policy import NOT_A_FILE
-from composer.rollout.tasks.mutations import Mutation, changed_module, mutations
-from composer.rollout.tasks.repository import (
-    build_repo_tasks,
-    candidates,
+from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE
+from composer.rollout.tasks.repository.mutations import Mutation, changed_module, mutations
+from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
+from composer.rollout.tasks.repository.candidates import candidates
+from composer.rollout.tasks.repository.task_set import (
     check_repo_tasks,
     load_tasks,
     open_workspace,
     project_bases,
     repo_tests,
-    set_dir,
 )
-from composer.rollout.tasks.workspace import RepoWorkspace
+from composer.rollout.tasks.repository.workspace import RepoWorkspace
 from tests.conftest import REPO
 from tests.helpers.repo_cheats import ANSWERS, CLASSES, in_function, payloads, pyc, written
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from composer.recipes.schema import SandboxSection
+from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.isolation import Isolation, installed_copies, root_layout
 from composer.rollout.sandbox.results import AssertionTests
 from composer.rollout.sandbox.runs import Sandbox
@@ -283,7 +283,7 @@ ENVIRONMENT_DRIVER = """
 import json, sys
 from pathlib import Path
 from composer.recipes.errors import UserError
-from composer.recipes.schema import SandboxSection
+from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.runs import Sandbox
 
 work, limits = Path(sys.argv[1]), SandboxSection(**json.loads(sys.argv[2]))

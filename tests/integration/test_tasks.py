@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from composer.recipes.schema import EnvSection, SandboxSection, TaskSet
+from composer.recipes.env_schema import EnvSection, SandboxSection, TaskSet
 from composer.rollout.agent.environment import CodingEnvironment
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.functions import (

@@ -16,10 +16,11 @@ import pytest
 import yaml
 
 from composer.recipes.errors import UserError
-from composer.recipes.schema import ProjectSettings, RepoTaskSettings, SandboxSection
+from composer.recipes.env_schema import ProjectSettings, RepoTaskSettings, SandboxSection
 from composer.rollout.sandbox.runs import Sandbox
-from composer.rollout.tasks.projects import environment_dir, resolve_project
-from composer.rollout.tasks.repository import build_repo_tasks, load_tasks, open_workspace, repo_tests, set_dir
+from composer.rollout.tasks.repository.projects import environment_dir, resolve_project
+from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
+from composer.rollout.tasks.repository.task_set import load_tasks, open_workspace, repo_tests
 from tests.conftest import REPO
 from tests.helpers.user_project import FIXES, make_project
 

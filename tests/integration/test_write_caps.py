@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from composer.recipes.schema import SandboxSection
+from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.results import ScriptRun
 from composer.rollout.sandbox.runs import Sandbox
-from composer.rollout.tasks.workspace import RepoTests, RepoWorkspace
+from composer.rollout.tasks.repository.workspace import RepoTests, RepoWorkspace
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="write caps are sized tmpfs mounts, made as root")
 

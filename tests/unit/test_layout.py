@@ -1,6 +1,6 @@
 """The layering DESIGN.md states, read from the code's own imports (every import, lazy ones included):
 `cli -> rl -> {trainer, data, rollout, sync} -> cluster -> runtime -> recipes`, trainer and rollout apart,
-and no two modules importing each other, directly or around a circle."""
+and no two modules importing each other, directly or around a circle; inside rollout, the floors of its rooms."""
 
 import ast
 from pathlib import Path
@@ -10,6 +10,12 @@ from tests.conftest import REPO
 LAYER = {"cli": 5, "rl": 4, "trainer": 3, "data": 3, "rollout": 3, "sync": 3, "cluster": 2, "runtime": 1, "recipes": 0}
 APART = {("trainer", "rollout"), ("rollout", "trainer"), ("sync", "trainer"), ("sync", "rollout"), ("trainer", "sync"),
          ("rollout", "sync")}
+
+ROLLOUT_BELOW = {"agent": {"tasks", "sandbox", "engines"}, "sandbox_host": {"tasks", "sandbox"}, "tasks": {"sandbox"},
+                 "sandbox": set(), "engines": set()}
+"""Inside rollout, what each room may import: the agent over tasks (the repository room included) over the sandbox;
+the sandbox hosts' server program (`rollout.sandbox_host`) above the tasks and the sandbox it serves; the engines
+apart (only the agent, which drives them, imports them)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -70,3 +76,21 @@ def test_no_circle_of_imports():
         if name not in state:
             visit(name, [name])
     assert circles == []
+
+
+def _rollout_room(module: str) -> str:
+    """composer.rollout.<room>[...] -> room (`sandbox_host` is a module of its own, a room of one)."""
+    return module.split(".")[2]
+
+
+def test_inside_rollout_no_import_runs_up_a_floor_or_into_the_engines():
+    modules = {name: path for name, path in _modules().items() if _package(name) == "rollout" and name != "composer.rollout"}
+    assert {_rollout_room(name) for name in modules} <= set(ROLLOUT_BELOW)  # a new room is given its floor here
+    wrong = []
+    for name, path in modules.items():
+        mine = _rollout_room(name)
+        for target in _imports(path, modules):
+            theirs = _rollout_room(target)
+            if theirs != mine and theirs not in ROLLOUT_BELOW[mine]:
+                wrong.append(f"{name} -> {target}")
+    assert wrong == []

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def composer(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", "from composer.cli.main import main; main()", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -81,7 +81,7 @@ def test_missing_run_or_metrics_are_user_errors(tmp_path):
 def test_cli_prints_the_summary_and_errors_without_traceback(tmp_path):
     write_run(tmp_path / "run")
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    command = [sys.executable, "-c", "from cli.main import main; main()", "report"]
+    command = [sys.executable, "-c", "from composer.cli.main import main; main()", "report"]
     done = subprocess.run([*command, str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "eval_loss" in done.stdout and "7 plot(s)" in done.stdout

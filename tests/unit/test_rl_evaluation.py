@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from composer.recipes.errors import UserError
-from composer.recipes.schema import EnvSection, RLEvalSection, TaskSet
+from composer.recipes.env_schema import EnvSection, TaskSet
+from composer.recipes.schema import RLEvalSection
 from composer.rl.evaluation import bootstrap_interval, held_out_sets, pass_at_k
 from composer.rollout.agent.environment import CodingEnvironment
 from composer.rollout.tasks.pool import held_out_split

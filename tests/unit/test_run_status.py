@@ -4,6 +4,7 @@ finished, failed and killed runs)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def test_status_comes_from_the_files(runs_dir):
 
 def test_a_live_process_holding_the_run_makes_it_running(runs_dir):
     root = runs_dir / "mid-killed"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from runtime.run_dir import RunDir; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from composer.runtime.run_dir import RunDir; "
                                "run = RunDir(Path(sys.argv[1])); run.prepare(run.recipe_path.read_text(), resume=True); "
                                "print('held', flush=True); sys.stdin.read()", str(root)],
                               cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -103,3 +104,37 @@ def test_an_unreadable_recipe_is_listed_not_fatal(runs_dir):
     status = run_status(runs_dir / "mid-done")
     assert status.status == "unreadable" and status.reason
     assert len(find_runs(runs_dir)) == 5
+
+
+def test_runs_piped_to_a_file_keep_every_name_whole(tmp_path):
+    """Two runs of one job differ only at the end of their names: a listing written to a pipe (80 columns by
+    default) must not cut them."""
+    parent = tmp_path / "runs"
+    names = ["main-20261204-224958-nightly/smoke-midtrain", "main-20261204-231502-nightly/smoke-midtrain"]
+    for name in names:
+        job, run = name.split("/")
+        make_run(parent / job, run, "smoke-midtrain.yaml", 10, 10, checkpoints=[10], export=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    result = subprocess.run([sys.executable, "-m", "composer.cli", "runs", str(parent)], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert all(name in result.stdout for name in names), result.stdout
+    assert "…" not in result.stdout
+
+
+def test_a_table_written_to_a_file_cuts_no_number():
+    """`composer data stats` and `composer runs` print their tables whole when the output is not a terminal."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from composer.runtime.progress import print_whole_table
+
+    out = io.StringIO()
+    table = Table()
+    for column in ("source", "documents", "tokens", "mixture tokens"):
+        table.add_column(column)
+    table.add_row("stdlib-python-and-more", "1,163,842", "98,765,432,101", "12,345,678,901")
+    print_whole_table(Console(file=out, width=40), table)
+    assert all(text in out.getvalue() for text in ("stdlib-python-and-more", "1,163,842", "98,765,432,101", "12,345,678,901"))

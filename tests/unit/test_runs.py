@@ -67,7 +67,7 @@ def test_what_a_rank_forks_dies_with_the_rank():
 
     rank = subprocess.Popen([sys.executable, "-c", (
         "import os, time\n"
-        "from runtime.processes import die_with_parent\n"
+        "from composer.runtime.processes import die_with_parent\n"
         "die_with_parent(forks_too=True)\n"
         "child = os.fork()\n"
         "if child == 0:\n"

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from composer.rollout.tasks.grading_policy import is_protected
-from composer.rollout.tasks.projects import ProjectSpec
+from composer.rollout.tasks.repository.grading_policy import is_protected
+from composer.rollout.tasks.repository.projects import ProjectSpec
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ interpreter finds its packages from its own location; only the scripts' `#!` lin
 
 On the host, `WorkspaceService` opens the episode's copy-on-write view from the shipped trees (`RepoWorkspace`, as on
 the driver), runs the tools' commands and file operations there and grades there with the same guarded grader; the
-driver sends tool calls and receives observations and the verdict (`rollout.tasks.remote`).
+driver sends tool calls and receives observations and the verdict (`rollout.tasks.repository.remote`). The host's
+server program (`rollout.sandbox_host`) serves it; `WIRE_TYPES` is what the two sides may send each other.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from pathlib import Path
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.results import RunEnvironment
 from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.sandbox.wire import SANDBOX_TYPES, wire_types
 from composer.rollout.tasks.files import PathRefused
-from composer.rollout.tasks.grading_policy import Scope
-from composer.rollout.tasks.projects import _chmod_tree
-from composer.rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, run_tests_guarded
+from composer.rollout.tasks.repository.grading_policy import Scope
+from composer.rollout.tasks.repository.projects import _chmod_tree
+from composer.rollout.tasks.repository.workspace import RepoTestPlan, RepoTests, RepoWorkspace, TestReport, run_tests_guarded
 
 CHUNK_BYTES = 8 << 20
 """Bytes of a shipped archive per frame."""
@@ -163,45 +165,43 @@ def _relocate(venv: Path, old: str, new: str) -> None:
 
 
 @dataclass(frozen=True)
-class ShippedTask:
-    """A repository task as a host opens it: its tests, and its trees by digest."""
+class ShippedTrees:
+    """The trees a test run on a host needs, by digest: the project's grading base and environment."""
 
-    package: str
-    test_files: tuple[str, ...]
-    fail_to_pass: tuple[str, ...]
-    pass_to_pass: tuple[str, ...]
-    pytest_args: tuple[str, ...]
-    timeout_s: float
-    pass_to_pass_policy: str
-    source: str
     project: str
     ready_made: bool
     """The project is installed with the host's composer (hide every copy of it there)."""
     grading: str
-    layer: str
     environment: str = ""
     """The digest of the project's virtual environment ("" for a ready-made project)."""
     prefixes: tuple[str, ...] = ()
     """The interpreter's installation the environment was made from (the same path on every host)."""
+
+
+@dataclass(frozen=True)
+class ShippedTask:
+    """A repository task as a host opens it: its tests as they are, its trees and changed files by digest."""
+
+    tests: RepoTestPlan
+    trees: ShippedTrees
+    layer: str
     reward: str = "fraction"
-    scope: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    """The task's scope (`RepoTests.scope`) as (path, functions) pairs."""
 
 
 @dataclass(frozen=True)
 class ShippedTests:
     """A build's guarded test run (a survey's, a validation's) over a shipped grading base with changes."""
 
-    grading: str
-    environment: str
-    prefixes: tuple[str, ...]
-    project: str
-    ready_made: bool
+    trees: ShippedTrees
     source: str
     changes: tuple[tuple[str, str], ...]
     test_files: tuple[str, ...]
     pytest_args: tuple[str, ...]
     timeout_s: float
+
+
+WIRE_TYPES = {**SANDBOX_TYPES, **wire_types(ShippedTask, ShippedTrees, ShippedTests, RepoTestPlan, Scope, TestReport)}
+"""What crosses between the driver and a host's server: runs, and repository workspaces and test runs."""
 
 
 class WorkspaceService:
@@ -213,34 +213,32 @@ class WorkspaceService:
         self._numbers = itertools.count(1)
         self._lock = threading.Lock()
 
-    def _environment(self, digests: tuple[str, ...], environment: str, prefixes: tuple[str, ...]) -> RunEnvironment | None:
-        missing = [d for d in digests if d and not self.store.have(d)]
+    def _environment(self, trees: ShippedTrees, *digests: str) -> RunEnvironment | None:
+        missing = [d for d in (trees.grading, *digests, trees.environment) if d and not self.store.have(d)]
         if missing:
             raise ShippingError(f"not shipped here: {', '.join(d[:12] for d in missing)}")
-        if not environment:
+        if not trees.environment:
             return None
-        venv = self.store.path(environment) / "tree"
-        return RunEnvironment(path=(str(venv / "bin"),), read_only=(str(venv), *prefixes))
+        venv = self.store.path(trees.environment) / "tree"
+        return RunEnvironment(path=(str(venv / "bin"),), read_only=(str(venv), *trees.prefixes))
+
+    def _hidden(self, trees: ShippedTrees) -> tuple[str, ...]:
+        return installed_copies(trees.project) if trees.ready_made else ()
 
     def test(self, job: ShippedTests) -> TestReport:
         """A build's test run here (`run_tests_guarded`, as the driver would run it)."""
-        environment = self._environment((job.grading, job.environment), job.environment, job.prefixes)
+        environment = self._environment(job.trees)
         if job.source:
             environment = dataclasses.replace(environment or RunEnvironment(), pythonpath=(f"repo/{job.source}",))
-        return run_tests_guarded(self.sandbox, self.store.path(job.grading) / "tree", {p: t.encode() for p, t in job.changes},
-                                 job.test_files, job.pytest_args, job.timeout_s,
-                                 installed_copies(job.project) if job.ready_made else (), self.sandbox.root / f"views-server-{os.getpid()}",
-                                 environment)
+        return run_tests_guarded(self.sandbox, self.store.path(job.trees.grading) / "tree", {p: t.encode() for p, t in job.changes},
+                                 job.test_files, job.pytest_args, job.timeout_s, self._hidden(job.trees),
+                                 self.sandbox.root / f"views-server-{os.getpid()}", environment)
 
     def open(self, task: ShippedTask) -> int:
-        environment = self._environment((task.grading, task.layer, task.environment), task.environment, task.prefixes)
-        tests = RepoTests(
-            package=task.package, test_files=task.test_files, fail_to_pass=task.fail_to_pass, pass_to_pass=task.pass_to_pass,
-            pytest_args=task.pytest_args, layer=self.store.path(task.layer) / "tree",
-            episode_base=self.store.episode_base(task.grading), grading_base=self.store.path(task.grading) / "tree",
-            hidden=installed_copies(task.project) if task.ready_made else (), timeout_s=task.timeout_s,
-            pass_to_pass_policy=task.pass_to_pass_policy, environment=environment, source=task.source,
-            scope=tuple(Scope(path, tuple(functions)) for path, functions in task.scope))
+        environment = self._environment(task.trees, task.layer)
+        tests = RepoTests.of_plan(
+            task.tests, layer=self.store.path(task.layer) / "tree", episode_base=self.store.episode_base(task.trees.grading),
+            grading_base=self.store.path(task.trees.grading) / "tree", hidden=self._hidden(task.trees), environment=environment)
         workspace = RepoWorkspace(tests, self.sandbox, self.sandbox.root / "workspaces", task.reward)
         with self._lock:
             number = next(self._numbers)

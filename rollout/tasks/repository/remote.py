@@ -2,8 +2,8 @@
 
 `open_repo_workspace` places an episode on the host of `env.sandbox.hosts` with the fewest open workspaces for its
 capacity: this machine (a `RepoWorkspace` here) or a remote host, where a `RemoteRepoWorkspace` ships what the task
-needs (by digest, once per host: `rollout.tasks.shipping`), opens the view there and forwards every tool call and
-the grading; observations and the verdict come back as data. A host lost in the middle of an episode is an
+needs (by digest, once per host: `rollout.tasks.repository.shipping`), opens the view there and forwards every tool
+call and the grading; observations and the verdict come back as data. A host lost in the middle of an episode is an
 infrastructure failure, not a score: the workspace is opened again on another remote host, the episode's changes so
 far (its journal of commands and written files) replayed there, and the call retried (`env.sandbox.infra_retries`
 times); past them the call ends as `infra_failure`.
@@ -20,9 +20,10 @@ from pathlib import Path
 from composer.rollout.sandbox.fleet import Failure
 from composer.rollout.sandbox.hosts import LOCALHOST, RemoteSandboxHost, SandboxFleet
 from composer.rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult
-from composer.rollout.sandbox.server import from_wire, to_wire
-from composer.rollout.tasks.shipping import CHUNK_BYTES, ShippedTask, ShippedTests, pack
-from composer.rollout.tasks.workspace import RepoTests, RepoWorkspace, TestReport, Workspace
+from composer.rollout.sandbox.wire import Op, from_wire, to_wire
+from composer.rollout.tasks.repository.shipping import CHUNK_BYTES, WIRE_TYPES, ShippedTask, ShippedTests, ShippedTrees, pack
+from composer.rollout.tasks.repository.workspace import RepoTests, RepoWorkspace, TestReport
+from composer.rollout.tasks.workspace import Workspace
 
 log = logging.getLogger("composer.workspace")
 
@@ -101,13 +102,9 @@ class RemoteRepoWorkspace(Workspace):
         if env_tree is not None:
             self._trees.append(env_tree)
             environment = env_tree.digest
-        project = Path(tests.package).name
-        self._task = ShippedTask(
-            package=tests.package, test_files=tests.test_files, fail_to_pass=tests.fail_to_pass,
-            pass_to_pass=tests.pass_to_pass, pytest_args=tests.pytest_args, timeout_s=tests.timeout_s,
-            pass_to_pass_policy=tests.pass_to_pass_policy, source=tests.source, project=project,
-            ready_made=bool(tests.hidden), grading=grading[0], layer=layer[0], environment=environment,
-            prefixes=prefixes, reward=reward, scope=tuple((s.path, s.functions) for s in tests.scope))
+        trees = ShippedTrees(project=Path(tests.package).name, ready_made=bool(tests.hidden), grading=grading[0],
+                             environment=environment, prefixes=prefixes)
+        self._task = ShippedTask(tests=tests.plan, trees=trees, layer=layer[0], reward=reward)
         self._journal: list[tuple[str, dict]] = []
         self._host: RemoteSandboxHost | None = None
         self._number = 0
@@ -129,7 +126,7 @@ class RemoteRepoWorkspace(Workspace):
             try:
                 for tree in self._trees:
                     _ship(self.fleet, host, tree)
-                number = _ask(host, {"op": "ws_open", "task": to_wire(self._task)}, OPEN_SECONDS)
+                number = _ask(host, {"op": Op.WS_OPEN, "task": to_wire(self._task, WIRE_TYPES)}, OPEN_SECONDS)
                 self._host, self._number = host, int(number)
                 self.fleet.open_workspaces[name] += 1
                 self.hosts_used.append(name)
@@ -149,7 +146,7 @@ class RemoteRepoWorkspace(Workspace):
 
 
     def _message(self, operation: str, arguments: dict) -> dict:
-        return {"op": "ws", "workspace": self._number, "name": operation, "arguments": arguments}
+        return {"op": Op.WS, "workspace": self._number, "name": operation, "arguments": arguments}
 
     def _call(self, operation: str, arguments: dict):
         """The operation on the episode's host; on another one, the journal replayed, when that host is lost."""
@@ -217,7 +214,7 @@ def _ask(host: RemoteSandboxHost, message: dict, timeout_s: float):
     reply = host.request(message, timeout_s)
     if isinstance(reply, Failure):
         raise _HostLost(f"{reply.cause}: {reply.detail}")
-    return from_wire(reply.get("value"))
+    return from_wire(reply.get("value"), WIRE_TYPES)
 
 
 _shipping_locks: dict[tuple[str, str], threading.Lock] = {}
@@ -229,15 +226,15 @@ def _ship(fleet: SandboxFleet, host: RemoteSandboxHost, tree: _Tree) -> None:
     with _shipping_guard:
         lock = _shipping_locks.setdefault((host.name, tree.digest), threading.Lock())
     with lock:
-        if _ask(host, {"op": "have", "digest": tree.digest}, OPEN_SECONDS):
+        if _ask(host, {"op": Op.HAVE, "digest": tree.digest}, OPEN_SECONDS):
             return
         data = tree.archive.read_bytes()
         chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
         for index, chunk in enumerate(chunks[:-1]):
-            if not host.send({"op": "put", "id": 0, "digest": tree.digest, "first": index == 0,
+            if not host.send({"op": Op.PUT, "id": 0, "digest": tree.digest, "first": index == 0,
                               "data": base64.b64encode(chunk).decode()}):
                 raise _HostLost(f"{host.where}: the connection was lost while shipping")
-        _ask(host, {"op": "put", "digest": tree.digest, "first": len(chunks) == 1, "last": True,
+        _ask(host, {"op": Op.PUT, "digest": tree.digest, "first": len(chunks) == 1, "last": True,
                     "relocate_from": tree.relocate_from, "data": base64.b64encode(chunks[-1]).decode()}, SHIP_SECONDS)
         fleet.shipped_bytes[host.name] += len(data)
 
@@ -252,22 +249,22 @@ def _environment_tree(environment: RunEnvironment | None) -> tuple[_Tree | None,
 
 def remote_test_run(fleet: SandboxFleet, host_name: str, project: str, grading_base: Path, environment: RunEnvironment | None,
                     pytest_args: tuple[str, ...], ready_made: bool, source: str):
-    """A build's guarded test run (`rollout.tasks.repository.TestRun`) on a remote host: the grading base and the
+    """A build's guarded test run (`rollout.tasks.repository.surveys.TestRun`) on a remote host: the grading base and the
     environment shipped there first (once), the report back as data; a lost host's run is an infrastructure failure."""
     host = fleet.provider.by_name[host_name]
 
     def run(changes: dict[str, str], test_files: tuple[str, ...], timeout_s: float) -> TestReport:
         grading = _Tree(*pack(grading_base))
         env_tree, prefixes = _environment_tree(environment)
-        job = ShippedTests(grading=grading.digest, environment=env_tree.digest if env_tree else "", prefixes=prefixes,
-                           project=project, ready_made=ready_made,
-                           source=source, changes=tuple(sorted(changes.items())), test_files=test_files,
+        trees = ShippedTrees(project=project, ready_made=ready_made, grading=grading.digest,
+                             environment=env_tree.digest if env_tree else "", prefixes=prefixes)
+        job = ShippedTests(trees=trees, source=source, changes=tuple(sorted(changes.items())), test_files=test_files,
                            pytest_args=pytest_args, timeout_s=timeout_s)
         try:
             for tree in (grading, env_tree):
                 if tree is not None:
                     _ship(fleet, host, tree)
-            return _ask(host, {"op": "tests", "job": to_wire(job)}, 2 * timeout_s + 1800.0)
+            return _ask(host, {"op": Op.TESTS, "job": to_wire(job, WIRE_TYPES)}, 2 * timeout_s + 1800.0)
         except _HostLost as e:
             return TestReport({}, False, (), f"the sandbox host was lost: {e}", "", "infra", 0.0, 0.0, infra_failure=True)
     return run

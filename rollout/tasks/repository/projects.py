@@ -1,6 +1,6 @@
 """The projects whose own test suites make repository tasks, and their environments.
 
-Ready-made projects (`networkx`, `sympy`) are installed packages that ship their tests (`rollout.tasks.repository`
+Ready-made projects (`networkx`, `sympy`) are installed packages that ship their tests (`rollout.tasks.repository.build`
 says why these two): their files are the installed package, their environment the sandbox's own interpreter, with
 every installed copy of the project hidden. A project of the user's own (`env.tasks[].repo.projects`, a mapping) is
 a directory, or a git checkout read at its pinned commit; its environment is a virtual environment of its own, made
@@ -28,8 +28,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from composer.recipes.env_schema import ProjectSettings, RepoTaskSettings, SandboxSection
 from composer.recipes.errors import UserError
-from composer.recipes.schema import ProjectSettings, RepoTaskSettings, SandboxSection
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.results import RunEnvironment
 from composer.rollout.sandbox.runs import Sandbox

@@ -18,7 +18,7 @@ that make and carry reports, every hook implementation, plugins registered by an
 repository's conftests, the reporting plugin's outcomes, import hooks, a trace function, the channel's descriptor);
 the plugin's hooks are closures over the sender and its state, out of reach of attribute patching. The walls are
 outside: the grader takes only the task's change and refuses code that reaches for any of this
-(`rollout.tasks.grading_policy`), and trusted sentinel tests in the run must pass and fail as written.
+(`rollout.tasks.repository.grading_policy`), and trusted sentinel tests in the run must pass and fail as written.
 """
 
 import gc
