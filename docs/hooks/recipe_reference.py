@@ -28,8 +28,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     try:
         from composer.recipes.schema import Recipe
     except ImportError as e:
-        raise PluginError(f"{PAGE}: cannot import composer.recipes.schema ({e}); install composer first "
-                          "(bash scripts/setup.sh)") from None
+        raise PluginError(f"{PAGE}: cannot import composer.recipes.schema ({e}); install composer first (bash scripts/setup.sh)") from None
     return markdown.replace(MARKER, render(Recipe))
 
 
@@ -42,8 +41,10 @@ def render(root) -> str:
         out += ["", "| key | type | default | description |", "|---|---|---|---|"]
         for name, field in model.model_fields.items():
             key = f"{path}.{name}" if path else name
-            out.append(f"| `{name}` | {cell(type_text(field.annotation, key))}{cell(constraints(field))} "
-                       f"| {cell(default_text(field))} | {cell(flat(field.description or ''))} |")
+            out.append(
+                f"| `{name}` | {cell(type_text(field.annotation, key))}{cell(constraints(field))} "
+                f"| {cell(default_text(field))} | {cell(flat(field.description or ''))} |"
+            )
         out.append("")
     return "\n".join(out)
 
