@@ -14,7 +14,7 @@ import pytest
 from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.results import CommandResult
 from composer.rollout.sandbox.runs import Sandbox
-from composer.rollout.tasks import pytest_report
+from composer.rollout.tasks.repository import pytest_report
 from composer.rollout.tasks.repository.grading_policy import (
     NOT_A_FILE,
     Scope,
