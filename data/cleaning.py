@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from collections import Counter
 from pathlib import Path
@@ -70,23 +71,141 @@ def read_tallies(folder: Path) -> dict[str, dict]:
 
 
 # --- redaction ---------------------------------------------------------------------------------
+#
+# Detectors find spans of the original text (kind, start, end); overlaps go to the detector listed first, and each
+# span is replaced by `<REDACTED_KIND>`: only the secret value, never the code around it. The token-shaped
+# detectors are detect-secrets' own (Yelp's scanner for source code, `_library_detectors`), next to composer's
+# patterns for what it misses: private-key blocks of every armor, URL credentials on any host, webhooks, and values
+# next to secret-shaped names whose shape and entropy say key or password (`_assigned`).
 
 SECRET_PATTERNS = {
-    "private_key": r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----[\s\S]*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY-----",
-    "aws_access_key": r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b",
-    "github_token": r"\b(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})\b",
-    "slack_token": r"\bxox[abprs]-[A-Za-z0-9-]{10,}\b",
-    "google_api_key": r"\bAIza[0-9A-Za-z_\-]{35}\b",
-    "stripe_key": r"\b[sr]k_(?:live|test)_[0-9A-Za-z]{16,}\b",
-    "openai_key": r"\bsk-(?:proj-)?[A-Za-z0-9_\-]{32,}\b",
-    "jwt": r"\beyJ[A-Za-z0-9_\-]{10,}\.eyJ[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{10,}",
+    # PEM (RSA, EC, DSA, ENCRYPTED, OPENSSH...) and PGP armor; unterminated blocks run to the end of their body
+    "private_key": r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----(?:[\s\S]*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
+                   r"|(?:\\n|[\s\"',])*(?:[A-Za-z0-9+/=:\- ]+(?:\\n|[\s\"',])+)*)"
+                   r"|---- BEGIN SSH2 ENCRYPTED PRIVATE KEY ----[\s\S]*?---- END SSH2 ENCRYPTED PRIVATE KEY ----"
+                   # PuTTY .ppk: the private lines and their MAC (the public half stays)
+                   r"|Private-Lines: *\d+(?:\\r)?(?:\\n|\r?\n)(?:[ \t]*[A-Za-z0-9+/=]+(?:\\r)?(?:\\n|\r?\n)?)+"
+                   r"(?:[ \t]*Private-(?:MAC|Hash): *[0-9a-fA-F]+)?",
+    "aws_access_key": r"(?<![A-Za-z0-9])(?:A3T[A-Z0-9]|ABIA|ACCA|AKIA|ASIA|AGPA|AIDA|AROA|AIPA|ANPA|ANVA)[0-9A-Z]{16}(?![A-Za-z0-9])",
+    "github_token": r"(?<![A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})",
+    "gitlab_token": r"(?<![A-Za-z0-9_])gl(?:pat|dt|rt|cbt|ptt|ft|imt|agent|oas|soat)-[A-Za-z0-9_\-]{20,}",
+    "slack_token": r"(?<![A-Za-z0-9])xox[abposr]-[A-Za-z0-9-]{10,}",
+    "webhook": r"https?://(?:hooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9_/\-]+"
+               r"|(?:[\w-]+\.)?discord(?:app)?\.com/api/webhooks/\d+/[\w\-]+"
+               r"|[\w.-]+\.webhook\.office\.com/webhookb2/[^\s\"'<>]+"
+               r"|[\w.-]+\.logic\.azure\.com[:/][^\s\"'<>]*sig=[^\s\"'<>]+"
+               r"|chat\.googleapis\.com/v1/spaces/[^\s\"'<>]*(?:key|token)=[^\s\"'<>]+"
+               r"|hooks\.zapier\.com/hooks/catch/[\w/]+"
+               r"|maker\.ifttt\.com/trigger/[^\s\"'<>]+/key/[\w\-]+"
+               r"|api\.telegram\.org/bot\d+:[\w\-]+)",
+    "google_api_key": r"(?<![A-Za-z0-9])AIza[0-9A-Za-z_\-]{35}",
+    "stripe_key": r"(?<![A-Za-z0-9])(?:[sr]k|pk)_(?:live|test)_[0-9A-Za-z]{16,}",
+    "openai_key": r"(?<![A-Za-z0-9])sk-(?:proj-|ant-(?:api|admin)\d\d-)?[A-Za-z0-9_\-]{32,}",
+    "huggingface_token": r"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{30,}",
+    "jwt": r"(?<![A-Za-z0-9])eyJ[A-Za-z0-9_\-]{10,}\.eyJ[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{10,}",
+    # scheme://user:PASSWORD@host, any host (a name with no dot, an address, a port)
+    "url_password": r"(?i)\b[a-z][a-z0-9+.\-]*://[^\s:/@\"'<>]+:(?P<value>[^\s/@\"'<>]+)@(?=[\w\[.\-])",
+    # Authorization headers
+    "bearer_token": r"(?i)\b(?:bearer|token|basic)\s+(?P<value>[A-Za-z0-9._~+/\-]{20,}=*)",
 }
-# The value of a password/secret/token assignment; only values that look like one (a digit or a capital, no
-# template syntax) so that `password = "password"` in a test stays.
+
+_SECRET_WORD = r"(?:pass|pwd|secret|token|api[_\-]?key|apikey|private[_\-]?key|credential|auth|access[_\-]?key|signing[_\-]?key|encryption[_\-]?key|master[_\-]?key|client[_\-]?key|session[_\-]?key|account[_\-]?key)"
+# NAME (optionally quoted, a type annotation) then = : => := and a quoted or bare value; or a flag (--password x);
+# or an XML element; or a getenv/setdefault pair ("NAME", "value").
 ASSIGNED_SECRET = re.compile(
-    r"""(?i)\b(?:password|passwd|pwd|secret|secret_key|client_secret|api_key|apikey|access_key|access_token|auth_token|token)\b"""
-    r"""["']?\s*[:=]\s*(["'])(?P<value>(?=[^"'\s]*[0-9A-Z])[^"'\s{}<>$%]{8,})\1"""
+    r"(?i)(?<![A-Za-z0-9_.\-:/])(?P<name>[A-Za-z0-9_.\-]*" + _SECRET_WORD + r"[A-Za-z0-9_.\-]*)"
+    r"(?:[\"'`\]]?[ \t]*(?::[ \t]*[A-Za-z_][\w.\[\], |]*?[ \t]*)?(?:=>|:=|(?<![=!<>])=(?!=)|:(?![:/]))"
+    r"|(?P<comma>[\"'],[ \t]*)|(?P<flag>[ \t]+)(?=[\"']))[ \t]*"
+    r"(?:(?P<q>[\"'`])(?P<qvalue>[^\"'`\n]{4,}?)(?P=q)|(?P<bvalue>[^\s\"'`,;#(){}\[\]<>]{4,})(?=[\s,;#]|$))"
+    r"|<(?P<tag>[\w:\-]*" + _SECRET_WORD + r"[\w:\-]*)>(?P<xvalue>[^<\s]{4,})</(?P=tag)>",
+    re.MULTILINE,
 )
+_NOT_SECRET_NAME = re.compile(
+    r"(?i)(?:^|[_.\-])(?:url|uri|file|files|path|dir|name|names|type|types|method|header|length|len|prefix|suffix|endpoint|mode|"
+    r"field|env|var|format|fmt|regex|re|pattern|class|count|policy|prompt|label|help|hint|message|msg|expiry|expires|"
+    r"ttl|timeout|scheme|provider|backend|kind|id|ids|index|idx|size|hash_name|location|source|required|enabled|"
+    r"validator|strength|min|max|reset|changed|input|field_name)$"
+    r"|tokeni[sz]|author(?!iz)|authori[tz]y|passe[ds]?$|passing|passage|passthrough|passive|compass|bypass|surpass"
+)
+_PLACEHOLDERS = {"password", "passwd", "secret", "changeme", "change_me", "token", "apikey", "api_key", "none", "null",
+                 "true", "false", "undefined", "redacted", "example", "xxx", "pass", "your_password", "yourpassword",
+                 "mypassword", "required", "optional", "string", "str", "bytes", "default", "empty", "dummy", "test"}
+
+
+def _entropy(value: str) -> float:
+    counts = Counter(value)
+    return -sum(n / len(value) * math.log2(n / len(value)) for n in counts.values())
+
+
+def secret_shaped(value: str) -> bool:
+    """Whether a value next to a secret-shaped name looks like a key or password rather than code, a template or
+    a placeholder: no spaces, no template syntax, some digits, capitals or symbols, and not too few distinct
+    characters."""
+    from detect_secrets.filters.heuristic import is_sequential_string, is_templated_secret
+
+    v = value.strip()
+    if len(v) < 6 or " " in v or "REDACTED" in v or is_templated_secret(v) or is_sequential_string(v):
+        return False
+    if any(t in v for t in ("${", "{{", "{", "}", "%(", "%s", "$(", "<", ">", "***", "...", "\\", "os.environ", "getenv")):
+        return False
+    if v[0] == "$" or v.lower().strip("_-.") in _PLACEHOLDERS or re.fullmatch(r"(?i)(?:your|my|some|enter|insert)[_\- ]?\w*", v):
+        return False
+    if re.fullmatch(r"(.)\1+", v) or re.fullmatch(r"(?i)x+|\*+|-+|\.+", v):
+        return False
+    if re.fullmatch(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", v) or re.fullmatch(r"[A-Za-z]+(?:[_\-.][A-Za-z]+)+", v):
+        return False  # a dotted name (module.attr) or words joined by separators
+    if re.fullmatch(r"[A-Za-z_][A-Za-z_]*", v) and not (re.search(r"[a-z][A-Z]|[A-Z][a-z].*[A-Z]", v) and len(v) >= 10):
+        # letters only (an identifier or a word) unless mixed case and long
+        return False
+    if re.fullmatch(r"[a-z]+(?:[_\-][a-z]+)+", v) or re.fullmatch(r"[A-Z]+(?:_[A-Z]+)+", v):  # snake or kebab words
+        return False
+    if re.fullmatch(r"[\d.]+|\d+[smhd]?|v?\d+(?:\.\d+)*", v):  # numbers, durations, versions
+        return False
+    return _entropy(v) >= 2.3
+
+
+@functools.cache
+def _library_detectors() -> list[tuple[str, re.Pattern]]:
+    """detect-secrets' token detectors (its regex-based plugins), each denylist pattern with the snake-case kind of
+    its plugin; private keys, URL credentials and IP addresses are composer's patterns instead."""
+    from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
+    from detect_secrets.plugins.base import RegexBasedDetector
+
+    skip = {"Private Key", "Basic Auth Credentials", "Public IP (ipv4)"}
+    out = []
+    for secret_type, plugin in sorted(get_mapping_from_secret_type_to_class().items()):
+        if issubclass(plugin, RegexBasedDetector) and secret_type not in skip:
+            kind = re.sub(r"[^a-z0-9]+", "_", secret_type.lower()).strip("_")
+            out += [(kind, pattern) for pattern in plugin.denylist]
+    return out
+
+
+def _library_spans(text: str) -> list[tuple[str, int, int]]:
+    spans = []
+    for kind, pattern in _library_detectors():
+        for match in pattern.finditer(text):
+            group = next((i for i in range(1, (pattern.groups or 0) + 1) if match.group(i)), 0)
+            spans.append((kind, match.start(group), match.end(group)))
+    return spans
+
+
+def _assigned_spans(text: str) -> list[tuple[str, int, int]]:
+    spans = []
+    for match in ASSIGNED_SECRET.finditer(text):
+        name = match.group("name") or match.group("tag")
+        group = next(g for g in ("qvalue", "bvalue", "xvalue") if match.group(g) is not None)
+        value = match.group(group)
+        if _NOT_SECRET_NAME.search(name.strip("\"'`")) or not secret_shaped(value):
+            continue
+        before = text[max(0, match.start("name") - 24):match.start("name")]
+        if match.group("comma") and not re.search(r"\(\s*[\"']$", before):
+            continue  # ("NAME", "value") only as a call's first two arguments: getenv, setdefault
+        if match.group("flag") and not re.search(r"(?:^|\s)--?$", before):
+            continue  # NAME "value" only as a command-line flag: --password "value"
+        if group == "bvalue" and re.match(r"\s*\(", text[match.end(group):match.end(group) + 3]):
+            continue  # a call: password = make_password(...)
+        spans.append(("assigned_secret", match.start(group), match.end(group)))
+    return spans
 
 
 class Redactor(PipelineStep):
@@ -101,27 +220,40 @@ class Redactor(PipelineStep):
         self.cleaning, self.report_folder = cleaning, report_folder
         pii = PIIFormatter()
         self.patterns: list[tuple[str, re.Pattern, object]] = []
+        self.secrets = cleaning.redact_secrets
         if cleaning.redact_secrets:
             self.patterns += [(kind, re.compile(p), None) for kind, p in SECRET_PATTERNS.items()]
-            self.patterns.append(("assigned_secret", ASSIGNED_SECRET, None))
         if cleaning.redact_pii:
-            self.patterns += [("email", pii.emails_replacer.regex, None), ("ip_address", pii.ip_replacer.regex, public_ip_validator)]
+            self.pii = [("email", pii.emails_replacer.regex, None), ("ip_address", pii.ip_replacer.regex, public_ip_validator)]
+        else:
+            self.pii = []
+
+    def spans(self, text: str) -> list[tuple[str, int, int]]:
+        """(kind, start, end) of every secret and PII value in `text`, without overlaps (the first detector wins)."""
+        candidates: list[tuple[str, int, int]] = []
+        for kind, pattern, _ in self.patterns:
+            for match in pattern.finditer(text):
+                group = "value" if "value" in pattern.groupindex and match.group("value") is not None else 0
+                candidates.append((kind, match.start(group), match.end(group)))
+        if self.secrets:
+            candidates += _library_spans(text) + _assigned_spans(text)
+        for kind, pattern, valid in self.pii:
+            candidates += [(kind, m.start(), m.end()) for m in pattern.finditer(text) if valid is None or valid(m.group(0))]
+        taken: list[tuple[str, int, int]] = []
+        for kind, start, end in candidates:
+            if end > start and not any(s < end and start < e for _, s, e in taken):
+                taken.append((kind, start, end))
+        return sorted(taken, key=lambda span: span[1])
 
     def redact(self, text: str) -> tuple[str, list[tuple[str, int]]]:
         """The redacted text and (kind, line) of each replacement."""
-        found = []
-        for kind, pattern, valid in self.patterns:
-            def replace(match: re.Match, kind=kind, valid=valid) -> str:
-                if valid is not None and not valid(match.group(0)):
-                    return match.group(0)
-                found.append((kind, text.count("\n", 0, match.start()) + 1))
-                if "value" in pattern.groupindex:  # keep the name and the quotes, replace the value
-                    start, end = match.span("value")
-                    return match.group(0)[: start - match.start()] + f"<REDACTED_{kind.upper()}>" + match.group(0)[end - match.start():]
-                return f"<REDACTED_{kind.upper()}>"
-
-            text = pattern.sub(replace, text)
-        return text, found
+        spans = self.spans(text)
+        pieces, found, at = [], [], 0
+        for kind, start, end in spans:
+            pieces += [text[at:start], f"<REDACTED_{kind.upper()}>"]
+            found.append((kind, text.count("\n", 0, start) + 1))
+            at = end
+        return "".join(pieces) + text[at:], found
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         lines = []
