@@ -266,6 +266,28 @@ def _check_rl(r: Recipe) -> list[Problem]:
         out.append(Problem("rollout.summarize_at", "self-summarization happens between turns; set rollout.max_turns > 1"))
     if r.rl and r.rl.eval and r.env:
         out += _eval_split_problems(r.rl.eval.tasks, r.env.tasks)
+    if r.env:
+        out += _task_count_problems(r.env.tasks)
+    return out
+
+
+def _task_count_problems(task_sets: list) -> list[Problem]:
+    """held_out against the set's size where the recipe alone says it: `limit`, and a repo set's `num_tasks` (the most
+    tasks `composer env build` makes); held_out must leave some for training."""
+    out = []
+    for i, ts in enumerate(task_sets):
+        known = {f"env.tasks.{i}.limit": ts.limit}
+        if ts.repo is not None:
+            known[f"env.tasks.{i}.repo.num_tasks"] = ts.repo.num_tasks
+        if ts.repo is not None and ts.limit is not None and ts.limit > ts.repo.num_tasks:
+            out.append(Problem(f"env.tasks.{i}.limit", f"{ts.limit} is more than repo.num_tasks={ts.repo.num_tasks}, the tasks "
+                                                       "`composer env build` makes; lower it or raise num_tasks"))
+        sizes = {path: n for path, n in known.items() if n is not None}
+        if ts.held_out and sizes:
+            path, size = min(sizes.items(), key=lambda kv: kv[1])
+            if ts.held_out >= size:
+                out.append(Problem(f"env.tasks.{i}.held_out", f"{ts.held_out} held out of the {size} tasks {ts.name} has ({path}={size}) "
+                                                              "leaves none for training; hold out fewer"))
     return out
 
 

@@ -284,3 +284,15 @@ def test_refuse_unhonoured_keys(write_recipe):
     bad = load_recipe(write_recipe(MINIMAL), ["model.num_shared_experts=1"])
     with pytest.raises(UserError, match=r"model.num_shared_experts: train midtrain does not support 1 here \(no shared experts\); leave it at 0"):
         refuse_unhonoured(bad, "train midtrain", {"model.num_shared_experts": "no shared experts"})
+
+
+def test_held_out_and_num_tasks_are_checked_against_the_set_size_known_at_validate_time():
+    from composer.recipes.checks import _task_count_problems
+    from composer.recipes.env_schema import RepoTaskSettings, TaskSet
+
+    problems = _task_count_problems([TaskSet(name="repo", repo=RepoTaskSettings(num_tasks=100), held_out=100000)])
+    assert [p.path for p in problems] == ["env.tasks.0.held_out"] and "100" in str(problems[0])
+    assert [p.path for p in _task_count_problems([TaskSet(name="smoke", limit=50, held_out=50)])] == ["env.tasks.0.held_out"]
+    assert [p.path for p in _task_count_problems([TaskSet(name="repo", repo=RepoTaskSettings(num_tasks=100), limit=200)])] == ["env.tasks.0.limit"]
+    assert _task_count_problems([TaskSet(name="smoke", limit=50, held_out=10), TaskSet(name="humaneval", held_out=20),
+                                 TaskSet(name="repo", repo=RepoTaskSettings(num_tasks=100), held_out=10)]) == []
