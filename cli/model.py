@@ -99,6 +99,8 @@ def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (i
     if language is not config:
         carried.append(f"{config['model_type']} wrapper: the language model is trained, everything else (vision tower, projector) carried bit-exactly")
     cpu = cpu_serving_problems(config)
+    cannot_train = (f"not built by composer's provider: {', '.join(unbuilt)}" if unbuilt
+                    else stored.replace("unreadable by composer: ", "its stored format is unreadable: ") if stored.startswith("unreadable") else None)
     rows = [
         ("family", f"{m.family} (model_type {config['model_type']})"),
         ("layers", f"{m.num_layers}, hidden {m.hidden_size}, vocab {m.vocab_size}, context {m.max_position_embeddings}"),
@@ -108,9 +110,12 @@ def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (i
         ("parameters", f"{_billions(total)} total, {_billions(active)} active per token"),
         ("weights", f"{_bytes(2 * total)} in bf16, {_bytes(total)} in fp8 (without scales); stored: {stored}"),
         *(("carried", line) for line in carried),
-        ("training", f"no: not built by composer's provider: {', '.join(unbuilt)}" if unbuilt else "yes: composer's provider builds it"),
+        ("training", f"no: {cannot_train}" if cannot_train else "yes: composer's provider builds it"),
         ("serving", "vLLM on GPUs: its DeepseekV3 / Qwen3-MoE / Llama models, fp8 blocks and compressed-tensors INT4 included; "
                     + (f"vLLM on this CPU: no: {'; '.join(cpu)}" if cpu else "vLLM on this CPU: yes")),
     ]
     for key, value in rows:
         console.print(f"[bold]{key:<11}[/] {escape(value)}", highlight=False)
+    if cannot_train:  # the table says why; the exit status says it to scripts
+        Console(stderr=True, soft_wrap=True).print(f"composer cannot train {escape(str(checkpoint))}: {escape(cannot_train)}", highlight=False)
+        raise typer.Exit(2)

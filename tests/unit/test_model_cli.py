@@ -135,8 +135,11 @@ def test_model_info_of_a_config_alone(tmp_path):
     assert "parameters 1026.41 B total, 32.86 B active per token" in out
     assert "weights 1911.8 GiB in bf16, 955.9 GiB in fp8 (without scales); stored: fp8 e4m3 blocks 128x128 (weight_scale_inv)" in out
     (tmp_path / "config.json").write_text(json.dumps({**published, "rope_scaling": {**yarn, "type": "longrope"}}))
-    out = " ".join(composer("model", "info", str(tmp_path), cwd=tmp_path).stdout.split())
-    assert "training no: not built by composer's provider: rope_scaling.type 'longrope'" in out
+    result = composer("model", "info", str(tmp_path), cwd=tmp_path)
+    assert "training no: not built by composer's provider: rope_scaling.type 'longrope'" in " ".join(result.stdout.split())
+    assert result.returncode == 2  # it cannot train it: non-zero, the reason on one line
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"composer cannot train {tmp_path}: not built by composer's provider: rope_scaling.type 'longrope'")
 
 
 def test_parameter_counts_match_published_sizes_and_stored_weights(tmp_path):
