@@ -35,12 +35,30 @@ ATTENTION = dict(num_attention_heads=8, q_lora_rank=256, kv_lora_rank=512, qk_no
 
 def config(layers: int) -> dict:
     return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": HIDDEN, "intermediate_size": FFN,
-        "moe_intermediate_size": MOE_FFN, "num_hidden_layers": layers, "first_k_dense_replace": 1, "num_key_value_heads": 8,
-        "n_routed_experts": EXPERTS, "num_experts_per_tok": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        "vocab_size": VOCAB, "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-        "num_nextn_predict_layers": 0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "moe_intermediate_size": MOE_FFN,
+        "num_hidden_layers": layers,
+        "first_k_dense_replace": 1,
+        "num_key_value_heads": 8,
+        "n_routed_experts": EXPERTS,
+        "num_experts_per_tok": 4,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
         **ATTENTION,
     }
@@ -52,17 +70,26 @@ def shapes(m) -> dict[str, tuple[int, ...]]:
 
     h, heads = m.hidden_size, m.num_attention_heads
     by_suffix = {
-        "embed_tokens.weight": (m.vocab_size, h), "lm_head.weight": (m.vocab_size, h), "model.norm.weight": (h,), "input_layernorm.weight": (h,),
+        "embed_tokens.weight": (m.vocab_size, h),
+        "lm_head.weight": (m.vocab_size, h),
+        "model.norm.weight": (h,),
+        "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
-        "q_a_proj.weight": (m.q_lora_rank, h), "q_a_layernorm.weight": (m.q_lora_rank,),
+        "q_a_proj.weight": (m.q_lora_rank, h),
+        "q_a_layernorm.weight": (m.q_lora_rank,),
         "q_b_proj.weight": (heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.q_lora_rank),
-        "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h), "kv_a_layernorm.weight": (m.kv_lora_rank,),
-        "kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), "o_proj.weight": (h, heads * m.v_head_dim),
-        "mlp.gate.weight": (m.num_experts, h), "e_score_correction_bias": (m.num_experts,),
+        "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+        "kv_a_layernorm.weight": (m.kv_lora_rank,),
+        "kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+        "o_proj.weight": (h, heads * m.v_head_dim),
+        "mlp.gate.weight": (m.num_experts, h),
+        "e_score_correction_bias": (m.num_experts,),
     }
     out = {}
     for name in sorted(expected_hf_names(m)):
-        width = m.moe_ffn_hidden_size * (m.num_shared_experts if "shared_experts" in name else 1) if "experts." in name else m.ffn_hidden_size
+        width = (
+            m.moe_ffn_hidden_size * (m.num_shared_experts if "shared_experts" in name else 1) if "experts." in name else m.ffn_hidden_size
+        )
         if name.endswith(("gate_proj.weight", "up_proj.weight")):
             out[name] = (width, h)
         elif name.endswith("down_proj.weight"):
@@ -99,8 +126,12 @@ def synthesize(out: Path, gib: float, shard_mb: int) -> tuple[int, int]:
         if ".layers." in name and name.endswith(("_proj.weight", "_proj_with_mqa.weight")):
             codes = rng.integers(0, 0xFF, size=shape, dtype=np.uint8)  # random e4m3 bit patterns but NaN (0x7f, 0xff)
             codes[codes == 0x7F] = 0x7E
-            tensors = {name: torch.from_numpy(codes).view(torch.float8_e4m3fn),
-                       name.removesuffix(".weight") + ".weight_scale_inv": torch.full((math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)), 0.01)}
+            tensors = {
+                name: torch.from_numpy(codes).view(torch.float8_e4m3fn),
+                name.removesuffix(".weight") + ".weight_scale_inv": torch.full(
+                    (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)), 0.01
+                ),
+            }
         elif name.endswith("e_score_correction_bias"):
             tensors = {name: torch.zeros(shape)}
         else:
@@ -149,8 +180,16 @@ def worker(checkpoint: Path, out: Path, ep: int, shard_mb: int, results: Path) -
     export_hf(model, m, out, quantize="fp8", max_shard_bytes=shard_mb * 2**20)
     export_seconds, after_export = time.perf_counter() - start, _rss()
     rank = torch.distributed.get_rank()
-    record = {"rank": rank, "model_bytes": model_bytes, "built_rss": built, "import_peak": after_load["VmHWM"], "import_seconds": load_seconds,
-              "export_base": after_load["VmRSS"], "export_peak": after_export["VmHWM"], "export_seconds": export_seconds}
+    record = {
+        "rank": rank,
+        "model_bytes": model_bytes,
+        "built_rss": built,
+        "import_peak": after_load["VmHWM"],
+        "import_seconds": load_seconds,
+        "export_base": after_load["VmRSS"],
+        "export_peak": after_export["VmHWM"],
+        "export_seconds": export_seconds,
+    }
     (results / f"rank{rank}.json").write_text(json.dumps(record))
     shutdown_distributed()
 
@@ -176,8 +215,13 @@ def run_ranks(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     """This script's worker as `nproc` gloo ranks under torchrun, output captured."""
     from composer.cluster.launch import torchrun_argv
 
-    return subprocess.run(torchrun_argv(sys.executable, nproc, "benchmarks.checkpoint_stream_bench", args), cwd=REPO,
-                          env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    return subprocess.run(
+        torchrun_argv(sys.executable, nproc, "benchmarks.checkpoint_stream_bench", args),
+        cwd=REPO,
+        env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+    )
 
 
 def main() -> None:
@@ -195,20 +239,37 @@ def main() -> None:
     try:
         start = time.perf_counter()
         size, shards = synthesize(work / "source", args.gib, args.shard_mb)
-        print(f"checkpoint: {size / 2**30:.2f} GiB block fp8 in {shards} shards of ~{args.shard_mb} MiB (written in {time.perf_counter() - start:.0f} s)")
+        print(
+            f"checkpoint: {size / 2**30:.2f} GiB block fp8 in {shards} shards of ~{args.shard_mb} MiB (written in {time.perf_counter() - start:.0f} s)"
+        )
         (work / "results").mkdir()
-        result = run_ranks(args.ep, ["--ep", str(args.ep), "--shard-mb", str(args.shard_mb), "--worker",
-                                        str(work / "source"), str(work / "export"), str(work / "results")])
+        result = run_ranks(
+            args.ep,
+            [
+                "--ep",
+                str(args.ep),
+                "--shard-mb",
+                str(args.shard_mb),
+                "--worker",
+                str(work / "source"),
+                str(work / "export"),
+                str(work / "results"),
+            ],
+        )
         if result.returncode != 0:
             sys.exit(f"worker failed:\n{result.stderr[-3000:]}")
         shard = args.shard_mb * 2**20
-        print("rank  model on rank  RSS built  import: peak  above model  / ckpt  / shard   s   export: peak  above base  / ckpt  / shard   s")
+        print(
+            "rank  model on rank  RSS built  import: peak  above model  / ckpt  / shard   s   export: peak  above base  / ckpt  / shard   s"
+        )
         for path in sorted((work / "results").glob("rank*.json")):
             r = json.loads(path.read_text())
             up, out = r["import_peak"] - r["built_rss"], r["export_peak"] - r["export_base"]
-            print(f"{r['rank']:>4}  {r['model_bytes'] / 2**30:>9.2f} GiB  {r['built_rss'] / 2**30:>6.2f} GiB  {r['import_peak'] / 2**30:>8.2f} GiB"
-                  f"  {up / 2**30:>7.2f} GiB  {up / size:>5.2f}  {up / shard:>6.2f}  {r['import_seconds']:>4.0f}"
-                  f"  {r['export_peak'] / 2**30:>8.2f} GiB  {out / 2**30:>6.2f} GiB  {out / size:>5.2f}  {out / shard:>6.2f}  {r['export_seconds']:>4.0f}")
+            print(
+                f"{r['rank']:>4}  {r['model_bytes'] / 2**30:>9.2f} GiB  {r['built_rss'] / 2**30:>6.2f} GiB  {r['import_peak'] / 2**30:>8.2f} GiB"
+                f"  {up / 2**30:>7.2f} GiB  {up / size:>5.2f}  {up / shard:>6.2f}  {r['import_seconds']:>4.0f}"
+                f"  {r['export_peak'] / 2**30:>8.2f} GiB  {out / 2**30:>6.2f} GiB  {out / size:>5.2f}  {out / shard:>6.2f}  {r['export_seconds']:>4.0f}"
+            )
         print(f"export vs source: {compare(work / 'source', work / 'export')} tensor(s) differ")
     finally:
         if args.dir is None:

@@ -28,8 +28,16 @@ sys.path.insert(0, str(REPO))
 
 
 def layout_overrides(cp: int, seq: int) -> list[str]:
-    return ["model.checkpoint=null", "model.dtype=float32", "parallelism.ep=1", f"parallelism.cp={cp}", f"model.max_position_embeddings={seq}",
-            f"data.seq_length={seq}", "train.micro_batch_size=1", "train.global_batch_size=2"]
+    return [
+        "model.checkpoint=null",
+        "model.dtype=float32",
+        "parallelism.ep=1",
+        f"parallelism.cp={cp}",
+        f"model.max_position_embeddings={seq}",
+        f"data.seq_length={seq}",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+    ]
 
 
 def worker(cp: int, seq: int, steps: int, recipe_path: str, out: str) -> None:
@@ -62,8 +70,16 @@ def worker(cp: int, seq: int, steps: int, recipe_path: str, out: str) -> None:
         batches = []
         for _ in range(micro):
             tokens = torch.randint(1, recipe.model.vocab_size, (1, seq + 1), generator=generator)
-            batches.append(placement({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, seq),
-                                      "position_ids": torch.arange(seq)[None]}))
+            batches.append(
+                placement(
+                    {
+                        "tokens": tokens[:, :-1],
+                        "labels": tokens[:, 1:],
+                        "loss_mask": torch.ones(1, seq),
+                        "position_ids": torch.arange(seq)[None],
+                    }
+                )
+            )
         if step == 1:
             reset_peak_resident()  # the first step allocates the optimizer state, which stays
         started = time.perf_counter()
@@ -81,8 +97,22 @@ def worker(cp: int, seq: int, steps: int, recipe_path: str, out: str) -> None:
 def run_layout(cp: int, seq: int, steps: int, recipe: str) -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(29650 + cp),
-               __file__, "--worker", str(cp), str(seq), str(steps), recipe, str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(29650 + cp),
+        __file__,
+        "--worker",
+        str(cp),
+        str(seq),
+        str(steps),
+        recipe,
+        str(out),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"cp={cp} failed:\n{result.stderr[-3000:]}")
@@ -106,11 +136,15 @@ def main() -> None:
     for cp, r in results.items():
         peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_bytes"])
         planned = make_plan(load_recipe(Path(args.recipe), layout_overrides(cp, args.seq))).rank.total
-        print(f"cp{cp}: {args.seq} tokens per sequence, step {r['step_seconds']:.2f} s, peak MiB per rank above the process: {peaks} "
-              f"(composer plan: {planned / 2**20:.0f})")
+        print(
+            f"cp{cp}: {args.seq} tokens per sequence, step {r['step_seconds']:.2f} s, peak MiB per rank above the process: {peaks} "
+            f"(composer plan: {planned / 2**20:.0f})"
+        )
     one, two = results[1], results[2]
-    print(f"cp2/cp1: step time x{two['step_seconds'] / one['step_seconds']:.2f}, "
-          f"peak memory per rank x{max(two['peak_bytes']) / max(one['peak_bytes']):.2f}")
+    print(
+        f"cp2/cp1: step time x{two['step_seconds'] / one['step_seconds']:.2f}, "
+        f"peak memory per rank x{max(two['peak_bytes']) / max(one['peak_bytes']):.2f}"
+    )
 
 
 if __name__ == "__main__":

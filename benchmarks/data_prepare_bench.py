@@ -32,15 +32,26 @@ from composer.recipes.schema import DataSection  # noqa: E402
 
 EOS = "<|endoftext|>"
 SPECIAL = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|repo_name|>", "<|file_sep|>"]
-OFF = {"redact_secrets": False, "redact_pii": False, "exact_dedup": False, "near_dedup": False, "licenses": None,
-       "max_line_length": 10**9, "max_mean_line_length": 10**9, "min_alphanumeric_fraction": 0, "drop_generated": False}
+OFF = {
+    "redact_secrets": False,
+    "redact_pii": False,
+    "exact_dedup": False,
+    "near_dedup": False,
+    "licenses": None,
+    "max_line_length": 10**9,
+    "max_mean_line_length": 10**9,
+    "min_alphanumeric_fraction": 0,
+    "drop_generated": False,
+}
 
 
 def train_tokenizer(directory: Path, files: list[str], vocab_size: int) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, *SPECIAL], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS, *SPECIAL], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator((Path(f).read_bytes().decode("utf-8", errors="replace") for f in files), trainer)
     directory.mkdir(parents=True)
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -49,7 +60,9 @@ def train_tokenizer(directory: Path, files: list[str], vocab_size: int) -> Path:
 
 
 def cpu_seconds() -> float:
-    return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return sum(
+        resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
 
 
 def timed_prepare(data: DataSection, vocab_size: int):
@@ -69,14 +82,23 @@ def main() -> None:
         root = Path(tmp)
 
         def section(name: str, workers: int, full: bool) -> DataSection:
-            return DataSection(sources=[{"name": "corpus", "paths": args.paths}], seq_length=256, cache_dir=str(root / name),
-                               tokenizer=str(root / "tokenizer"), tasks=args.tasks, num_workers=workers,
-                               cleaning={} if full else OFF, fim={"rate": 0.5 if full else 0.0})
+            return DataSection(
+                sources=[{"name": "corpus", "paths": args.paths}],
+                seq_length=256,
+                cache_dir=str(root / name),
+                tokenizer=str(root / "tokenizer"),
+                tasks=args.tasks,
+                num_workers=workers,
+                cleaning={} if full else OFF,
+                fim={"rate": 0.5 if full else 0.0},
+            )
 
         files = [u.path for u in plan_units(section("x", 1, False).sources[0], 0)]
         train_tokenizer(root / "tokenizer", files[::4], args.vocab_size)
-        print(f"corpus: {len(files)} files, {sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB; tasks {args.tasks}; "
-              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"corpus: {len(files)} files, {sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB; tasks {args.tasks}; "
+            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+        )
         import megatron.core.datasets.indexed_dataset  # noqa: F401  (imported once, before any timing)
 
         base, base_s, base_cpu = timed_prepare(section("tokenize-only", 1, False), args.vocab_size)
@@ -85,14 +107,18 @@ def main() -> None:
         same = all(full.prefix.with_suffix(s).read_bytes() == full2.prefix.with_suffix(s).read_bytes() for s in (".bin", ".idx"))
 
     def line(name: str, source, wall: float, cpu: float) -> None:
-        print(f"{name:<28}: {source.num_tokens / cpu / 1e3:8.1f} k tokens/s per core   {source.num_tokens / wall / 1e3:8.1f} k tokens/s   "
-              f"({source.num_tokens:,} tokens, {wall:.1f} s wall, {cpu:.1f} s CPU = {cpu / wall:.2f} cores)")
+        print(
+            f"{name:<28}: {source.num_tokens / cpu / 1e3:8.1f} k tokens/s per core   {source.num_tokens / wall / 1e3:8.1f} k tokens/s   "
+            f"({source.num_tokens:,} tokens, {wall:.1f} s wall, {cpu:.1f} s CPU = {cpu / wall:.2f} cores)"
+        )
 
     line("tokenize-only, 1 worker", base, base_s, base_cpu)
     line("full pipeline, 1 worker", full, full_s, full_cpu)
     line("full pipeline, 2 workers", full2, full2_s, full2_cpu)
-    print(f"full / tokenize-only per core : {full.num_tokens / full_cpu / (base.num_tokens / base_cpu):.2f}x "
-          f"(the full pipeline keeps {full.num_tokens / base.num_tokens:.1%} of the tokens)")
+    print(
+        f"full / tokenize-only per core : {full.num_tokens / full_cpu / (base.num_tokens / base_cpu):.2f}x "
+        f"(the full pipeline keeps {full.num_tokens / base.num_tokens:.1%} of the tokens)"
+    )
     print(f"1 -> 2 workers (wall)         : {full_s / full2_s:.2f}x; outputs byte-identical: {same}")
     summary = full.summary
     removed = ", ".join(f"{step} {r['documents']} docs / {r['tokens']:,} tokens" for step, r in summary["removed"].items())

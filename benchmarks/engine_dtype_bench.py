@@ -49,8 +49,10 @@ def cpu_line() -> str:
     model = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
     flags = set(re.search(r"^flags\s*:\s*(.*)$", info, re.M).group(1).split())
     native = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return (f"{model.group(1) if model else 'unknown CPU'}, {os.cpu_count()} cores, AVX-512 {'yes' if 'avx512f' in flags else 'no'}, "
-            f"native bf16: {', '.join(native) or 'none'}")
+    return (
+        f"{model.group(1) if model else 'unknown CPU'}, {os.cpu_count()} cores, AVX-512 {'yes' if 'avx512f' in flags else 'no'}, "
+        f"native bf16: {', '.join(native) or 'none'}"
+    )
 
 
 def main() -> None:
@@ -71,14 +73,34 @@ def main() -> None:
             env |= {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
         speed = {}
         for dtype in ("float32", "bfloat16"):
-            done = subprocess.run([sys.executable, __file__, "--checkpoint", args.checkpoint, "--measure", dtype,
-                                   "--prompts", str(args.prompts), "--tokens", str(args.tokens), "--rounds", str(args.rounds)],
-                                  cwd=REPO, env=env, capture_output=True, text=True)
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--checkpoint",
+                    args.checkpoint,
+                    "--measure",
+                    dtype,
+                    "--prompts",
+                    str(args.prompts),
+                    "--tokens",
+                    str(args.tokens),
+                    "--rounds",
+                    str(args.rounds),
+                ],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode != 0 or not lines:
                 sys.exit(f"{dtype} ({isa}) failed:\n{done.stderr[-3000:]}")
-            speed[dtype] = json.loads(lines[-1][len("RESULT "):])["tokens_per_s"]
-            print(f"{isa:>6} {dtype:>8}: {speed[dtype]:7.1f} generated tokens/s ({args.prompts} prompts x {args.tokens} tokens, best of {args.rounds})", flush=True)
+            speed[dtype] = json.loads(lines[-1][len("RESULT ") :])["tokens_per_s"]
+            print(
+                f"{isa:>6} {dtype:>8}: {speed[dtype]:7.1f} generated tokens/s ({args.prompts} prompts x {args.tokens} tokens, best of {args.rounds})",
+                flush=True,
+            )
         print(f"{isa:>6} bf16 / fp32: {speed['bfloat16'] / speed['float32']:.2f}x", flush=True)
 
 

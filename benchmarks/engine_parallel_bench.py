@@ -32,7 +32,7 @@ from composer.recipes.schema import (
     EngineParallelismSection,
     ModelSection,
     RolloutSection,
-    SamplingSection  # noqa: E402,
+    SamplingSection,  # noqa: E402,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,13 +56,14 @@ def smollm2_checkpoint(work: Path) -> tuple[Path, ModelSection]:
 
 def refusal(m: ModelSection, rollout: RolloutSection) -> str | None:
     """Why this engine cannot be made here (the recipe checks' own words), or None."""
-    from composer.cluster.placement import local_devices
     from composer.cluster.engine_fit import engine_fit_problems
+    from composer.cluster.placement import local_devices
     from composer.recipes.checks import engine_split_problems
 
     devices = local_devices()
-    problems = engine_split_problems(m, rollout) + engine_fit_problems(m, rollout, devices.section(), learner_devices=0,
-                                                                       where="this machine")
+    problems = engine_split_problems(m, rollout) + engine_fit_problems(
+        m, rollout, devices.section(), learner_devices=0, where="this machine"
+    )
     return "; ".join(str(p) for p in problems) or None
 
 
@@ -82,8 +83,9 @@ def next_version(src: Path, dst: Path) -> Path:
     return dst
 
 
-def measure(checkpoint: Path, rollout: RolloutSection, prompts: list[list[int]], tokens: int, work: Path,
-            update: tuple[Path, list[str], dict]) -> dict:
+def measure(
+    checkpoint: Path, rollout: RolloutSection, prompts: list[list[int]], tokens: int, work: Path, update: tuple[Path, list[str], dict]
+) -> dict:
     from composer.rollout.engines.vllm_engine import ServerEngine, VllmServer
 
     server = VllmServer(checkpoint, rollout, seed=0, routed_experts=False, log_path=work / "vllm.log")
@@ -112,8 +114,10 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True, text=True).stdout.strip()
-    print(f"{os.cpu_count()} cores ({cpu}), load {os.getloadavg()[0]:.1f}; {args.prompts} prompts x {args.tokens} tokens, "
-          "temperature 1, seeded; fp32\n")
+    print(
+        f"{os.cpu_count()} cores ({cpu}), load {os.getloadavg()[0]:.1f}; {args.prompts} prompts x {args.tokens} tokens, "
+        "temperature 1, seeded; fp32\n"
+    )
     from composer.recipes.schema import SyncSection
     from composer.sync.pusher import push_version
     from composer.sync.receiver import pull
@@ -122,8 +126,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="engine-parallel-bench-", dir=args.workdir) as tmp:
         work = Path(tmp)
         chosen = args.models.split(",")
-        models = ([("smoke", *smoke_checkpoint(work))] if "smoke" in chosen else []) + \
-            ([("SmolLM2-135M", *smollm2_checkpoint(work))] if "smollm2" in chosen else [])
+        models = ([("smoke", *smoke_checkpoint(work))] if "smoke" in chosen else []) + (
+            [("SmolLM2-135M", *smollm2_checkpoint(work))] if "smollm2" in chosen else []
+        )
         print(f"{'model':<14} {'engine':<6} {'tokens/s':>9} {'vs tp1':>7} {'update s':>9} {'vs tp1':>7}")
         for name, checkpoint, m in models:
             # the engines start on v0 and move to v1 in place, from a receiver that holds v1
@@ -133,12 +138,21 @@ def main() -> None:
             with Store.open(section.store) as store:
                 pull(store, work / f"{name}-receiver", second.id)
                 target = store.manifest(second.id)
-                update = ((work / f"{name}-receiver" / "current").resolve(), target.differing_tensors(store.manifest(first.id)),
-                          target.piece_hashes())
+                update = (
+                    (work / f"{name}-receiver" / "current").resolve(),
+                    target.differing_tensors(store.manifest(first.id)),
+                    target.piece_hashes(),
+                )
             base: dict = {}
             for label, layout in LAYOUTS.items():
-                rollout = RolloutSection(engine="server", max_context=512, kv_cache_gib=0.0625, dtype="float32",
-                                         parallelism=layout, sampling=SamplingSection(max_tokens=args.tokens))
+                rollout = RolloutSection(
+                    engine="server",
+                    max_context=512,
+                    kv_cache_gib=0.0625,
+                    dtype="float32",
+                    parallelism=layout,
+                    sampling=SamplingSection(max_tokens=args.tokens),
+                )
                 why = refusal(m, rollout)
                 if why:
                     print(f"{name:<14} {label:<6} skipped: {why}", flush=True)
@@ -150,8 +164,11 @@ def main() -> None:
                     print(f"{name:<14} {label:<6} failed: {e}", flush=True)
                     continue
                 base = base or r
-                print(f"{name:<14} {label:<6} {r['tokens_per_s']:9.1f} {r['tokens_per_s'] / base['tokens_per_s']:6.2f}x "
-                      f"{r['update_s']:8.2f}s {r['update_s'] / base['update_s']:6.2f}x", flush=True)
+                print(
+                    f"{name:<14} {label:<6} {r['tokens_per_s']:9.1f} {r['tokens_per_s'] / base['tokens_per_s']:6.2f}x "
+                    f"{r['update_s']:8.2f}s {r['update_s'] / base['update_s']:6.2f}x",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -115,9 +115,20 @@ def simulate(args: argparse.Namespace, trace_memory: bool) -> dict:
     if trace_memory:
         tracemalloc.start()
     cpu = time.process_time()
-    pool = SandboxPool(provider, hosts, clock, max_queued=args.episodes, retries=args.retries, backoff_seconds=0.2,
-                       probe_after_failures=3, readmit_seconds=30.0, request_timeout=3600.0, weights=TASK_SETS,
-                       window=args.episodes, seed=args.seed)
+    pool = SandboxPool(
+        provider,
+        hosts,
+        clock,
+        max_queued=args.episodes,
+        retries=args.retries,
+        backoff_seconds=0.2,
+        probe_after_failures=3,
+        readmit_seconds=30.0,
+        request_timeout=3600.0,
+        weights=TASK_SETS,
+        window=args.episodes,
+        seed=args.seed,
+    )
     tests = AssertionTests(entry_point="f", setup="", cases=("assert candidate() == 1",))
     names = list(TASK_SETS)
     results = [0]
@@ -146,9 +157,21 @@ def simulate(args: argparse.Namespace, trace_memory: bool) -> dict:
     lost = hosts[provider.lost_host]
     capacity = sum(hosts.values())
     bound = capacity_bound(provider.busy_seconds, capacity, lost, provider.lost_from, provider.lost_until)
-    return {"cpu": cpu, "drain": last[0], "bound": bound, "results": results[0], "infra": infra[0], "capacity": capacity,
-            "attempts": provider.attempts, "snapshot": pool.snapshot(), "halfway": halfway, "in_flight_memory": in_flight_memory,
-            "peak_memory": peak, "busy": provider.busy_seconds, "lost_host": pool.hosts[provider.lost_host]}
+    return {
+        "cpu": cpu,
+        "drain": last[0],
+        "bound": bound,
+        "results": results[0],
+        "infra": infra[0],
+        "capacity": capacity,
+        "attempts": provider.attempts,
+        "snapshot": pool.snapshot(),
+        "halfway": halfway,
+        "in_flight_memory": in_flight_memory,
+        "peak_memory": peak,
+        "busy": provider.busy_seconds,
+        "lost_host": pool.hosts[provider.lost_host],
+    }
 
 
 def main() -> None:
@@ -170,7 +193,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("composer.fleet").setLevel(logging.ERROR)  # host-0's removal and re-admission are counted below
     capacity = sum(args.capacity if i % 2 == 0 else args.capacity // 2 for i in range(args.hosts))
-    mean_service = math.exp(math.log(args.start_median) + args.start_sigma**2 / 2) + math.exp(math.log(args.run_median) + args.run_sigma**2 / 2)
+    mean_service = math.exp(math.log(args.start_median) + args.start_sigma**2 / 2) + math.exp(
+        math.log(args.run_median) + args.run_sigma**2 / 2
+    )
     args.half_time = args.episodes * mean_service / capacity / 2
 
     timed = simulate(args, trace_memory=False)
@@ -182,26 +207,41 @@ def main() -> None:
     ratio = timed["drain"] / timed["bound"]
     peak_gb = max(traced["peak_memory"], rss_peak) / 1e9
     print("SIMULATION of the sandbox fleet (rollout.sandbox.fleet.SandboxPool driving a simulated provider on a simulated clock)")
-    print(f"  {episodes} episodes submitted at t=0 to {args.hosts} simulated hosts ({timed['capacity']} sandboxes); start latency "
-          f"lognormal median {args.start_median} s, run lognormal median {args.run_median} s, {args.failure_rate:.1%} of attempts fail, "
-          f"host-0 lost from t={args.outage_at:.0f} s for {args.outage_seconds:.0f} s")
-    print(f"  results {timed['results']}/{episodes}, infra_failure {timed['infra']}, attempts {timed['attempts']}, "
-          f"retries {s['sandbox_retries']}, failures by cause {s['sandbox_failures']}")
-    print(f"  queue wait p50/p95/p99 {s['sandbox_queue_wait_p50']:.1f}/{s['sandbox_queue_wait_p95']:.1f}/{s['sandbox_queue_wait_p99']:.1f} s   "
-          f"sandbox start p50/p95/p99 {s['sandbox_start_p50']:.2f}/{s['sandbox_start_p95']:.2f}/{s['sandbox_start_p99']:.2f} s")
+    print(
+        f"  {episodes} episodes submitted at t=0 to {args.hosts} simulated hosts ({timed['capacity']} sandboxes); start latency "
+        f"lognormal median {args.start_median} s, run lognormal median {args.run_median} s, {args.failure_rate:.1%} of attempts fail, "
+        f"host-0 lost from t={args.outage_at:.0f} s for {args.outage_seconds:.0f} s"
+    )
+    print(
+        f"  results {timed['results']}/{episodes}, infra_failure {timed['infra']}, attempts {timed['attempts']}, "
+        f"retries {s['sandbox_retries']}, failures by cause {s['sandbox_failures']}"
+    )
+    print(
+        f"  queue wait p50/p95/p99 {s['sandbox_queue_wait_p50']:.1f}/{s['sandbox_queue_wait_p95']:.1f}/{s['sandbox_queue_wait_p99']:.1f} s   "
+        f"sandbox start p50/p95/p99 {s['sandbox_start_p50']:.2f}/{s['sandbox_start_p95']:.2f}/{s['sandbox_start_p99']:.2f} s"
+    )
     half = timed["halfway"]
     weights = sum(TASK_SETS.values())
-    shares = "  ".join(f"{name} {half.get(name, 0) / max(sum(half.values()), 1):.3f} (weight share {w / weights:.3f})" for name, w in TASK_SETS.items())
+    shares = "  ".join(
+        f"{name} {half.get(name, 0) / max(sum(half.values()), 1):.3f} (weight share {w / weights:.3f})" for name, w in TASK_SETS.items()
+    )
     print(f"  dispatched by task set from the first fill to half the ideal drain time: {shares}")
     lost = timed["lost_host"]
-    print(f"  host-0 (lost and back): removed {lost.removed}x, re-admitted {lost.readmitted}x, {lost.runs} runs; "
-          f"hosts up at the end {s['sandbox_hosts_up']}/{s['sandbox_hosts']}")
+    print(
+        f"  host-0 (lost and back): removed {lost.removed}x, re-admitted {lost.readmitted}x, {lost.runs} runs; "
+        f"hosts up at the end {s['sandbox_hosts_up']}/{s['sandbox_hosts']}"
+    )
     print()
     rows = [
         ("orchestration CPU per episode", f"{cpu_ms:.3f} ms", "< 1 ms", cpu_ms < 1.0),
         ("time to drain / capacity bound", f"{timed['drain']:.1f} s / {timed['bound']:.1f} s = {ratio:.4f}", "<= 1.05", ratio <= 1.05),
-        (f"memory with {episodes} in flight", f"tracemalloc {traced['in_flight_memory'] / 1e6:.0f} MB after submitting, peak "
-         f"{traced['peak_memory'] / 1e6:.0f} MB; RSS peak {rss_peak / 1e6:.0f} MB (timed run)", "< 2 GB", peak_gb < 2.0),
+        (
+            f"memory with {episodes} in flight",
+            f"tracemalloc {traced['in_flight_memory'] / 1e6:.0f} MB after submitting, peak "
+            f"{traced['peak_memory'] / 1e6:.0f} MB; RSS peak {rss_peak / 1e6:.0f} MB (timed run)",
+            "< 2 GB",
+            peak_gb < 2.0,
+        ),
     ]
     for name, value, target, met in rows:
         print(f"  {name:34s} {value:70s} target {target:8s} {'met' if met else 'MISSED'}")

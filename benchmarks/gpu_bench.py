@@ -58,28 +58,107 @@ KERNELS = {
     "sdpa attention": KernelsSection(experts="sequential", attention="sdpa"),
     "grouped + sdpa": KernelsSection(experts="grouped", attention="sdpa"),
 }
-QWEN3 = dict(family="qwen3_moe", num_layers=4, hidden_size=2048, num_attention_heads=32, num_kv_heads=4, head_dim=128,
-             num_experts=128, moe_top_k=8, moe_ffn_hidden_size=768, vocab_size=151936, max_position_embeddings=40960,
-             rope_theta=1e6)
-DEEPSEEK_V3 = dict(family="deepseek_v3", num_layers=2, hidden_size=7168, num_attention_heads=64, num_kv_heads=64, head_dim=192,
-                   q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                   num_experts=32, moe_top_k=8, moe_ffn_hidden_size=2048, num_shared_experts=1, routed_scaling_factor=2.827,
-                   vocab_size=32768, max_position_embeddings=16384, rope_theta=50000.0)
+QWEN3 = dict(
+    family="qwen3_moe",
+    num_layers=4,
+    hidden_size=2048,
+    num_attention_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    num_experts=128,
+    moe_top_k=8,
+    moe_ffn_hidden_size=768,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+)
+DEEPSEEK_V3 = dict(
+    family="deepseek_v3",
+    num_layers=2,
+    hidden_size=7168,
+    num_attention_heads=64,
+    num_kv_heads=64,
+    head_dim=192,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    num_experts=32,
+    moe_top_k=8,
+    moe_ffn_hidden_size=2048,
+    num_shared_experts=1,
+    routed_scaling_factor=2.827,
+    vocab_size=32768,
+    max_position_embeddings=16384,
+    rope_theta=50000.0,
+)
 SIZES = {
     # name: (qwen3 overrides, deepseek overrides, seq, timed steps, parity seq, sync GB)
     "full": ({}, {}, 4096, 4, 512, 4.0),
-    "small": (dict(hidden_size=512, num_attention_heads=8, num_kv_heads=2, head_dim=64, num_experts=32, moe_top_k=4,
-                   moe_ffn_hidden_size=256, vocab_size=8192),
-              dict(hidden_size=512, num_attention_heads=8, num_kv_heads=8, q_lora_rank=128, kv_lora_rank=128,
-                   qk_nope_head_dim=64, qk_rope_head_dim=32, head_dim=96, v_head_dim=64, num_experts=16, moe_top_k=4,
-                   moe_ffn_hidden_size=256, vocab_size=8192),
-              512, 6, 128, 0.25),
-    "tiny": (dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, moe_top_k=2,
-                  moe_ffn_hidden_size=32, vocab_size=512),
-             dict(hidden_size=64, num_attention_heads=4, num_kv_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                  qk_rope_head_dim=16, head_dim=32, v_head_dim=16, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=32,
-                  vocab_size=512),
-             64, 5, 32, 0.02),
+    "small": (
+        dict(
+            hidden_size=512,
+            num_attention_heads=8,
+            num_kv_heads=2,
+            head_dim=64,
+            num_experts=32,
+            moe_top_k=4,
+            moe_ffn_hidden_size=256,
+            vocab_size=8192,
+        ),
+        dict(
+            hidden_size=512,
+            num_attention_heads=8,
+            num_kv_heads=8,
+            q_lora_rank=128,
+            kv_lora_rank=128,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            head_dim=96,
+            v_head_dim=64,
+            num_experts=16,
+            moe_top_k=4,
+            moe_ffn_hidden_size=256,
+            vocab_size=8192,
+        ),
+        512,
+        6,
+        128,
+        0.25,
+    ),
+    "tiny": (
+        dict(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            num_experts=8,
+            moe_top_k=2,
+            moe_ffn_hidden_size=32,
+            vocab_size=512,
+        ),
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_kv_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            head_dim=32,
+            v_head_dim=16,
+            num_experts=8,
+            moe_top_k=2,
+            moe_ffn_hidden_size=32,
+            vocab_size=512,
+        ),
+        64,
+        5,
+        32,
+        0.02,
+    ),
 }
 
 
@@ -143,8 +222,11 @@ def speed(name: str, m: ModelSection, seq: int, steps: int, batch: int, failed: 
     peak_tflops = next((v for k, v in PEAK_BF16_TFLOPS.items() if CUDA and k in torch.cuda.get_device_name()), None)
     flops = model_flops_per_token(m, seq) * seq * batch
     total, active = parameter_counts(m)
-    print(f"\n{name} slice, {m.dtype}: {m.num_layers} layers, {total / 1e9:.2f} B parameters ({active / 1e9:.2f} B active), "
-          f"{batch} x {seq} tokens, {flops / 1e12:.2f} TFLOP per step", flush=True)
+    print(
+        f"\n{name} slice, {m.dtype}: {m.num_layers} layers, {total / 1e9:.2f} B parameters ({active / 1e9:.2f} B active), "
+        f"{batch} x {seq} tokens, {flops / 1e12:.2f} TFLOP per step",
+        flush=True,
+    )
     print(f"{'kernels':<16} | {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak memory':>12} | {'speedup x':>9}")
     baseline = None
     for label, kernels in KERNELS.items():
@@ -172,9 +254,12 @@ def parity(m: ModelSection, seq: int, steps: int = 20) -> bool:
     gap = max(abs(a - b) for a, b in zip(bf16_fast, bf16_local))
     noise = max(abs(a - b) for a, b in zip(bf16_local, fp32_local))
     ok = gap <= 3 * max(noise, 1e-3)
-    print(f"parity ({m.family}, bf16, {steps} steps, seq {seq}): loss {bf16_local[0]:.4f} -> {bf16_local[-1]:.4f} (local spec), "
-          f"{bf16_fast[0]:.4f} -> {bf16_fast[-1]:.4f} (grouped + sdpa); max |new - local| {gap:.4f}, "
-          f"bf16 noise max |bf16 - fp32| {noise:.4f} -> {'ok' if ok else 'FAIL'}", flush=True)
+    print(
+        f"parity ({m.family}, bf16, {steps} steps, seq {seq}): loss {bf16_local[0]:.4f} -> {bf16_local[-1]:.4f} (local spec), "
+        f"{bf16_fast[0]:.4f} -> {bf16_fast[-1]:.4f} (grouped + sdpa); max |new - local| {gap:.4f}, "
+        f"bf16 noise max |bf16 - fp32| {noise:.4f} -> {'ok' if ok else 'FAIL'}",
+        flush=True,
+    )
     return ok
 
 
@@ -214,10 +299,13 @@ def sync_encode(size_gb: float, changed: float = 0.05) -> bool:
     identical = on_device[: len(on_host)] == on_host
     stored = sum(len(e.payload) for e in on_device)
     peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if CUDA else "n/a"
-    print(f"\nsync encode: {nbytes / 1e9:.2f} GB bf16 on {DEVICE}, {100 * changed:.0f}% of elements changed -> {stored / 2**20:.1f} MiB; "
-          f"device encoder {nbytes / 1e9 / device_s:.2f} GB/s, host encoder ({threads} threads, first {host_bytes / 1e9:.2f} GB) "
-          f"{host_bytes / 1e9 / host_s:.2f} GB/s, speedup x {(nbytes / device_s) / (host_bytes / host_s):.2f}; "
-          f"payloads identical: {identical}; peak memory during encode {peak}", flush=True)
+    print(
+        f"\nsync encode: {nbytes / 1e9:.2f} GB bf16 on {DEVICE}, {100 * changed:.0f}% of elements changed -> {stored / 2**20:.1f} MiB; "
+        f"device encoder {nbytes / 1e9 / device_s:.2f} GB/s, host encoder ({threads} threads, first {host_bytes / 1e9:.2f} GB) "
+        f"{host_bytes / 1e9 / host_s:.2f} GB/s, speedup x {(nbytes / device_s) / (host_bytes / host_s):.2f}; "
+        f"payloads identical: {identical}; peak memory during encode {peak}",
+        flush=True,
+    )
     return identical
 
 
@@ -247,7 +335,10 @@ def main() -> None:
     started = time.perf_counter()
     device = torch.cuda.get_device_name() if CUDA else "CPU"
     print(f"gpu_bench --{size}: {device}, torch {torch.__version__}; speed in {'bfloat16' if CUDA else 'float32'}", flush=True)
-    slices = {"qwen3_moe": ModelSection(**{**QWEN3, **qwen_overrides}), "deepseek_v3": ModelSection(**{**DEEPSEEK_V3, **deepseek_overrides})}
+    slices = {
+        "qwen3_moe": ModelSection(**{**QWEN3, **qwen_overrides}),
+        "deepseek_v3": ModelSection(**{**DEEPSEEK_V3, **deepseek_overrides}),
+    }
     ok, failed = True, []
     for family in args.families:
         m = slices[family].model_copy(update={"dtype": "bfloat16" if CUDA else "float32"})
@@ -255,9 +346,12 @@ def main() -> None:
         ok &= guarded(f"{family} parity", failed, parity, m, parity_seq)
     ok &= guarded("sync encode", failed, sync_encode, sync_gb)
     shutdown_distributed()
-    print(f"\npeak memory of the process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB host"
-          + (f", {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved on the GPU" if CUDA else "")
-          + f"; total {time.perf_counter() - started:.0f} s", flush=True)
+    print(
+        f"\npeak memory of the process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB host"
+        + (f", {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved on the GPU" if CUDA else "")
+        + f"; total {time.perf_counter() - started:.0f} s",
+        flush=True,
+    )
     if failed:
         print(f"failed: {', '.join(failed)}", flush=True)
     sys.exit(0 if ok and not failed else 1)

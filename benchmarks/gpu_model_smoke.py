@@ -41,8 +41,17 @@ def parity(tmp: Path) -> bool:
     from transformers import AutoModelForCausalLM
 
     tiny = ModelSection(
-        num_layers=2, hidden_size=256, num_attention_heads=4, num_kv_heads=2, head_dim=64, num_experts=8, moe_top_k=2,
-        moe_ffn_hidden_size=256, vocab_size=4096, max_position_embeddings=1024, dtype="float32",
+        num_layers=2,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        num_experts=8,
+        moe_top_k=2,
+        moe_ffn_hidden_size=256,
+        vocab_size=4096,
+        max_position_embeddings=1024,
+        dtype="float32",
     )
     checkpoint = init_hf_checkpoint(tiny, tmp / "tiny", tokenizer_bytes=2**20)
     m = tiny.model_copy(update={"dtype": DTYPE})
@@ -67,9 +76,18 @@ def parity(tmp: Path) -> bool:
 
 def slice_section(args) -> ModelSection:
     return ModelSection(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=32, num_kv_heads=4, head_dim=128,
-        num_experts=args.experts, moe_top_k=min(8, args.experts), moe_ffn_hidden_size=768, vocab_size=args.vocab,
-        max_position_embeddings=max(args.seq, 4096), rope_theta=1_000_000.0, dtype=DTYPE,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=args.experts,
+        moe_top_k=min(8, args.experts),
+        moe_ffn_hidden_size=768,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(args.seq, 4096),
+        rope_theta=1_000_000.0,
+        dtype=DTYPE,
     )
 
 

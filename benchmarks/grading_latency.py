@@ -22,8 +22,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODULES = ["networkx/algorithms/shortest_paths/unweighted.py", "networkx/generators/ego.py",
-           "networkx/algorithms/cycles.py", "networkx/algorithms/dag.py"]
+MODULES = [
+    "networkx/algorithms/shortest_paths/unweighted.py",
+    "networkx/generators/ego.py",
+    "networkx/algorithms/cycles.py",
+    "networkx/algorithms/dag.py",
+]
 
 
 def settings(cache_dir: str, num_tasks: int):
@@ -44,7 +48,9 @@ def worker(cache_dir: str, num_tasks: int) -> None:
     from composer.rollout.tasks.repository.task_set import load_tasks, open_workspace, repo_tests
 
     tasks = load_tasks(settings(cache_dir, num_tasks))
-    sandbox = Sandbox(SandboxSection(cpu_seconds=120, wall_seconds=300, memory_mb=2048), root=Path(tempfile.mkdtemp(prefix="grading-bench-")))
+    sandbox = Sandbox(
+        SandboxSection(cpu_seconds=120, wall_seconds=300, memory_mb=2048), root=Path(tempfile.mkdtemp(prefix="grading-bench-"))
+    )
     keep = None
     try:
         from composer.rollout.tasks.repository.grading_policy import keep_change as keep
@@ -69,8 +75,14 @@ def worker(cache_dir: str, num_tasks: int) -> None:
 
 
 def start(tree: Path, cache_dir: str, num_tasks: int) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", cache_dir, str(num_tasks)], cwd=tree,
-                               env={**os.environ, "PYTHONPATH": str(tree)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", cache_dir, str(num_tasks)],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     ready = json.loads(process.stdout.readline())
     if ready["ready"] < num_tasks:
         raise SystemExit(f"{tree}: only {ready['ready']} tasks built")
@@ -120,7 +132,9 @@ def main() -> None:
         process.stdin.close()
         process.wait()
     for name, values in times.items():
-        print(f"{name:10s} grade p50 {percentile(values, 0.5):6.2f} s  p95 {percentile(values, 0.95):6.2f} s  ({len(values)} grades, {trees[name]})")
+        print(
+            f"{name:10s} grade p50 {percentile(values, 0.5):6.2f} s  p95 {percentile(values, 0.95):6.2f} s  ({len(values)} grades, {trees[name]})"
+        )
     print(f"this tree's keep_change p50 {1e3 * percentile(kept, 0.5):.1f} ms  p95 {1e3 * percentile(kept, 0.95):.1f} ms")
     if "baseline" in times:
         for q in (0.5, 0.95):

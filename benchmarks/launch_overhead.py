@@ -28,8 +28,9 @@ from tests import netns_hosts  # noqa: E402  (the namespaced hosts of the tests)
 
 def composer(*args: str) -> float:
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "composer.cli", *args], cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "composer.cli", *args], cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     if result.returncode != 0:
         raise SystemExit(f"composer {' '.join(args[:3])} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
     return time.perf_counter() - started
@@ -48,16 +49,29 @@ def main() -> None:
     (work / "hosts").mkdir()
     hosts = netns_hosts.Hosts(work / "hosts", 2)
     try:
-        ssh = ["cluster.ssh.user=root", f"cluster.ssh.key_file={hosts.client_key}", f"cluster.ssh.known_hosts={hosts.known_hosts}",
-               "cluster.launcher=ssh", f"cluster.env={{GLOO_SOCKET_IFNAME: {netns_hosts.INTERFACE}}}"]
+        ssh = [
+            "cluster.ssh.user=root",
+            f"cluster.ssh.key_file={hosts.client_key}",
+            f"cluster.ssh.known_hosts={hosts.known_hosts}",
+            "cluster.launcher=ssh",
+            f"cluster.env={{GLOO_SOCKET_IFNAME: {netns_hosts.INTERFACE}}}",
+        ]
         variants = {
             "local": ["cluster.procs_per_host=2"],
             "ssh 1x2": ["cluster.procs_per_host=2", f"cluster.hosts=[{hosts.names[0]}]", *ssh],
             "ssh 2x1": ["cluster.procs_per_host=1", f"cluster.hosts={hosts.names}", "parallelism.ep=1", *ssh],
         }
-        base = [f"model.checkpoint={work / 'init'}", f"data.cache_dir={work / 'cache'}", f"train.steps={args.steps}",
-                f"train.eval_every={args.steps}", "train.eval_batches=1", f"train.checkpoint_every={args.steps}",
-                "optim.warmup_steps=1", "data.split=[90,10,0]", 'data.sources.0.paths=["{stdlib}/email/**/*.py"]']
+        base = [
+            f"model.checkpoint={work / 'init'}",
+            f"data.cache_dir={work / 'cache'}",
+            f"train.steps={args.steps}",
+            f"train.eval_every={args.steps}",
+            "train.eval_batches=1",
+            f"train.checkpoint_every={args.steps}",
+            "optim.warmup_steps=1",
+            "data.split=[90,10,0]",
+            'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
+        ]
 
         def run(name: str, extra: list[str]) -> float:
             sets = [*base, f"run.dir={work / 'runs'}", f"run.name={name.replace(' ', '-')}-{time.monotonic_ns()}", *extra]
@@ -95,8 +109,10 @@ def report(title: str, seconds: dict[str, list[float]], repeats: int) -> None:
     local = statistics.median(seconds["local"])
     print(f"{title}, median of {repeats} (all runs in s):")
     for name, values in seconds.items():
-        print(f"  {name:8s} {statistics.median(values):6.2f} s   vs local {statistics.median(values) - local:+6.2f} s   "
-              f"({', '.join(f'{v:.2f}' for v in values)})")
+        print(
+            f"  {name:8s} {statistics.median(values):6.2f} s   vs local {statistics.median(values) - local:+6.2f} s   "
+            f"({', '.join(f'{v:.2f}' for v in values)})"
+        )
 
 
 if __name__ == "__main__":

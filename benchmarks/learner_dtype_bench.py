@@ -36,15 +36,27 @@ def engine_logprobs_and_routes(served: Path, tokens: torch.Tensor, seq: int):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(served), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-              kv_cache_memory_bytes=64 * 2**20, max_model_len=seq + 8, seed=0, enable_return_routed_experts=True)
+    llm = LLM(
+        model=str(served),
+        tokenizer=None,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 * 2**20,
+        max_model_len=seq + 8,
+        seed=0,
+        enable_return_routed_experts=True,
+    )
     try:
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=row.tolist()) for row in tokens],
-                               SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False))
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=row.tolist()) for row in tokens],
+            SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False),
+        )
     finally:
         del llm
-    logprobs = torch.stack([torch.tensor([out.prompt_logprobs[t][int(tokens[b, t])].logprob for t in range(1, seq)])
-                            for b, out in enumerate(outputs)])
+    logprobs = torch.stack(
+        [torch.tensor([out.prompt_logprobs[t][int(tokens[b, t])].logprob for t in range(1, seq)]) for b, out in enumerate(outputs)]
+    )
     routes = [out.outputs[0].routed_experts[: seq - 1].astype("int64") for out in outputs]
     return logprobs, routes
 
@@ -69,7 +81,10 @@ def main() -> None:
     print(f"{'learner':<28} | {'mean |diff|':>11} {'max |diff|':>10} | {'mean vs fp32 local':>18}")
     baseline = None
     for dtype in ("float32", "bfloat16"):
-        for label, kernels in (("local spec", KernelsSection(experts="sequential", attention="local")), ("grouped + sdpa", KernelsSection())):
+        for label, kernels in (
+            ("local spec", KernelsSection(experts="sequential", attention="local")),
+            ("grouped + sdpa", KernelsSection()),
+        ):
             learner_m = m.model_copy(update={"dtype": dtype, "kernels": kernels})
             learner = build_model(learner_m, p).eval()
             load_hf_into(learner, learner_m, work / "bf16")
@@ -78,7 +93,10 @@ def main() -> None:
                 ours = token_logprobs(learner, batch.tokens, with_grad=False).float()
             diff = (ours - engine).abs()
             baseline = baseline or float(diff.mean())
-            print(f"{dtype + ', ' + label:<28} | {float(diff.mean()):11.5f} {float(diff.max()):10.4f} | {float(diff.mean()) / baseline:17.2f}x", flush=True)
+            print(
+                f"{dtype + ', ' + label:<28} | {float(diff.mean()):11.5f} {float(diff.max()):10.4f} | {float(diff.mean()) / baseline:17.2f}x",
+                flush=True,
+            )
     shutdown_distributed()
 
 

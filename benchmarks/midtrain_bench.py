@@ -153,8 +153,14 @@ def measure(args: argparse.Namespace, work: Path) -> None:
     python = sys.executable
     subprocess.run([python, "-m", "composer.cli", "model", "init", str(work / "init")], cwd=REPO, check=True, capture_output=True)
     recipe = str(REPO / "recipes" / "smoke-midtrain.yaml")
-    common = [f"model.checkpoint={work / 'init'}", f"data.cache_dir={work / 'cache'}", f"run.dir={work / 'runs'}",
-              f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}"]
+    common = [
+        f"model.checkpoint={work / 'init'}",
+        f"data.cache_dir={work / 'cache'}",
+        f"run.dir={work / 'runs'}",
+        f"train.steps={args.steps}",
+        f"train.eval_every={args.steps}",
+        f"train.checkpoint_every={args.steps}",
+    ]
     results: dict[str, list[tuple[float, list[float], float]]] = {"composer": [], "bare": []}
     tokens_per_step = None
     for repeat in range(args.repeats):
@@ -165,21 +171,40 @@ def measure(args: argparse.Namespace, work: Path) -> None:
         tokens_per_step = int(rows[0]["tokens"])
         results["composer"].append((steady_tokens_per_s([r["time"] for r in rows], tokens_per_step, args.skip), rss, wall))
 
-        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), __file__, "--bare", str(work / "runs" / name), str(args.steps)]
+        cmd = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            __file__,
+            "--bare",
+            str(work / "runs" / name),
+            str(args.steps),
+        ]
         done, rss, wall = run_watched(cmd)
         times = json.loads(done.stdout.strip().splitlines()[-1])["times"]
         results["bare"].append((steady_tokens_per_s(times, tokens_per_step, args.skip), rss, wall))
 
     best = {k: max(v, key=lambda r: r[0]) for k, v in results.items()}
     pairs = [1 - c[0] / b[0] for c, b in zip(results["composer"], results["bare"])]
-    print(f"smoke model, seq 256, global batch {tokens_per_step // 256}, 2 ranks EP 2, steps {args.steps} (window: steps {args.skip + 2}..{args.steps - 1})")
+    print(
+        f"smoke model, seq 256, global batch {tokens_per_step // 256}, 2 ranks EP 2, steps {args.steps} (window: steps {args.skip + 2}..{args.steps - 1})"
+    )
     for kind, (tps, rss, wall) in best.items():
         runs = ", ".join(f"{r[0]:.0f}" for r in results[kind])
-        print(f"  {kind:8s} {tps:8.0f} tokens/s (runs: {runs})  peak RSS per rank: {', '.join(f'{x:.0f}' for x in rss)} MiB  command wall {wall:.1f} s")
+        print(
+            f"  {kind:8s} {tps:8.0f} tokens/s (runs: {runs})  peak RSS per rank: {', '.join(f'{x:.0f}' for x in rss)} MiB  command wall {wall:.1f} s"
+        )
     overhead = 1 - best["composer"][0] / best["bare"][0]
-    print(f"composer overhead vs bare loop (1 - composer/bare tokens/s, target <= 10%): best vs best "
-          f"{overhead * 100:+.1f}% {'met' if overhead <= 0.10 else 'MISSED'}, per alternating pair {', '.join(f'{x * 100:+.1f}%' for x in pairs)}")
+    print(
+        f"composer overhead vs bare loop (1 - composer/bare tokens/s, target <= 10%): best vs best "
+        f"{overhead * 100:+.1f}% {'met' if overhead <= 0.10 else 'MISSED'}, per alternating pair {', '.join(f'{x * 100:+.1f}%' for x in pairs)}"
+    )
     if overhead > 0.10:
         sys.exit(f"MISSED its target: composer overhead {overhead * 100:+.1f}% > 10%")
 

@@ -37,9 +37,19 @@ def composer(*args: str) -> None:
 
 def midtrain(root: Path, recipe: str, name: str, steps: int, optimizer: str, lr: float, qk_clip: float | None) -> list[dict]:
     sets = [
-        f"run.dir={root / 'runs'}", f"run.name={name}", f"model.checkpoint={root / recipe / 'init'}", f"data.cache_dir={root / 'cache'}",
-        f"train.steps={steps}", f"train.eval_every={steps // 3}", "train.eval_batches=4", f"train.checkpoint_every={steps}",
-        "train.global_batch_size=16", "optim.warmup_steps=5", f"optim.lr={lr}", f"optim.min_lr={lr / 10}", f"optim.name={optimizer}",
+        f"run.dir={root / 'runs'}",
+        f"run.name={name}",
+        f"model.checkpoint={root / recipe / 'init'}",
+        f"data.cache_dir={root / 'cache'}",
+        f"train.steps={steps}",
+        f"train.eval_every={steps // 3}",
+        "train.eval_batches=4",
+        f"train.checkpoint_every={steps}",
+        "train.global_batch_size=16",
+        "optim.warmup_steps=5",
+        f"optim.lr={lr}",
+        f"optim.min_lr={lr / 10}",
+        f"optim.name={optimizer}",
         f"optim.qk_clip={'null' if qk_clip is None else qk_clip}",
     ]
     composer("train", "midtrain", str(REPO / "recipes" / recipe), *(a for s in sets for a in ("--set", s)))
@@ -82,8 +92,15 @@ def interleaved_step_seconds(recipe: str, steps: int, lrs: dict[str, float], qk_
     seq, micro, count = r.data.seq_length, r.train.micro_batch_size, 16 // r.train.micro_batch_size
     for _ in range(steps):
         tokens = torch.randint(0, r.model.vocab_size, (count, micro, seq + 1), generator=generator)
-        batches = [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(micro, seq),
-                    "position_ids": torch.arange(seq).expand(micro, seq)} for t in tokens]
+        batches = [
+            {
+                "tokens": t[:, :-1],
+                "labels": t[:, 1:],
+                "loss_mask": torch.ones(micro, seq),
+                "position_ids": torch.arange(seq).expand(micro, seq),
+            }
+            for t in tokens
+        ]
         for ddp, optimizer, times in runs.values():
             times.append(train_step(ddp, optimizer, batches, None)["step_seconds"])
     print(json.dumps({name: statistics.median(times[steps // 4 :]) for name, (_, _, times) in runs.items()}))
@@ -131,13 +148,20 @@ def main() -> None:
             (adam_lr, adam), (muon_lr, muon) = best["adam"], best["muon"]
             print(f"  best: adam lr {adam_lr:g}, muon lr {muon_lr:g}")
             for step in adam["evals"]:
-                print(f"  eval loss at step {step:3}: adam {adam['evals'][step]:.4f}  muon {muon['evals'][step]:.4f}  "
-                      f"muon/adam {muon['evals'][step] / adam['evals'][step]:.3f}")
-            print(f"  step time (each run's median): adam {adam['step_seconds'] * 1000:.0f} ms  muon {muon['step_seconds'] * 1000:.0f} ms  "
-                  f"muon/adam {muon['step_seconds'] / adam['step_seconds']:.2f}")
+                print(
+                    f"  eval loss at step {step:3}: adam {adam['evals'][step]:.4f}  muon {muon['evals'][step]:.4f}  "
+                    f"muon/adam {muon['evals'][step] / adam['evals'][step]:.3f}"
+                )
+            print(
+                f"  step time (each run's median): adam {adam['step_seconds'] * 1000:.0f} ms  muon {muon['step_seconds'] * 1000:.0f} ms  "
+                f"muon/adam {muon['step_seconds'] / adam['step_seconds']:.2f}"
+            )
             turns = interleaved(recipe, args.steps, adam_lr, muon_lr, qk_clip)
-            print(f"  step time taking turns (1 rank): adam {turns['adam'] * 1000:.0f} ms  muon {turns['muon'] * 1000:.0f} ms  "
-                  f"muon/adam {turns['muon'] / turns['adam']:.2f}", flush=True)
+            print(
+                f"  step time taking turns (1 rank): adam {turns['adam'] * 1000:.0f} ms  muon {turns['muon'] * 1000:.0f} ms  "
+                f"muon/adam {turns['muon'] / turns['adam']:.2f}",
+                flush=True,
+            )
             if qk_clip is not None:
                 print(f"  largest attention logit (QK-clip at {qk_clip:g}), every {args.every} steps:")
                 for name, run in (("adam", adam), ("muon", muon)):

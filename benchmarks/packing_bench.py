@@ -29,8 +29,12 @@ REPO = Path(__file__).resolve().parent.parent
 def recorded_lengths(run: Path) -> list[int]:
     from composer.rl.trajectories import decode_group
 
-    lengths = [len(segment.token_ids) for path in sorted((run / "trajectories").rglob("*.ctrj"))
-               for trajectory in decode_group(path.read_bytes(), str(path)) for segment in trajectory.segments]
+    lengths = [
+        len(segment.token_ids)
+        for path in sorted((run / "trajectories").rglob("*.ctrj"))
+        for trajectory in decode_group(path.read_bytes(), str(path))
+        for segment in trajectory.segments
+    ]
     if not lengths:
         raise SystemExit(f"{run}: no trajectory groups under trajectories/")
     return lengths
@@ -44,12 +48,20 @@ def sequences(lengths: list[int], m, rng: np.random.Generator) -> list[LearnerSe
     out = []
     for i, n in enumerate(lengths):
         mask = np.zeros(n, dtype=bool)
-        mask[min(n - 1, 32):] = True  # a prompt, then generated tokens
+        mask[min(n - 1, 32) :] = True  # a prompt, then generated tokens
         routes = None
         if m.is_moe:
             routes = np.stack([np.argsort(rng.random((m.num_layers, m.num_experts)), axis=1)[:, : m.moe_top_k] for _ in range(n - 1)])
-        out.append(LearnerSequence(rng.integers(1, m.vocab_size, n), mask, rng.uniform(-9, -5, n).astype(np.float32),
-                                   float(rng.normal()), routes, episode=f"e{i}"))
+        out.append(
+            LearnerSequence(
+                rng.integers(1, m.vocab_size, n),
+                mask,
+                rng.uniform(-9, -5, n).astype(np.float32),
+                float(rng.normal()),
+                routes,
+                episode=f"e{i}",
+            )
+        )
     return out
 
 
@@ -68,14 +80,18 @@ def main() -> None:
     lengths = [int(x) for x in rng.choice(pool, args.sequences)]
     m = recipe.model
     train = recipe.train.model_copy(update={"global_batch_size": args.sequences, "steps": 2 * args.steps})
-    learner = RLLearner(m, recipe.parallelism.model_copy(update={"ep": 1}), recipe.optim, train, recipe.rl,
-                        Path(tempfile.mkdtemp(prefix="packing-bench-")))
+    learner = RLLearner(
+        m, recipe.parallelism.model_copy(update={"ep": 1}), recipe.optim, train, recipe.rl, Path(tempfile.mkdtemp(prefix="packing-bench-"))
+    )
     batch = sequences(lengths, m, rng)
     micro = train.micro_batch_size
     padded_positions = sum(max(lengths[i : i + micro]) * len(lengths[i : i + micro]) for i in range(0, len(lengths), micro))
-    print(f"{m.family}: {len(lengths)} sequences per step, micro-batch {micro}, lengths median {int(np.median(lengths))} "
-          f"max {max(lengths)} ({'recorded: ' + str(args.run) if args.run else 'agentic log-normal'}); padding "
-          f"{1 - sum(lengths) / padded_positions:.0%} of the padded micro-batches' positions", flush=True)
+    print(
+        f"{m.family}: {len(lengths)} sequences per step, micro-batch {micro}, lengths median {int(np.median(lengths))} "
+        f"max {max(lengths)} ({'recorded: ' + str(args.run) if args.run else 'agentic log-normal'}); padding "
+        f"{1 - sum(lengths) / padded_positions:.0%} of the padded micro-batches' positions",
+        flush=True,
+    )
     rates: dict[bool, list[float]] = {True: [], False: []}
     try:
         learner.train_step(batch)  # warm-up (allocations, first-call paths)
@@ -84,8 +100,11 @@ def main() -> None:
                 learner.rl = recipe.rl.model_copy(update={"pack_sequences": packed})
                 record = learner.train_step(batch)
                 rates[packed].append(record["trained_tokens_per_s"])
-                print(f"  step {step} {'packed' if packed else 'padded'}: {record['trained_tokens_per_s']:.0f} trained tokens/s "
-                      f"({record['learner_seconds']:.2f} s)", flush=True)
+                print(
+                    f"  step {step} {'packed' if packed else 'padded'}: {record['trained_tokens_per_s']:.0f} trained tokens/s "
+                    f"({record['learner_seconds']:.2f} s)",
+                    flush=True,
+                )
     finally:
         shutdown_distributed()
     packed, padded = statistics.median(rates[True]), statistics.median(rates[False])

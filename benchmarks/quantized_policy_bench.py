@@ -36,10 +36,10 @@ def prepare(work: Path) -> tuple[Path, Path]:
     """(the INT4 twin with a tokenizer, its fp32 copy)."""
     import torch
 
-    from tests.helpers.published_twins import make_twin
     from composer.trainer.checkpoint_init import train_tokenizer
     from composer.trainer.hf_config import model_section_from_hf
     from composer.trainer.weights import convert_hf
+    from tests.helpers.published_twins import make_twin
 
     twin = make_twin(work / "kimi-k2-thinking", "kimi_k2_thinking")
     config = json.loads((twin / "config.json").read_text())
@@ -55,11 +55,17 @@ def recipe(work: Path, checkpoint: Path, steps: int) -> Path:
 
     model = model_section_from_hf(checkpoint).model_dump(mode="json", exclude_defaults=True)
     data = {
-        "run": {"name": "record", "dir": str(work / "runs")}, "model": model,
+        "run": {"name": "record", "dir": str(work / "runs")},
+        "model": model,
         "optim": {"lr": 1e-3, "schedule": "constant"},
         "train": {"steps": steps, "micro_batch_size": 4, "global_batch_size": 8, "checkpoint_every": steps},
-        "rollout": {"engine": "embedded", "max_context": 256, "kv_cache_gib": 0.0625, "dtype": "float32",
-                    "sampling": {"temperature": 1.0, "max_tokens": 16, "stop": ["\n"]}},
+        "rollout": {
+            "engine": "embedded",
+            "max_context": 256,
+            "kv_cache_gib": 0.0625,
+            "dtype": "float32",
+            "sampling": {"temperature": 1.0, "max_tokens": 16, "stop": ["\n"]},
+        },
         "env": {"tasks": [{"name": "smoke"}], "sandbox": {"cpu_seconds": 5, "wall_seconds": 10}},
         "rl": {"group_size": 4, "prompts_per_step": 2, "max_staleness": 1},
         "sync": {"store": str(work / "store-record")},
@@ -83,14 +89,34 @@ def main() -> None:
         recorded = work / "runs/record"
         rows = {}
         for dtype in ("bfloat16", "fp8", "int4"):
-            composer("train", "rl", str(path), "--replay", str(recorded), "--set", f"run.name=replay-{dtype}", "--set", f"model.checkpoint={twin}",
-                     "--set", f"rollout.dtype={dtype}", "--set", f"optim.lr={args.lr}", "--set", "model.dtype=float32")
+            composer(
+                "train",
+                "rl",
+                str(path),
+                "--replay",
+                str(recorded),
+                "--set",
+                f"run.name=replay-{dtype}",
+                "--set",
+                f"model.checkpoint={twin}",
+                "--set",
+                f"rollout.dtype={dtype}",
+                "--set",
+                f"optim.lr={args.lr}",
+                "--set",
+                "model.dtype=float32",
+            )
             rows[dtype] = [json.loads(line) for line in (work / f"runs/replay-{dtype}/metrics.jsonl").read_text().splitlines()]
-        print(f"Kimi-K2-Thinking twin, {args.steps} replayed steps at lr {args.lr:g}; per step: delta ratio (full / stored bytes), "
-              "changed fraction, publish seconds")
+        print(
+            f"Kimi-K2-Thinking twin, {args.steps} replayed steps at lr {args.lr:g}; per step: delta ratio (full / stored bytes), "
+            "changed fraction, publish seconds"
+        )
         print("step  " + "  ".join(f"{dtype:>30}" for dtype in rows))
         for step in range(args.steps):
-            cells = [f"{r[step]['sync_ratio']:>8.1f}x {r[step]['sync_changed_fraction']:>9.5f} {r[step]['publish_seconds']:>8.1f}s" for r in rows.values()]
+            cells = [
+                f"{r[step]['sync_ratio']:>8.1f}x {r[step]['sync_changed_fraction']:>9.5f} {r[step]['publish_seconds']:>8.1f}s"
+                for r in rows.values()
+            ]
             print(f"{step + 1:>4}  " + "  ".join(f"{c:>30}" for c in cells))
     finally:
         if args.dir is None:

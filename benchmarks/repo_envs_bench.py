@@ -25,10 +25,10 @@ from composer.recipes.schema import SSHSection  # noqa: E402
 from composer.rollout.sandbox.fleet import percentile  # noqa: E402
 from composer.rollout.sandbox.hosts import SandboxFleet  # noqa: E402
 from composer.rollout.sandbox.runs import Sandbox  # noqa: E402
-from composer.rollout.tasks.repository.remote import RemoteRepoWorkspace  # noqa: E402
 from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir  # noqa: E402
-from composer.rollout.tasks.repository.task_set import load_tasks, open_workspace, repo_tests
+from composer.rollout.tasks.repository.remote import RemoteRepoWorkspace  # noqa: E402
 from composer.rollout.tasks.repository.shipping import pack  # noqa: E402
+from composer.rollout.tasks.repository.task_set import load_tasks, open_workspace, repo_tests
 from tests import netns_hosts  # noqa: E402
 from tests.helpers.user_project import make_project  # noqa: E402
 
@@ -42,13 +42,17 @@ def main() -> None:
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="repo-envs-bench-"))
     made = make_project(base / "tally")
-    settings = RepoTaskSettings(projects=[{"name": "tally", "path": str(base / "tally"), "commit": "main", "package": "src/tally",
-                                           "install": "pip install pytest"}], kinds=["history", "bug", "multi", "feature"],
-                                num_tasks=args.tasks, cache_dir=str(base / "cache"))
+    settings = RepoTaskSettings(
+        projects=[
+            {"name": "tally", "path": str(base / "tally"), "commit": "main", "package": "src/tally", "install": "pip install pytest"}
+        ],
+        kinds=["history", "bug", "multi", "feature"],
+        num_tasks=args.tasks,
+        cache_dir=str(base / "cache"),
+    )
     started = time.monotonic()
     report = build_repo_tasks(settings, SandboxSection(**LIMITS), base / "sandboxes", workers=2)
-    print(f"local build (environment included): {time.monotonic() - started:.1f} s; validated {report.validated} of "
-          f"{report.tried} tried")
+    print(f"local build (environment included): {time.monotonic() - started:.1f} s; validated {report.validated} of {report.tried} tried")
     for (project, kind), count in sorted(report.by_project_kind.items()):
         print(f"  {project} {kind}: {count}")
     for reason, count in report.rejected.most_common():
@@ -60,8 +64,9 @@ def main() -> None:
         root.mkdir()
     Path("/tmp/composer-sandbox").mkdir(mode=0o711, exist_ok=True)
     (base / "ssh").mkdir()
-    hosts = netns_hosts.Hosts(base / "ssh", 2, overlays={i: {"/tmp/composer-sandbox": str(r)} for i, r in roots.items()},
-                              prefix="cmpbn", subnet="10.213.16")
+    hosts = netns_hosts.Hosts(
+        base / "ssh", 2, overlays={i: {"/tmp/composer-sandbox": str(r)} for i, r in roots.items()}, prefix="cmpbn", subnet="10.213.16"
+    )
     python = hosts.python
     ssh = SSHSection(user="root", key_file=str(hosts.client_key), known_hosts=str(hosts.known_hosts))
     try:
@@ -99,12 +104,17 @@ def main() -> None:
                         ws.close()
             for where, values in latency.items():
                 values.sort()
-                print(f"grading latency {where}: p50 {percentile(values, 50):.3f} s, p95 {percentile(values, 95):.3f} s "
-                      f"(mean {statistics.mean(values):.3f} s, {len(values)} grades)")
+                print(
+                    f"grading latency {where}: p50 {percentile(values, 50):.3f} s, p95 {percentile(values, 95):.3f} s "
+                    f"(mean {statistics.mean(values):.3f} s, {len(values)} grades)"
+                )
             print(f"remote / local p50: {percentile(latency['remote'], 50) / percentile(latency['local'], 50):.2f}")
             venv = Path(tests.environment.path[0]).parent
-            sizes = {"project environment": pack(venv)[1].stat().st_size, "project files at the commit": pack(tests.grading_base)[1].stat().st_size,
-                     "a workspace (the task's changed files)": pack(tests.layer)[1].stat().st_size}
+            sizes = {
+                "project environment": pack(venv)[1].stat().st_size,
+                "project files at the commit": pack(tests.grading_base)[1].stat().st_size,
+                "a workspace (the task's changed files)": pack(tests.layer)[1].stat().st_size,
+            }
             for what, size in sizes.items():
                 print(f"bytes shipped for {what}: {size:,}")
             print(f"bytes shipped to the host in all: {dict(fleet.shipped_bytes)}")

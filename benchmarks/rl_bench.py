@@ -24,9 +24,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run(mode: str, staleness: int, checkpoint: Path, root: Path, steps: int) -> dict[str, float]:
     runs = root / mode
-    cmd = [sys.executable, "-m", "composer.cli", "train", "rl", str(REPO / "recipes/smoke-rl.yaml"),
-           "--set", f"run.dir={runs}", "--set", f"model.checkpoint={checkpoint}", "--set", f"train.steps={steps}",
-           "--set", f"rl.max_staleness={staleness}", "--set", f"train.checkpoint_every={steps}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "composer.cli",
+        "train",
+        "rl",
+        str(REPO / "recipes/smoke-rl.yaml"),
+        "--set",
+        f"run.dir={runs}",
+        "--set",
+        f"model.checkpoint={checkpoint}",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        f"rl.max_staleness={staleness}",
+        "--set",
+        f"train.checkpoint_every={steps}",
+    ]
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     steps_ = [json.loads(line) for line in (runs / "smoke-rl/metrics.jsonl").read_text().splitlines()][2:]  # warm-up
     groups = [json.loads(line) for line in (runs / "smoke-rl/rollout_metrics.jsonl").read_text().splitlines()]

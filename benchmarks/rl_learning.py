@@ -54,21 +54,32 @@ def main() -> None:
             checkpoint = work / "smollm2"
             if not checkpoint.exists():
                 subprocess.run([sys.executable, "-m", "composer.cli", "model", "import-smollm2", str(checkpoint)], cwd=REPO, check=True)
-        sets = ["--set", f"model.checkpoint={checkpoint.resolve()}", "--set", f"run.dir={work / 'runs'}",
-                "--set", f"train.seed={args.seed}", "--set", "run.name=rl-learning"]
+        sets = [
+            "--set",
+            f"model.checkpoint={checkpoint.resolve()}",
+            "--set",
+            f"run.dir={work / 'runs'}",
+            "--set",
+            f"train.seed={args.seed}",
+            "--set",
+            "run.name=rl-learning",
+        ]
         if args.steps:
             sets += ["--set", f"train.steps={args.steps}"]
         for override in args.overrides:
             sets += ["--set", override]
         started = time.monotonic()
         with (work / "train.log").open("w") as log:
-            done = subprocess.run([sys.executable, "-m", "composer.cli", "train", "rl", str(args.recipe), *sets], cwd=REPO,
-                                  stdout=log, stderr=subprocess.STDOUT)
+            done = subprocess.run(
+                [sys.executable, "-m", "composer.cli", "train", "rl", str(args.recipe), *sets],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         wall = time.monotonic() - started
         run = work / "runs" / "rl-learning"
         if done.returncode != 0:
-            sys.exit(f"train rl failed (exit {done.returncode}); see {work / 'train.log'}:\n"
-                     + (work / "train.log").read_text()[-3000:])
+            sys.exit(f"train rl failed (exit {done.returncode}); see {work / 'train.log'}:\n" + (work / "train.log").read_text()[-3000:])
         report(run, wall, args.seed)
 
 
@@ -91,28 +102,36 @@ def report(run: Path, wall: float, seed: int) -> None:
     samples = before[tasks[0]]["samples"] if tasks else 0
     families = ", ".join(f"{ts['name']} (held out {ts.get('held_out', 0)})" for ts in recipe["env"]["tasks"])
     print(f"task family: {families}; eval sets {recipe['rl']['eval']['tasks']}; {len(tasks)} held-out tasks")
-    print(f"steps {steps}, wall {wall / 60:.1f} min, seed {seed}, lr {recipe['optim']['lr']}, "
-          f"{recipe['rl']['prompts_per_step']} prompts x {recipe['rl']['group_size']} samples per step")
+    print(
+        f"steps {steps}, wall {wall / 60:.1f} min, seed {seed}, lr {recipe['optim']['lr']}, "
+        f"{recipe['rl']['prompts_per_step']} prompts x {recipe['rl']['group_size']} samples per step"
+    )
     lo, hi = bootstrap_interval(b)
     print(f"held-out greedy pass@1 before: {b.mean():.3f}  95% CI [{lo:.3f}, {hi:.3f}]")
     lo, hi = bootstrap_interval(a)
     print(f"held-out greedy pass@1 after:  {a.mean():.3f}  95% CI [{lo:.3f}, {hi:.3f}]")
     lo, hi = bootstrap_interval(a - b)
     learned = lo > 0
-    print(f"improvement (paired, same tasks): {a.mean() - b.mean():+.3f}  95% CI [{lo:+.3f}, {hi:+.3f}]  "
-          f"-> {'LEARNED: the interval lies above 0' if learned else 'NOT shown: the interval includes 0 or lies below'}")
+    print(
+        f"improvement (paired, same tasks): {a.mean() - b.mean():+.3f}  95% CI [{lo:+.3f}, {hi:+.3f}]  "
+        f"-> {'LEARNED: the interval lies above 0' if learned else 'NOT shown: the interval includes 0 or lies below'}"
+    )
     print(f"  tasks solved after but not before: {int((a > b).sum())}, before but not after: {int((b > a).sum())}")
     kinds = sorted({t.rsplit("/", 1)[0] for t in tasks})  # rgym/<generator>/<i> -> rgym/<generator>
     if 1 < len(kinds) < len(tasks):
         solved = {k: [(b[i], a[i]) for i, t in enumerate(tasks) if t.rsplit("/", 1)[0] == k] for k in kinds}
-        print("  solved before -> after: " + ", ".join(f"{k} {sum(x for x, _ in v):.0f}->{sum(y for _, y in v):.0f}/{len(v)}"
-                                                     for k, v in solved.items()))
+        print(
+            "  solved before -> after: "
+            + ", ".join(f"{k} {sum(x for x, _ in v):.0f}->{sum(y for _, y in v):.0f}/{len(v)}" for k, v in solved.items())
+        )
     if samples:
         sb = np.array([before[t]["correct"] / samples for t in tasks])
         sa = np.array([after[t]["correct"] / samples for t in tasks])
         lo, hi = bootstrap_interval(sa - sb)
-        print(f"held-out sampled pass@1 ({samples} samples/task): {sb.mean():.3f} -> {sa.mean():.3f}  "
-              f"paired 95% CI of the change [{lo:+.3f}, {hi:+.3f}]")
+        print(
+            f"held-out sampled pass@1 ({samples} samples/task): {sb.mean():.3f} -> {sa.mean():.3f}  "
+            f"paired 95% CI of the change [{lo:+.3f}, {hi:+.3f}]"
+        )
     for record in read_jsonl(run / "eval_metrics.jsonl"):
         shown = {k: round(v, 3) for k, v in record.items() if "pass@" in k and not k.endswith(("_low", "_high"))}
         print(f"  eval at step {record['step']}: {shown}  ({record['eval_seconds']:.0f} s)")
@@ -123,17 +142,23 @@ def report(run: Path, wall: float, seed: int) -> None:
     changed = [m["sync_changed_fraction"] for m in metrics if "sync_changed_fraction" in m]
     print("sync_ratio per step: " + " ".join(f"{r:.1f}" for r in ratios))
     if ratios:
-        print(f"sync_ratio median {statistics.median(ratios):.1f}x (steps 2+: {statistics.median(ratios[1:] or ratios):.1f}x), "
-              f"changed elements median {statistics.median(changed):.2%}")
+        print(
+            f"sync_ratio median {statistics.median(ratios):.1f}x (steps 2+: {statistics.median(ratios[1:] or ratios):.1f}x), "
+            f"changed elements median {statistics.median(changed):.2%}"
+        )
     alarms = sum(m.get("alarm_ratio_error", 0) + m.get("alarm_logprob_diff", 0) for m in metrics)
-    print(f"health: entropy {metrics[0].get('entropy', float('nan')):.3f} -> {metrics[-1].get('entropy', float('nan')):.3f}, "
-          f"response tokens {metrics[0]['response_tokens_mean']:.0f} -> {metrics[-1]['response_tokens_mean']:.0f}, "
-          f"alarms {alarms:.0f}, uniform groups {np.mean([m['uniform_group_fraction'] for m in metrics]):.2f}")
+    print(
+        f"health: entropy {metrics[0].get('entropy', float('nan')):.3f} -> {metrics[-1].get('entropy', float('nan')):.3f}, "
+        f"response tokens {metrics[0]['response_tokens_mean']:.0f} -> {metrics[-1]['response_tokens_mean']:.0f}, "
+        f"alarms {alarms:.0f}, uniform groups {np.mean([m['uniform_group_fraction'] for m in metrics]):.2f}"
+    )
     fresh = [m for m in metrics if "on_policy_prob_ratio_error" in m]
     if fresh:  # engine and learner on the same weights, at the sampling temperature
         errors, diffs = [m["on_policy_prob_ratio_error"] for m in fresh], [m["on_policy_logprob_abs_diff"] for m in fresh]
-        print(f"on-policy ratio error {min(errors):.2g} .. {max(errors):.2g} (median {statistics.median(errors):.2g}), "
-              f"|dlogprob| {min(diffs):.2g} .. {max(diffs):.2g}, over {len(fresh)} steps")
+        print(
+            f"on-policy ratio error {min(errors):.2g} .. {max(errors):.2g} (median {statistics.median(errors):.2g}), "
+            f"|dlogprob| {min(diffs):.2g} .. {max(diffs):.2g}, over {len(fresh)} steps"
+        )
     if not learned:
         sys.exit("MISSED its target: learning is not shown (the paired difference's 95% interval does not lie above 0)")
 

@@ -93,8 +93,12 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--router-scale", type=float, default=None, help="1 = the router as initialised (default 0.3 for a random model)")
     parser.add_argument("--expert-scale", type=float, default=None, help="1 = the experts as initialised (default 8 for a random model)")
-    parser.add_argument("--checkpoint", type=Path, help="an HF MoE checkpoint to use as it is (e.g. the smoke mid-training export) "
-                                                         "instead of a random one; the architecture options are then ignored")
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="an HF MoE checkpoint to use as it is (e.g. the smoke mid-training export) "
+        "instead of a random one; the architecture options are then ignored",
+    )
     args = parser.parse_args()
     default_scale = 1.0 if args.checkpoint else None
     args.router_scale = args.router_scale or default_scale or 0.3
@@ -123,7 +127,9 @@ def main() -> None:
         for start in range(0, len(segs), args.micro_batch):
             chunk = segs[start : start + args.micro_batch]
             batch = pad_micro_batch([s.token_ids for s in chunk])
-            metrics = replay_metrics(model, batch, [s.routed_experts for s in chunk], [s.logprobs for s in chunk], [s.loss_mask for s in chunk])
+            metrics = replay_metrics(
+                model, batch, [s.routed_experts for s in chunk], [s.logprobs for s in chunk], [s.loss_mask for s in chunk]
+            )
             routed = sum(n - 1 for n in batch.lengths)
             generated = int(sum(s.loss_mask.sum() for s in chunk))
             for key, value in metrics.items():
@@ -138,8 +144,10 @@ def main() -> None:
         storage = routed_expert_bytes(segs)
 
     generated = sums.pop("_generated")
-    print(f"model: {m.num_layers} layers, {m.num_experts} experts top-{m.moe_top_k}, router x{args.router_scale}, "
-          f"expert outputs x{args.expert_scale}; engine bf16 vLLM, learner fp32 Megatron")
+    print(
+        f"model: {m.num_layers} layers, {m.num_experts} experts top-{m.moe_top_k}, router x{args.router_scale}, "
+        f"expert outputs x{args.expert_scale}; engine bf16 vLLM, learner fp32 Megatron"
+    )
     print(f"samples: {len(segs)} sequences, {total_tokens} routed tokens, {int(generated)} generated tokens")
     print("routing disagreement with the engine (fraction of tokens whose expert set differs):")
     print(f"{'layer':>5} {'free run':>9} {'own top-k, r3 inputs':>21} {'r3':>7}")
@@ -151,8 +159,10 @@ def main() -> None:
     max_free, max_replay = maxima["logprob_abs_diff_free_max"], maxima["logprob_abs_diff_replay_max"]
     print(f"|dlogprob| mean: off {mean_free:.3e}  r3 {mean_replay:.3e}  ratio off/r3 {mean_free / max(mean_replay, 1e-30):.1f}x")
     print(f"|dlogprob| max:  off {max_free:.3e}  r3 {max_replay:.3e}  ratio off/r3 {max_free / max(max_replay, 1e-30):.1f}x")
-    print(f"routed experts per token ({storage['dtype']}, {m.num_layers} layers x top-{m.moe_top_k}): raw {storage['raw']:.1f} B, "
-          f"in a zstd trajectory group {storage['compressed']:.1f} B ({storage['raw'] / storage['compressed']:.2f}x)")
+    print(
+        f"routed experts per token ({storage['dtype']}, {m.num_layers} layers x top-{m.moe_top_k}): raw {storage['raw']:.1f} B, "
+        f"in a zstd trajectory group {storage['compressed']:.1f} B ({storage['raw'] / storage['compressed']:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,10 @@ def main(n: int) -> None:
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(lambda job: sandbox.run(*job), step))
     concurrent = time.perf_counter() - started
-    print(f"smoke step grading (64 completions): one by one {one_by_one:.2f} s, "
-          f"concurrent ({workers} at once) {concurrent:.2f} s, {one_by_one / concurrent:.2f}x faster")
+    print(
+        f"smoke step grading (64 completions): one by one {one_by_one:.2f} s, "
+        f"concurrent ({workers} at once) {concurrent:.2f} s, {one_by_one / concurrent:.2f}x faster"
+    )
 
 
 if __name__ == "__main__":

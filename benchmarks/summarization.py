@@ -73,26 +73,58 @@ def main() -> None:
             if not checkpoint.exists():
                 composer(["model", "import-smollm2", str(checkpoint)], log)
         checkpoint = checkpoint.resolve()
-        common = [f"model.checkpoint={checkpoint}", f"run.dir={work / 'runs'}", f"run.name={RUN_NAME}", f"train.seed={args.seed}",
-                  f"train.steps={args.steps}", f"rl.eval.limit={args.tasks}", f"env.tasks.0.recall.parts={args.parts}",
-                  "rl.eval.samples=0", "rl.eval.pass_k=[]", *args.overrides]
+        common = [
+            f"model.checkpoint={checkpoint}",
+            f"run.dir={work / 'runs'}",
+            f"run.name={RUN_NAME}",
+            f"train.seed={args.seed}",
+            f"train.steps={args.steps}",
+            f"rl.eval.limit={args.tasks}",
+            f"env.tasks.0.recall.parts={args.parts}",
+            "rl.eval.samples=0",
+            "rl.eval.pass_k=[]",
+            *args.overrides,
+        ]
         sets = [x for o in common for x in ("--set", o)]
         timings = {}
         started = time.monotonic()
         for policy, extra in POLICIES.items():
-            composer(["eval", str(RECIPE), str(checkpoint), "--out", str(work / f"before-{policy}"), *sets,
-                      *(x for o in extra for x in ("--set", o))], log)
+            composer(
+                [
+                    "eval",
+                    str(RECIPE),
+                    str(checkpoint),
+                    "--out",
+                    str(work / f"before-{policy}"),
+                    *sets,
+                    *(x for o in extra for x in ("--set", o)),
+                ],
+                log,
+            )
         timings["evaluations before RL"] = time.monotonic() - started
         started = time.monotonic()
         run = work / "runs" / RUN_NAME
         if not (run / "policy.json").is_file() or json.loads((run / "policy.json").read_text())["version"] < args.steps:
             # evaluated below, as before RL; a rerun of a stopped benchmark resumes the run (and each evaluation)
-            composer(["train", "rl", str(RECIPE), *sets, "--set", "rl.eval=null", *(["--resume"] if (run / "metrics.jsonl").exists() else [])], log)
+            composer(
+                ["train", "rl", str(RECIPE), *sets, "--set", "rl.eval=null", *(["--resume"] if (run / "metrics.jsonl").exists() else [])],
+                log,
+            )
         timings["RL run"] = time.monotonic() - started
         started = time.monotonic()
         for policy, extra in POLICIES.items():
-            composer(["eval", str(RECIPE), str(work / "runs" / RUN_NAME), "--out", str(work / f"after-{policy}"), *sets,
-                      *(x for o in extra for x in ("--set", o))], log)
+            composer(
+                [
+                    "eval",
+                    str(RECIPE),
+                    str(work / "runs" / RUN_NAME),
+                    "--out",
+                    str(work / f"after-{policy}"),
+                    *sets,
+                    *(x for o in extra for x in ("--set", o)),
+                ],
+                log,
+            )
         timings["evaluations after RL"] = time.monotonic() - started
         (work / "timings.json").write_text(json.dumps(timings))
         print("command: python benchmarks/summarization.py " + " ".join(sys.argv[1:]))
@@ -111,19 +143,27 @@ def interval(values: np.ndarray, signed: bool = False) -> str:
 
 
 def report(work: Path) -> None:
-    results = {(when, policy): graded(work / f"{when}-{policy}") for when in ("before", "after") for policy in POLICIES
-               if (work / f"{when}-{policy}" / "checkpoint.jsonl").is_file()}
+    results = {
+        (when, policy): graded(work / f"{when}-{policy}")
+        for when in ("before", "after")
+        for policy in POLICIES
+        if (work / f"{when}-{policy}" / "checkpoint.jsonl").is_file()
+    }
     tasks = sorted(set.intersection(*(set(r) for r in results.values())))
     recipe = json.loads((work / "before-summarize" / "eval.json").read_text())
     rollout = recipe["rollout"]
     parts = recipe["env"]["tasks"][0]["recall"]["parts"]
-    print(f"recall: {len(tasks)} held-out tasks of {parts} parts; context {rollout['max_context']} tokens, compaction at "
-          f"{rollout['summarize_at']}, at most {rollout['max_turns']} turns of {rollout['sampling']['max_tokens']} tokens; greedy")
+    print(
+        f"recall: {len(tasks)} held-out tasks of {parts} parts; context {rollout['max_context']} tokens, compaction at "
+        f"{rollout['summarize_at']}, at most {rollout['max_turns']} turns of {rollout['sampling']['max_tokens']} tokens; greedy"
+    )
     timings = json.loads((work / "timings.json").read_text()) if (work / "timings.json").is_file() else {}
     if timings:
         print("wall time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()))
-    print(f"{'':>6} {'policy':<14} {'pass@1 [95% CI]':>22} {'reward [95% CI]':>22} {'compaction error':>17} {'summary tok':>11} "
-          f"{'compactions/ep':>14}  ends")
+    print(
+        f"{'':>6} {'policy':<14} {'pass@1 [95% CI]':>22} {'reward [95% CI]':>22} {'compaction error':>17} {'summary tok':>11} "
+        f"{'compactions/ep':>14}  ends"
+    )
     for (when, policy), by_task in results.items():
         episodes = [by_task[t] for t in tasks]
         passed = np.array([float(e["passed"]) for e in episodes])
@@ -135,8 +175,10 @@ def report(work: Path) -> None:
         for e in episodes:
             ends[e["end_reason"]] = ends.get(e["end_reason"], 0) + 1
         error = f"{np.mean(errors):.3f} (n={len(errors)})" if errors else "-"
-        print(f"{when:>6} {policy:<14} {passed.mean():.3f} {interval(passed):>16} {reward.mean():.3f} {interval(reward):>16} "
-              f"{error:>17} {np.mean(lengths) if lengths else 0:>11.1f} {compactions:>14.2f}  {ends}")
+        print(
+            f"{when:>6} {policy:<14} {passed.mean():.3f} {interval(passed):>16} {reward.mean():.3f} {interval(reward):>16} "
+            f"{error:>17} {np.mean(lengths) if lengths else 0:>11.1f} {compactions:>14.2f}  {ends}"
+        )
     for when in ("before", "after"):
         for a, b in (("summarize", "drop_oldest"), ("summarize", "large_context")):
             if (when, a) in results and (when, b) in results:
@@ -147,12 +189,16 @@ def report(work: Path) -> None:
             diff = np.array([results[("after", policy)][t]["reward"] - results[("before", policy)][t]["reward"] for t in tasks])
             gained = sum(results[("after", policy)][t]["passed"] and not results[("before", policy)][t]["passed"] for t in tasks)
             lost = sum(results[("before", policy)][t]["passed"] and not results[("after", policy)][t]["passed"] for t in tasks)
-            print(f"{policy}: reward after - before RL: {diff.mean():+.3f} {interval(diff, signed=True)}; tasks gained {gained}, lost {lost}")
+            print(
+                f"{policy}: reward after - before RL: {diff.mean():+.3f} {interval(diff, signed=True)}; tasks gained {gained}, lost {lost}"
+            )
     metrics_path = work / "runs" / RUN_NAME / "metrics.jsonl"
     if metrics_path.is_file():
         metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+
         def column(key: str) -> str:
             return " ".join(f"{m[key]:.2f}" if key in m else "-" for m in metrics)
+
         print(f"RL ({len(metrics)} steps): train reward per step {column('reward_mean')}")
         print(f"  compaction error per step {column('compaction_error_mean')}; summary tokens {column('summary_tokens_mean')}")
 

@@ -134,8 +134,10 @@ def write_fp8_model(directory: Path, num_matrices: int, relative_step: float | N
         if len(shard) >= 128 or i == num_matrices - 1:
             write_safetensors(directory / f"model-{i // 64:05d}.safetensors", shard)
             shard = {}
-    (directory / "config.json").write_text('{"architectures": ["SyntheticFp8"], "quantization_config": '
-                                           '{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}\n')
+    (directory / "config.json").write_text(
+        '{"architectures": ["SyntheticFp8"], "quantization_config": '
+        '{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}\n'
+    )
 
 
 def fp8_synthetic(args: argparse.Namespace, work: Path) -> None:
@@ -144,16 +146,22 @@ def fp8_synthetic(args: argparse.Namespace, work: Path) -> None:
     write_fp8_model(base, num_matrices, None)
     with Checkpoint(base) as ck:
         model_bytes = ck.nbytes
-    print(f"synthetic fp8 model (e4m3 + fp32 weight_scale_inv per 128x128 block): {num_matrices} matrices of {SHAPE}, "
-          f"{model_bytes / 1e9:.2f} GB; chunk {args.chunk_mb} MiB, {args.threads or os.cpu_count()} threads\n")
+    print(
+        f"synthetic fp8 model (e4m3 + fp32 weight_scale_inv per 128x128 block): {num_matrices} matrices of {SHAPE}, "
+        f"{model_bytes / 1e9:.2f} GB; chunk {args.chunk_mb} MiB, {args.threads or os.cpu_count()} threads\n"
+    )
     store0, cache0, recv0 = work / "store", work / "cache", work / "recv"
     anchor, _, _ = in_fresh_process(_push, str(base), str(store0), str(cache0), args.chunk_mb, args.threads, 1000)
     in_fresh_process(_pull, str(store0), str(recv0), anchor.id, args.threads)
     zstd_bytes, _ = baseline_zstd(base, 3, args.threads or os.cpu_count())
-    print(f"{'anchor':<10} stored {mib(anchor.stored_bytes)} ({anchor.ratio:5.2f}x); zstd -3 of all {mib(zstd_bytes)} "
-          f"({model_bytes / zstd_bytes:5.2f}x)\n")
-    header = (f"{'target':>6} {'values':>7} {'scales':>7} | {'sync delta':>12} {'ratio':>7} {'encode':>11} {'enc rss':>12} "
-              f"{'decode':>11} {'bit-exact':>9} | {'xor+zstd':>12} {'ratio':>7}")
+    print(
+        f"{'anchor':<10} stored {mib(anchor.stored_bytes)} ({anchor.ratio:5.2f}x); zstd -3 of all {mib(zstd_bytes)} "
+        f"({model_bytes / zstd_bytes:5.2f}x)\n"
+    )
+    header = (
+        f"{'target':>6} {'values':>7} {'scales':>7} | {'sync delta':>12} {'ratio':>7} {'encode':>11} {'enc rss':>12} "
+        f"{'decode':>11} {'bit-exact':>9} | {'xor+zstd':>12} {'ratio':>7}"
+    )
     print(header)
     print("-" * len(header))
     for density in args.densities:
@@ -175,9 +183,12 @@ def fp8_synthetic(args: argparse.Namespace, work: Path) -> None:
                 else:
                     changed_values, values = changed_values + int(np.sum(a != b)), values + t.numel
         xor_bytes, _ = baseline_xor_zstd(base, new, 3, args.threads or os.cpu_count())
-        print(f"{density:5.1f}% {100 * changed_values / values:6.2f}% {100 * changed_scales / scales:6.2f}% | "
-              f"{mib(info.stored_bytes)} {info.ratio:6.1f}x {gbps(model_bytes, enc_s)} {mib(enc_rss)} "
-              f"{gbps(model_bytes, dec_s)} {str(exact):>9} | {mib(xor_bytes)} {model_bytes / xor_bytes:6.1f}x", flush=True)
+        print(
+            f"{density:5.1f}% {100 * changed_values / values:6.2f}% {100 * changed_scales / scales:6.2f}% | "
+            f"{mib(info.stored_bytes)} {info.ratio:6.1f}x {gbps(model_bytes, enc_s)} {mib(enc_rss)} "
+            f"{gbps(model_bytes, dec_s)} {str(exact):>9} | {mib(xor_bytes)} {model_bytes / xor_bytes:6.1f}x",
+            flush=True,
+        )
         for path in (new, store, cache, recv):
             shutil.rmtree(path)
 
@@ -193,8 +204,10 @@ def device_encode(args: argparse.Namespace) -> None:
     threads = num_threads(args.threads)
     num_matrices = max(1, round(args.size_gb * 1e9 / (SHAPE[0] * SHAPE[1] * 2)))
     per_piece = (args.chunk_mb << 20) // 2
-    print(f"device {args.device}: {num_matrices} bf16 matrices of {SHAPE} ({num_matrices * SHAPE[0] * SHAPE[1] * 2 / 1e9:.2f} GB) "
-          f"in {args.chunk_mb} MiB pieces; host encoder on {threads} threads\n")
+    print(
+        f"device {args.device}: {num_matrices} bf16 matrices of {SHAPE} ({num_matrices * SHAPE[0] * SHAPE[1] * 2 / 1e9:.2f} GB) "
+        f"in {args.chunk_mb} MiB pieces; host encoder on {threads} threads\n"
+    )
     print(f"{'target':>6} | {'device encode':>14} | {'host encode':>12} | {'speed-up':>8} {'identical':>9}")
     for density in args.densities:
         relative_step = calibrate(density / 100)
@@ -203,7 +216,7 @@ def device_encode(args: argparse.Namespace) -> None:
             master = _master(i)
             old.append(torch.from_numpy(to_bf16(master).view(np.int16)).reshape(-1).to(args.device))
             new.append(torch.from_numpy(to_bf16(_stepped(master, i, relative_step)).view(np.int16)).reshape(-1).to(args.device))
-        pieces = [(n[a: a + per_piece], o[a: a + per_piece]) for n, o in zip(new, old) for a in range(0, n.numel(), per_piece)]
+        pieces = [(n[a : a + per_piece], o[a : a + per_piece]) for n, o in zip(new, old) for a in range(0, n.numel(), per_piece)]
         encoder = DeviceDeltaEncoder(args.device, threads=threads)
         list(encoder.encode(pieces[:1]))  # warm-up (CUDA context, allocator)
         if args.device.startswith("cuda"):
@@ -217,8 +230,11 @@ def device_encode(args: argparse.Namespace) -> None:
         on_host = list(ordered_map(lambda pair: encode_piece(pair[0], pair[1], cctx()), host_pieces, threads))
         host_s = time.perf_counter() - started
         nbytes = sum(n.numel() * 2 for n, _ in pieces)
-        print(f"{density:5.1f}% | {gbps(nbytes, device_s):>14} | {gbps(nbytes, host_s):>12} | {host_s / device_s:7.2f}x "
-              f"{str(on_device == on_host):>9}", flush=True)
+        print(
+            f"{density:5.1f}% | {gbps(nbytes, device_s):>14} | {gbps(nbytes, host_s):>12} | {host_s / device_s:7.2f}x "
+            f"{str(on_device == on_host):>9}",
+            flush=True,
+        )
 
 
 def threading_local_compressors():
@@ -360,23 +376,30 @@ def synthetic(args: argparse.Namespace, work: Path) -> None:
     write_model(base, num_matrices, None)
     with Checkpoint(base) as ck:
         model_bytes = ck.nbytes
-    print(f"synthetic bf16 model: {num_matrices} matrices of {SHAPE}, {model_bytes / 1e9:.2f} GB; "
-          f"chunk {args.chunk_mb} MiB, {args.threads or os.cpu_count()} threads, {os.cpu_count()} cores\n")
+    print(
+        f"synthetic bf16 model: {num_matrices} matrices of {SHAPE}, {model_bytes / 1e9:.2f} GB; "
+        f"chunk {args.chunk_mb} MiB, {args.threads or os.cpu_count()} threads, {os.cpu_count()} cores\n"
+    )
 
     store0, cache0, recv0 = work / "store", work / "cache", work / "recv"
     anchor, enc_s, enc_rss = in_fresh_process(_push, str(base), str(store0), str(cache0), args.chunk_mb, args.threads, 1000)
     pulled, dec_s, dec_rss = in_fresh_process(_pull, str(store0), str(recv0), anchor.id, args.threads)
     copy_bytes, copy_s = baseline_copy(base, work / "copy")
     zstd_bytes, zstd_s = baseline_zstd(base, 3, args.threads or os.cpu_count())
-    print(f"{'anchor (full snapshot)':<28} stored {mib(anchor.stored_bytes)} ({anchor.ratio:5.2f}x)  "
-          f"encode {gbps(model_bytes, enc_s)} rss {mib(enc_rss)}  decode {gbps(model_bytes, dec_s)} rss {mib(dec_rss)}")
+    print(
+        f"{'anchor (full snapshot)':<28} stored {mib(anchor.stored_bytes)} ({anchor.ratio:5.2f}x)  "
+        f"encode {gbps(model_bytes, enc_s)} rss {mib(enc_rss)}  decode {gbps(model_bytes, dec_s)} rss {mib(dec_rss)}"
+    )
     print(f"{'baseline: full copy':<28} bytes  {mib(copy_bytes)} (1.00x)  copy   {gbps(copy_bytes, copy_s)}")
-    print(f"{'baseline: zstd -3 of all':<28} bytes  {mib(zstd_bytes)} ({copy_bytes / zstd_bytes:5.2f}x)  "
-          f"encode {gbps(model_bytes, zstd_s)}\n")
+    print(
+        f"{'baseline: zstd -3 of all':<28} bytes  {mib(zstd_bytes)} ({copy_bytes / zstd_bytes:5.2f}x)  encode {gbps(model_bytes, zstd_s)}\n"
+    )
 
-    header = (f"{'target':>6} {'actual':>7} | {'sync delta':>12} {'ratio':>7} {'encode':>11} {'enc rss':>12} "
-              f"{'decode':>11} {'dec rss':>12} {'apply':>11} | {'xor+zstd':>12} {'ratio':>7} {'encode':>11} | "
-              f"{'codec enc':>11} {'codec dec':>11} (1 thread, in memory)")
+    header = (
+        f"{'target':>6} {'actual':>7} | {'sync delta':>12} {'ratio':>7} {'encode':>11} {'enc rss':>12} "
+        f"{'decode':>11} {'dec rss':>12} {'apply':>11} | {'xor+zstd':>12} {'ratio':>7} {'encode':>11} | "
+        f"{'codec enc':>11} {'codec dec':>11} (1 thread, in memory)"
+    )
     print(header)
     print("-" * len(header))
     for density in args.densities:
@@ -397,10 +420,13 @@ def synthetic(args: argparse.Namespace, work: Path) -> None:
         actual = 100 * info.changed_elements / info.total_elements
         codec_enc_s, codec_dec_s = codec_only(relative_step)
         matrix_bytes = SHAPE[0] * SHAPE[1] * 2
-        print(f"{density:5.1f}% {actual:6.2f}% | {mib(info.stored_bytes)} {info.ratio:6.1f}x {gbps(model_bytes, enc_s)} "
-              f"{mib(enc_rss)} {gbps(model_bytes, dec_s)} {mib(dec_rss)} {gbps(model_bytes, apply_s)} | {mib(xor_bytes)} "
-              f"{copy_bytes / xor_bytes:6.1f}x {gbps(model_bytes, xor_s)} | {gbps(matrix_bytes, codec_enc_s)} "
-              f"{gbps(matrix_bytes, codec_dec_s)}", flush=True)
+        print(
+            f"{density:5.1f}% {actual:6.2f}% | {mib(info.stored_bytes)} {info.ratio:6.1f}x {gbps(model_bytes, enc_s)} "
+            f"{mib(enc_rss)} {gbps(model_bytes, dec_s)} {mib(dec_rss)} {gbps(model_bytes, apply_s)} | {mib(xor_bytes)} "
+            f"{copy_bytes / xor_bytes:6.1f}x {gbps(model_bytes, xor_s)} | {gbps(matrix_bytes, codec_enc_s)} "
+            f"{gbps(matrix_bytes, codec_dec_s)}",
+            flush=True,
+        )
         for path in (new, store, cache, recv):
             shutil.rmtree(path)
 
@@ -411,11 +437,12 @@ def real(args: argparse.Namespace, work: Path) -> None:
     for directory in args.checkpoints:
         with Checkpoint(Path(directory)) as ck:
             model_bytes = ck.nbytes
-        info, enc_s, enc_rss = in_fresh_process(_push, directory, str(store), str(cache), args.chunk_mb, args.threads,
-                                                args.anchor_every)
-        line = (f"{directory}: {info.id} {'anchor' if info.is_anchor else 'delta '} "
-                f"changed {100 * info.changed_elements / info.total_elements:6.2f}% stored {mib(info.stored_bytes)} "
-                f"({info.ratio:6.1f}x) encode {gbps(model_bytes, enc_s)} rss {mib(enc_rss)}")
+        info, enc_s, enc_rss = in_fresh_process(_push, directory, str(store), str(cache), args.chunk_mb, args.threads, args.anchor_every)
+        line = (
+            f"{directory}: {info.id} {'anchor' if info.is_anchor else 'delta '} "
+            f"changed {100 * info.changed_elements / info.total_elements:6.2f}% stored {mib(info.stored_bytes)} "
+            f"({info.ratio:6.1f}x) encode {gbps(model_bytes, enc_s)} rss {mib(enc_rss)}"
+        )
         if previous is not None:
             xor_bytes, _ = baseline_xor_zstd(Path(previous), Path(directory), 3, args.threads or os.cpu_count())
             line += f" | xor+zstd {mib(xor_bytes)} ({model_bytes / xor_bytes:5.1f}x)"

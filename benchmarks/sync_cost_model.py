@@ -54,9 +54,13 @@ def measure_codec(density: float, repeats: int = 3) -> dict:
         decode_s = min(decode_s, time.perf_counter() - started)
         assert all(np.array_equal(out, n) for out, (n, _) in zip(outs, pairs))
     anchor = sum(len(cctx.compress(n.tobytes())) for n, _ in pairs)
-    return dict(density=np.mean(new_w != old_w), delta_per_byte=sum(len(p.payload) for p in pieces) / model_bytes,
-                anchor_per_byte=anchor / model_bytes, encode_gbps=model_bytes / encode_s / 1e9,
-                decode_gbps=model_bytes / decode_s / 1e9)
+    return dict(
+        density=np.mean(new_w != old_w),
+        delta_per_byte=sum(len(p.payload) for p in pieces) / model_bytes,
+        anchor_per_byte=anchor / model_bytes,
+        encode_gbps=model_bytes / encode_s / 1e9,
+        decode_gbps=model_bytes / decode_s / 1e9,
+    )
 
 
 def main() -> None:
@@ -77,9 +81,11 @@ def main() -> None:
     print("calibrating the codec on one 4096x4096 e4m3 matrix + fp32 scales per density, one thread ...\n")
     rows = [measure_codec(d / 100) for d in args.densities]
 
-    print(f"{'density':>8} {'ratio':>7} {'delta/step':>11} {'enc GB/s/core':>14} {'dec GB/s/core':>14} | "
-          f"{'encode':>7} {'upload':>7} | {'fan-out WAN':>12} {'s':>7} | {'relay WAN':>10} {'s':>7} {'LAN s':>7} | {'apply':>7} | "
-          f"{'step, fan-out':>13} {'step, relay':>11}")
+    print(
+        f"{'density':>8} {'ratio':>7} {'delta/step':>11} {'enc GB/s/core':>14} {'dec GB/s/core':>14} | "
+        f"{'encode':>7} {'upload':>7} | {'fan-out WAN':>12} {'s':>7} | {'relay WAN':>10} {'s':>7} {'LAN s':>7} | {'apply':>7} | "
+        f"{'step, fan-out':>13} {'step, relay':>11}"
+    )
     for r in rows:
         delta = model * r["delta_per_byte"]
         encode_s = model / (r["encode_gbps"] * 1e9 * args.encoder_cores)
@@ -90,23 +96,31 @@ def main() -> None:
         relay_s = relay_bytes / (args.wan_gbps * 1e9)
         lan_s = delta * args.nodes_per_cluster / (args.lan_gbps * 1e9)
         apply_s = model / (r["decode_gbps"] * 1e9 * args.decoder_cores)  # every piece holds some change at these densities
-        print(f"{100 * r['density']:7.2f}% {1 / r['delta_per_byte']:6.1f}x {delta / 1e9:8.2f} GB {r['encode_gbps']:14.3f} "
-              f"{r['decode_gbps']:14.3f} | {encode_s:6.1f}s {upload_s:6.1f}s | {fan_bytes / 1e9:9.1f} GB {fan_s:6.1f}s | "
-              f"{relay_bytes / 1e9:7.1f} GB {relay_s:6.1f}s {lan_s:6.1f}s | {apply_s:6.1f}s | "
-              f"{encode_s + upload_s + fan_s + apply_s:12.1f}s {encode_s + upload_s + relay_s + lan_s + apply_s:10.1f}s")
+        print(
+            f"{100 * r['density']:7.2f}% {1 / r['delta_per_byte']:6.1f}x {delta / 1e9:8.2f} GB {r['encode_gbps']:14.3f} "
+            f"{r['decode_gbps']:14.3f} | {encode_s:6.1f}s {upload_s:6.1f}s | {fan_bytes / 1e9:9.1f} GB {fan_s:6.1f}s | "
+            f"{relay_bytes / 1e9:7.1f} GB {relay_s:6.1f}s {lan_s:6.1f}s | {apply_s:6.1f}s | "
+            f"{encode_s + upload_s + fan_s + apply_s:12.1f}s {encode_s + upload_s + relay_s + lan_s + apply_s:10.1f}s"
+        )
 
     middle = rows[len(rows) // 2]
     delta = model * middle["delta_per_byte"]
     anchor = model * middle["anchor_per_byte"]
-    print(f"\nanchor interval at {100 * middle['density']:.2f}% (anchor {anchor / 1e9:.0f} GB = {1 / middle['anchor_per_byte']:.2f}x, "
-          f"delta {delta / 1e9:.1f} GB), relay to {args.clusters} clusters:")
-    print(f"{'every':>6} | {'avg/step':>10} {'WAN s/step':>11} | {'catch-up bytes':>15} {'catch-up s':>11} | {'store holds (2 chains)':>22}")
+    print(
+        f"\nanchor interval at {100 * middle['density']:.2f}% (anchor {anchor / 1e9:.0f} GB = {1 / middle['anchor_per_byte']:.2f}x, "
+        f"delta {delta / 1e9:.1f} GB), relay to {args.clusters} clusters:"
+    )
+    print(
+        f"{'every':>6} | {'avg/step':>10} {'WAN s/step':>11} | {'catch-up bytes':>15} {'catch-up s':>11} | {'store holds (2 chains)':>22}"
+    )
     for n in args.anchor_every:
         per_step = anchor / n + delta * (n - 1) / n
         catch_up = anchor + delta * (n - 1)
         wan_s = per_step * args.clusters / (args.wan_gbps * 1e9)
-        print(f"{n:6d} | {per_step / 1e9:7.1f} GB {wan_s:10.1f}s | {catch_up / 1e9:12.0f} GB "
-              f"{catch_up / (args.wan_gbps * 1e9):10.1f}s | {2 * catch_up / 1e12:19.2f} TB")
+        print(
+            f"{n:6d} | {per_step / 1e9:7.1f} GB {wan_s:10.1f}s | {catch_up / 1e9:12.0f} GB "
+            f"{catch_up / (args.wan_gbps * 1e9):10.1f}s | {2 * catch_up / 1e12:19.2f} TB"
+        )
 
 
 if __name__ == "__main__":

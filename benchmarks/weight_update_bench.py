@@ -36,9 +36,22 @@ from composer.recipes.schema import ModelSection, RolloutSection, SamplingSectio
 
 REPO = Path(__file__).resolve().parents[1]
 # ~1 GB of fp32: 4 layers of 18 experts (hidden 1024, expert FFN 768), 32k vocabulary, untied head
-SYNTHETIC = dict(family="qwen3_moe", num_layers=4, hidden_size=1024, num_attention_heads=8, num_kv_heads=4,
-                 head_dim=128, num_experts=18, moe_top_k=2, moe_ffn_hidden_size=768, vocab_size=32000,
-                 max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False, dtype="float32")
+SYNTHETIC = dict(
+    family="qwen3_moe",
+    num_layers=4,
+    hidden_size=1024,
+    num_attention_heads=8,
+    num_kv_heads=4,
+    head_dim=128,
+    num_experts=18,
+    moe_top_k=2,
+    moe_ffn_hidden_size=768,
+    vocab_size=32000,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    dtype="float32",
+)
 
 
 def peak_rss() -> int:
@@ -113,8 +126,7 @@ def measure(label: str, m: ModelSection, work: Path, density: float, layers_touc
         patched = update_in_place(store, work / "in_place", delta.id, threads)
         patch_s = time.perf_counter() - started
         target, before = store.manifest(delta.id), store.manifest("v00000001")
-        applied = engine.update_weights((work / "in_place" / "current").resolve(), target.differing_tensors(before),
-                                        target.piece_hashes())
+        applied = engine.update_weights((work / "in_place" / "current").resolve(), target.differing_tensors(before), target.piece_hashes())
         in_place_s = time.perf_counter() - started
         in_place_digest = engine.weights_digest()
         [[after_in_place]] = engine.generate(prompt, max_tokens=4, seeds=[0])
@@ -126,12 +138,27 @@ def measure(label: str, m: ModelSection, work: Path, density: float, layers_touc
         full_s = time.perf_counter() - started
         full_digest = engine.weights_digest()
         [[after_full]] = engine.generate(prompt, max_tokens=4, seeds=[0])
-    exact = in_place_digest == full_digest and after_in_place.token_ids == after_full.token_ids and \
-        after_in_place.logprobs == after_full.logprobs
-    return dict(label=label, model_bytes=model_bytes, changed=100 * delta.changed_elements / delta.total_elements,
-                delta_bytes=delta.stored_bytes, tensors=len(applied["tensors"]), layers=applied["layers"],
-                reloaded_bytes=applied["bytes"], patch_s=patch_s, in_place_s=in_place_s, pull_s=pull_s,
-                full_s=full_s, exact=exact, patched_bytes=patched.patched_bytes, worker=applied["seconds"])
+    exact = (
+        in_place_digest == full_digest
+        and after_in_place.token_ids == after_full.token_ids
+        and after_in_place.logprobs == after_full.logprobs
+    )
+    return dict(
+        label=label,
+        model_bytes=model_bytes,
+        changed=100 * delta.changed_elements / delta.total_elements,
+        delta_bytes=delta.stored_bytes,
+        tensors=len(applied["tensors"]),
+        layers=applied["layers"],
+        reloaded_bytes=applied["bytes"],
+        patch_s=patch_s,
+        in_place_s=in_place_s,
+        pull_s=pull_s,
+        full_s=full_s,
+        exact=exact,
+        patched_bytes=patched.patched_bytes,
+        worker=applied["seconds"],
+    )
 
 
 def main() -> None:
@@ -145,19 +172,23 @@ def main() -> None:
     smoke = ModelSection(**yaml.safe_load((REPO / "recipes/base/tiny-moe.yaml").read_text())["model"])
     models = [("smoke (tiny-moe.yaml)", smoke)] + ([] if args.skip_synthetic else [("synthetic ~1 GB", ModelSection(**SYNTHETIC))])
     print(f"density {100 * args.density:g}% of values in {100 * args.layers_touched:g}% of layers; {os.cpu_count()} cores\n")
-    header = (f"{'model':<22} {'size':>9} {'changed':>8} {'delta':>10} {'reloaded':>16} | {'patch':>7} {'in place':>9} | "
-              f"{'pull':>7} {'full':>7} | {'speed-up':>8} {'bit-exact':>9}")
+    header = (
+        f"{'model':<22} {'size':>9} {'changed':>8} {'delta':>10} {'reloaded':>16} | {'patch':>7} {'in place':>9} | "
+        f"{'pull':>7} {'full':>7} | {'speed-up':>8} {'bit-exact':>9}"
+    )
     print(header)
     print("-" * len(header))
     for label, m in models:
         with tempfile.TemporaryDirectory(prefix="weight-update-bench-", dir=args.workdir) as tmp:
             r = measure(label, m, Path(tmp), args.density, args.layers_touched, args.threads)
-        print(f"{r['label']:<22} {r['model_bytes'] / 1e9:7.3f}GB {r['changed']:7.2f}% {r['delta_bytes'] / 1e6:8.2f}MB "
-              f"{r['layers']:3d} layers {r['reloaded_bytes'] / r['model_bytes']:4.0%} | {r['patch_s']:6.2f}s {r['in_place_s']:8.2f}s | "
-              f"{r['pull_s']:6.2f}s {r['full_s']:6.2f}s | {r['full_s'] / r['in_place_s']:7.1f}x {str(r['exact']):>9}", flush=True)
+        print(
+            f"{r['label']:<22} {r['model_bytes'] / 1e9:7.3f}GB {r['changed']:7.2f}% {r['delta_bytes'] / 1e6:8.2f}MB "
+            f"{r['layers']:3d} layers {r['reloaded_bytes'] / r['model_bytes']:4.0%} | {r['patch_s']:6.2f}s {r['in_place_s']:8.2f}s | "
+            f"{r['pull_s']:6.2f}s {r['full_s']:6.2f}s | {r['full_s'] / r['in_place_s']:7.1f}x {str(r['exact']):>9}",
+            flush=True,
+        )
         worker = ", ".join(f"{k} {v:.2f}s" for k, v in r["worker"].items())
-        print(f"{'':<22} in place, in the engine: {worker}; engine reload in the full path "
-              f"{r['full_s'] - r['pull_s']:.2f}s", flush=True)
+        print(f"{'':<22} in place, in the engine: {worker}; engine reload in the full path {r['full_s'] - r['pull_s']:.2f}s", flush=True)
     print(f"\npeak RSS {peak_rss() / 2**30:.2f} GiB")
 
 

@@ -43,9 +43,18 @@ def main() -> None:
     relative = module.relative_to(bases / "episode")
     (layer / relative).parent.mkdir(parents=True)
     (layer / relative).write_text(module.read_text() + "\n# changed\n")
-    tests = RepoTests(package=args.project, test_files=(), fail_to_pass=(), pass_to_pass=(), pytest_args=(), layer=layer,
-                      episode_base=bases / "episode", grading_base=bases / "grading", hidden=installed_copies(args.project),
-                      timeout_s=60.0)
+    tests = RepoTests(
+        package=args.project,
+        test_files=(),
+        fail_to_pass=(),
+        pass_to_pass=(),
+        pytest_args=(),
+        layer=layer,
+        episode_base=bases / "episode",
+        grading_base=bases / "grading",
+        hidden=installed_copies(args.project),
+        timeout_s=60.0,
+    )
     sandbox = Sandbox(SandboxSection(), root=work / "sandbox")
     area = work / "views"
     area.mkdir()
@@ -67,9 +76,11 @@ def main() -> None:
             timings[overlay][1].append(closed - closing)
     for label, index in (("create", 0), ("destroy", 1)):
         over, copy = timings[True][index], timings[False][index]
-        print(f"{label:8s} overlay p50 {1e3 * percentile(over, 0.5):8.2f} ms  p95 {1e3 * percentile(over, 0.95):8.2f} ms | "
-              f"copy p50 {1e3 * percentile(copy, 0.5):8.2f} ms  p95 {1e3 * percentile(copy, 0.95):8.2f} ms | "
-              f"copy/overlay p50 {percentile(copy, 0.5) / percentile(over, 0.5):7.1f}x  mean {statistics.mean(copy) / statistics.mean(over):7.1f}x")
+        print(
+            f"{label:8s} overlay p50 {1e3 * percentile(over, 0.5):8.2f} ms  p95 {1e3 * percentile(over, 0.95):8.2f} ms | "
+            f"copy p50 {1e3 * percentile(copy, 0.5):8.2f} ms  p95 {1e3 * percentile(copy, 0.95):8.2f} ms | "
+            f"copy/overlay p50 {percentile(copy, 0.5) / percentile(over, 0.5):7.1f}x  mean {statistics.mean(copy) / statistics.mean(over):7.1f}x"
+        )
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -38,8 +38,14 @@ def check(
             continue
         devices = f"{len(f['gpus'])} GPU ({escape(f['gpus'][0][0])}, {f['gpus'][0][1]} MiB)" if f["gpus"] else f"CPU x{f['cpus']}"
         verdict = f"[red]{escape('; '.join(r.problems))}[/]" if r.problems else "[green]ok[/]"
-        table.add_row(escape(r.host), *(escape(f["versions"].get(n) or "-") for n in PACKAGES), devices,
-                      f"{f['free_gib']:.1f}", f"{r.skew:+.3f}", verdict)
+        table.add_row(
+            escape(r.host),
+            *(escape(f["versions"].get(n) or "-") for n in PACKAGES),
+            devices,
+            f"{f['free_gib']:.1f}",
+            f"{r.skew:+.3f}",
+            verdict,
+        )
     console.print(table)
     problems = sum(len(r.problems) for r in reports)
     if problems:
@@ -52,8 +58,11 @@ def print_plan(plan, parallelism, world_size: int, out: Console) -> None:
     """A launch plan for --dry-run: hosts, node ranks, ranks, the command each host runs, and the parallel groups."""
     from composer.cluster.groups import describe_group, parallel_groups
 
-    out.print(f"[bold]launch plan[/]: launcher {plan.launcher}, {len(plan.hosts)} host(s), world size {world_size}, "
-              f"rendezvous {escape(plan.rendezvous)}", highlight=False)
+    out.print(
+        f"[bold]launch plan[/]: launcher {plan.launcher}, {len(plan.hosts)} host(s), world size {world_size}, "
+        f"rendezvous {escape(plan.rendezvous)}",
+        highlight=False,
+    )
     hosts = Table(show_lines=False)
     for column in ("host", "node rank", "ranks", "command"):
         hosts.add_column(column, overflow="fold")
@@ -65,8 +74,15 @@ def print_plan(plan, parallelism, world_size: int, out: Console) -> None:
     groups = Table(title="parallel groups (global ranks, as Megatron-Core's parallel_state builds them)")
     for column in ("group", "size", "count", "ranks"):
         groups.add_column(column, overflow="fold")
-    names = {"tp": "tensor (TP)", "cp": "context (CP)", "pp": "pipeline (PP)", "dp": "data (DP)", "ep": "expert (EP)",
-             "etp": "expert tensor (ETP)", "edp": "expert data (EDP)"}
+    names = {
+        "tp": "tensor (TP)",
+        "cp": "context (CP)",
+        "pp": "pipeline (PP)",
+        "dp": "data (DP)",
+        "ep": "expert (EP)",
+        "etp": "expert tensor (ETP)",
+        "edp": "expert data (EDP)",
+    }
     trivial = []
     for kind, members in parallel_groups(parallelism, world_size).items():
         if len(members[0]) == 1:
@@ -100,8 +116,11 @@ def print_rollout_plan(plan, engine_kind: str, out: Console) -> None:
             ranks = " ".join(f"{i}:{describe_devices(r)}" for i, r in enumerate(engine.ranks))
             if engine_kind == "embedded":
                 single_cpu_rank = len(engine.ranks) == 1 and engine.kind == "cpu"
-                command = "in the driver's process (a single CPU rank is not bound)" if single_cpu_rank else \
-                    f"in the driver's process, with {' '.join(f'{k}={v}' for k, v in engine.env().items())}"
+                command = (
+                    "in the driver's process (a single CPU rank is not bound)"
+                    if single_cpu_rank
+                    else f"in the driver's process, with {' '.join(f'{k}={v}' for k, v in engine.env().items())}"
+                )
             table.add_row(escape(host), devices, learner, escape(where), ranks, escape(command))
             devices = learner = ""
         if placement.front_end:

@@ -30,7 +30,9 @@ def _data_recipe(recipe_file: Path, overrides: list[str]):
 @app.command()
 def prepare(
     recipe_file: Path = RecipeArgument,
-    submit: bool = typer.Option(False, "--submit", help="cluster.launcher slurm: run the pipeline as SLURM job arrays (one per stage) and print their ids."),
+    submit: bool = typer.Option(
+        False, "--submit", help="cluster.launcher slurm: run the pipeline as SLURM job arrays (one per stage) and print their ids."
+    ),
     overrides: list[str] = SetOption,
 ) -> None:
     """Deduplicate, filter, shape and tokenize every source into a Megatron .bin/.idx dataset, cached by a hash of
@@ -46,8 +48,10 @@ def prepare(
         jobs = submit_data(recipe.data, recipe.cluster, **args)
         for source, stage, job in jobs:
             console.print(f"submitted {escape(source)} {stage}: SLURM job {job}", highlight=False)
-        console.print("every source was already prepared; nothing to do" if not jobs else
-                      "run `composer data stats` once the last job has finished", highlight=False)
+        console.print(
+            "every source was already prepared; nothing to do" if not jobs else "run `composer data stats` once the last job has finished",
+            highlight=False,
+        )
         return
     prepared = prepare_data(recipe.data, console=console, **args)
     show(prepared, recipe)
@@ -73,8 +77,16 @@ def show(prepared, recipe) -> None:
         table.add_column(column, justify="left" if column in ("source", "cache") else "right", overflow="fold", no_wrap=column != "source")
     for s in prepared.sources:
         drawn = trained * s.weight / total_weight
-        table.add_row(escape(s.name), f"{s.weight:g}", f"{s.summary['inputs']:,}", f"{s.num_documents:,}", f"{s.num_tokens:,}",
-                      f"{drawn:,.0f}", f"{drawn / s.num_tokens:.2f}", "[green]hit[/]" if s.cached else "built")
+        table.add_row(
+            escape(s.name),
+            f"{s.weight:g}",
+            f"{s.summary['inputs']:,}",
+            f"{s.num_documents:,}",
+            f"{s.num_tokens:,}",
+            f"{drawn:,.0f}",
+            f"{drawn / s.num_tokens:.2f}",
+            "[green]hit[/]" if s.cached else "built",
+        )
     print_whole_table(console, table)
     for s in prepared.sources:
         _show_source(s)
@@ -89,8 +101,13 @@ def _show_source(s) -> None:
     if summary["not_utf8"]:
         console.print(f"  [yellow]{summary['not_utf8']} file(s) were not valid UTF-8; bad bytes became U+FFFD[/]", highlight=False)
     if summary["redactions"]:
-        console.print("  redacted: " + ", ".join(f"{k} {v:,}" for k, v in sorted(summary["redactions"].items()))
-                      + f" (report: {escape(str(s.prefix.parent / 'redactions.jsonl'))})", highlight=False, soft_wrap=True)
+        console.print(
+            "  redacted: "
+            + ", ".join(f"{k} {v:,}" for k, v in sorted(summary["redactions"].items()))
+            + f" (report: {escape(str(s.prefix.parent / 'redactions.jsonl'))})",
+            highlight=False,
+            soft_wrap=True,
+        )
     table = Table(box=None, padding=(0, 2), show_header=True)
     for column in ("step", "documents removed", "tokens removed", "why"):
         table.add_column(column, justify="right" if "removed" in column else "left", overflow="fold", no_wrap=column != "why")
@@ -102,14 +119,27 @@ def _show_source(s) -> None:
     near = summary["near_dedup"]
     if near:
         odds = ", ".join(f"J={k}: {v:.2f}" for k, v in near["catch_probability"].items())
-        console.print(f"  near duplicates: {near['clusters']:,} clusters; MinHash {near['bands']} bands x {near['rows']} rows "
-                      f"(threshold {near['threshold']}; chance a pair is caught: {odds})", highlight=False)
+        console.print(
+            f"  near duplicates: {near['clusters']:,} clusters; MinHash {near['bands']} bands x {near['rows']} rows "
+            f"(threshold {near['threshold']}; chance a pair is caught: {odds})",
+            highlight=False,
+        )
     languages = sorted(summary["languages"].items(), key=lambda kv: -kv[1]["tokens"])
-    console.print("  languages (files, tokens): " + ", ".join(f"{escape(k)} {v['files']:,} {v['tokens']:,}" for k, v in languages[:8])
-                  + (f", {len(languages) - 8} more" if len(languages) > 8 else ""), highlight=False, soft_wrap=True)
+    console.print(
+        "  languages (files, tokens): "
+        + ", ".join(f"{escape(k)} {v['files']:,} {v['tokens']:,}" for k, v in languages[:8])
+        + (f", {len(languages) - 8} more" if len(languages) > 8 else ""),
+        highlight=False,
+        soft_wrap=True,
+    )
     fim = summary["fim"]
     if fim["psm"] + fim["spm"]:
         share = (fim["psm"] + fim["spm"]) / max(1, fim["files"])
-        console.print(f"  FIM: {fim['psm'] + fim['spm']:,} of {fim['files']:,} files ({share:.0%}; PSM {fim['psm']:,}, SPM {fim['spm']:,})", highlight=False)
+        console.print(
+            f"  FIM: {fim['psm'] + fim['spm']:,} of {fim['files']:,} files ({share:.0%}; PSM {fim['psm']:,}, SPM {fim['spm']:,})",
+            highlight=False,
+        )
     if summary["repository_documents"]:
-        console.print(f"  repository documents: {summary['repository_documents']:,} ({summary['repository_files']:,} files)", highlight=False)
+        console.print(
+            f"  repository documents: {summary['repository_documents']:,} ({summary['repository_files']:,} files)", highlight=False
+        )

@@ -20,7 +20,9 @@ console = Console()
 @app.command()
 def check(
     file: Path = typer.Argument(..., help="Recipe file with an `env` section."),
-    overrides: list[str] = typer.Option([], "--set", "-s", help="Override a key: --set env.reward=fraction (value parsed as YAML). Repeatable."),
+    overrides: list[str] = typer.Option(
+        [], "--set", "-s", help="Override a key: --set env.reward=fraction (value parsed as YAML). Repeatable."
+    ),
     max_tasks: int = typer.Option(50, "--max-tasks", min=0, help="Check the first N tasks of each task set; 0 checks all."),
     workers: int = typer.Option(2, "--workers", min=1, help="Sandboxes run at once."),
 ) -> None:
@@ -68,9 +70,12 @@ def check(
     console.print(table)
     for r in reports:
         if r.checked:
-            console.print(f"{r.task_set}: {r.all_calls}/{r.checked} task(s) fully protected (every case a (call, expected) "
-                          f"pair judged outside the sandbox); {len(r.by_statements)} with cases judged by their own test "
-                          "statements, also outside the sandbox", highlight=False)
+            console.print(
+                f"{r.task_set}: {r.all_calls}/{r.checked} task(s) fully protected (every case a (call, expected) "
+                f"pair judged outside the sandbox); {len(r.by_statements)} with cases judged by their own test "
+                "statements, also outside the sandbox",
+                highlight=False,
+            )
         by_reason: dict[str, list[str]] = {}
         for task_id, reason in r.by_statements:
             by_reason.setdefault(reason, []).append(task_id)
@@ -79,10 +84,15 @@ def check(
             console.print(f"[dim]  {escape(reason)}: {escape(shown)}[/]", highlight=False)
     for r in reports:
         if r.skipped:
-            console.print(f"[dim]{r.task_set}: {r.skipped} task(s) skipped: their reference program fails on its own inputs or does not reproduce its outputs[/]")
+            console.print(
+                f"[dim]{r.task_set}: {r.skipped} task(s) skipped: their reference program fails on its own inputs or does not reproduce its outputs[/]"
+            )
         for task_id, result in r.failures:
             flags = f", flags: {escape('; '.join(result.flag_details))}" if result.flags else ""
-            console.print(f"[red]✗[/] {escape(task_id)}: {result.status} {escape(result.detail)}, {result.passed}/{result.total} tests{flags}", highlight=False)
+            console.print(
+                f"[red]✗[/] {escape(task_id)}: {result.status} {escape(result.detail)}, {result.passed}/{result.total} tests{flags}",
+                highlight=False,
+            )
     failed = sum(len(r.failures) for r in reports)
     failed += sum(_check_repo(ts, recipe.env.sandbox, env.sandbox.root, limit, workers) for ts in repo_sets)
     if failed:
@@ -97,9 +107,12 @@ def _check_repo(task_set, sandbox, sandbox_root: Path, limit: int | None, worker
     with Progress(console=console, transient=True) as progress:
         bar = progress.add_task("repository tasks: originals and changes", total=total)
         report = check_repo_tasks(task_set.repo, sandbox, sandbox_root, limit, workers, on_task=lambda: progress.advance(bar))
-    console.print(f"repo: {report.checked} task(s) checked: originals passing every expected test "
-                  f"{report.originals_passing}/{report.checked}, changed failing every fail-to-pass test (pass-to-pass "
-                  f"passing) {report.changed_failing}/{report.checked}", highlight=False)
+    console.print(
+        f"repo: {report.checked} task(s) checked: originals passing every expected test "
+        f"{report.originals_passing}/{report.checked}, changed failing every fail-to-pass test (pass-to-pass "
+        f"passing) {report.changed_failing}/{report.checked}",
+        highlight=False,
+    )
     for task_id, why in report.failures:
         console.print(f"[red]✗[/] {escape(task_id)}: {escape(why)}", highlight=False)
     return len(report.failures)
@@ -108,8 +121,15 @@ def _check_repo(task_set, sandbox, sandbox_root: Path, limit: int | None, worker
 @app.command()
 def build(
     file: Path = typer.Argument(..., help="Recipe file whose `env.tasks` has a `repo` task set."),
-    overrides: list[str] = typer.Option([], "--set", "-s", help="Override a key: --set env.tasks.0.repo.num_tasks=50 (value parsed as YAML). Repeatable."),
-    workers: int = typer.Option(2, "--workers", min=1, help="Processes validating tasks at once here (with localhost among env.sandbox.hosts; remote hosts run sandboxes_per_host each)."),
+    overrides: list[str] = typer.Option(
+        [], "--set", "-s", help="Override a key: --set env.tasks.0.repo.num_tasks=50 (value parsed as YAML). Repeatable."
+    ),
+    workers: int = typer.Option(
+        2,
+        "--workers",
+        min=1,
+        help="Processes validating tasks at once here (with localhost among env.sandbox.hosts; remote hosts run sandboxes_per_host each).",
+    ),
 ) -> None:
     """Build the recipe's repository task sets: seeded changes of real projects, each validated against the project's
     own tests (the original passes, the change fails). Cached; an interrupted build resumes where it stopped."""
@@ -126,8 +146,11 @@ def build(
             bar = progress.add_task("validated repo tasks", total=settings.num_tasks)
 
             def show(report) -> None:
-                progress.update(bar, completed=report.validated,
-                                description=f"validated repo tasks ({report.tried} tried, {sum(report.rejected.values())} rejected)")
+                progress.update(
+                    bar,
+                    completed=report.validated,
+                    description=f"validated repo tasks ({report.tried} tried, {sum(report.rejected.values())} rejected)",
+                )
 
             report = build_repo_tasks(settings, recipe.env.sandbox, DEFAULT_ROOT, workers, on_progress=show, ssh=recipe.cluster.ssh)
         table = Table(title="repository tasks")
@@ -136,13 +159,18 @@ def build(
         for (project, kind), count in sorted(report.by_project_kind.items()):
             table.add_row(project, kind, str(count))
         console.print(table)
-        console.print(f"{report.validated} validated of {report.tried} candidates tried ({report.resumed} verdicts from the "
-                      f"cache) in {report.seconds:.0f} s; the set: {set_dir(settings)}", highlight=False)
+        console.print(
+            f"{report.validated} validated of {report.tried} candidates tried ({report.resumed} verdicts from the "
+            f"cache) in {report.seconds:.0f} s; the set: {set_dir(settings)}",
+            highlight=False,
+        )
         for reason, count in report.rejected.most_common():
             console.print(f"[dim]  rejected: {escape(reason)}: {count}[/]", highlight=False)
         if set(report.host_runs) - {"localhost"}:
             runs = ", ".join(f"{host} {count}" for host, count in sorted(report.host_runs.items()))
             console.print(f"surveys and validations by sandbox host: {escape(runs)}", highlight=False)
         if report.validated < settings.num_tasks:
-            raise UserError(f"only {report.validated} of num_tasks {settings.num_tasks} candidates validated: every candidate "
-                            "was tried; widen `projects`, `kinds` or `include`")
+            raise UserError(
+                f"only {report.validated} of num_tasks {settings.num_tasks} candidates validated: every candidate "
+                "was tried; widen `projects`, `kinds` or `include`"
+            )

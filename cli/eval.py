@@ -15,13 +15,26 @@ console = Console(soft_wrap=True)
 
 
 def eval_command(
-    recipe_file: Path = typer.Argument(..., metavar="RECIPE", help="Recipe with rollout and env sections (an RL recipe): engines, harness, tasks, sandbox."),
+    recipe_file: Path = typer.Argument(
+        ..., metavar="RECIPE", help="Recipe with rollout and env sections (an RL recipe): engines, harness, tasks, sandbox."
+    ),
     checkpoint: str = typer.Argument(..., help="HF checkpoint directory, run directory (its export or newest policy) or STORE@vNNNNNNNN."),
-    compare: str | None = typer.Option(None, "--compare", metavar="CHECKPOINT", help="Also evaluate this checkpoint on the same tasks; paired differences and tasks gained/lost."),
-    tasks: list[str] = typer.Option([], "--tasks", "-t", help="Task set to evaluate (repeatable; default: rl.eval.tasks, else every set of env.tasks)."),
-    out: Path | None = typer.Option(None, "--out", "-o", help="Output directory (default: <run.dir>/eval/<checkpoint>); a rerun continues it."),
+    compare: str | None = typer.Option(
+        None,
+        "--compare",
+        metavar="CHECKPOINT",
+        help="Also evaluate this checkpoint on the same tasks; paired differences and tasks gained/lost.",
+    ),
+    tasks: list[str] = typer.Option(
+        [], "--tasks", "-t", help="Task set to evaluate (repeatable; default: rl.eval.tasks, else every set of env.tasks)."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="Output directory (default: <run.dir>/eval/<checkpoint>); a rerun continues it."
+    ),
     batch: int = typer.Option(32, "--batch", min=1, help="Tasks per batch of greedy episodes (a batch is kept as soon as it is graded)."),
-    overrides: list[str] = typer.Option([], "--set", "-s", help="Override a key: --set rl.eval.samples=8 (value parsed as YAML). Repeatable."),
+    overrides: list[str] = typer.Option(
+        [], "--set", "-s", help="Override a key: --set rl.eval.samples=8 (value parsed as YAML). Repeatable."
+    ),
 ) -> None:
     """Evaluate a checkpoint on the recipe's task sets through RL's engines, agent loop, harness, sandbox and graders:
     greedy pass@1 with its 95% interval, sampled pass@k, per kind, flags and infra failures; resumable."""
@@ -41,7 +54,11 @@ def eval_command(
         cells = [escape(name), str(entry["checkpoint"]["tasks"])]
         for role in roles:
             r = entry[role]["record"]
-            cells.append(f"{r[f'eval_{name}_greedy_pass@1']:.3f} [{r[f'eval_{name}_greedy_pass@1_low']:.3f}, {r[f'eval_{name}_greedy_pass@1_high']:.3f}]" if r else "-")
+            cells.append(
+                f"{r[f'eval_{name}_greedy_pass@1']:.3f} [{r[f'eval_{name}_greedy_pass@1_low']:.3f}, {r[f'eval_{name}_greedy_pass@1_high']:.3f}]"
+                if r
+                else "-"
+            )
         if "difference" in entry:
             d = entry["difference"]
             low, high = d["greedy_pass@1_interval"]
@@ -51,11 +68,20 @@ def eval_command(
     for name, entry in results["sets"].items():
         for role in roles:
             s = entry[role]
-            extra = [f"{k} {s['record'][f'eval_{name}_{k}']:.3f}" for k in (f"pass@{k}" for k in results["pass_k"]) if f"eval_{name}_{k}" in s["record"]]
+            extra = [
+                f"{k} {s['record'][f'eval_{name}_{k}']:.3f}"
+                for k in (f"pass@{k}" for k in results["pass_k"])
+                if f"eval_{name}_{k}" in s["record"]
+            ]
             extra.append(f"infra failures {s['infra_failures']}, flagged episodes {s['flagged_episodes']}")
             if "compaction_error" in s:
-                extra.append(f"compaction error {s['compaction_error']:.3f} over {s['compactions']} summaries of {s['summary_tokens_mean']:.0f} tokens")
+                extra.append(
+                    f"compaction error {s['compaction_error']:.3f} over {s['compactions']} summaries of {s['summary_tokens_mean']:.0f} tokens"
+                )
             console.print(f"{escape(name)} {role}: " + "; ".join(extra), highlight=False)
             if len(s["kinds"]) > 1:
-                console.print("  per kind: " + ", ".join(f"{escape(k)} {v['greedy_pass@1']:.2f} of {v['tasks']}" for k, v in s["kinds"].items()), highlight=False)
+                console.print(
+                    "  per kind: " + ", ".join(f"{escape(k)} {v['greedy_pass@1']:.2f} of {v['tasks']}" for k, v in s["kinds"].items()),
+                    highlight=False,
+                )
     console.print(f"[green]✓[/] {escape(str(outcome.out))}: results.json, report.html ({outcome.seconds:.0f} s)", highlight=False)

@@ -18,7 +18,9 @@ console = Console()
 @app.command()
 def init(
     out_dir: Path = typer.Argument(..., help="New directory for the HF checkpoint (must not exist)."),
-    recipe: Path = typer.Option(SHIPPED_DIR / "smoke-midtrain.yaml", "--recipe", "-r", help="Recipe whose `model` section gives the architecture."),
+    recipe: Path = typer.Option(
+        SHIPPED_DIR / "smoke-midtrain.yaml", "--recipe", "-r", help="Recipe whose `model` section gives the architecture."
+    ),
     overrides: list[str] = typer.Option([], "--set", "-s", help="Override a recipe key: --set model.num_layers=4. Repeatable."),
     seed: int = typer.Option(0, help="Seed of the random weights."),
 ) -> None:
@@ -59,7 +61,9 @@ def _bytes(n: float) -> str:
 
 
 @app.command()
-def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (its config.json and safetensors headers are read, no weights).")) -> None:
+def info(
+    checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (its config.json and safetensors headers are read, no weights)."),
+) -> None:
     """Architecture, size and stored format of an HF checkpoint, and whether composer can train it and vLLM serve it
     (and why not), without loading weights: check a download."""
     from composer.recipes.sizes import parameter_counts
@@ -73,14 +77,18 @@ def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (i
     total, active = parameter_counts(m)
     if m.family == "deepseek_v3":
         q = f"q_lora_rank {m.q_lora_rank}" if m.q_lora_rank else "full-rank queries"
-        attention = (f"multi-head latent attention: {m.num_attention_heads} heads, kv_lora_rank {m.kv_lora_rank}, {q}, "
-                     f"head dims nope {m.qk_nope_head_dim} + rope {m.qk_rope_head_dim}, v {m.v_head_dim}")
+        attention = (
+            f"multi-head latent attention: {m.num_attention_heads} heads, kv_lora_rank {m.kv_lora_rank}, {q}, "
+            f"head dims nope {m.qk_nope_head_dim} + rope {m.qk_rope_head_dim}, v {m.v_head_dim}"
+        )
     else:
         attention = f"grouped-query attention: {m.num_attention_heads} heads, {m.num_kv_heads} KV heads, head dim {m.head_dim}"
     rope = f"theta {m.rope_theta:g}"
     if m.yarn:
-        rope += (f", YaRN x{m.yarn.factor:g} from {m.yarn.original_max_position_embeddings} (beta {m.yarn.beta_fast:g}/{m.yarn.beta_slow:g}, "
-                 f"mscale {m.yarn.mscale:g}/{m.yarn.mscale_all_dim:g})")
+        rope += (
+            f", YaRN x{m.yarn.factor:g} from {m.yarn.original_max_position_embeddings} (beta {m.yarn.beta_fast:g}/{m.yarn.beta_slow:g}, "
+            f"mscale {m.yarn.mscale:g}/{m.yarn.mscale_all_dim:g})"
+        )
     if m.is_moe:
         dense = f", first {m.first_k_dense} dense" if m.first_k_dense else ""
         shared = f" + {m.num_shared_experts} shared" if m.num_shared_experts else ""
@@ -90,17 +98,28 @@ def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (i
         experts = "none (dense)"
     try:
         quantization = parse_quantization(config, checkpoint / "config.json")
-        stored = quantization.describe() if quantization else f"dense ({language.get('dtype') or language.get('torch_dtype') or 'dtype unstated'})"
+        stored = (
+            quantization.describe()
+            if quantization
+            else f"dense ({language.get('dtype') or language.get('torch_dtype') or 'dtype unstated'})"
+        )
     except UserError as e:
         stored = f"unreadable by composer: {str(e).split(': ', 1)[-1]}"
     carried = []
     if m.num_mtp_layers:
         carried.append(f"{m.num_mtp_layers} multi-token-prediction layer(s) (model.mtp: carry copies them into every export; not trained)")
     if language is not config:
-        carried.append(f"{config['model_type']} wrapper: the language model is trained, everything else (vision tower, projector) carried bit-exactly")
+        carried.append(
+            f"{config['model_type']} wrapper: the language model is trained, everything else (vision tower, projector) carried bit-exactly"
+        )
     cpu = cpu_serving_problems(config)
-    cannot_train = (f"not built by composer's provider: {', '.join(unbuilt)}" if unbuilt
-                    else stored.replace("unreadable by composer: ", "its stored format is unreadable: ") if stored.startswith("unreadable") else None)
+    cannot_train = (
+        f"not built by composer's provider: {', '.join(unbuilt)}"
+        if unbuilt
+        else stored.replace("unreadable by composer: ", "its stored format is unreadable: ")
+        if stored.startswith("unreadable")
+        else None
+    )
     rows = [
         ("family", f"{m.family} (model_type {config['model_type']})"),
         ("layers", f"{m.num_layers}, hidden {m.hidden_size}, vocab {m.vocab_size}, context {m.max_position_embeddings}"),
@@ -111,11 +130,16 @@ def info(checkpoint: Path = typer.Argument(..., help="HF checkpoint directory (i
         ("weights", f"{_bytes(2 * total)} in bf16, {_bytes(total)} in fp8 (without scales); stored: {stored}"),
         *(("carried", line) for line in carried),
         ("training", f"no: {cannot_train}" if cannot_train else "yes: composer's provider builds it"),
-        ("serving", "vLLM on GPUs: its DeepseekV3 / Qwen3-MoE / Llama models, fp8 blocks and compressed-tensors INT4 included; "
-                    + (f"vLLM on this CPU: no: {'; '.join(cpu)}" if cpu else "vLLM on this CPU: yes")),
+        (
+            "serving",
+            "vLLM on GPUs: its DeepseekV3 / Qwen3-MoE / Llama models, fp8 blocks and compressed-tensors INT4 included; "
+            + (f"vLLM on this CPU: no: {'; '.join(cpu)}" if cpu else "vLLM on this CPU: yes"),
+        ),
     ]
     for key, value in rows:
         console.print(f"[bold]{key:<11}[/] {escape(value)}", highlight=False)
     if cannot_train:  # the table says why; the exit status says it to scripts
-        Console(stderr=True, soft_wrap=True).print(f"composer cannot train {escape(str(checkpoint))}: {escape(cannot_train)}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(
+            f"composer cannot train {escape(str(checkpoint))}: {escape(cannot_train)}", highlight=False
+        )
         raise typer.Exit(2)

@@ -18,7 +18,9 @@ def report(
     run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR...", help="Run directory (holds metrics.jsonl); several with --compare."),
     every_series: bool = typer.Option(False, "--all", help="Summarise every series, not only the headline ones."),
     compare: bool = typer.Option(False, "--compare", help="Overlay the runs on the same axes, in one page."),
-    out: Path | None = typer.Option(None, "--out", "-o", help="--compare: where report.html and its plots go (default: compare-<runs> beside the first run)."),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="--compare: where report.html and its plots go (default: compare-<runs> beside the first run)."
+    ),
 ) -> None:
     """Plot a run's metrics.jsonl into RUN_DIR/report/, write RUN_DIR/report.html (self-contained: plots in panels, the
     headline ones first) and summarise the headline series; --compare overlays several runs in one page."""
@@ -43,8 +45,15 @@ def report(
     for column in columns:
         table.add_column(column, justify="left" if column in ("series", "run") else "right")
     for s in shown:
-        table.add_row(escape(s.name), *((escape(s.run),) if compare else ()), str(len(s.values)),
-                      *(f"{v:.4g}" for v in (s.first, s.last, s.min, s.max)))
+        table.add_row(
+            escape(s.name),
+            *((escape(s.run),) if compare else ()),
+            str(len(s.values)),
+            *(f"{v:.4g}" for v in (s.first, s.last, s.min, s.max)),
+        )
     console.print(table)
     more = f" ({len(result.series) - len(shown)} more series there; --all prints them)" if len(shown) < len(result.series) else ""
-    console.print(f"{len(result.images)} plot(s) in {escape(str(result.html.parent / 'report'))}/, all in {escape(str(result.html))}{more}", highlight=False)
+    console.print(
+        f"{len(result.images)} plot(s) in {escape(str(result.html.parent / 'report'))}/, all in {escape(str(result.html))}{more}",
+        highlight=False,
+    )

@@ -15,13 +15,21 @@ from composer.runtime.status import RunStatus, find_runs, run_status
 
 console = Console()
 
-SHORT_NAMES = {"reward_mean": "reward", "pass_rate": "pass", "staleness_mean": "stale", "trained_tokens_per_s": "tok/s",
-               "eval_loss": "eval", "tokens_per_s": "tok/s"}
+SHORT_NAMES = {
+    "reward_mean": "reward",
+    "pass_rate": "pass",
+    "staleness_mean": "stale",
+    "trained_tokens_per_s": "tok/s",
+    "eval_loss": "eval",
+    "tokens_per_s": "tok/s",
+}
 STATUS_STYLE = {"running": "cyan", "finished": "green", "failed": "red", "resumable": "yellow", "unreadable": "red"}
 
 
 def runs(
-    target: str = typer.Argument("runs", metavar="DIR|show", help="Directory to list (default: runs), or `show` followed by one run directory."),
+    target: str = typer.Argument(
+        "runs", metavar="DIR|show", help="Directory to list (default: runs), or `show` followed by one run directory."
+    ),
     run: Path | None = typer.Argument(None, metavar="RUN", help="With `show`: the run directory."),
 ) -> None:
     """List the runs under DIR (searched three levels deep), or `composer runs show RUN` for one run."""
@@ -39,8 +47,9 @@ def runs(
         return
     table = Table(title=escape(str(directory)))
     for column in ("run", "kind", "status", "steps", "last figures", "age"):
-        table.add_column(column, justify="right" if column in ("steps", "age") else "left", overflow="fold",
-                         no_wrap=column != "last figures")
+        table.add_column(
+            column, justify="right" if column in ("steps", "age") else "left", overflow="fold", no_wrap=column != "last figures"
+        )
     for s in statuses:
         name = str(s.root.relative_to(directory)) if s.root != directory else str(s.root)
         table.add_row(escape(name), s.kind, status_text(s), f"{s.steps_done}/{s.steps}", escape(figures_text(s)), age_text(s))

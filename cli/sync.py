@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 import typer
 from rich import box
@@ -26,12 +27,32 @@ VersionOption = typer.Option(None, "--version", "-v", help="Version id, e.g. v00
 
 # The options every command takes to reach its store, declared once (`store_command` adds them).
 _STORE_OPTIONS = [
-    ("store", Optional[str], typer.Option(None, "--store", help="Store: a directory, ssh://user@host:port/path (user and port optional) or s3://bucket/prefix; default: the recipe's sync.store.")),
+    (
+        "store",
+        Optional[str],
+        typer.Option(
+            None,
+            "--store",
+            help="Store: a directory, ssh://user@host:port/path (user and port optional) or s3://bucket/prefix; default: the recipe's sync.store.",
+        ),
+    ),
     ("recipe", Optional[Path], typer.Option(None, "--recipe", "-r", help="Recipe whose `sync` and `cluster.ssh` sections to use.")),
-    ("overrides", list[str], typer.Option([], "--set", "-s", help="Override a recipe key, e.g. --set sync.codec.chunk_mb=128. Repeatable.")),
+    (
+        "overrides",
+        list[str],
+        typer.Option([], "--set", "-s", help="Override a recipe key, e.g. --set sync.codec.chunk_mb=128. Repeatable."),
+    ),
     ("ssh_key", Optional[Path], typer.Option(None, "--ssh-key", help="Private key for ssh:// stores (overrides cluster.ssh.key_file).")),
-    ("known_hosts", Optional[Path], typer.Option(None, "--known-hosts", help="known_hosts file for ssh:// stores (overrides cluster.ssh.known_hosts).")),
-    ("endpoint", Optional[str], typer.Option(None, "--endpoint", help="S3-compatible service URL for an s3:// --store (overrides sync.endpoint; default AWS).")),
+    (
+        "known_hosts",
+        Optional[Path],
+        typer.Option(None, "--known-hosts", help="known_hosts file for ssh:// stores (overrides cluster.ssh.known_hosts)."),
+    ),
+    (
+        "endpoint",
+        Optional[str],
+        typer.Option(None, "--endpoint", help="S3-compatible service URL for an s3:// --store (overrides sync.endpoint; default AWS)."),
+    ),
 ]
 
 
@@ -39,8 +60,9 @@ def store_command(command: Callable) -> Callable:
     """A sync command with the store options: it is called with `settings=(SyncSection, SSHSection)` instead."""
     signature = inspect.signature(command, eval_str=True)
     own = [p for name, p in signature.parameters.items() if name != "settings"]
-    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
-              for name, kind, option in _STORE_OPTIONS]
+    shared = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind) for name, kind, option in _STORE_OPTIONS
+    ]
 
     @functools.wraps(command)
     def with_settings(**arguments):
@@ -52,8 +74,9 @@ def store_command(command: Callable) -> Callable:
     return with_settings
 
 
-def _settings(store: Optional[str], recipe: Optional[Path], overrides: list[str], ssh_key: Optional[Path],
-              known_hosts: Optional[Path], endpoint: Optional[str]) -> tuple[SyncSection, SSHSection]:
+def _settings(
+    store: str | None, recipe: Path | None, overrides: list[str], ssh_key: Path | None, known_hosts: Path | None, endpoint: str | None
+) -> tuple[SyncSection, SSHSection]:
     """The sync and SSH settings: from the recipe when given, with command-line flags on top."""
     if recipe is not None:
         from composer.recipes.loader import load_recipe
@@ -84,7 +107,7 @@ def _settings(store: Optional[str], recipe: Optional[Path], overrides: list[str]
     return sync, ssh.model_copy(update=updates)
 
 
-def _open_source(sync: SyncSection, ssh: SSHSection, relay_store: Optional[str], relay_endpoint: Optional[str]):
+def _open_source(sync: SyncSection, ssh: SSHSection, relay_store: str | None, relay_endpoint: str | None):
     """The store a pull reads: the relay copy when one was made, else the sync store."""
     from composer.sync.store import Store
 
@@ -93,17 +116,16 @@ def _open_source(sync: SyncSection, ssh: SSHSection, relay_store: Optional[str],
     return Store.open(sync.store, ssh, endpoint=sync.endpoint)
 
 
-Track = Callable[[str, Optional[int]], Callable[[int], None]]
+Track = Callable[[str, int | None], Callable[[int], None]]
 
 
 @contextlib.contextmanager
 def _progress() -> Iterator[Track]:
     """Yields `track(description, total_bytes)`, which adds a bar and returns its advance(nbytes) callback."""
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as progress:
 
-        def track(description: str, total: Optional[int]) -> Callable[[int], None]:
+        def track(description: str, total: int | None) -> Callable[[int], None]:
             task = progress.add_task(description, total=total)
             return lambda nbytes: progress.advance(task, nbytes)
 
@@ -118,8 +140,10 @@ def _gb(n: int) -> str:
 @store_command
 def push(
     checkpoint: Path = typer.Argument(..., help="Safetensors checkpoint directory."),
-    anchor_every: Optional[int] = typer.Option(None, "--anchor-every", min=1, help="A full snapshot every N versions."),
-    cache: Optional[Path] = typer.Option(None, "--cache", help="Base cache: the last pushed version (default ~/.cache/composer/sync/<store>)."),
+    anchor_every: int | None = typer.Option(None, "--anchor-every", min=1, help="A full snapshot every N versions."),
+    cache: Path | None = typer.Option(
+        None, "--cache", help="Base cache: the last pushed version (default ~/.cache/composer/sync/<store>)."
+    ),
     settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Publish CHECKPOINT as the store's next version (a delta against the newest, or an anchor)."""
@@ -136,20 +160,26 @@ def push(
     kind = "anchor" if info.is_anchor else f"delta on {info.parent}"
     density = 100 * info.changed_elements / max(info.total_elements, 1)
     smaller = f"{info.ratio:.1f}x smaller" if info.stored_bytes else "nothing changed"
-    console.print(f"[green]pushed[/] {info.id} ({kind}): {_gb(info.stored_bytes)} stored for a {_gb(info.full_bytes)} "
-                  f"checkpoint ({smaller}), {density:.2f}% of elements changed, "
-                  f"{info.chunks_sent} chunks sent, {info.chunks_skipped} already there, {info.seconds:.1f} s",
-                  highlight=False)
+    console.print(
+        f"[green]pushed[/] {info.id} ({kind}): {_gb(info.stored_bytes)} stored for a {_gb(info.full_bytes)} "
+        f"checkpoint ({smaller}), {density:.2f}% of elements changed, "
+        f"{info.chunks_sent} chunks sent, {info.chunks_skipped} already there, {info.seconds:.1f} s",
+        highlight=False,
+    )
 
 
 @app.command()
 @store_command
 def pull(
     to: Path = typer.Option(..., "--to", help="Receiver directory: versions/<id>/ and a `current` symlink."),
-    version: Optional[str] = VersionOption,
-    relay_store: Optional[str] = typer.Option(None, "--relay-store", help="Also copy the chain into this store, to serve this cluster."),
-    to_endpoint: Optional[str] = ToEndpointOption,
-    in_place: bool = typer.Option(False, "--in-place", help="Patch the current version's files where the new one differs (one copy on disk, for a live engine that reloads only what changed); a full pull when that cannot be done."),
+    version: str | None = VersionOption,
+    relay_store: str | None = typer.Option(None, "--relay-store", help="Also copy the chain into this store, to serve this cluster."),
+    to_endpoint: str | None = ToEndpointOption,
+    in_place: bool = typer.Option(
+        False,
+        "--in-place",
+        help="Patch the current version's files where the new one differs (one copy on disk, for a live engine that reloads only what changed); a full pull when that cannot be done.",
+    ),
     settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Rebuild a version from its chain, verify it, and make it current in --to atomically."""
@@ -163,15 +193,22 @@ def pull(
         if relay_store is not None:
             with Store.open(relay_store, ssh, create=True, endpoint=to_endpoint) as dest:
                 copied = relay(source, dest, target)
-            console.print(f"relayed {len(copied.versions)} version(s), {_gb(copied.bytes_copied)} into {escape(relay_store)}",
-                          highlight=False)
+            console.print(
+                f"relayed {len(copied.versions)} version(s), {_gb(copied.bytes_copied)} into {escape(relay_store)}", highlight=False
+            )
     if in_place:
         with _open_source(sync, ssh, relay_store, to_endpoint) as source:
             patched = update_in_place(source, to, target, sync.codec.threads)
-        how = "full copy, no usable current version" if patched.full else \
-            f"{len(patched.changed)} tensor(s) patched in place from {patched.started_from}"
-        console.print(f"[green]pulled[/] {patched.version} into {escape(str(to / 'current'))} ({how}; "
-                      f"{_gb(patched.fetched_bytes)} downloaded, {patched.seconds:.1f} s)", highlight=False)
+        how = (
+            "full copy, no usable current version"
+            if patched.full
+            else f"{len(patched.changed)} tensor(s) patched in place from {patched.started_from}"
+        )
+        console.print(
+            f"[green]pulled[/] {patched.version} into {escape(str(to / 'current'))} ({how}; "
+            f"{_gb(patched.fetched_bytes)} downloaded, {patched.seconds:.1f} s)",
+            highlight=False,
+        )
         return
     with _open_source(sync, ssh, relay_store, to_endpoint) as source:
         total = sum(t.nbytes for t in source.manifest(target).tensors.values()) if target else 0
@@ -181,16 +218,19 @@ def pull(
     if info.already_current:
         console.print(f"{escape(str(to))} is already at {info.version}", highlight=False)
     else:
-        console.print(f"[green]pulled[/] {info.version} into {escape(str(to / 'current'))} (from {info.started_from}; "
-                      f"{_gb(info.fetched_bytes)} downloaded, {info.seconds:.1f} s)", highlight=False)
+        console.print(
+            f"[green]pulled[/] {info.version} into {escape(str(to / 'current'))} (from {info.started_from}; "
+            f"{_gb(info.fetched_bytes)} downloaded, {info.seconds:.1f} s)",
+            highlight=False,
+        )
 
 
 @app.command()
 @store_command
 def relay(
     to_store: str = typer.Option(..., "--to-store", help="Store to copy the chain into."),
-    to_endpoint: Optional[str] = ToEndpointOption,
-    version: Optional[str] = VersionOption,
+    to_endpoint: str | None = ToEndpointOption,
+    version: str | None = VersionOption,
     settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Copy a version's chain (manifests and chunks) into another store, e.g. one shared by a remote cluster."""
@@ -198,10 +238,14 @@ def relay(
     from composer.sync.store import Store
 
     sync, ssh = settings
-    with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source, Store.open(to_store, ssh, create=True, endpoint=to_endpoint) as dest:
+    with (
+        Store.open(sync.store, ssh, endpoint=sync.endpoint) as source,
+        Store.open(to_store, ssh, create=True, endpoint=to_endpoint) as dest,
+    ):
         info = relay_chain(source, dest, version)
-    console.print(f"[green]relayed[/] {len(info.versions)} version(s), {info.chunks_copied} chunks, "
-                  f"{_gb(info.bytes_copied)}", highlight=False)
+    console.print(
+        f"[green]relayed[/] {len(info.versions)} version(s), {info.chunks_copied} chunks, {_gb(info.bytes_copied)}", highlight=False
+    )
 
 
 @app.command()
@@ -227,8 +271,15 @@ def status(
             total += stats["stored_bytes"]
             changed = 100 * stats["changed_elements"] / max(stats["total_elements"], 1)
             ratio = f"{stats['full_bytes'] / stats['stored_bytes']:.1f}x" if stats["stored_bytes"] else "no change"
-            table.add_row(vid, m.parent or "-", "[bold]anchor[/]" if m.is_anchor else m.anchor,
-                          f"{changed:.2f}%", _gb(stats["stored_bytes"]), ratio, str(m.seq - version_seq(m.anchor)))
+            table.add_row(
+                vid,
+                m.parent or "-",
+                "[bold]anchor[/]" if m.is_anchor else m.anchor,
+                f"{changed:.2f}%",
+                _gb(stats["stored_bytes"]),
+                ratio,
+                str(m.seq - version_seq(m.anchor)),
+            )
     console.print(table)
     console.print(f"{table.row_count} version(s), {_gb(total)} stored", highlight=False)
 
@@ -236,7 +287,7 @@ def status(
 @app.command()
 @store_command
 def verify(
-    version: Optional[str] = VersionOption,
+    version: str | None = VersionOption,
     settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Re-hash every chunk and rebuild every piece in memory, checking each version's hashes."""
@@ -246,15 +297,20 @@ def verify(
     sync, ssh = settings
     with Store.open(sync.store, ssh, endpoint=sync.endpoint) as source, _progress() as track:
         report = verify_store(source, version, sync.codec.threads, track("verifying", None))
-    console.print(f"[green]ok[/] {len(report.versions)} version(s): {report.chunks} chunks and {report.pieces} pieces "
-                  f"({_gb(report.bytes_checked)}) match their hashes", highlight=False)
+    console.print(
+        f"[green]ok[/] {len(report.versions)} version(s): {report.chunks} chunks and {report.pieces} pieces "
+        f"({_gb(report.bytes_checked)}) match their hashes",
+        highlight=False,
+    )
 
 
 @app.command()
 @store_command
 def gc(
-    keep_anchors: Optional[int] = typer.Option(None, "--keep-anchors", min=1, help="Keep the chains of the newest K anchors."),
-    grace_minutes: float = typer.Option(60.0, "--grace-minutes", min=0, help="Keep unreferenced chunks younger than this (pushes in flight)."),
+    keep_anchors: int | None = typer.Option(None, "--keep-anchors", min=1, help="Keep the chains of the newest K anchors."),
+    grace_minutes: float = typer.Option(
+        60.0, "--grace-minutes", min=0, help="Keep unreferenced chunks younger than this (pushes in flight)."
+    ),
     settings: tuple[SyncSection, SSHSection] = None,
 ) -> None:
     """Delete versions older than the newest K anchors' chains, and chunks no remaining version uses."""
@@ -263,6 +319,8 @@ def gc(
     sync, ssh = settings
     with Store.open(sync.store, ssh, endpoint=sync.endpoint) as target:
         report = target.gc(keep_anchors or sync.keep_anchors, grace_minutes * 60)
-    console.print(f"[green]gc[/] deleted {len(report.deleted_versions)} version(s) and {report.deleted_chunks} chunk(s); "
-                  f"kept {len(report.kept_versions)}", highlight=False)
-
+    console.print(
+        f"[green]gc[/] deleted {len(report.deleted_versions)} version(s) and {report.deleted_chunks} chunk(s); "
+        f"kept {len(report.kept_versions)}",
+        highlight=False,
+    )

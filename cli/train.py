@@ -18,7 +18,9 @@ console = Console(soft_wrap=True)
 
 SetOption = typer.Option([], "--set", "-s", help="Override a key: --set train.steps=10 (value parsed as YAML). Repeatable.")
 DryRunOption = typer.Option(False, "--dry-run", help="Print the launch plan (hosts, ranks, parallel groups, commands) and exit.")
-SubmitOption = typer.Option(False, "--submit", help="cluster.launcher slurm: write an sbatch script into the run directory, submit it, print the job id.")
+SubmitOption = typer.Option(
+    False, "--submit", help="cluster.launcher slurm: write an sbatch script into the run directory, submit it, print the job id."
+)
 
 
 def _dry_run(kind: str, recipe, launcher, module: str, args: list[str], resume: bool) -> None:
@@ -41,7 +43,10 @@ def _submit(kind: str, recipe, run: RunDir, resume: bool) -> None:
     if not resume and run.metrics_path.exists():
         raise UserError(f"{run.root} already holds a run; pass --resume to continue it, or choose another run.name")
     job_id, script = submit(launcher, kind, recipe_to_yaml(recipe), run, resume)
-    console.print(f"submitted SLURM job {job_id} ({escape(str(script))}); its output: {escape(str(run.root / 'slurm'))}/job-{job_id}.out", highlight=False)
+    console.print(
+        f"submitted SLURM job {job_id} ({escape(str(script))}); its output: {escape(str(run.root / 'slurm'))}/job-{job_id}.out",
+        highlight=False,
+    )
 
 
 @app.command()
@@ -77,7 +82,9 @@ def midtrain(
 
     run.prepare(recipe_to_yaml(recipe), resume)
     with run.failures_recorded():
-        prepared = prepare_data(recipe.data, model_checkpoint=recipe.model.checkpoint, model_vocab_size=recipe.model.vocab_size, console=console)
+        prepared = prepare_data(
+            recipe.data, model_checkpoint=recipe.model.checkpoint, model_vocab_size=recipe.model.vocab_size, console=console
+        )
         prepared.for_training().write(run.root)
         run_to_end(launcher.start(midtrain.MODULE, args, run, console))
     console.print(f"[green]✓[/] run {escape(str(run.root))}: metrics.jsonl, tensorboard/, checkpoints/, export/", highlight=False)
@@ -87,8 +94,12 @@ def midtrain(
 def rl(
     recipe_file: Path = typer.Argument(..., metavar="RECIPE", help="Recipe file with rollout, env and rl sections."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run after a stop or crash."),
-    replay: Path | None = typer.Option(None, "--replay", metavar="RUN_DIR",
-                                       help="Train the learner on RUN_DIR's recorded trajectory groups, step by step as that run did; no engines."),
+    replay: Path | None = typer.Option(
+        None,
+        "--replay",
+        metavar="RUN_DIR",
+        help="Train the learner on RUN_DIR's recorded trajectory groups, step by step as that run did; no engines.",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also print a line per trajectory group."),
     dry_run: bool = DryRunOption,
     submit: bool = SubmitOption,
@@ -105,13 +116,18 @@ def rl(
         from composer.rl.rollout_hosts import rollout_plan
 
         p = recipe.rollout.parallelism
-        console.print(f"rollout hosts: {', '.join(recipe.rollout.hosts)} ({recipe.rollout.engine}, "
-                      f"{recipe.rollout.engines_per_host} engine(s) per host, each tp {p.tp} x pp {p.pp} x dp {p.dp}"
-                      f"{f', expert parallel over {p.ep}' if p.enable_expert_parallel else ''})", highlight=False)
+        console.print(
+            f"rollout hosts: {', '.join(recipe.rollout.hosts)} ({recipe.rollout.engine}, "
+            f"{recipe.rollout.engines_per_host} engine(s) per host, each tp {p.tp} x pp {p.pp} x dp {p.dp}"
+            f"{f', expert parallel over {p.ep}' if p.enable_expert_parallel else ''})",
+            highlight=False,
+        )
         print_rollout_plan(rollout_plan(recipe), recipe.rollout.engine, console)
         sandbox = recipe.env.sandbox  # check_rl_recipe: an RL recipe has an env
-        console.print(f"sandbox hosts: {', '.join(sandbox.hosts)} ({sandbox.sandboxes_per_host or 'CPU count'} sandboxes per host); "
-                      "the learner:", highlight=False)
+        console.print(
+            f"sandbox hosts: {', '.join(sandbox.hosts)} ({sandbox.sandboxes_per_host or 'CPU count'} sandboxes per host); the learner:",
+            highlight=False,
+        )
         _dry_run("rl", recipe, *learner_launch(recipe), resume)
         return
     if submit:
@@ -121,4 +137,6 @@ def rl(
         _submit("rl", recipe, RunDir.of(recipe), resume)
         return
     root = run_rl(recipe, resume, replay=replay, verbose=verbose)
-    console.print(f"[green]✓[/] run {escape(str(root))}: metrics.jsonl, rollout_metrics.jsonl, trajectories/, checkpoints/", highlight=False)
+    console.print(
+        f"[green]✓[/] run {escape(str(root))}: metrics.jsonl, rollout_metrics.jsonl, trajectories/, checkpoints/", highlight=False
+    )

@@ -137,7 +137,8 @@ def _facts_over_ssh(reports: list[HostReport], cluster: ClusterSection, python: 
 
             for host in unshared_hosts(connections, run_dir):
                 next(r for r in reports if r.host == host).problems.append(
-                    f"run.dir {run_dir} not shared: a file written there on {connections[0].host} is not visible here")
+                    f"run.dir {run_dir} not shared: a file written there on {connections[0].host} is not visible here"
+                )
     finally:
         for ssh in connections:
             ssh.close()
@@ -151,8 +152,9 @@ def _facts_under_srun(cluster: ClusterSection, python: str, run_dir: Path) -> li
     from composer.cluster.slurm import allocation_nodes, in_allocation
 
     if not in_allocation():
-        raise UserError("cluster check: cluster.launcher is slurm; run the check inside an allocation (salloc), "
-                        "where it asks every node with srun")
+        raise UserError(
+            "cluster check: cluster.launcher is slurm; run the check inside an allocation (salloc), where it asks every node with srun"
+        )
     nodes = allocation_nodes()
     reports = [HostReport(node) for node in nodes]
     if len(nodes) != len(cluster.hosts):
@@ -162,9 +164,19 @@ def _facts_under_srun(cluster: ClusterSection, python: str, run_dir: Path) -> li
     probe.write_text(probe.name)
     try:
         asked = time.time()
-        result = subprocess.run(["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1", "--label",
-                                 *_facts_args(python, run_dir, "slurm", cluster.rdzv_port),
-                                 ], capture_output=True, text=True, env={**os.environ, "COMPOSER_PROBE": str(probe)})
+        result = subprocess.run(
+            [
+                "srun",
+                f"--nodes={len(nodes)}",
+                f"--ntasks={len(nodes)}",
+                "--ntasks-per-node=1",
+                "--label",
+                *_facts_args(python, run_dir, "slurm", cluster.rdzv_port),
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "COMPOSER_PROBE": str(probe)},
+        )
         answered = time.time()
     finally:
         probe.unlink()

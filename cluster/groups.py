@@ -20,8 +20,12 @@ def parallel_groups(p: ParallelismSection, world_size: int) -> dict[str, list[li
     dense = [("tp", p.tp), ("cp", p.cp), ("dp", dp), ("pp", p.pp)]
     experts = [("etp", p.etp), ("ep", p.ep), ("edp", edp), ("pp", p.pp)]
     return {
-        "tp": _groups(dense, {"tp"}), "cp": _groups(dense, {"cp"}), "pp": _groups(dense, {"pp"}),
-        "dp": _groups(dense, {"dp"}), "ep": _groups(experts, {"ep"}), "etp": _groups(experts, {"etp"}),
+        "tp": _groups(dense, {"tp"}),
+        "cp": _groups(dense, {"cp"}),
+        "pp": _groups(dense, {"pp"}),
+        "dp": _groups(dense, {"dp"}),
+        "ep": _groups(experts, {"ep"}),
+        "etp": _groups(experts, {"etp"}),
         "edp": _groups(experts, {"edp"}),
     }
 

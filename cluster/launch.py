@@ -28,9 +28,9 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -93,15 +93,37 @@ class LaunchPlan:
     """What else the launcher does (an srun line, an sbatch script), for --dry-run."""
 
 
-def torchrun_argv(python: str, nproc: int, module: str, args: list[str], *, nnodes: int = 1, node_rank: str | int = 0,
-                  endpoint: str | None = None, run_id: str = "composer", local_addr: str | None = None) -> list[str]:
+def torchrun_argv(
+    python: str,
+    nproc: int,
+    module: str,
+    args: list[str],
+    *,
+    nnodes: int = 1,
+    node_rank: str | int = 0,
+    endpoint: str | None = None,
+    run_id: str = "composer",
+    local_addr: str | None = None,
+) -> list[str]:
     """torchrun for one host: standalone on loopback for one host, else c10d rendezvous at `endpoint`."""
     argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     if endpoint is None:
         argv += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     else:
-        argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "0"]
+        argv += [
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            run_id,
+            "--max-restarts",
+            "0",
+        ]
         if local_addr is not None:
             # the address the other hosts reach this one at (the hostname may resolve elsewhere); the first host
             # serves the rendezvous store
@@ -158,8 +180,14 @@ class LocalProcess(HostProcess):
         env = {**os.environ, **command.env}
         with log.open("ab") as out:
             # rank 0's progress goes to this terminal when echoing; the rest (torchrun's report, warnings) to the log
-            self.process = subprocess.Popen(command.argv, cwd=command.workdir, env=env, stderr=out, stdout=None if echo else out,
-                                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+            self.process = subprocess.Popen(
+                command.argv,
+                cwd=command.workdir,
+                env=env,
+                stderr=out,
+                stdout=None if echo else out,
+                preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+            )
 
     def exit_code(self) -> int | None:
         return self.process.poll()
@@ -200,10 +228,12 @@ def _remote_script(command: HostCommand) -> str:
     and the connection drops), stop torchrun's whole process group: TERM, then KILL after the grace."""
     exports = shlex.join([f"{k}={v}" for k, v in command.env.items()])
     # the watcher reads our input through fd 3: a background job's own stdin would be /dev/null
-    return (f"exec 3<&0; cd {shlex.quote(command.workdir)} && {{ env {exports} setsid {shlex.join(command.argv)} 3<&- < /dev/null & tr=$!; "
-            f"{{ cat > /dev/null; kill -TERM -- -$tr || exit 0; i=0; while [ $i -lt {STOP_GRACE_SECONDS} ] && kill -0 -- -$tr; "
-            f"do sleep 1; i=$((i+1)); done; kill -KILL -- -$tr; }} <&3 > /dev/null 2>&1 & "
-            f"wait $tr; }}")
+    return (
+        f"exec 3<&0; cd {shlex.quote(command.workdir)} && {{ env {exports} setsid {shlex.join(command.argv)} 3<&- < /dev/null & tr=$!; "
+        f"{{ cat > /dev/null; kill -TERM -- -$tr || exit 0; i=0; while [ $i -lt {STOP_GRACE_SECONDS} ] && kill -0 -- -$tr; "
+        f"do sleep 1; i=$((i+1)); done; kill -KILL -- -$tr; }} <&3 > /dev/null 2>&1 & "
+        f"wait $tr; }}"
+    )
 
 
 class SSHProcess(HostProcess):
@@ -334,7 +364,7 @@ class Job:
         report = process.output()
         if "Root Cause" in report:
             # torchrun's own report names the rank that failed first and how; its traceback is in the rank's log
-            block = report[report.rfind("Root Cause"):]
+            block = report[report.rfind("Root Cause") :]
             rank = re.search(r"rank\s*:\s*(\d+)", block)
             exit_line = re.search(r"exitcode\s*:\s*(-?\d+)", block)
             cause = f"rank {rank.group(1) if rank else '?'} failed (exit code {exit_line.group(1) if exit_line else '?'})"
@@ -407,8 +437,10 @@ class Launcher(ABC):
 class LocalLauncher(Launcher):
     def plan(self, module: str, args: list[str], run_id: str) -> LaunchPlan:
         if len(self.cluster.hosts) != 1:
-            raise UserError(f"cluster.hosts lists {len(self.cluster.hosts)} hosts but cluster.launcher is `local`, "
-                            "which runs on this host only; set cluster.launcher: ssh (or slurm)")
+            raise UserError(
+                f"cluster.hosts lists {len(self.cluster.hosts)} hosts but cluster.launcher is `local`, "
+                "which runs on this host only; set cluster.launcher: ssh (or slurm)"
+            )
         nproc = self.cluster.procs_per_host
         argv = torchrun_argv(self.python, nproc, module, args)
         env = rank_environment(self.cluster)
@@ -426,9 +458,16 @@ class SSHLauncher(Launcher):
         endpoint = f"{hosts[0]}:{self.cluster.rdzv_port}"
         env = rank_environment(self.cluster)
         commands = [
-            HostCommand(host, node, range(node * nproc, (node + 1) * nproc),
-                        torchrun_argv(self.python, nproc, module, args, nnodes=len(hosts), node_rank=node,
-                                      endpoint=endpoint, run_id=run_id, local_addr=host), env, self.workdir)
+            HostCommand(
+                host,
+                node,
+                range(node * nproc, (node + 1) * nproc),
+                torchrun_argv(
+                    self.python, nproc, module, args, nnodes=len(hosts), node_rank=node, endpoint=endpoint, run_id=run_id, local_addr=host
+                ),
+                env,
+                self.workdir,
+            )
             for node, host in enumerate(hosts)
         ]
         return LaunchPlan("ssh", commands, endpoint)
@@ -443,8 +482,9 @@ class SSHLauncher(Launcher):
                 connections.append(SSHHost(command.host, self.cluster.ssh))
             check_shared_dir(connections, run.root)
             clear_rank_errors(run)
-            processes = [SSHProcess(ssh, command, run.logs / command.host / "torchrun.log", console)
-                         for ssh, command in zip(connections, plan.hosts)]
+            processes = [
+                SSHProcess(ssh, command, run.logs / command.host / "torchrun.log", console) for ssh, command in zip(connections, plan.hosts)
+            ]
         except BaseException:
             for ssh in connections:
                 ssh.close()
@@ -456,8 +496,10 @@ def check_shared_dir(connections, run_dir: Path) -> None:
     """Checkpoints and rank logs need `run_dir` on storage every training host sees."""
     missing = unshared_hosts(connections, run_dir)
     if missing:
-        raise UserError(f"run.dir {run_dir} is not shared: a file written there on {connections[0].host} is not visible on "
-                        f"{', '.join(missing)}; put run.dir on storage every training host mounts at the same path")
+        raise UserError(
+            f"run.dir {run_dir} is not shared: a file written there on {connections[0].host} is not visible on "
+            f"{', '.join(missing)}; put run.dir on storage every training host mounts at the same path"
+        )
 
 
 def unshared_hosts(connections, run_dir: Path) -> list[str]:
@@ -467,8 +509,7 @@ def unshared_hosts(connections, run_dir: Path) -> list[str]:
     first, *others = connections
     try:
         _remote(first, f"mkdir -p {shlex.quote(str(run_dir))} && printf %s {token} > {shlex.quote(str(probe))}")
-        return [ssh.host for ssh in others
-                if _remote(ssh, f"cat {shlex.quote(str(probe))} 2>/dev/null || true").strip() != token]
+        return [ssh.host for ssh in others if _remote(ssh, f"cat {shlex.quote(str(probe))} 2>/dev/null || true").strip() != token]
     finally:
         _remote(first, f"rm -f {shlex.quote(str(probe))}")
 

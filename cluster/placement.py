@@ -122,11 +122,12 @@ def place_host(host: str, devices: HostDevices, recipe: Recipe, *, node_rank: in
     """The placement on rollout host `host` (one clear error when its engines cannot fit: nothing is started)."""
     rollout = recipe.rollout
     learner_devices = learner_devices_on(host, recipe)
-    problems = engine_fit_problems(recipe.model, rollout, devices.section(), learner_devices=learner_devices,
-                                   where=f"rollout host {host}")
+    problems = engine_fit_problems(recipe.model, rollout, devices.section(), learner_devices=learner_devices, where=f"rollout host {host}")
     if problems:
-        raise UserError(f"rollout host {host} ({len(devices.ids)} {devices.unit}s, {devices.memory_gib:.1f} GiB):\n" +
-                        "\n".join(f"  {p}" for p in problems))
+        raise UserError(
+            f"rollout host {host} ({len(devices.ids)} {devices.unit}s, {devices.memory_gib:.1f} GiB):\n"
+            + "\n".join(f"  {p}" for p in problems)
+        )
     ids = devices.ids
     learner_ranks = recipe.cluster.procs_per_host if host in recipe.cluster.hosts else 0
     if learner_devices:
@@ -137,8 +138,9 @@ def place_host(host: str, devices: HostDevices, recipe: Recipe, *, node_rank: in
     return HostPlacement(host, devices, learner, bool(learner_ranks) and not learner_devices, engines, front_end)
 
 
-def place_engines(kind: str, free: tuple[int, ...], rollout: RolloutSection, *, node_rank: int = 0,
-                  engine_base: int = 0) -> tuple[tuple[EnginePlacement, ...], tuple[int, ...]]:
+def place_engines(
+    kind: str, free: tuple[int, ...], rollout: RolloutSection, *, node_rank: int = 0, engine_base: int = 0
+) -> tuple[tuple[EnginePlacement, ...], tuple[int, ...]]:
     """A host's engines on its `free` devices (those the learner leaves), and the CPU cores left to their front ends."""
     nodes = max(rollout.parallelism.devices // len(free), 1)
     per_engine = min(rollout.parallelism.devices, len(free))
@@ -151,9 +153,11 @@ def place_engines(kind: str, free: tuple[int, ...], rollout: RolloutSection, *, 
         if len(free) > engine_ranks:
             free, front_end = free[:-1], free[-1:]
         share = len(free) // engine_ranks
-        slices = [tuple(free[i * share:(i + 1) * share]) for i in range(engine_ranks)]
-    engines = tuple(EnginePlacement(engine_base + e, tuple(slices[e * per_engine:(e + 1) * per_engine]), kind,
-                                    node_rank=node_rank, nodes=nodes) for e in range(engines_here))
+        slices = [tuple(free[i * share : (i + 1) * share]) for i in range(engine_ranks)]
+    engines = tuple(
+        EnginePlacement(engine_base + e, tuple(slices[e * per_engine : (e + 1) * per_engine]), kind, node_rank=node_rank, nodes=nodes)
+        for e in range(engines_here)
+    )
     return engines, front_end
 
 
@@ -180,10 +184,12 @@ def planned_devices(rollout: RolloutSection, host: str, found: HostDevices | Non
     if declared is None or found is None:
         return found if declared is None else HostDevices.declared(declared)
     if found.kind != declared.kind or len(found.ids) < declared.per_host or found.memory_gib < declared.memory_gib * 0.95:
-        raise UserError(f"rollout host {host} has {len(found.ids)} {found.unit}(s) ({found.kind}, {found.memory_gib:.1f} GiB) but "
-                        f"rollout.devices says {declared.per_host} x {declared.kind} with {declared.memory_gib:g} GiB; "
-                        "correct rollout.devices (or remove it to use what each host has)")
-    return HostDevices(declared.kind, found.ids[:declared.per_host], declared.memory_gib)
+        raise UserError(
+            f"rollout host {host} has {len(found.ids)} {found.unit}(s) ({found.kind}, {found.memory_gib:.1f} GiB) but "
+            f"rollout.devices says {declared.per_host} x {declared.kind} with {declared.memory_gib:g} GiB; "
+            "correct rollout.devices (or remove it to use what each host has)"
+        )
+    return HostDevices(declared.kind, found.ids[: declared.per_host], declared.memory_gib)
 
 
 def bind_this_rank() -> None:

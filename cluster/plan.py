@@ -298,9 +298,14 @@ def stage_memory(recipe: Recipe, p: ParallelismSection, stage: int, recompute: b
     micro = _micro_batches(recipe, p)
     b = dtype_bytes(m.dtype)
     reference = params.total * b if recipe.rl is not None and recipe.rl.kl_coeff > 0 else 0
-    return RankMemory(params.total * b, params.total * 4, optimizer_bytes(recipe, p, params),
-                      activation_bytes(m, p, tokens, recompute, micro, stage), activation_bytes(m, p, tokens, not recompute, micro, stage),
-                      reference)
+    return RankMemory(
+        params.total * b,
+        params.total * 4,
+        optimizer_bytes(recipe, p, params),
+        activation_bytes(m, p, tokens, recompute, micro, stage),
+        activation_bytes(m, p, tokens, not recompute, micro, stage),
+        reference,
+    )
 
 
 def rank_memory(recipe: Recipe, p: ParallelismSection, recompute: bool | None = None) -> RankMemory:
@@ -315,8 +320,9 @@ def engine_memory(recipe: Recipe) -> EngineMemory | None:
         return None
     m, p = recipe.model, r.parallelism
     dtype = sized_dtype(r.dtype, r.devices.kind if r.devices else None)
-    return EngineMemory(engine_weight_bytes_per_device(m, p, dtype), kv_bytes_per_token_per_device(m, p, dtype) * r.max_context,
-                        int(r.kv_cache_gib * GIB))
+    return EngineMemory(
+        engine_weight_bytes_per_device(m, p, dtype), kv_bytes_per_token_per_device(m, p, dtype) * r.max_context, int(r.kv_cache_gib * GIB)
+    )
 
 
 def flops_per_token(m: ModelSection, context: float) -> float:
@@ -393,8 +399,11 @@ def measured_rates(run_dir: Path) -> Rates:
     if learner is None:
         return Rates(step_seconds=median(metrics, "step_seconds"))
     rollouts = run_dir / "rollout_metrics.jsonl"
-    return Rates(learner_seconds=learner + (median(metrics, "sync_seconds") or 0.0), group_seconds=median(rollouts, "group_seconds"),
-                 generated_tokens_per_s=median(rollouts, "generated_tokens_per_s"))
+    return Rates(
+        learner_seconds=learner + (median(metrics, "sync_seconds") or 0.0),
+        group_seconds=median(rollouts, "group_seconds"),
+        generated_tokens_per_s=median(rollouts, "generated_tokens_per_s"),
+    )
 
 
 # --- layouts -------------------------------------------------------------------------------------
@@ -476,8 +485,13 @@ def fit_problems(recipe: Recipe) -> list[Problem]:
     problems = declared_engine_problems(recipe)
     plan = make_plan(recipe)
     if plan.engine is not None and plan.engine.sequences < 1:
-        problems.append(Problem("rollout.kv_cache_gib", f"{recipe.rollout.kv_cache_gib} GiB holds no sequence of rollout.max_context="
-                                                        f"{recipe.rollout.max_context} ({plan.engine.kv_per_sequence / GIB:.2f} GiB of KV cache each)"))
+        problems.append(
+            Problem(
+                "rollout.kv_cache_gib",
+                f"{recipe.rollout.kv_cache_gib} GiB holds no sequence of rollout.max_context="
+                f"{recipe.rollout.max_context} ({plan.engine.kv_per_sequence / GIB:.2f} GiB of KV cache each)",
+            )
+        )
     if plan.fits is False:
         problems.append(Problem(*_suggestion(recipe, plan)))
     return problems
@@ -492,29 +506,48 @@ def check_fits(recipe: Recipe) -> None:
 
 def _suggestion(recipe: Recipe, plan: Plan) -> tuple[str, str]:
     """(key to change, message): the first change that fits, of recompute, distributed optimizer, layout, batch."""
-    have = (f"{plan.rank.total / GIB:.1f} GiB per rank (parameters {plan.rank.parameters / GIB:.1f}, gradients "
-            f"{plan.rank.gradients / GIB:.1f}, optimizer {plan.rank.optimizer / GIB:.1f}, activations {plan.rank.activations / GIB:.1f}) "
-            f"exceeds the {plan.device_bytes / GIB:.1f} GiB usable of cluster.device_memory_gib={recipe.cluster.device_memory_gib}")
+    have = (
+        f"{plan.rank.total / GIB:.1f} GiB per rank (parameters {plan.rank.parameters / GIB:.1f}, gradients "
+        f"{plan.rank.gradients / GIB:.1f}, optimizer {plan.rank.optimizer / GIB:.1f}, activations {plan.rank.activations / GIB:.1f}) "
+        f"exceeds the {plan.device_bytes / GIB:.1f} GiB usable of cluster.device_memory_gib={recipe.cluster.device_memory_gib}"
+    )
     t, p = recipe.train, recipe.parallelism
     tries = []
     if not t.recompute_activations:
-        tries.append(("train.recompute_activations", "true", recipe.model_copy(update={"train": t.model_copy(update={"recompute_activations": True})})))
+        tries.append(
+            (
+                "train.recompute_activations",
+                "true",
+                recipe.model_copy(update={"train": t.model_copy(update={"recompute_activations": True})}),
+            )
+        )
     if not p.distributed_optimizer:
-        tries.append(("parallelism.distributed_optimizer", "true", recipe.model_copy(update={"parallelism": p.model_copy(update={"distributed_optimizer": True})})))
+        tries.append(
+            (
+                "parallelism.distributed_optimizer",
+                "true",
+                recipe.model_copy(update={"parallelism": p.model_copy(update={"distributed_optimizer": True})}),
+            )
+        )
     for key, value, changed in tries:
         fixed = make_plan(changed)
         if fixed.fits and not check_recipe(changed):  # e.g. Muon and QK-clip with bf16 refuse the distributed optimizer
             return key, f"{have}; set {key}: {value} ({fixed.rank.total / GIB:.1f} GiB)"
 
     def changes(layout: ParallelismSection) -> list[str]:
-        return [f"parallelism.{k}={getattr(layout, k)}" for k in ("tp", "pp", "cp", "ep", "etp", "sequence_parallel")
-                if getattr(layout, k) != getattr(p, k)]
+        return [
+            f"parallelism.{k}={getattr(layout, k)}"
+            for k in ("tp", "pp", "cp", "ep", "etp", "sequence_parallel")
+            if getattr(layout, k) != getattr(p, k)
+        ]
 
     fitting = layouts_that_fit(recipe)
     if fitting:
         closest, _ = min(fitting, key=lambda item: len(changes(item[0].layout)))  # the fewest keys, then the fastest
-        return "parallelism", (f"{have}; the closest layout that fits: {' '.join(changes(closest.layout))} "
-                               f"({closest.rank.total / GIB:.1f} GiB; `composer plan` lists every layout that fits)")
+        return "parallelism", (
+            f"{have}; the closest layout that fits: {' '.join(changes(closest.layout))} "
+            f"({closest.rank.total / GIB:.1f} GiB; `composer plan` lists every layout that fits)"
+        )
     if t.micro_batch_size > 1:
         return "train.micro_batch_size", f"{have}; no layout of world size {recipe.cluster.world_size} fits: lower train.micro_batch_size"
     return "cluster.hosts", f"{have}; no layout of world size {recipe.cluster.world_size} fits: add hosts"

@@ -61,8 +61,10 @@ class SlurmLauncher(Launcher):
             return list(self.cluster.hosts)  # placeholders until SLURM picks the nodes
         nodes = allocation_nodes()
         if len(nodes) != len(self.cluster.hosts):
-            raise UserError(f"the SLURM allocation {os.environ['SLURM_JOB_ID']} has {len(nodes)} node(s) but cluster.hosts "
-                            f"lists {len(self.cluster.hosts)}: the recipe's world size needs one node per listed host")
+            raise UserError(
+                f"the SLURM allocation {os.environ['SLURM_JOB_ID']} has {len(nodes)} node(s) but cluster.hosts "
+                f"lists {len(self.cluster.hosts)}: the recipe's world size needs one node per listed host"
+            )
         return nodes
 
     def plan(self, module: str, args: list[str], run_id: str) -> LaunchPlan:
@@ -70,9 +72,14 @@ class SlurmLauncher(Launcher):
         endpoint = f"{nodes[0]}:{self.cluster.rdzv_port}"
         env = rank_environment(self.cluster)
         commands = [
-            HostCommand(node, index, range(index * nproc, (index + 1) * nproc),
-                        torchrun_argv(self.python, nproc, module, args, nnodes=len(nodes), node_rank=index,
-                                      endpoint=endpoint, run_id=run_id), env, self.workdir)
+            HostCommand(
+                node,
+                index,
+                range(index * nproc, (index + 1) * nproc),
+                torchrun_argv(self.python, nproc, module, args, nnodes=len(nodes), node_rank=index, endpoint=endpoint, run_id=run_id),
+                env,
+                self.workdir,
+            )
             for index, node in enumerate(nodes)
         ]
         notes = [f"srun: {shlex.join(self.srun_argv(module, args, run_id, nodes))}"]
@@ -82,16 +89,36 @@ class SlurmLauncher(Launcher):
 
     def srun_argv(self, module: str, args: list[str], run_id: str, nodes: list[str]) -> list[str]:
         """One task per node; each task's torchrun takes the node id SLURM gives it as its node rank."""
-        torchrun = torchrun_argv(self.python, self.cluster.procs_per_host, module, args, nnodes=len(nodes),
-                                 node_rank="$SLURM_NODEID", endpoint=f"{nodes[0]}:{self.cluster.rdzv_port}", run_id=run_id)
+        torchrun = torchrun_argv(
+            self.python,
+            self.cluster.procs_per_host,
+            module,
+            args,
+            nnodes=len(nodes),
+            node_rank="$SLURM_NODEID",
+            endpoint=f"{nodes[0]}:{self.cluster.rdzv_port}",
+            run_id=run_id,
+        )
         script = shlex.join(torchrun).replace(shlex.quote("$SLURM_NODEID"), '"$SLURM_NODEID"')
-        return ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                "--label", f"--chdir={self.workdir}", "bash", "-c", f"exec {script}"]
+        return [
+            "srun",
+            f"--nodes={len(nodes)}",
+            f"--ntasks={len(nodes)}",
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
+            "--label",
+            f"--chdir={self.workdir}",
+            "bash",
+            "-c",
+            f"exec {script}",
+        ]
 
     def check_startable(self) -> None:
         if not in_allocation():
-            raise UserError("cluster.launcher is slurm but this is not inside a SLURM allocation (no SLURM_JOB_ID): "
-                            "pass --submit to run it as a batch job, or start it inside salloc")
+            raise UserError(
+                "cluster.launcher is slurm but this is not inside a SLURM allocation (no SLURM_JOB_ID): "
+                "pass --submit to run it as a batch job, or start it inside salloc"
+            )
         _require("srun")
         self.nodes()
 
@@ -101,8 +128,7 @@ class SlurmLauncher(Launcher):
         argv = self.srun_argv(module, args, f"{run.root.name}-{os.environ['SLURM_JOB_ID']}", nodes)
         argv[0] = _require("srun")
         clear_rank_errors(run)
-        process = SrunProcess(argv, {**os.environ, **rank_environment(self.cluster)}, nodes, run, console,
-                              self.cluster.procs_per_host)
+        process = SrunProcess(argv, {**os.environ, **rank_environment(self.cluster)}, nodes, run, console, self.cluster.procs_per_host)
         return Job(run, [process])
 
 
@@ -118,8 +144,9 @@ class SrunProcess(HostProcess):
         self.pumps = {node: OutputPump(run.logs / node / "torchrun.log", console) for node in nodes}
         self.own = OutputPump(self.log, None)
         # srun cancels the step on every node when it gets SIGTERM: also when this process dies
-        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        self.process = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=lambda: die_with_parent(signal.SIGTERM)
+        )
         self.reader = threading.Thread(target=self._read, daemon=True, name="srun-output")
         self.reader.start()
 
@@ -154,7 +181,7 @@ class SrunProcess(HostProcess):
         """The node whose torchrun reported a failure (its labelled output holds torchrun's report)."""
         for index, node in enumerate(self.nodes):
             path = self.run.logs / node / "torchrun.log"
-            if path.exists() and b"Root Cause" in path.read_bytes()[self.node_offsets[node]:]:
+            if path.exists() and b"Root Cause" in path.read_bytes()[self.node_offsets[node] :]:
                 return f"host {node} (node {index}, ranks {index * self.nproc}-{(index + 1) * self.nproc - 1})"
         return f"srun over {self.host}"
 
@@ -167,8 +194,13 @@ def sbatch_script(launcher: SlurmLauncher, command: list[str], run: RunDir, job_
     """A batch script that runs `command` (a composer command) on the first node of an allocation of one node per
     training host; the command then starts the ranks with srun."""
     cluster = launcher.cluster
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={len(cluster.hosts)}",
-             "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={run.root / 'slurm' / 'job-%j.out'}"]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={len(cluster.hosts)}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={run.root / 'slurm' / 'job-%j.out'}",
+    ]
     for flag, value in (("partition", cluster.slurm.partition), ("account", cluster.slurm.account), ("time", cluster.slurm.time_limit)):
         if value:
             lines.append(f"#SBATCH --{flag}={value}")
@@ -178,7 +210,15 @@ def sbatch_script(launcher: SlurmLauncher, command: list[str], run: RunDir, job_
 
 def batch_script(launcher: SlurmLauncher, kind: str, run: RunDir, resume: bool) -> str:
     """The sbatch script of `composer train KIND` for this run (its resolved recipe in RUN/slurm/recipe.yaml)."""
-    command = [launcher.python, "-m", "composer.cli", "train", kind, str(run.root / "slurm" / "recipe.yaml"), *(["--resume"] if resume else [])]
+    command = [
+        launcher.python,
+        "-m",
+        "composer.cli",
+        "train",
+        kind,
+        str(run.root / "slurm" / "recipe.yaml"),
+        *(["--resume"] if resume else []),
+    ]
     return sbatch_script(launcher, command, run, f"composer-{run.root.name}")
 
 

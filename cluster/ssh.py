@@ -26,18 +26,26 @@ class SSHHost:
         if key_file and not os.path.isfile(key_file):
             raise UserError(f"cluster.ssh.key_file: {key_file} does not exist")
         self.conn = fabric.Connection(
-            self.host, user=self.user, port=self.port, connect_timeout=15,
+            self.host,
+            user=self.user,
+            port=self.port,
+            connect_timeout=15,
             # no key file: the agent and the default keys (fabric fails on key_filename=None)
-            connect_kwargs=({"key_filename": key_file, "look_for_keys": False, "allow_agent": False} if key_file
-                            else {"look_for_keys": True, "allow_agent": True}),
+            connect_kwargs=(
+                {"key_filename": key_file, "look_for_keys": False, "allow_agent": False}
+                if key_file
+                else {"look_for_keys": True, "allow_agent": True}
+            ),
         )
         client = self.conn.client
         self._known_hosts: str | None = None
         if ssh.verify_host_key:
             known_hosts = os.path.expanduser(ssh.known_hosts or "~/.ssh/known_hosts")
             if not os.path.isfile(known_hosts):
-                raise UserError(f"{self.where}: known_hosts file {known_hosts} does not exist; add the host's key "
-                                f"(ssh-keyscan -p {self.port} {self.host} >> {known_hosts}) or set cluster.ssh.known_hosts")
+                raise UserError(
+                    f"{self.where}: known_hosts file {known_hosts} does not exist; add the host's key "
+                    f"(ssh-keyscan -p {self.port} {self.host} >> {known_hosts}) or set cluster.ssh.known_hosts"
+                )
             client.load_host_keys(known_hosts)
             client.set_missing_host_key_policy(paramiko.RejectPolicy())
             self._known_hosts = known_hosts
@@ -55,14 +63,18 @@ class SSHHost:
         import paramiko
 
         if isinstance(error, paramiko.BadHostKeyException):
-            return UserError(f"{self.where}: host key does NOT match the one in {self._known_hosts} "
-                             "(the host was reinstalled, or someone is intercepting the connection)")
+            return UserError(
+                f"{self.where}: host key does NOT match the one in {self._known_hosts} "
+                "(the host was reinstalled, or someone is intercepting the connection)"
+            )
         if isinstance(error, paramiko.AuthenticationException):
             return UserError(f"{self.where}: authentication failed ({error}); check cluster.ssh.user and key_file")
         if isinstance(error, paramiko.SSHException) and "known_hosts" in str(error):
-            return UserError(f"{self.where}: host key is not in {self._known_hosts}; add it "
-                             f"(ssh-keyscan -p {self.port} {self.host} >> {self._known_hosts}) "
-                             "or set cluster.ssh.known_hosts")
+            return UserError(
+                f"{self.where}: host key is not in {self._known_hosts}; add it "
+                f"(ssh-keyscan -p {self.port} {self.host} >> {self._known_hosts}) "
+                "or set cluster.ssh.known_hosts"
+            )
         if isinstance(error, paramiko.SSHException):
             return UserError(f"{self.where}: SSH failed ({error})")
         if isinstance(error, (OSError, socket.timeout)):

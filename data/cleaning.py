@@ -81,23 +81,23 @@ def read_tallies(folder: Path) -> dict[str, dict]:
 SECRET_PATTERNS = {
     # PEM (RSA, EC, DSA, ENCRYPTED, OPENSSH...) and PGP armor; unterminated blocks run to the end of their body
     "private_key": r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----(?:[\s\S]*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
-                   r"|(?:\\n|[\s\"',])*(?:[A-Za-z0-9+/=:\- ]+(?:\\n|[\s\"',])+)*)"
-                   r"|---- BEGIN SSH2 ENCRYPTED PRIVATE KEY ----[\s\S]*?---- END SSH2 ENCRYPTED PRIVATE KEY ----"
-                   # PuTTY .ppk: the private lines and their MAC (the public half stays)
-                   r"|Private-Lines: *\d+(?:\\r)?(?:\\n|\r?\n)(?:[ \t]*[A-Za-z0-9+/=]+(?:\\r)?(?:\\n|\r?\n)?)+"
-                   r"(?:[ \t]*Private-(?:MAC|Hash): *[0-9a-fA-F]+)?",
+    r"|(?:\\n|[\s\"',])*(?:[A-Za-z0-9+/=:\- ]+(?:\\n|[\s\"',])+)*)"
+    r"|---- BEGIN SSH2 ENCRYPTED PRIVATE KEY ----[\s\S]*?---- END SSH2 ENCRYPTED PRIVATE KEY ----"
+    # PuTTY .ppk: the private lines and their MAC (the public half stays)
+    r"|Private-Lines: *\d+(?:\\r)?(?:\\n|\r?\n)(?:[ \t]*[A-Za-z0-9+/=]+(?:\\r)?(?:\\n|\r?\n)?)+"
+    r"(?:[ \t]*Private-(?:MAC|Hash): *[0-9a-fA-F]+)?",
     "aws_access_key": r"(?<![A-Za-z0-9])(?:A3T[A-Z0-9]|ABIA|ACCA|AKIA|ASIA|AGPA|AIDA|AROA|AIPA|ANPA|ANVA)[0-9A-Z]{16}(?![A-Za-z0-9])",
     "github_token": r"(?<![A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})",
     "gitlab_token": r"(?<![A-Za-z0-9_])gl(?:pat|dt|rt|cbt|ptt|ft|imt|agent|oas|soat)-[A-Za-z0-9_\-]{20,}",
     "slack_token": r"(?<![A-Za-z0-9])xox[abposr]-[A-Za-z0-9-]{10,}",
     "webhook": r"https?://(?:hooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9_/\-]+"
-               r"|(?:[\w-]+\.)?discord(?:app)?\.com/api/webhooks/\d+/[\w\-]+"
-               r"|[\w.-]+\.webhook\.office\.com/webhookb2/[^\s\"'<>]+"
-               r"|[\w.-]+\.logic\.azure\.com[:/][^\s\"'<>]*sig=[^\s\"'<>]+"
-               r"|chat\.googleapis\.com/v1/spaces/[^\s\"'<>]*(?:key|token)=[^\s\"'<>]+"
-               r"|hooks\.zapier\.com/hooks/catch/[\w/]+"
-               r"|maker\.ifttt\.com/trigger/[^\s\"'<>]+/key/[\w\-]+"
-               r"|api\.telegram\.org/bot\d+:[\w\-]+)",
+    r"|(?:[\w-]+\.)?discord(?:app)?\.com/api/webhooks/\d+/[\w\-]+"
+    r"|[\w.-]+\.webhook\.office\.com/webhookb2/[^\s\"'<>]+"
+    r"|[\w.-]+\.logic\.azure\.com[:/][^\s\"'<>]*sig=[^\s\"'<>]+"
+    r"|chat\.googleapis\.com/v1/spaces/[^\s\"'<>]*(?:key|token)=[^\s\"'<>]+"
+    r"|hooks\.zapier\.com/hooks/catch/[\w/]+"
+    r"|maker\.ifttt\.com/trigger/[^\s\"'<>]+/key/[\w\-]+"
+    r"|api\.telegram\.org/bot\d+:[\w\-]+)",
     "google_api_key": r"(?<![A-Za-z0-9])AIza[0-9A-Za-z_\-]{35}",
     "stripe_key": r"(?<![A-Za-z0-9])(?:[sr]k|pk)_(?:live|test)_[0-9A-Za-z]{16,}",
     "openai_key": r"(?<![A-Za-z0-9])sk-(?:proj-|ant-(?:api|admin)\d\d-)?[A-Za-z0-9_\-]{32,}",
@@ -127,9 +127,37 @@ _NOT_SECRET_NAME = re.compile(
     r"validator|strength|min|max|reset|changed|input|field_name)$"
     r"|tokeni[sz]|author(?!iz)|authori[tz]y|passe[ds]?$|passing|passage|passthrough|passive|compass|bypass|surpass"
 )
-_PLACEHOLDERS = {"password", "passwd", "secret", "changeme", "change_me", "token", "apikey", "api_key", "none", "null",
-                 "true", "false", "undefined", "redacted", "example", "xxx", "pass", "your_password", "yourpassword",
-                 "mypassword", "required", "optional", "string", "str", "bytes", "default", "empty", "dummy", "test"}
+_PLACEHOLDERS = {
+    "password",
+    "passwd",
+    "secret",
+    "changeme",
+    "change_me",
+    "token",
+    "apikey",
+    "api_key",
+    "none",
+    "null",
+    "true",
+    "false",
+    "undefined",
+    "redacted",
+    "example",
+    "xxx",
+    "pass",
+    "your_password",
+    "yourpassword",
+    "mypassword",
+    "required",
+    "optional",
+    "string",
+    "str",
+    "bytes",
+    "default",
+    "empty",
+    "dummy",
+    "test",
+}
 
 
 def _entropy(value: str) -> float:
@@ -197,12 +225,12 @@ def _assigned_spans(text: str) -> list[tuple[str, int, int]]:
         value = match.group(group)
         if _NOT_SECRET_NAME.search(name.strip("\"'`")) or not secret_shaped(value):
             continue
-        before = text[max(0, match.start("name") - 24):match.start("name")]
+        before = text[max(0, match.start("name") - 24) : match.start("name")]
         if match.group("comma") and not re.search(r"\(\s*[\"']$", before):
             continue  # ("NAME", "value") only as a call's first two arguments: getenv, setdefault
         if match.group("flag") and not re.search(r"(?:^|\s)--?$", before):
             continue  # NAME "value" only as a command-line flag: --password "value"
-        if group == "bvalue" and re.match(r"\s*\(", text[match.end(group):match.end(group) + 3]):
+        if group == "bvalue" and re.match(r"\s*\(", text[match.end(group) : match.end(group) + 3]):
             continue  # a call: password = make_password(...)
         spans.append(("assigned_secret", match.start(group), match.end(group)))
     return spans

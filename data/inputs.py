@@ -21,8 +21,8 @@ import os
 import subprocess
 import sysconfig
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import zstandard
 from datatrove.data import Document, DocumentsPipeline
@@ -35,16 +35,65 @@ BINARY_PROBE = 8192
 """Bytes read to tell binary from text: a NUL byte among them means binary."""
 
 LANGUAGES = {
-    ".py": "python", ".pyi": "python", ".js": "javascript", ".mjs": "javascript", ".cjs": "javascript", ".jsx": "javascript",
-    ".ts": "typescript", ".tsx": "typescript", ".go": "go", ".rs": "rust", ".c": "c", ".h": "c", ".cc": "cpp",
-    ".cpp": "cpp", ".cxx": "cpp", ".hpp": "cpp", ".hh": "cpp", ".java": "java", ".kt": "kotlin", ".scala": "scala",
-    ".rb": "ruby", ".php": "php", ".cs": "csharp", ".swift": "swift", ".sh": "shell", ".bash": "shell", ".zsh": "shell",
-    ".pl": "perl", ".lua": "lua", ".r": "r", ".jl": "julia", ".hs": "haskell", ".ml": "ocaml", ".sql": "sql",
-    ".html": "html", ".css": "css", ".md": "markdown", ".rst": "restructuredtext", ".txt": "text", ".json": "json",
-    ".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".xml": "xml", ".ini": "ini", ".cfg": "ini",
+    ".py": "python",
+    ".pyi": "python",
+    ".js": "javascript",
+    ".mjs": "javascript",
+    ".cjs": "javascript",
+    ".jsx": "javascript",
+    ".ts": "typescript",
+    ".tsx": "typescript",
+    ".go": "go",
+    ".rs": "rust",
+    ".c": "c",
+    ".h": "c",
+    ".cc": "cpp",
+    ".cpp": "cpp",
+    ".cxx": "cpp",
+    ".hpp": "cpp",
+    ".hh": "cpp",
+    ".java": "java",
+    ".kt": "kotlin",
+    ".scala": "scala",
+    ".rb": "ruby",
+    ".php": "php",
+    ".cs": "csharp",
+    ".swift": "swift",
+    ".sh": "shell",
+    ".bash": "shell",
+    ".zsh": "shell",
+    ".pl": "perl",
+    ".lua": "lua",
+    ".r": "r",
+    ".jl": "julia",
+    ".hs": "haskell",
+    ".ml": "ocaml",
+    ".sql": "sql",
+    ".html": "html",
+    ".css": "css",
+    ".md": "markdown",
+    ".rst": "restructuredtext",
+    ".txt": "text",
+    ".json": "json",
+    ".yaml": "yaml",
+    ".yml": "yaml",
+    ".toml": "toml",
+    ".xml": "xml",
+    ".ini": "ini",
+    ".cfg": "ini",
 }
-INTERPRETERS = {"python": "python", "python3": "python", "bash": "shell", "sh": "shell", "zsh": "shell", "node": "javascript",
-                "ruby": "ruby", "perl": "perl", "php": "php", "lua": "lua"}
+INTERPRETERS = {
+    "python": "python",
+    "python3": "python",
+    "bash": "shell",
+    "sh": "shell",
+    "zsh": "shell",
+    "node": "javascript",
+    "ruby": "ruby",
+    "perl": "perl",
+    "php": "php",
+    "lua": "lua",
+}
 
 
 def language_of(path: str, text: str) -> str:
@@ -91,8 +140,10 @@ def plan_units(source: DataSource, index: int) -> list[Unit]:
         if not matched:
             shown = pattern if expanded == pattern else f"{pattern!r} ({expanded})"
             if want_dirs and not glob.has_magic(expanded):
-                raise UserError(f"data.sources[{index}] ({source.name}): repository {shown} "
-                                f"{'is not a directory' if os.path.exists(expanded) else 'does not exist'}")
+                raise UserError(
+                    f"data.sources[{index}] ({source.name}): repository {shown} "
+                    f"{'is not a directory' if os.path.exists(expanded) else 'does not exist'}"
+                )
             what = "no repository directories" if want_dirs else "no files"
             raise UserError(f"data.sources[{index}] ({source.name}): {shown} matches {what}; the corpus would be empty")
         found.update(matched)
@@ -152,7 +203,7 @@ class SourceReader(PipelineStep):
         from composer.data.cleaning import repository_license  # the licence rules live with the licence filter
 
         share = len(self.units) * rank // world_size, len(self.units) * (rank + 1) // world_size
-        for unit in self.units[share[0]:share[1]]:
+        for unit in self.units[share[0] : share[1]]:
             with self.track_time():
                 try:
                     if self.source.format == "repository":
@@ -250,7 +301,9 @@ class SourceReader(PipelineStep):
             with pq.ParquetFile(_read_bytes_buffer(path)) as parquet:
                 names = parquet.schema_arrow.names
                 if self.source.text_field not in names:
-                    raise UserError(f"{path}: no column {self.source.text_field!r} (set data.sources[].text_field); it has {', '.join(names)}")
+                    raise UserError(
+                        f"{path}: no column {self.source.text_field!r} (set data.sources[].text_field); it has {', '.join(names)}"
+                    )
                 columns = [c for c in (self.source.text_field, self.source.path_field) if c in names]
                 row = 0
                 for batch in parquet.iter_batches(columns=columns, batch_size=1024):

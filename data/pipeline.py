@@ -33,12 +33,12 @@ import signal
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Callable
 
 import zstandard
 from datatrove.data import Document, DocumentsPipeline
@@ -117,16 +117,26 @@ class SourcePlan:
         return self.source.format == "repository" and self.source.repository_documents
 
     def save(self) -> None:
-        record = {"data": self.data.model_dump(mode="json"), "index": self.index, "units": self.units,
-                  "tokenizer": {**asdict(self.tokenizer), "directory": str(self.tokenizer.directory)}, "entry": str(self.entry)}
+        record = {
+            "data": self.data.model_dump(mode="json"),
+            "index": self.index,
+            "units": self.units,
+            "tokenizer": {**asdict(self.tokenizer), "directory": str(self.tokenizer.directory)},
+            "entry": str(self.entry),
+        }
         atomic_write_text(self.work / "plan.json", json.dumps(record) + "\n")
 
     @classmethod
     def load(cls, work: Path) -> SourcePlan:
         record = json.loads((work / "plan.json").read_text())
         tokenizer = record["tokenizer"]
-        return cls(DataSection.model_validate(record["data"]), record["index"], record["units"],
-                   CorpusTokenizer(**{**tokenizer, "directory": Path(tokenizer["directory"])}), Path(record["entry"]))
+        return cls(
+            DataSection.model_validate(record["data"]),
+            record["index"],
+            record["units"],
+            CorpusTokenizer(**{**tokenizer, "directory": Path(tokenizer["directory"])}),
+            Path(record["entry"]),
+        )
 
 
 def plan_source(data: DataSection, index: int, tokenizer: CorpusTokenizer) -> SourcePlan:
@@ -241,16 +251,24 @@ class Publish(PipelineStep):
         summary = summarise(plan)
         if summary["documents"] == 0:
             shutil.rmtree(temp)
-            raise UserError(f"data.sources[{plan.index}] ({plan.source.name}): its {len(plan.units)} input(s) hold no text; "
-                            "the corpus would be empty (see `data.files` and `data.cleaning` for what was left out)")
+            raise UserError(
+                f"data.sources[{plan.index}] ({plan.source.name}): its {len(plan.units)} input(s) hold no text; "
+                "the corpus would be empty (see `data.files` and `data.cleaning` for what was left out)"
+            )
         with open(temp / "redactions.jsonl", "wb") as report:
             for part in sorted((work / "redactions").glob("*.jsonl")):
                 report.write(part.read_bytes())
         for name in (f"{ENTRY_PREFIX}.bin", f"{ENTRY_PREFIX}.idx", "redactions.jsonl"):
             with open(temp / name, "rb") as f:
                 os.fsync(f.fileno())
-        manifest = {"name": plan.source.name, "format": plan.source.format, "tokenizer": str(plan.tokenizer.directory),
-                    "tokenizer_sha256": plan.tokenizer.sha256, "num_inputs": len(plan.units), "summary": summary}
+        manifest = {
+            "name": plan.source.name,
+            "format": plan.source.format,
+            "tokenizer": str(plan.tokenizer.directory),
+            "tokenizer_sha256": plan.tokenizer.sha256,
+            "num_inputs": len(plan.units),
+            "summary": summary,
+        }
         atomic_write_text(temp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         try:
             temp.rename(plan.entry)
@@ -298,8 +316,12 @@ def stages(plan: SourcePlan) -> list[Stage]:
 
     def shaped() -> list[PipelineStep]:
         near = [MinhashDedupFilter(folder("minhash-remove"), exclusion_writer=tally("near duplicates"))] if cleaning.near_dedup else []
-        return [CleanReader(clean), *exact_filter(counted=True), *near,
-                Shaper(tokenizer, data.fim, plan.repository_documents, work / "shards")]
+        return [
+            CleanReader(clean),
+            *exact_filter(counted=True),
+            *near,
+            Shaper(tokenizer, data.fim, plan.repository_documents, work / "shards"),
+        ]
 
     out = [Stage("clean", n, cleaned)]
     if cleaning.exact_dedup:
@@ -309,10 +331,25 @@ def stages(plan: SourcePlan) -> list[Stage]:
         ]
     if cleaning.near_dedup:
         out += [
-            Stage("minhash-signatures", n, lambda: [CleanReader(clean), *exact_filter(counted=False),
-                                                    MinhashDedupSignature(folder("minhash-signatures"), minhash, language=CodeWords())]),
-            Stage("minhash-buckets", bands, lambda: [MinhashDedupBuckets(folder("minhash-signatures"), folder("minhash-buckets"), config=minhash)]),
-            Stage("minhash-clusters", 1, lambda: [MinhashDedupCluster(folder("minhash-buckets"), folder("minhash-remove"), config=minhash, save_cluster_id=True)]),
+            Stage(
+                "minhash-signatures",
+                n,
+                lambda: [
+                    CleanReader(clean),
+                    *exact_filter(counted=False),
+                    MinhashDedupSignature(folder("minhash-signatures"), minhash, language=CodeWords()),
+                ],
+            ),
+            Stage(
+                "minhash-buckets",
+                bands,
+                lambda: [MinhashDedupBuckets(folder("minhash-signatures"), folder("minhash-buckets"), config=minhash)],
+            ),
+            Stage(
+                "minhash-clusters",
+                1,
+                lambda: [MinhashDedupCluster(folder("minhash-buckets"), folder("minhash-remove"), config=minhash, save_cluster_id=True)],
+            ),
         ]
     return [*out, Stage("shape", n, shaped), Stage("publish", 1, lambda: [Publish(plan)])]
 
@@ -338,8 +375,13 @@ class TaskExecutor(PipelineExecutor):
         return self.tasks
 
     def get_distributed_env(self, node_rank: int = -1) -> DistributedEnvVars:
-        return DistributedEnvVars(datatrove_node_ips="localhost", datatrove_cpus_per_task="1", datatrove_mem_per_cpu="-1",
-                                  datatrove_gpus_on_node="0", datatrove_executor="LOCAL")
+        return DistributedEnvVars(
+            datatrove_node_ips="localhost",
+            datatrove_cpus_per_task="1",
+            datatrove_mem_per_cpu="-1",
+            datatrove_gpus_on_node="0",
+            datatrove_executor="LOCAL",
+        )
 
 
 def executor(plan: SourcePlan, stage: Stage) -> TaskExecutor:
@@ -390,21 +432,40 @@ def summarise(plan: SourcePlan) -> dict:
     bands, rows = lsh_bands(plan.data.cleaning.near_threshold)
     clusters = stage_counters(work, "minhash-clusters") if plan.data.cleaning.near_dedup else {}
     removed = read_tallies(work / "removed")
-    languages = {label.removeprefix("language_tokens_"): {"files": int(shaped.get("language_" + label.removeprefix("language_tokens_"), 0)), "tokens": int(v)}
-                 for label, v in shaped.items() if label.startswith("language_tokens_")}
+    languages = {
+        label.removeprefix("language_tokens_"): {
+            "files": int(shaped.get("language_" + label.removeprefix("language_tokens_"), 0)),
+            "tokens": int(v),
+        }
+        for label, v in shaped.items()
+        if label.startswith("language_tokens_")
+    }
     return {
         "inputs": len(plan.units),
         "read_documents": int(read.get("documents_read", 0)),
         "left_out": {label.removeprefix("skipped_"): int(v) for label, v in read.items() if label.startswith("skipped_")},
         "not_utf8": int(read.get("not_utf8", 0)),
         "redactions": {label.removeprefix("redacted_"): int(v) for label, v in read.items() if label.startswith("redacted_")},
-        "removed": {step: {"documents": r["documents"], "tokens": r["tokens"], "reasons": dict(r["reasons"])} for step, r in removed.items()},
-        "near_dedup": {"threshold": plan.data.cleaning.near_threshold, "bands": bands, "rows": rows,
-                       "catch_probability": {str(s): round(catch_probability(s, bands, rows), 4) for s in (0.5, plan.data.cleaning.near_threshold, 0.8, 0.9)},
-                       "clusters": int(clusters.get("clusters", 0))} if plan.data.cleaning.near_dedup else None,
+        "removed": {
+            step: {"documents": r["documents"], "tokens": r["tokens"], "reasons": dict(r["reasons"])} for step, r in removed.items()
+        },
+        "near_dedup": {
+            "threshold": plan.data.cleaning.near_threshold,
+            "bands": bands,
+            "rows": rows,
+            "catch_probability": {
+                str(s): round(catch_probability(s, bands, rows), 4) for s in (0.5, plan.data.cleaning.near_threshold, 0.8, 0.9)
+            },
+            "clusters": int(clusters.get("clusters", 0)),
+        }
+        if plan.data.cleaning.near_dedup
+        else None,
         "languages": languages,
-        "fim": {"psm": int(shaped.get("fim_psm", 0)), "spm": int(shaped.get("fim_spm", 0)),
-                "files": sum(v["files"] for v in languages.values())},
+        "fim": {
+            "psm": int(shaped.get("fim_psm", 0)),
+            "spm": int(shaped.get("fim_spm", 0)),
+            "files": sum(v["files"] for v in languages.values()),
+        },
         "repository_documents": int(shaped.get("repository_documents", 0)),
         "repository_files": int(shaped.get("repository_files", 0)),
         "documents": int(shaped.get("documents_out", 0)),
@@ -439,8 +500,9 @@ class WorkerPool:
             import multiprocessing
 
             self.log.parent.mkdir(parents=True, exist_ok=True)
-            self.pool = ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("fork"),
-                                            initializer=_init_worker, initargs=(str(self.log),))
+            self.pool = ProcessPoolExecutor(
+                self.num_workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker, initargs=(str(self.log),)
+            )
         return self.pool
 
     def run(self, work: Path, stage: str, ranks: list[int], on_done: Callable[[], None]) -> None:
@@ -459,8 +521,10 @@ class WorkerPool:
                 self.pool = None
                 self.deaths += 1
                 if self.deaths > MAX_WORKER_DEATHS:
-                    raise UserError(f"data workers died {self.deaths} times (killed, or out of memory?); see {self.log}. "
-                                    "Run the command again to go on from the finished tasks") from None
+                    raise UserError(
+                        f"data workers died {self.deaths} times (killed, or out of memory?); see {self.log}. "
+                        "Run the command again to go on from the finished tasks"
+                    ) from None
 
     def close(self) -> None:
         if self.pool is not None:
@@ -512,8 +576,15 @@ def prepare_locally(plans: list[SourcePlan], num_workers: int, console: Console 
 
 
 def _progress(console: Console | None) -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(), TextColumn("tasks"),
-                    TimeElapsedColumn(), console=console, disable=console is None)
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(bar_width=24),
+        MofNCompleteColumn(),
+        TextColumn("tasks"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=console is None,
+    )
 
 
 # --- running it: SLURM job arrays ------------------------------------------------------------------
@@ -535,10 +606,21 @@ def submit_to_slurm(plans: list[SourcePlan], cluster: ClusterSection) -> list[tu
             ranks = pending_tasks(plan, stage)
             if not ranks:
                 continue
-            argv = [sbatch, "--parsable", f"--job-name=composer-data-{plan.source.name}-{stage.name}",
-                    f"--array={','.join(map(str, ranks))}%{plan.data.num_workers}", "--ntasks=1", "--cpus-per-task=1",
-                    f"--output={plan.work / 'slurm' / f'{stage.name}-%a.out'}", f"--chdir={workdir}"]
-            for flag, value in (("partition", cluster.slurm.partition), ("account", cluster.slurm.account), ("time", cluster.slurm.time_limit)):
+            argv = [
+                sbatch,
+                "--parsable",
+                f"--job-name=composer-data-{plan.source.name}-{stage.name}",
+                f"--array={','.join(map(str, ranks))}%{plan.data.num_workers}",
+                "--ntasks=1",
+                "--cpus-per-task=1",
+                f"--output={plan.work / 'slurm' / f'{stage.name}-%a.out'}",
+                f"--chdir={workdir}",
+            ]
+            for flag, value in (
+                ("partition", cluster.slurm.partition),
+                ("account", cluster.slurm.account),
+                ("time", cluster.slurm.time_limit),
+            ):
                 if value:
                     argv.append(f"--{flag}={value}")
             if previous:

@@ -50,8 +50,9 @@ class PreparedCorpus:
         return all(s.cached for s in self.sources)
 
     def for_training(self) -> PreparedData:
-        return PreparedData([TokenSource(s.name, s.prefix, s.weight, s.num_documents, s.num_tokens) for s in self.sources],
-                            self.tokenizer.identity)
+        return PreparedData(
+            [TokenSource(s.name, s.prefix, s.weight, s.num_documents, s.num_tokens) for s in self.sources], self.tokenizer.identity
+        )
 
 
 def _plans(data: DataSection, model_checkpoint: str | None, model_vocab_size: int) -> tuple[CorpusTokenizer, list[SourcePlan]]:
@@ -72,7 +73,9 @@ def _cached(plan: SourcePlan, cached: bool) -> PreparedSource | None:
     return PreparedSource(plan.source.name, plan.entry / ENTRY_PREFIX, plan.source.weight, manifest["summary"], cached)
 
 
-def prepare_data(data: DataSection, *, model_checkpoint: str | None, model_vocab_size: int, console: Console | None = None) -> PreparedCorpus:
+def prepare_data(
+    data: DataSection, *, model_checkpoint: str | None, model_vocab_size: int, console: Console | None = None
+) -> PreparedCorpus:
     """Prepare every source not yet in the cache on this machine (`data.num_workers` processes); progress on
     `console` when given."""
     tokenizer, plans = _plans(data, model_checkpoint, model_vocab_size)
@@ -83,7 +86,9 @@ def prepare_data(data: DataSection, *, model_checkpoint: str | None, model_vocab
     return PreparedCorpus([hit or _cached(plan, cached=False) for plan, hit in zip(plans, hits)], tokenizer)
 
 
-def submit_data(data: DataSection, cluster: ClusterSection, *, model_checkpoint: str | None, model_vocab_size: int) -> list[tuple[str, str, str]]:
+def submit_data(
+    data: DataSection, cluster: ClusterSection, *, model_checkpoint: str | None, model_vocab_size: int
+) -> list[tuple[str, str, str]]:
     """Submit the sources not yet in the cache as SLURM job arrays; (source, stage, job id) of each array."""
     _, plans = _plans(data, model_checkpoint, model_vocab_size)
     return submit_to_slurm([plan for plan in plans if _cached(plan, cached=True) is None], cluster)
@@ -96,7 +101,9 @@ def prepared_sources(data: DataSection, *, model_checkpoint: str | None, model_v
     for plan in plans:
         hit = _cached(plan, cached=True)
         if hit is None:
-            raise UserError(f"data.sources[{plan.index}] ({plan.source.name}) is not prepared with these settings yet; "
-                            "run `composer data prepare` (or its SLURM jobs have not finished)")
+            raise UserError(
+                f"data.sources[{plan.index}] ({plan.source.name}) is not prepared with these settings yet; "
+                "run `composer data prepare` (or its SLURM jobs have not finished)"
+            )
         found.append(hit)
     return PreparedCorpus(found, tokenizer)

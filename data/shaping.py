@@ -185,7 +185,14 @@ class Shaper(PipelineStep):
                 self.stat_update("fim_spm")
             else:
                 encoded_prefix, encoded_suffix, encoded_middle = self._encode([prefix, suffix, middle])
-                ids = [special["fim_prefix"], *encoded_prefix, special["fim_suffix"], *encoded_suffix, special["fim_middle"], *encoded_middle]
+                ids = [
+                    special["fim_prefix"],
+                    *encoded_prefix,
+                    special["fim_suffix"],
+                    *encoded_suffix,
+                    special["fim_middle"],
+                    *encoded_middle,
+                ]
                 self.stat_update("fim_psm")
         self.stat_update(f"language_tokens_{language}", value=len(ids))
         return ids

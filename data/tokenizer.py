@@ -53,8 +53,10 @@ class CorpusTokenizer:
     def require(self, roles: tuple[str, ...], why: str) -> None:
         missing = [SPECIAL_TOKENS[r][0] for r in roles if r not in self.special]
         if missing:
-            raise UserError(f"{why} needs the special tokens {', '.join(missing)}, which {self.directory} lacks; "
-                            "`composer model init` makes a tokenizer with them")
+            raise UserError(
+                f"{why} needs the special tokens {', '.join(missing)}, which {self.directory} lacks; "
+                "`composer model init` makes a tokenizer with them"
+            )
 
 
 def load_tokenizer(data: DataSection, model_checkpoint: str | None, model_vocab_size: int) -> CorpusTokenizer:

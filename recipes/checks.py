@@ -59,9 +59,20 @@ def model_problems(m: ModelSection) -> list[Problem]:
     return out + (_deepseek_v3_problems(m) if m.family == "deepseek_v3" else _no_deepseek_keys(m))
 
 
-_DEEPSEEK_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense",
-                  "moe_router_groups", "moe_router_group_top_k", "routed_scaling_factor", "moe_router_bias_update_rate",
-                  "yarn", "num_mtp_layers")
+_DEEPSEEK_ONLY = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "first_k_dense",
+    "moe_router_groups",
+    "moe_router_group_top_k",
+    "routed_scaling_factor",
+    "moe_router_bias_update_rate",
+    "yarn",
+    "num_mtp_layers",
+)
 
 
 def _no_deepseek_keys(m: ModelSection) -> list[Problem]:
@@ -80,11 +91,20 @@ def _deepseek_v3_problems(m: ModelSection) -> list[Problem]:
         if not getattr(m, key):
             out.append(Problem(f"model.{key}", "must be set for model.family deepseek_v3 (multi-head latent attention)"))
     if m.head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
-        out.append(Problem("model.head_dim", f"must be qk_nope_head_dim + qk_rope_head_dim = {m.qk_nope_head_dim + m.qk_rope_head_dim} for deepseek_v3, got {m.head_dim}"))
+        out.append(
+            Problem(
+                "model.head_dim",
+                f"must be qk_nope_head_dim + qk_rope_head_dim = {m.qk_nope_head_dim + m.qk_rope_head_dim} for deepseek_v3, got {m.head_dim}",
+            )
+        )
     if m.qk_rope_head_dim % 2:
         out.append(Problem("model.qk_rope_head_dim", f"must be even (RoPE rotates channel pairs), got {m.qk_rope_head_dim}"))
     if m.num_kv_heads != m.num_attention_heads:
-        out.append(Problem("model.num_kv_heads", f"must equal model.num_attention_heads={m.num_attention_heads} for deepseek_v3 (MLA has no KV groups)"))
+        out.append(
+            Problem(
+                "model.num_kv_heads", f"must equal model.num_attention_heads={m.num_attention_heads} for deepseek_v3 (MLA has no KV groups)"
+            )
+        )
     if not m.is_moe:
         out.append(Problem("model.num_experts", "deepseek_v3 is an MoE; set num_experts, moe_top_k, moe_ffn_hidden_size"))
         return out
@@ -103,14 +123,28 @@ def _deepseek_v3_problems(m: ModelSection) -> list[Problem]:
         out.append(Problem("model.moe_router_group_top_k", f"{picked} is more than model.moe_router_groups={groups}"))
     if groups > 1 and m.moe_top_k != 2 * picked:
         # HF scores a group by its 2 best experts; Megatron by its top_k / group_top_k best
-        out.append(Problem("model.moe_router_group_top_k", f"must be model.moe_top_k / 2 = {m.moe_top_k / 2:g} with group-limited routing (groups are scored by their two best experts), got {picked}"))
+        out.append(
+            Problem(
+                "model.moe_router_group_top_k",
+                f"must be model.moe_top_k / 2 = {m.moe_top_k / 2:g} with group-limited routing (groups are scored by their two best experts), got {picked}",
+            )
+        )
     if groups > 1 and m.num_experts // groups < 2:
         out.append(Problem("model.moe_router_groups", f"each group needs at least 2 experts; {m.num_experts} experts in {groups} groups"))
     if m.num_mtp_layers and m.mtp == "carry" and not m.checkpoint:
-        out.append(Problem("model.mtp", "`carry` copies the multi-token-prediction layers from model.checkpoint, which is unset; "
-                                        "set it, or mtp: drop (or num_mtp_layers: 0)"))
+        out.append(
+            Problem(
+                "model.mtp",
+                "`carry` copies the multi-token-prediction layers from model.checkpoint, which is unset; "
+                "set it, or mtp: drop (or num_mtp_layers: 0)",
+            )
+        )
     if m.yarn and m.yarn.mscale != 1 and not m.yarn.mscale_all_dim:
-        out.append(Problem("model.yarn.mscale", f"{m.yarn.mscale} acts only with model.yarn.mscale_all_dim (as in HF); set mscale: 1 or mscale_all_dim"))
+        out.append(
+            Problem(
+                "model.yarn.mscale", f"{m.yarn.mscale} acts only with model.yarn.mscale_all_dim (as in HF); set mscale: 1 or mscale_all_dim"
+            )
+        )
     return out
 
 
@@ -130,7 +164,11 @@ def world_problems(p: ParallelismSection, world: int, where: str) -> list[Proble
         return [Problem("parallelism", f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_parallel} does not divide the {where}")]
     out, dp = [], world // model_parallel
     if p.dp is not None and p.dp != dp:
-        out.append(Problem("parallelism.dp", f"world size must equal tp*pp*cp*dp: {p.tp}*{p.pp}*{p.cp}*{p.dp} != {world} ({where}); dp would be {dp}"))
+        out.append(
+            Problem(
+                "parallelism.dp", f"world size must equal tp*pp*cp*dp: {p.tp}*{p.pp}*{p.cp}*{p.dp} != {world} ({where}); dp would be {dp}"
+            )
+        )
     if (world // p.pp) % (p.ep * p.etp):
         out.append(Problem("parallelism.ep", f"ep*etp = {p.ep}*{p.etp} does not divide world_size/pp = {world // p.pp}"))
     return out
@@ -142,13 +180,23 @@ def split_problems(m: ModelSection, p: ParallelismSection) -> list[Problem]:
     if m.num_attention_heads % p.tp:
         out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.num_attention_heads={m.num_attention_heads}"))
     if m.num_kv_heads % p.tp:
-        out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.num_kv_heads={m.num_kv_heads} (each tensor-parallel rank needs whole KV heads)"))
+        out.append(
+            Problem(
+                "parallelism.tp",
+                f"{p.tp} does not divide model.num_kv_heads={m.num_kv_heads} (each tensor-parallel rank needs whole KV heads)",
+            )
+        )
     if m.vocab_size % p.tp:
         out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.vocab_size={m.vocab_size}"))
     if (not m.is_moe or m.first_k_dense) and m.ffn_hidden_size % p.tp:
         out.append(Problem("parallelism.tp", f"{p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}"))
     if m.num_shared_experts and (m.moe_ffn_hidden_size * m.num_shared_experts) % p.tp:
-        out.append(Problem("parallelism.tp", f"{p.tp} does not divide the shared experts' width model.moe_ffn_hidden_size * model.num_shared_experts = {m.moe_ffn_hidden_size * m.num_shared_experts}"))
+        out.append(
+            Problem(
+                "parallelism.tp",
+                f"{p.tp} does not divide the shared experts' width model.moe_ffn_hidden_size * model.num_shared_experts = {m.moe_ffn_hidden_size * m.num_shared_experts}",
+            )
+        )
     if m.num_layers % p.pp:
         out.append(Problem("parallelism.pp", f"{p.pp} does not divide model.num_layers={m.num_layers}"))
     if p.sequence_parallel and p.tp == 1:
@@ -168,14 +216,23 @@ def split_problems(m: ModelSection, p: ParallelismSection) -> list[Problem]:
 def _check_attention(r: Recipe) -> list[Problem]:
     """Packed sequences and context parallelism run in composer's SDPA attention (trainer.kernels)."""
     p, out = r.parallelism, []
-    uses = [what for what, used in (
-        (f"parallelism.cp={p.cp}", p.cp > 1),
-        ("data.attention=document", r.data is not None and r.data.attention == "document"),
-        ("rl.pack_sequences", r.rl is not None and r.rl.pack_sequences),
-    ) if used]
+    uses = [
+        what
+        for what, used in (
+            (f"parallelism.cp={p.cp}", p.cp > 1),
+            ("data.attention=document", r.data is not None and r.data.attention == "document"),
+            ("rl.pack_sequences", r.rl is not None and r.rl.pack_sequences),
+        )
+        if used
+    ]
     if uses and r.model.kernels.attention == "local":
-        out.append(Problem("model.kernels.attention", f"{', '.join(uses)} need attention sdpa (or auto); Megatron's local attention "
-                                                      "computes neither packed sequences nor context parallelism"))
+        out.append(
+            Problem(
+                "model.kernels.attention",
+                f"{', '.join(uses)} need attention sdpa (or auto); Megatron's local attention "
+                "computes neither packed sequences nor context parallelism",
+            )
+        )
     if p.pp > 1 and p.cp > 1:
         out.append(Problem("parallelism.cp", f"context parallelism with pipeline parallelism (pp={p.pp}) is not built; use cp=1 or pp=1"))
     if p.pp > 1 and r.data is not None and r.data.attention == "document":
@@ -192,7 +249,12 @@ def _check_batches(r: Recipe) -> list[Problem]:
     dp = world // model_parallel
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
-        return [Problem("train.global_batch_size", f"{t.global_batch_size} is not a multiple of train.micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}")]
+        return [
+            Problem(
+                "train.global_batch_size",
+                f"{t.global_batch_size} is not a multiple of train.micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}",
+            )
+        ]
     return []
 
 
@@ -203,10 +265,20 @@ def _check_lengths(r: Recipe) -> list[Problem]:
     if r.rollout and r.rollout.max_context > limit:
         out.append(Problem("rollout.max_context", f"{r.rollout.max_context} exceeds model.max_position_embeddings={limit}"))
     if r.rollout and r.rollout.sampling.max_tokens >= r.rollout.max_context:
-        out.append(Problem("rollout.sampling.max_tokens", f"{r.rollout.sampling.max_tokens} leaves no room for a prompt in rollout.max_context={r.rollout.max_context}"))
+        out.append(
+            Problem(
+                "rollout.sampling.max_tokens",
+                f"{r.rollout.sampling.max_tokens} leaves no room for a prompt in rollout.max_context={r.rollout.max_context}",
+            )
+        )
     if r.parallelism.cp > 1 and r.data and r.data.seq_length % (2 * r.parallelism.cp):
-        out.append(Problem("data.seq_length", f"{r.data.seq_length} is not a multiple of 2*cp = {2 * r.parallelism.cp}: context "
-                                              f"parallelism splits each sample into 2*cp equal chunks"))
+        out.append(
+            Problem(
+                "data.seq_length",
+                f"{r.data.seq_length} is not a multiple of 2*cp = {2 * r.parallelism.cp}: context "
+                f"parallelism splits each sample into 2*cp equal chunks",
+            )
+        )
     if r.optim.min_lr > r.optim.lr:
         out.append(Problem("optim.min_lr", f"{r.optim.min_lr} is above optim.lr={r.optim.lr}"))
     if r.optim.warmup_steps > r.train.steps:
@@ -220,17 +292,37 @@ def _check_optim(r: Recipe) -> list[Problem]:
     if o.muon is not None and o.name != "muon":
         out.append(Problem("optim.muon", f"Muon settings, but optim.name is {o.name}; set optim.name: muon or remove optim.muon"))
     if o.name == "muon" and p.distributed_optimizer:
-        out.append(Problem("parallelism.distributed_optimizer", "Megatron-Core 0.16.1's Muon does not shard optimizer state "
-                                                                "(no distributed optimizer); set it to false with optim.name: muon"))
+        out.append(
+            Problem(
+                "parallelism.distributed_optimizer",
+                "Megatron-Core 0.16.1's Muon does not shard optimizer state "
+                "(no distributed optimizer); set it to false with optim.name: muon",
+            )
+        )
     if o.qk_clip is not None and p.cp > 1:
-        out.append(Problem("optim.qk_clip", f"QK-clip with context parallelism (parallelism.cp={p.cp}) is not built: a rank sees "
-                                            "only its share of each sequence's logits; remove optim.qk_clip or use cp=1"))
+        out.append(
+            Problem(
+                "optim.qk_clip",
+                f"QK-clip with context parallelism (parallelism.cp={p.cp}) is not built: a rank sees "
+                "only its share of each sequence's logits; remove optim.qk_clip or use cp=1",
+            )
+        )
     if o.qk_clip is not None and r.model.family == "qwen3_moe":
-        out.append(Problem("optim.qk_clip", "model.family qwen3_moe normalises queries and keys (QK-norm) after the projections that "
-                                            "QK-clip scales, so clipping cannot lower its logits; remove optim.qk_clip"))
+        out.append(
+            Problem(
+                "optim.qk_clip",
+                "model.family qwen3_moe normalises queries and keys (QK-norm) after the projections that "
+                "QK-clip scales, so clipping cannot lower its logits; remove optim.qk_clip",
+            )
+        )
     if o.qk_clip is not None and p.distributed_optimizer and r.model.dtype == "bfloat16":
-        out.append(Problem("optim.qk_clip", "with model.dtype bfloat16 the distributed optimizer holds the fp32 master weights in "
-                                            "shards, which Megatron's QK-clip cannot scale; set parallelism.distributed_optimizer: false"))
+        out.append(
+            Problem(
+                "optim.qk_clip",
+                "with model.dtype bfloat16 the distributed optimizer holds the fp32 master weights in "
+                "shards, which Megatron's QK-clip cannot scale; set parallelism.distributed_optimizer: false",
+            )
+        )
     return out
 
 
@@ -244,11 +336,20 @@ def _check_rl(r: Recipe) -> list[Problem]:
     if r.rollout and r.rollout.engine == "embedded" and r.rollout.hosts != ["localhost"]:
         out.append(Problem("rollout.hosts", "engines on other hosts are vLLM servers; set rollout.engine: server (or hosts: [localhost])"))
     if r.rollout and r.rollout.engine == "embedded" and r.rollout.engines_per_host > 1:
-        out.append(Problem("rollout.engines_per_host", "more than one engine per host needs rollout.engine: server (one embedded engine per process)"))
+        out.append(
+            Problem(
+                "rollout.engines_per_host", "more than one engine per host needs rollout.engine: server (one embedded engine per process)"
+            )
+        )
     if r.rl and r.rollout and (r.rollout.sampling.top_p < 1 or r.rollout.sampling.top_k > 0):
         # the engine would report logprobs renormalised over the kept tokens, which the learner does not reproduce
-        out.append(Problem("rollout.sampling", "RL samples from the full tempered distribution the learner scores; "
-                                               "set top_p: 1 and top_k: -1 (use temperature to sharpen)"))
+        out.append(
+            Problem(
+                "rollout.sampling",
+                "RL samples from the full tempered distribution the learner scores; "
+                "set top_p: 1 and top_k: -1 (use temperature to sharpen)",
+            )
+        )
     if r.rl and r.rl.router_replay == "r3" and not r.model.is_moe:
         out.append(Problem("rl.router_replay", "`r3` needs an MoE model (model.num_experts > 0); set it to `off`"))
     if r.rollout and r.rollout.harness == "tools" and r.rollout.max_turns == 1:
@@ -260,8 +361,12 @@ def _check_rl(r: Recipe) -> list[Problem]:
         out.append(Problem("rollout.harness", "recall tasks are read from files with tools; set rollout.harness: tools"))
     function_workspaces = r.env and r.rollout and r.rollout.harness == "tools" and any(t.name != "repo" for t in r.env.tasks)
     if function_workspaces and "localhost" not in r.env.sandbox.hosts:
-        out.append(Problem("env.sandbox.hosts", "rollout.harness: tools keeps function tasks' workspaces (solution.py) on "
-                                                "this machine; add localhost to env.sandbox.hosts"))
+        out.append(
+            Problem(
+                "env.sandbox.hosts",
+                "rollout.harness: tools keeps function tasks' workspaces (solution.py) on this machine; add localhost to env.sandbox.hosts",
+            )
+        )
     if r.rollout and r.rollout.summarize_at is not None and r.rollout.max_turns == 1:
         out.append(Problem("rollout.summarize_at", "self-summarization happens between turns; set rollout.max_turns > 1"))
     if r.rl and r.rl.eval and r.env:
@@ -280,14 +385,24 @@ def _task_count_problems(task_sets: list) -> list[Problem]:
         if ts.repo is not None:
             known[f"env.tasks.{i}.repo.num_tasks"] = ts.repo.num_tasks
         if ts.repo is not None and ts.limit is not None and ts.limit > ts.repo.num_tasks:
-            out.append(Problem(f"env.tasks.{i}.limit", f"{ts.limit} is more than repo.num_tasks={ts.repo.num_tasks}, the tasks "
-                                                       "`composer env build` makes; lower it or raise num_tasks"))
+            out.append(
+                Problem(
+                    f"env.tasks.{i}.limit",
+                    f"{ts.limit} is more than repo.num_tasks={ts.repo.num_tasks}, the tasks "
+                    "`composer env build` makes; lower it or raise num_tasks",
+                )
+            )
         sizes = {path: n for path, n in known.items() if n is not None}
         if ts.held_out and sizes:
             path, size = min(sizes.items(), key=lambda kv: kv[1])
             if ts.held_out >= size:
-                out.append(Problem(f"env.tasks.{i}.held_out", f"{ts.held_out} held out of the {size} tasks {ts.name} has ({path}={size}) "
-                                                              "leaves none for training; hold out fewer"))
+                out.append(
+                    Problem(
+                        f"env.tasks.{i}.held_out",
+                        f"{ts.held_out} held out of the {size} tasks {ts.name} has ({path}={size}) "
+                        "leaves none for training; hold out fewer",
+                    )
+                )
     return out
 
 
@@ -302,29 +417,51 @@ def engine_split_problems(m: ModelSection, rollout: RolloutSection) -> list[Prob
     if m.num_attention_heads % p.tp:
         out.append(Problem("rollout.parallelism.tp", f"{p.tp} does not divide model.num_attention_heads={m.num_attention_heads}"))
     if (m.num_kv_heads % p.tp) if p.tp <= m.num_kv_heads else (p.tp % m.num_kv_heads):
-        out.append(Problem("rollout.parallelism.tp", f"{p.tp} and model.num_kv_heads={m.num_kv_heads}: one must divide the other "
-                                                     "(vLLM splits the KV heads, or replicates them when tp exceeds them)"))
+        out.append(
+            Problem(
+                "rollout.parallelism.tp",
+                f"{p.tp} and model.num_kv_heads={m.num_kv_heads}: one must divide the other "
+                "(vLLM splits the KV heads, or replicates them when tp exceeds them)",
+            )
+        )
     if p.pp > m.num_layers:
         out.append(Problem("rollout.parallelism.pp", f"{p.pp} stages for model.num_layers={m.num_layers}"))
     if p.enable_expert_parallel and not m.is_moe:
         out.append(Problem("rollout.parallelism.enable_expert_parallel", "needs an MoE model (model.num_experts > 0); set it to false"))
     elif p.enable_expert_parallel and m.num_experts % p.ep:
-        out.append(Problem("rollout.parallelism", f"model.num_experts={m.num_experts} is not divisible by the expert-parallel size "
-                                                  f"tp x dp = {p.tp} x {p.dp} = {p.ep} (enable_expert_parallel gives each device whole experts)"))
+        out.append(
+            Problem(
+                "rollout.parallelism",
+                f"model.num_experts={m.num_experts} is not divisible by the expert-parallel size "
+                f"tp x dp = {p.tp} x {p.dp} = {p.ep} (enable_expert_parallel gives each device whole experts)",
+            )
+        )
     elif m.is_moe and m.moe_ffn_hidden_size % p.tp:
-        out.append(Problem("rollout.parallelism.tp", f"{p.tp} does not divide model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} "
-                                                     "(or shard whole experts: enable_expert_parallel)"))
+        out.append(
+            Problem(
+                "rollout.parallelism.tp",
+                f"{p.tp} does not divide model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} "
+                "(or shard whole experts: enable_expert_parallel)",
+            )
+        )
     if (not m.is_moe or m.first_k_dense) and m.ffn_hidden_size % p.tp:
         out.append(Problem("rollout.parallelism.tp", f"{p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}"))
     dtype = sized_dtype(rollout.dtype, rollout.devices.kind if rollout.devices else None)
     one_context = kv_bytes_per_token_per_device(m, p, dtype) * rollout.max_context
     if one_context > rollout.kv_cache_gib * 2**30:
         # vLLM refuses to start an engine whose KV cache cannot hold one request of max_model_len tokens
-        out.append(Problem("rollout.kv_cache_gib", f"{rollout.kv_cache_gib:g} GiB per device cannot hold one rollout.max_context="
-                                                   f"{rollout.max_context} tokens of KV cache ({one_context / 2**30:.2f} GiB at "
-                                                   f"{dtype} with rollout.parallelism tp={p.tp} pp={p.pp}); raise it or lower max_context"))
+        out.append(
+            Problem(
+                "rollout.kv_cache_gib",
+                f"{rollout.kv_cache_gib:g} GiB per device cannot hold one rollout.max_context="
+                f"{rollout.max_context} tokens of KV cache ({one_context / 2**30:.2f} GiB at "
+                f"{dtype} with rollout.parallelism tp={p.tp} pp={p.pp}); raise it or lower max_context",
+            )
+        )
     if rollout.engine == "embedded" and p.dp > 1:
-        out.append(Problem("rollout.parallelism.dp", "data parallelism needs rollout.engine: server (vLLM's offline engine serves one replica)"))
+        out.append(
+            Problem("rollout.parallelism.dp", "data parallelism needs rollout.engine: server (vLLM's offline engine serves one replica)")
+        )
     return out
 
 
@@ -336,7 +473,12 @@ def _eval_split_problems(eval_sets: list[str], train_sets: list) -> list[Problem
         if len(trained) > 1:
             out.append(Problem(f"env.tasks.{trained[1]}", f"{name} is listed more than once; rl.eval needs one held-out split per set"))
         elif trained and train_sets[trained[0]].held_out == 0:
-            out.append(Problem(f"env.tasks.{trained[0]}.held_out", f"rl.eval evaluates {name}, which is trained on: hold out some of its tasks (held_out: N)"))
+            out.append(
+                Problem(
+                    f"env.tasks.{trained[0]}.held_out",
+                    f"rl.eval evaluates {name}, which is trained on: hold out some of its tasks (held_out: N)",
+                )
+            )
     return out
 
 

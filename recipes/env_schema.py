@@ -11,7 +11,6 @@ from pydantic import Field, field_validator, model_validator
 
 from composer.recipes.section import Section
 
-
 READY_MADE_PROJECTS = ("networkx", "sympy")
 
 
@@ -198,11 +197,37 @@ class SandboxSection(Section):
 
 
 class GuardsSection(Section):
-    flags: list[Literal["harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes",
-                        "timeout", "output_limit", "write_limit", "canary_passed", "tests_modified", "change_dropped",
-                        "forbidden_code", "sentinel_tripped"]] = Field(default_factory=lambda: [
-        "harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside", "stray_processes", "canary_passed",
-        "tests_modified", "forbidden_code", "sentinel_tripped"])
+    flags: list[
+        Literal[
+            "harness_touched",
+            "early_exit",
+            "forged_records",
+            "non_plain",
+            "writes_outside",
+            "stray_processes",
+            "timeout",
+            "output_limit",
+            "write_limit",
+            "canary_passed",
+            "tests_modified",
+            "change_dropped",
+            "forbidden_code",
+            "sentinel_tripped",
+        ]
+    ] = Field(
+        default_factory=lambda: [
+            "harness_touched",
+            "early_exit",
+            "forged_records",
+            "non_plain",
+            "writes_outside",
+            "stray_processes",
+            "canary_passed",
+            "tests_modified",
+            "forbidden_code",
+            "sentinel_tripped",
+        ]
+    )
     """Grader flags that make an episode flagged (all flags are recorded either way)."""
     reward: float | None = 0.0
     """Reward of a flagged episode; null keeps the tests' score."""

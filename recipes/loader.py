@@ -9,8 +9,9 @@ import copy
 import difflib
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError

@@ -13,7 +13,6 @@ from pydantic import Field, field_validator, model_validator
 from composer.recipes.env_schema import EnvSection, TaskSetName
 from composer.recipes.section import Section
 
-
 # --- model -------------------------------------------------------------------------------------
 
 
@@ -136,11 +135,33 @@ class ModelSection(Section):
 
 
 ARCHITECTURE_FIELDS = (
-    "family", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
-    "num_experts", "moe_top_k", "moe_ffn_hidden_size", "num_shared_experts", "norm_topk_prob", "vocab_size",
-    "rope_theta", "rms_norm_eps", "tie_word_embeddings", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "first_k_dense", "moe_router_groups", "moe_router_group_top_k", "routed_scaling_factor",
-    "yarn", "num_mtp_layers",
+    "family",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "ffn_hidden_size",
+    "num_experts",
+    "moe_top_k",
+    "moe_ffn_hidden_size",
+    "num_shared_experts",
+    "norm_topk_prob",
+    "vocab_size",
+    "rope_theta",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "first_k_dense",
+    "moe_router_groups",
+    "moe_router_group_top_k",
+    "routed_scaling_factor",
+    "yarn",
+    "num_mtp_layers",
 )
 """ModelSection fields that change the function the model computes; the rest are training settings."""
 
@@ -235,9 +256,22 @@ class ClusterSection(Section):
 
 
 EXCLUDED_FILES = [
-    "*/.git/*", "*/node_modules/*", "*/vendor/*", "*/third_party/*", "*/site-packages/*", "*/dist-packages/*",
-    "*/__pycache__/*", "*/.venv/*", "*.min.js", "*.min.css", "*.map", "*_pb2.py", "*.pb.go", "*.lock",
-    "*/package-lock.json", "*/yarn.lock",
+    "*/.git/*",
+    "*/node_modules/*",
+    "*/vendor/*",
+    "*/third_party/*",
+    "*/site-packages/*",
+    "*/dist-packages/*",
+    "*/__pycache__/*",
+    "*/.venv/*",
+    "*.min.js",
+    "*.min.css",
+    "*.map",
+    "*_pb2.py",
+    "*.pb.go",
+    "*.lock",
+    "*/package-lock.json",
+    "*/yarn.lock",
 ]
 """Vendored, generated and lock files: `fnmatch` patterns over a file's path (its repository-relative path,
 with a leading `/`, for repositories)."""
@@ -288,8 +322,19 @@ class CleaningSection(Section):
     redact_pii: bool = True
     """Replace email addresses and public IP addresses (counted by kind)."""
     licenses: list[str] | None = Field(
-        default_factory=lambda: ["MIT", "Apache-2.0", "BSD-2-Clause", "BSD-3-Clause", "ISC", "PSF-2.0", "Unlicense",
-                                 "CC0-1.0", "MPL-2.0", "Zlib"])
+        default_factory=lambda: [
+            "MIT",
+            "Apache-2.0",
+            "BSD-2-Clause",
+            "BSD-3-Clause",
+            "ISC",
+            "PSF-2.0",
+            "Unlicense",
+            "CC0-1.0",
+            "MPL-2.0",
+            "Zlib",
+        ]
+    )
     """Licences a repository may declare (a LICENSE/COPYING file); a repository declaring another is dropped.
     Repositories that declare none are kept; null keeps every repository."""
     max_line_length: int = Field(default=1000, gt=0)
@@ -551,6 +596,7 @@ class RolloutSection(Section):
         if self.dtype == "auto":
             raise ValueError("rollout.dtype auto is resolved on the machine that starts the run (vllm_engine.resolved_dtype)")
         return "bfloat16" if self.quantize else self.dtype
+
     chat_template: bool = False
     """Put each task prompt in the tokenizer's chat template as a user turn, answered by the assistant
     (instruct models such as SmolLM2-Instruct); off: the prompt as plain text."""

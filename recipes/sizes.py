@@ -67,11 +67,18 @@ def parameter_breakdown(m: ModelSection) -> ParameterBreakdown:
         split, whole = h * m.head_dim * (2 * a + 2 * m.num_kv_heads), 0
         norms = 2 * m.head_dim if m.family == "qwen3_moe" else 0
     return ParameterBreakdown(
-        embedding=m.vocab_size * h, output=0 if m.tie_word_embeddings else m.vocab_size * h, final_norm=h,
-        attention_split=split, attention_whole=whole, attention_norms=norms, layer_norms=2 * h,
-        dense_mlp=3 * h * m.ffn_hidden_size, router=m.num_experts * h,
+        embedding=m.vocab_size * h,
+        output=0 if m.tie_word_embeddings else m.vocab_size * h,
+        final_norm=h,
+        attention_split=split,
+        attention_whole=whole,
+        attention_norms=norms,
+        layer_norms=2 * h,
+        dense_mlp=3 * h * m.ffn_hidden_size,
+        router=m.num_experts * h,
         expert_bias=m.num_experts if m.family == "deepseek_v3" else 0,
-        shared_experts=3 * h * m.moe_ffn_hidden_size * m.num_shared_experts, routed_expert=3 * h * m.moe_ffn_hidden_size,
+        shared_experts=3 * h * m.moe_ffn_hidden_size * m.num_shared_experts,
+        routed_expert=3 * h * m.moe_ffn_hidden_size,
     )
 
 

@@ -103,8 +103,7 @@ def resolve_checkpoint(spec: str, recipe: Recipe) -> CheckpointRef:
         return _store_version(spec, match["store"], match["version"], recipe)
     path = Path(spec)
     if not path.exists():
-        raise UserError(f"checkpoint {spec}: no such file or directory (an HF checkpoint directory, a run directory "
-                        "or STORE@vNNNNNNNN)")
+        raise UserError(f"checkpoint {spec}: no such file or directory (an HF checkpoint directory, a run directory or STORE@vNNNNNNNN)")
     if (path / "config.json").is_file():
         return CheckpointRef(spec, directory=path.resolve())
     if (path / "recipe.yaml").is_file():
@@ -116,8 +115,7 @@ def resolve_checkpoint(spec: str, recipe: Recipe) -> CheckpointRef:
             raise UserError(f"checkpoint {spec}: a run directory with neither an export nor a published policy yet")
         run_recipe = load_recipe(path / "recipe.yaml")
         return _store_version(spec, sync_section(run_recipe, files).store, policy.store_version, recipe)
-    raise UserError(f"checkpoint {spec}: not an HF checkpoint (no config.json), a run directory (no recipe.yaml) "
-                    "or STORE@vNNNNNNNN")
+    raise UserError(f"checkpoint {spec}: not an HF checkpoint (no config.json), a run directory (no recipe.yaml) or STORE@vNNNNNNNN")
 
 
 def _store_version(spec: str, location: str, version: str, recipe: Recipe) -> CheckpointRef:
@@ -128,16 +126,26 @@ def _store_version(spec: str, location: str, version: str, recipe: Recipe) -> Ch
     with store:
         if version not in store.versions():
             newest = store.head()
-            raise UserError(f"checkpoint {spec}: store {location} has no version {version} "
-                            f"({f'its newest is {newest}' if newest else 'it holds none'})")
+            raise UserError(
+                f"checkpoint {spec}: store {location} has no version {version} ({f'its newest is {newest}' if newest else 'it holds none'})"
+            )
     return CheckpointRef(spec, store=location, version=version)
 
 
 # --- what an evaluation depends on -------------------------------------------------------------
 
 
-ROLLOUT_RESULT_KEYS = ("sampling", "max_context", "max_turns", "harness", "summarize_at", "max_summaries", "compaction",
-                       "dtype", "chat_template")
+ROLLOUT_RESULT_KEYS = (
+    "sampling",
+    "max_context",
+    "max_turns",
+    "harness",
+    "summarize_at",
+    "max_summaries",
+    "compaction",
+    "dtype",
+    "chat_template",
+)
 """The rollout settings episodes depend on (not where or on how many engines they run)."""
 
 
@@ -160,7 +168,9 @@ def settings(recipe: Recipe, config: RLEvalSection, refs: dict[str, CheckpointRe
         **{role: {"spec": ref.spec, **ref.identity()} for role, ref in refs.items()},
         "eval": config.model_dump(mode="json", include={"tasks", "limit", "samples", "pass_k"}),
         "rollout": {key: rollout[key] for key in ROLLOUT_RESULT_KEYS if key in rollout},
-        "env": env, "seed": recipe.train.seed, "batch_tasks": batch_tasks,
+        "env": env,
+        "seed": recipe.train.seed,
+        "batch_tasks": batch_tasks,
     }
 
 
@@ -199,8 +209,10 @@ def _same_architecture(a: Path, b: Path) -> None:
     shapes = [_tensor_shapes(p) for p in (a, b)]
     different = sorted(k for k in set(shapes[0]) | set(shapes[1]) if shapes[0].get(k) != shapes[1].get(k))
     if different:
-        raise UserError(f"--compare: the checkpoints' tensors differ ({', '.join(different[:3])}{', ...' if len(different) > 3 else ''}); "
-                        "evaluate each on its own with composer eval")
+        raise UserError(
+            f"--compare: the checkpoints' tensors differ ({', '.join(different[:3])}{', ...' if len(different) > 3 else ''}); "
+            "evaluate each on its own with composer eval"
+        )
 
 
 # --- progress ----------------------------------------------------------------------------------
@@ -223,8 +235,16 @@ class EvalProgress:
         self.stop()
         self._clock = StepClock(total, done)
         if self.console.is_terminal:
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("episodes"),
-                                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console)
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("episodes"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
             self._task = self._bar.add_task(label, total=total, completed=done)
             self._bar.start()
         self.label = label
@@ -260,12 +280,15 @@ def check_eval_recipe(recipe: Recipe) -> None:
     if recipe.rollout is None or recipe.env is None:
         raise UserError("eval: the recipe has no rollout and env sections (an RL recipe's): they say how episodes run")
     if recipe.rollout.hosts != ["localhost"]:
-        raise UserError(f"eval: rollout.hosts {recipe.rollout.hosts}: composer eval runs its engines on this host "
-                        "(the sandbox fleet may span hosts); set rollout.hosts: [localhost]")
+        raise UserError(
+            f"eval: rollout.hosts {recipe.rollout.hosts}: composer eval runs its engines on this host "
+            "(the sandbox fleet may span hosts); set rollout.hosts: [localhost]"
+        )
 
 
-def evaluate(recipe: Recipe, checkpoint: str, compare: str | None, task_sets: list[str], out: Path | None,
-             batch_tasks: int = EVAL_BATCH_TASKS) -> EvalOutcome:
+def evaluate(
+    recipe: Recipe, checkpoint: str, compare: str | None, task_sets: list[str], out: Path | None, batch_tasks: int = EVAL_BATCH_TASKS
+) -> EvalOutcome:
     """Evaluate `checkpoint` (and `compare`) on the recipe's task sets; results in the output directory."""
     check_eval_recipe(recipe)
     recipe = recipe.model_copy(update={"rollout": with_resolved_dtype(recipe.rollout)})  # results say which dtype ran
@@ -292,8 +315,9 @@ def evaluate(recipe: Recipe, checkpoint: str, compare: str | None, task_sets: li
     return EvalOutcome(out, results, time.monotonic() - started)
 
 
-def _evaluate(recipe: Recipe, config: RLEvalSection, refs: dict[str, CheckpointRef], out: Path, batch_tasks: int,
-              view: EvalProgress) -> dict:
+def _evaluate(
+    recipe: Recipe, config: RLEvalSection, refs: dict[str, CheckpointRef], out: Path, batch_tasks: int, view: EvalProgress
+) -> dict:
     env = CodingEnvironment(recipe.env, seed=recipe.train.seed, sandbox_root=out / "sandbox", ssh=recipe.cluster.ssh)
     logs = {role: GradedLog(out / f"{role}.jsonl") for role in refs}
     try:
@@ -311,9 +335,18 @@ def _evaluate(recipe: Recipe, config: RLEvalSection, refs: dict[str, CheckpointR
         env.close()
 
 
-def _run_checkpoints(recipe: Recipe, config: RLEvalSection, refs: dict[str, CheckpointRef], env: CodingEnvironment,
-                     sets: list[EvalSet], logs: dict[str, GradedLog], out: Path, batch_tasks: int, view: EvalProgress,
-                     total: int) -> None:
+def _run_checkpoints(
+    recipe: Recipe,
+    config: RLEvalSection,
+    refs: dict[str, CheckpointRef],
+    env: CodingEnvironment,
+    sets: list[EvalSet],
+    logs: dict[str, GradedLog],
+    out: Path,
+    batch_tasks: int,
+    view: EvalProgress,
+    total: int,
+) -> None:
     weights = {}
     for role, ref in refs.items():
         view.note(f"{role} {ref.spec}" + ("" if ref.directory else f": pulling {ref.version} from {ref.store}"))
@@ -328,14 +361,22 @@ def _run_checkpoints(recipe: Recipe, config: RLEvalSection, refs: dict[str, Chec
                 continue
             if not engines:
                 view.note(f"starting {recipe.rollout.engine} engine(s) with {weights[role]}")
-                engines, servers = build_engines(recipe.rollout, str(weights[role]), eval_placement(recipe), seed=recipe.train.seed,
-                                                 routed_experts=False, log_dir=out / "logs")
+                engines, servers = build_engines(
+                    recipe.rollout,
+                    str(weights[role]),
+                    eval_placement(recipe),
+                    seed=recipe.train.seed,
+                    routed_experts=False,
+                    log_dir=out / "logs",
+                )
             else:
                 for engine in engines:
                     engine.load_weights(weights[role])
             # A tokenizer each: HF fast tokenizers are not safe to share between threads.
-            runners = [EpisodeRunner(engine, Tokenizer(str(weights[role]), recipe.model.trust_remote_code), env, recipe.rollout)
-                       for engine in engines]
+            runners = [
+                EpisodeRunner(engine, Tokenizer(str(weights[role]), recipe.model.trust_remote_code), env, recipe.rollout)
+                for engine in engines
+            ]
             if log.episodes:
                 view.note(f"{role}: {len(log.episodes)} of {total} episodes already graded; running the rest")
             view.start(role, len(log.episodes), total)
@@ -361,7 +402,8 @@ def set_summary(s: EvalSet, greedy: list[GradedEpisode], sampled: list[list[Grad
         kinds.setdefault(task_kind(g.task), []).append(g.passed)
     counted = [g for g in greedy if not g.infra_failure]
     summary = {
-        "tasks": len(s.tasks), "skipped": s.skipped,
+        "tasks": len(s.tasks),
+        "skipped": s.skipped,
         "record": set_record(s.name, greedy, sampled, pass_k) if greedy else {},
         "kinds": {k: {"tasks": len(v), "greedy_pass@1": float(np.mean(v)), "interval": _interval(v)} for k, v in sorted(kinds.items())},
         "episodes": len(episodes),
@@ -390,7 +432,8 @@ def difference(a: dict[str, dict], b: dict[str, dict]) -> dict:
     greedy = np.array([float(a[t]["greedy"]) - float(b[t]["greedy"]) for t in tasks])
     result = {
         "tasks": len(tasks),
-        "greedy_pass@1": float(greedy.mean()) if tasks else 0.0, "greedy_pass@1_interval": _interval(greedy.tolist()),
+        "greedy_pass@1": float(greedy.mean()) if tasks else 0.0,
+        "greedy_pass@1_interval": _interval(greedy.tolist()),
         "gained": [t for t in tasks if a[t]["greedy"] and not b[t]["greedy"]],
         "lost": [t for t in tasks if b[t]["greedy"] and not a[t]["greedy"]],
     }
@@ -402,8 +445,13 @@ def difference(a: dict[str, dict], b: dict[str, dict]) -> dict:
 
 
 def results_of(refs: dict[str, CheckpointRef], config: RLEvalSection, sets: list[EvalSet], logs: dict[str, GradedLog]) -> dict:
-    results: dict = {"checkpoints": {role: ref.spec for role, ref in refs.items()}, "samples": config.samples,
-                     "pass_k": config.pass_k, "sets": {}, "tasks": {role: {} for role in refs}}
+    results: dict = {
+        "checkpoints": {role: ref.spec for role, ref in refs.items()},
+        "samples": config.samples,
+        "pass_k": config.pass_k,
+        "sets": {},
+        "tasks": {role: {} for role in refs},
+    }
     for s in sets:
         entry = {}
         for role in refs:
@@ -412,7 +460,9 @@ def results_of(refs: dict[str, CheckpointRef], config: RLEvalSection, sets: list
             results["tasks"][role].update(per_task_results(greedy, sampled, config.samples))
         if "compare" in refs:
             ids = {t.id for t in s.tasks}
-            entry["difference"] = difference({t: r for t, r in results["tasks"]["checkpoint"].items() if t in ids},
-                                             {t: r for t, r in results["tasks"]["compare"].items() if t in ids})
+            entry["difference"] = difference(
+                {t: r for t, r in results["tasks"]["checkpoint"].items() if t in ids},
+                {t: r for t, r in results["tasks"]["compare"].items() if t in ids},
+            )
         results["sets"][s.name] = entry
     return results

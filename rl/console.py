@@ -44,9 +44,11 @@ def alarms(record: dict) -> list[str]:
 def sandbox_line(stats: dict) -> str:
     """The sandbox fleet in one line: hosts up, latency tails, what failed."""
     failures = ", ".join(f"{cause} {n}" for cause, n in sorted(stats["sandbox_failures"].items())) or "none"
-    return (f"hosts {stats['sandbox_hosts_up']}/{stats['sandbox_hosts']} up   queue wait p95 {stats['sandbox_queue_wait_p95']:.2f} s   "
-            f"start p95 {stats['sandbox_start_p95']:.3f} s   retries {stats['sandbox_retries']}   "
-            f"infra {stats['sandbox_infra_failures']}   failures {failures}")
+    return (
+        f"hosts {stats['sandbox_hosts_up']}/{stats['sandbox_hosts']} up   queue wait p95 {stats['sandbox_queue_wait_p95']:.2f} s   "
+        f"start p95 {stats['sandbox_start_p95']:.3f} s   retries {stats['sandbox_retries']}   "
+        f"infra {stats['sandbox_infra_failures']}   failures {failures}"
+    )
 
 
 def _number(value: object) -> float:
@@ -114,8 +116,14 @@ class RLConsole:
         self.clock = StepClock(self.steps, self.step)
         if self.live:
             # stdout and stderr stay the log's: Live would otherwise show what the libraries print above the view
-            self._view = Live(get_renderable=self.render, console=self.console, refresh_per_second=2, transient=False,
-                              redirect_stdout=False, redirect_stderr=False)
+            self._view = Live(
+                get_renderable=self.render,
+                console=self.console,
+                refresh_per_second=2,
+                transient=False,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
             self._view.start()
         return self
 
@@ -146,8 +154,11 @@ class RLConsole:
             while self._recent and self._recent[0][0] < now - RECENT_SECONDS:
                 self._recent.popleft()
         if self.verbose:
-            self.console.print(f"[dim]{group}[/] engine {stats['engine']} ({escape(stats['host'])})  policy v{stats['policy_version']}  "
-                               f"reward {stats['reward_mean']:.3f}  {stats['generated_tokens_per_s']:.0f} tok/s", highlight=False)
+            self.console.print(
+                f"[dim]{group}[/] engine {stats['engine']} ({escape(stats['host'])})  policy v{stats['policy_version']}  "
+                f"reward {stats['reward_mean']:.3f}  {stats['generated_tokens_per_s']:.0f} tok/s",
+                highlight=False,
+            )
 
     def poll(self) -> None:
         """Take the learner's new steps; print a plain line when one is due (not on a terminal)."""

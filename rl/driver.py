@@ -52,8 +52,18 @@ UNHONOURED = {
 
 ARCHITECTURE = [f"model.{key}" for key in ARCHITECTURE_FIELDS]
 RESUME_FIXED = [
-    "train.seed", "train.global_batch_size", "env.tasks", "env.reward", "env.guards", "env.canaries", "rl.group_size", "rl.prompts_per_step",
-    "rollout.sampling.temperature", "optim.name", *(f"parallelism.{key}" for key in LAYOUT_KEYS), *ARCHITECTURE,
+    "train.seed",
+    "train.global_batch_size",
+    "env.tasks",
+    "env.reward",
+    "env.guards",
+    "env.canaries",
+    "rl.group_size",
+    "rl.prompts_per_step",
+    "rollout.sampling.temperature",
+    "optim.name",
+    *(f"parallelism.{key}" for key in LAYOUT_KEYS),
+    *ARCHITECTURE,
 ]
 """What the tasks of group n, the rewards already stored and the learner's checkpoints (model and optimizer state)
 depend on (stored groups were sampled at the temperature the learner scores them at)."""
@@ -77,8 +87,9 @@ def check_rl_recipe(recipe: Recipe) -> None:
 
 def check_replay(recipe: Recipe, source: Path) -> None:
     recorded = ReplayQueue(source)
-    refuse_resume_changes(load_recipe(source / "recipe.yaml"), recipe, REPLAY_FIXED, str(source / "recipe.yaml"),
-                          "the recorded groups", flag="--replay")
+    refuse_resume_changes(
+        load_recipe(source / "recipe.yaml"), recipe, REPLAY_FIXED, str(source / "recipe.yaml"), "the recorded groups", flag="--replay"
+    )
     if recipe.train.steps > len(recorded.steps):
         raise UserError(f"--replay {source}: train.steps={recipe.train.steps} but the run recorded {len(recorded.steps)} learner steps")
 
@@ -100,8 +111,10 @@ def learner_placement_env(recipe: Recipe) -> dict[str, str]:
         if host in recipe.cluster.hosts:
             devices = planned_devices(recipe.rollout, host, local_devices() if host == LocalHost.name else None)
             if devices is None:
-                raise UserError(f"rollout host {host} runs learner ranks too: declare its devices (rollout.devices) so they can "
-                                "be planned before the learner starts, or keep training hosts out of rollout.hosts")
+                raise UserError(
+                    f"rollout host {host} runs learner ranks too: declare its devices (rollout.devices) so they can "
+                    "be planned before the learner starts, or keep training hosts out of rollout.hosts"
+                )
             return place_host(host, devices, recipe).learner_env()
     return {}
 
@@ -135,12 +148,22 @@ def run_rollouts(recipe: Recipe, files: RLRunFiles, learner: Job, view: RLConsol
         queue = RolloutQueue(files, StalenessRule.of(recipe.rl))
         view.note(f"starting {recipe.rollout.engine} engines")
         worker = RolloutWorker(
-            recipe.rollout, recipe.env, recipe.rl.group_size, recipe.train.seed,
+            recipe.rollout,
+            recipe.env,
+            recipe.rl.group_size,
+            recipe.train.seed,
             routed_experts=recipe.model.is_moe and recipe.rl.router_replay == "r3",
-            hosts=hosts, tokenizer_dir=tokenizer_dir, queue=queue, files=files,
-            on_group=view.group, evaluation=recipe.rl.eval, steps=recipe.train.steps,
-            on_eval=lambda version, record: view.evaluation(summary_line(version, record)), ssh=recipe.cluster.ssh,
-            trust_remote_code=recipe.model.trust_remote_code)
+            hosts=hosts,
+            tokenizer_dir=tokenizer_dir,
+            queue=queue,
+            files=files,
+            on_group=view.group,
+            evaluation=recipe.rl.eval,
+            steps=recipe.train.steps,
+            on_eval=lambda version, record: view.evaluation(summary_line(version, record)),
+            ssh=recipe.cluster.ssh,
+            trust_remote_code=recipe.model.trust_remote_code,
+        )
         stack.callback(worker.close)
         view.note(f"rolling out on {len(worker.slots)} engine(s)")
 
@@ -163,8 +186,9 @@ def run_rl(recipe: Recipe, resume: bool, replay: Path | None = None, verbose: bo
     run = RunDir.of(recipe)
     files = RLRunFiles(run.root)
     if resume and run.recipe_path.is_file():
-        refuse_resume_changes(load_recipe(run.recipe_path), recipe, RESUME_FIXED, str(run.recipe_path),
-                              "the run's trajectories and checkpoints")
+        refuse_resume_changes(
+            load_recipe(run.recipe_path), recipe, RESUME_FIXED, str(run.recipe_path), "the run's trajectories and checkpoints"
+        )
         recorded = files.replay_source()
         if replay is not None and recorded != replay.resolve():
             raise UserError(f"--resume --replay {replay}: the run replays {recorded or 'nothing (it has rollouts)'}")
@@ -205,7 +229,9 @@ def starting_policy(recipe: Recipe, files: RLRunFiles) -> Path:
 def drive(recipe: Recipe, files: RLRunFiles, run: RunDir, view: RLConsole, replay: Path | None) -> None:
     if files.policy() is None:
         view.note(f"publishing the initial policy from {recipe.model.checkpoint}")
-        info = push_version(starting_policy(recipe, files), sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
+        info = push_version(
+            starting_policy(recipe, files), sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache"
+        )
         files.publish_policy(Policy(0, info.id))
     view.note("starting the learner")
     learner = start_learner(recipe, files)

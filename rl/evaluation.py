@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from composer.recipes.errors import UserError
 from composer.recipes.env_schema import TaskSet
+from composer.recipes.errors import UserError
 from composer.recipes.schema import RLEvalSection
 from composer.rollout.agent.environment import CodingEnvironment
 from composer.rollout.agent.loop import EpisodeRunner
@@ -80,8 +80,9 @@ class EvalSet:
     """Held-out tasks that could not be built (a CodeI/O reference that fails)."""
 
 
-def held_out_sets(config: RLEvalSection, train_sets: list[TaskSet], env: CodingEnvironment, seed: int,
-                  allow_training_tasks: bool = False) -> list[EvalSet]:
+def held_out_sets(
+    config: RLEvalSection, train_sets: list[TaskSet], env: CodingEnvironment, seed: int, allow_training_tasks: bool = False
+) -> list[EvalSet]:
     """The tasks of every evaluated set: a trained set's held-out split, checked against the training pool (none of
     them can be drawn for training), or the whole of a set not trained on. With `allow_training_tasks` (`composer
     eval`), a trained set that holds nothing out is evaluated on the tasks it trains on."""
@@ -138,9 +139,23 @@ class GradedEpisode:
     @classmethod
     def of(cls, set_name: str, mode: str, sample: int, t: Trajectory) -> GradedEpisode:
         i = t.info
-        return cls(set_name, t.task_id, mode, sample, passed(t), t.reward, i.get("tests_passed", 0), i.get("tests_total", 0),
-                   list(i.get("flags", ())), bool(i.get("infra_failure")), i.get("end_reason", ""), i.get("turns", 0),
-                   i.get("summaries", 0), list(i.get("summary_tokens", ())), list(i.get("compaction_errors", ())))
+        return cls(
+            set_name,
+            t.task_id,
+            mode,
+            sample,
+            passed(t),
+            t.reward,
+            i.get("tests_passed", 0),
+            i.get("tests_total", 0),
+            list(i.get("flags", ())),
+            bool(i.get("infra_failure")),
+            i.get("end_reason", ""),
+            i.get("turns", 0),
+            i.get("summaries", 0),
+            list(i.get("summary_tokens", ())),
+            list(i.get("compaction_errors", ())),
+        )
 
 
 class GradedLog:
@@ -193,13 +208,20 @@ def episode_batches(sets: list[EvalSet], samples: int, log: GradedLog, batch_tas
         for mode, per_task in (("greedy", 1), ("sampled", samples)) if samples else (("greedy", 1),):
             todo = [(n, t) for n, t in enumerate(s.tasks) if not log.has(s.name, t.id, mode, per_task)]
             size = max(1, batch_tasks // per_task)
-            batches += [_Batch(s.name, mode, todo[i: i + size]) for i in range(0, len(todo), size)]
+            batches += [_Batch(s.name, mode, todo[i : i + size]) for i in range(0, len(todo), size)]
     return batches
 
 
-def run_episodes(runners: list[EpisodeRunner], sets: list[EvalSet], samples: int, log: GradedLog, policy_version: int,
-                 label: str, batch_tasks: int = EVAL_BATCH_TASKS,
-                 on_batch: Callable[[int, int], None] = lambda done, total: None) -> None:
+def run_episodes(
+    runners: list[EpisodeRunner],
+    sets: list[EvalSet],
+    samples: int,
+    log: GradedLog,
+    policy_version: int,
+    label: str,
+    batch_tasks: int = EVAL_BATCH_TASKS,
+    on_batch: Callable[[int, int], None] = lambda done, total: None,
+) -> None:
     """Run what `log` does not hold yet, each runner taking the next batch (one engine each), into `log`;
     `on_batch(episodes done, episodes in all)` after each batch. The first error stops every runner and is raised."""
     batches = episode_batches(sets, samples, log, batch_tasks)
@@ -219,9 +241,15 @@ def run_episodes(runners: list[EpisodeRunner], sets: list[EvalSet], samples: int
             per_task = 1 if b.mode == "greedy" else samples
             numbers, tasks = [n for n, _ in b.numbered], [t for _, t in b.numbered]
             try:
-                groups = runner.run_tasks(tasks, f"{label}-{b.set}-{b.mode}", per_task, policy_version,
-                                          EVAL_SEED + (b.mode == "sampled"), temperature=0.0 if b.mode == "greedy" else None,
-                                          task_numbers=numbers)
+                groups = runner.run_tasks(
+                    tasks,
+                    f"{label}-{b.set}-{b.mode}",
+                    per_task,
+                    policy_version,
+                    EVAL_SEED + (b.mode == "sampled"),
+                    temperature=0.0 if b.mode == "greedy" else None,
+                    task_numbers=numbers,
+                )
             except BaseException as e:
                 errors.append(e)
                 return
@@ -255,9 +283,13 @@ def set_record(name: str, greedy: list[GradedEpisode], sampled: list[list[Graded
     """The `eval_<set>_*` figures of one set (what eval_metrics.jsonl records)."""
     greedy_pass = np.array([float(g.passed) for g in greedy])
     low, high = bootstrap_interval(greedy_pass)
-    record = {f"eval_{name}_greedy_pass@1": float(greedy_pass.mean()), f"eval_{name}_greedy_pass@1_low": low,
-              f"eval_{name}_greedy_pass@1_high": high, f"eval_{name}_tasks": len(greedy),
-              f"eval_{name}_greedy_reward": float(np.mean([g.reward for g in greedy]))}
+    record = {
+        f"eval_{name}_greedy_pass@1": float(greedy_pass.mean()),
+        f"eval_{name}_greedy_pass@1_low": low,
+        f"eval_{name}_greedy_pass@1_high": high,
+        f"eval_{name}_tasks": len(greedy),
+        f"eval_{name}_greedy_reward": float(np.mean([g.reward for g in greedy])),
+    }
     if sampled:
         samples = len(sampled[0])
         for k in pass_k:
@@ -289,8 +321,7 @@ class Evaluator:
     the batches of an evaluation a stop interrupted (eval/vNNNNNN.partial.jsonl).
     """
 
-    def __init__(self, config: RLEvalSection, train_sets: list[TaskSet], env: CodingEnvironment, steps: int,
-                 seed: int, root: Path):
+    def __init__(self, config: RLEvalSection, train_sets: list[TaskSet], env: CodingEnvironment, steps: int, seed: int, root: Path):
         self.config, self.steps = config, steps
         self.sets = held_out_sets(config, train_sets, env, seed)
         self.root = root
@@ -349,10 +380,10 @@ def summary_line(version: int, record: dict[str, float]) -> str:
     parts = []
     for key, value in record.items():
         if key.endswith("_greedy_pass@1"):
-            name = key[len("eval_"): -len("_greedy_pass@1")]
+            name = key[len("eval_") : -len("_greedy_pass@1")]
             parts.append(f"{name} greedy pass@1 {value:.3f} [{record[key + '_low']:.3f}, {record[key + '_high']:.3f}]")
         elif "_pass@" in key and "greedy" not in key:
-            parts.append(f"{key[len('eval_'):]} {value:.3f}")
+            parts.append(f"{key[len('eval_') :]} {value:.3f}")
         elif key.endswith("_compaction_error"):
-            parts.append(f"{key[len('eval_'):]} {value:.2f}")
+            parts.append(f"{key[len('eval_') :]} {value:.2f}")
     return f"eval v{version}: " + ", ".join(parts) + f"  ({record['eval_seconds']:.1f} s)"

@@ -53,8 +53,17 @@ def learner_sequences(groups: list[list[Trajectory]], rl: RLSection, step: int) 
         advantages = group_advantages(rewards, rl.advantage, valid=ok)
         for trajectory, advantage in zip(trajectories, advantages):
             for s in trajectory.segments:
-                sequences.append(LearnerSequence(s.token_ids, s.loss_mask, s.logprobs, float(advantage), s.routed_experts,
-                                                 episode=trajectory.id, on_policy=trajectory.policy_version == step))
+                sequences.append(
+                    LearnerSequence(
+                        s.token_ids,
+                        s.loss_mask,
+                        s.logprobs,
+                        float(advantage),
+                        s.routed_experts,
+                        episode=trajectory.id,
+                        on_policy=trajectory.policy_version == step,
+                    )
+                )
     return sequences
 
 
@@ -91,8 +100,7 @@ def alarm_message(step: int, record: dict[str, float], rl: RLSection) -> str | N
         raised.append(f"|dlogprob| = {record['on_policy_logprob_abs_diff']:.4f} > rl.alarm_logprob_diff={rl.alarm_logprob_diff}")
     if not raised:
         return None
-    return (f"ALARM step {step}: learner and engine disagree on on-policy tokens: {'; '.join(raised)} "
-            "(see README, RL health metrics)")
+    return f"ALARM step {step}: learner and engine disagree on on-policy tokens: {'; '.join(raised)} (see README, RL health metrics)"
 
 
 def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int) -> dict[str, float]:
@@ -105,8 +113,12 @@ def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int)
     # In the engines' format, not the fp32 master weights': consecutive bf16 (or fp8, INT4) policies share most of
     # their values, so the sync delta is sparse, and the engines get exactly the weights they compute with.
     rollout = recipe.rollout
-    learner.core.export(out, tokenizer_dir=recipe.model.checkpoint, quantize=rollout.quantize,
-                        dtype=None if rollout.quantize else getattr(torch, rollout.dtype))
+    learner.core.export(
+        out,
+        tokenizer_dir=recipe.model.checkpoint,
+        quantize=rollout.quantize,
+        dtype=None if rollout.quantize else getattr(torch, rollout.dtype),
+    )
     metrics: dict[str, float] = {}
     if dist.get_rank() == 0:
         info = push_version(out, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
@@ -114,9 +126,13 @@ def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int)
         for old in files.export.glob("policy-*"):
             if old != out:
                 shutil.rmtree(old, ignore_errors=True)
-        metrics = {"sync_bytes": info.stored_bytes, "sync_ratio": info.ratio, "sync_seconds": info.seconds,
-                   "sync_changed_fraction": info.changed_elements / max(info.total_elements, 1),
-                   "publish_seconds": time.monotonic() - started}
+        metrics = {
+            "sync_bytes": info.stored_bytes,
+            "sync_ratio": info.ratio,
+            "sync_seconds": info.seconds,
+            "sync_changed_fraction": info.changed_elements / max(info.total_elements, 1),
+            "publish_seconds": time.monotonic() - started,
+        }
     dist.barrier()
     return metrics
 
@@ -132,8 +148,9 @@ def take(queue: LearnerQueue | ReplayQueue, step_groups: StepGroups, step: int) 
 
 
 def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
-    learner = RLLearner(recipe.model, recipe.parallelism, recipe.optim, recipe.train, recipe.rl, files.checkpoints,
-                        recipe.rollout.sampling.temperature)
+    learner = RLLearner(
+        recipe.model, recipe.parallelism, recipe.optim, recipe.train, recipe.rl, files.checkpoints, recipe.rollout.sampling.temperature
+    )
     state = learner.core.resume() or {}
     start = state.get("step", 0)
     queue, step_groups = learner_queue(files, recipe.rl), StepGroups(files)
@@ -164,8 +181,12 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
                 queue.consumed(unsaved)
             unsaved = []
         if metrics:
-            record.update(rollout_stats(groups, step, recipe.rollout.max_context), dropped_stale=dropped, wait_seconds=waited,
-                          step_seconds=time.monotonic() - started)
+            record.update(
+                rollout_stats(groups, step, recipe.rollout.max_context),
+                dropped_stale=dropped,
+                wait_seconds=waited,
+                step_seconds=time.monotonic() - started,
+            )
             if alarm := alarm_message(step + 1, record, recipe.rl):
                 print(alarm, file=sys.stderr, flush=True)
             metrics.write(step + 1, **record, groups=",".join(group_ids))

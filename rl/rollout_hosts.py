@@ -126,8 +126,9 @@ class LocalHost:
         return host_placement(self.name, self.devices(), self.recipe)
 
     def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
-        engines, self.servers = build_engines(self.recipe.rollout, weights, self.placement(), seed=seed,
-                                              routed_experts=routed_experts, log_dir=self.files.root / "logs")
+        engines, self.servers = build_engines(
+            self.recipe.rollout, weights, self.placement(), seed=seed, routed_experts=routed_experts, log_dir=self.files.root / "logs"
+        )
         self.engine_versions.started(engines, self._pulled)
         return engines
 
@@ -205,8 +206,10 @@ class RemoteHost:
         finally:
             probe.unlink()
         if not seen:
-            raise UserError(f"rollout host {self.ssh.where} does not see the sync store {store} (a directory on this machine); "
-                            "set sync.store to a directory every rollout host mounts, or to an ssh:// store they can reach")
+            raise UserError(
+                f"rollout host {self.ssh.where} does not see the sync store {store} (a directory on this machine); "
+                "set sync.store to a directory every rollout host mounts, or to an ssh:// store they can reach"
+            )
 
     def _run(self, command: str) -> str:
         try:
@@ -233,7 +236,9 @@ class RemoteHost:
         `sync pull --in-place`); the directory that holds it now."""
         if self._pulled is None or self._pulled[0] != store_version:
             sync = sync_section(self.recipe, self.files)
-            self._composer("sync", "pull", *_store_args(sync, self.recipe.cluster.ssh), "--to", self.receiver, "--version", store_version, "--in-place")
+            self._composer(
+                "sync", "pull", *_store_args(sync, self.recipe.cluster.ssh), "--to", self.receiver, "--version", store_version, "--in-place"
+            )
             self._pulled = (store_version, self._run(f"readlink -f {shlex.quote(self.receiver + '/current')}").strip())
         return self._pulled[1]
 
@@ -267,8 +272,10 @@ class RemoteHost:
         log = posixpath.join(self.dir, log_name)
         # The server runs until this session's input closes (when the driver stops or dies), and the session ends
         # when the server does: input is watched by a job of its own (fd 3: a job's stdin is /dev/null).
-        script = (f"cd {shlex.quote(self.dir)} && exec 3<&0 && {{ setsid {command} >> {shlex.quote(log)} 2>&1 3<&- & server=$!; "
-                  "{ cat <&3 > /dev/null; kill $server; } > /dev/null 2>&1 & wait $server; }")
+        script = (
+            f"cd {shlex.quote(self.dir)} && exec 3<&0 && {{ setsid {command} >> {shlex.quote(log)} 2>&1 3<&- & server=$!; "
+            "{ cat <&3 > /dev/null; kill $server; } > /dev/null 2>&1 & wait $server; }"
+        )
         session = self.ssh.conn.client.get_transport().open_session()
         session.exec_command(script)
         part = ServerPart(self, session, log)
@@ -293,8 +300,17 @@ class RemoteHost:
         starting = []
         for engine in placement.engines:
             [port] = self.free_ports(1)
-            server = engine_command(rollout, placement, engine, python=self.python, weights=weights, seed=seed,
-                                    routed_experts=routed_experts, tokenizer=tokenizer, port=port)
+            server = engine_command(
+                rollout,
+                placement,
+                engine,
+                python=self.python,
+                weights=weights,
+                seed=seed,
+                routed_experts=routed_experts,
+                tokenizer=tokenizer,
+                port=port,
+            )
             part = self.start_server(server, f"vllm-{engine.number}.log")
             starting.append((part, f"http://127.0.0.1:{self.ssh.forward(port)}"))
         for part, url in starting:
@@ -346,8 +362,10 @@ class EngineHosts:
 
     def _held(self, store_version: str, weights: list[str]) -> str:
         if len(set(weights)) > 1:
-            raise UserError(f"rollout hosts {self.name} hold {store_version} at different paths ({', '.join(weights)}); the ranks of "
-                            "one engine load it from the same path on every host (rollout.remote_dir)")
+            raise UserError(
+                f"rollout hosts {self.name} hold {store_version} at different paths ({', '.join(weights)}); the ranks of "
+                "one engine load it from the same path on every host (rollout.remote_dir)"
+            )
         self._pulled = (store_version, weights[0])
         return weights[0]
 
@@ -367,7 +385,9 @@ class EngineHosts:
     def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
         self._serving = (seed, routed_experts)
         rollout = self.recipe.rollout
-        reports = RankReports(posixpath.join(self.members[0].dir, "rank-reports"), self._read_reports) if rollout.parallelism.dp > 1 else None
+        reports = (
+            RankReports(posixpath.join(self.members[0].dir, "rank-reports"), self._read_reports) if rollout.parallelism.dp > 1 else None
+        )
         engine = MultiNodeServerEngine(self, self._start(weights), rollout, model=weights, reports=reports)
         self.engine_versions.started([engine], self._pulled[0])
         return [engine]
@@ -385,17 +405,29 @@ class EngineHosts:
         try:
             for member, placement in zip(self.members, self.placements()):
                 [engine] = placement.engines
-                command = engine_command(rollout, placement, engine, python=member.python, weights=weights, seed=seed,
-                                         routed_experts=routed_experts, tokenizer=tokenizer, port=None if engine.node_rank else api_port,
-                                         head=head.name, head_port=head_port)
+                command = engine_command(
+                    rollout,
+                    placement,
+                    engine,
+                    python=member.python,
+                    weights=weights,
+                    seed=seed,
+                    routed_experts=routed_experts,
+                    tokenizer=tokenizer,
+                    port=None if engine.node_rank else api_port,
+                    head=head.name,
+                    head_port=head_port,
+                )
                 parts.append(member.start_server(command, f"vllm-{engine.number}-node{engine.node_rank}.log"))
             url = f"http://127.0.0.1:{head.ssh.forward(api_port)}"
             wait_healthy(url, lambda: all(part.running() for part in parts), SERVER_START_SECONDS, ", ".join(p.where for p in parts))
         except UserError as e:
             exited = [part.where for part in parts if not part.running()]
             stop_parts(parts)
-            raise UserError(f"rollout engine {self.number} on {self.name}: " +
-                            (f"a part exited during start-up; see {', '.join(exited)}" if exited else str(e))) from None
+            raise UserError(
+                f"rollout engine {self.number} on {self.name}: "
+                + (f"a part exited during start-up; see {', '.join(exited)}" if exited else str(e))
+            ) from None
         except BaseException:
             stop_parts(parts)
             raise
@@ -408,8 +440,9 @@ class EngineHosts:
             exited = next((part for part in parts if not part.running()), None)
             if exited is not None:
                 if not self._closing:
-                    print(f"rollout engine {self.number} on {self.name}: its part {exited.where} exited; stopping the others",
-                          file=sys.stderr)
+                    print(
+                        f"rollout engine {self.number} on {self.name}: its part {exited.where} exited; stopping the others", file=sys.stderr
+                    )
                     self._exited = exited
                     stop_parts(parts)
                 return
@@ -426,12 +459,17 @@ class EngineHosts:
         """Start the whole engine again on the policy its hosts hold: its new URL and the weights it serves."""
         exited = self._exited
         if self.restarts == ENGINE_RESTARTS:
-            raise UserError(f"rollout engine {self.number} on {self.name}: its part {exited.where} exited, and the engine was "
-                            f"restarted {ENGINE_RESTARTS} time(s) in this run already; the run stops (see that log)")
+            raise UserError(
+                f"rollout engine {self.number} on {self.name}: its part {exited.where} exited, and the engine was "
+                f"restarted {ENGINE_RESTARTS} time(s) in this run already; the run stops (see that log)"
+            )
         self.restarts += 1
         stop_parts(self._parts)
-        print(f"rollout engine {self.number} on {self.name}: restarting the whole engine ({self.restarts} of at most "
-              f"{ENGINE_RESTARTS}) on {self._pulled[0]}", file=sys.stderr)
+        print(
+            f"rollout engine {self.number} on {self.name}: restarting the whole engine ({self.restarts} of at most "
+            f"{ENGINE_RESTARTS}) on {self._pulled[0]}",
+            file=sys.stderr,
+        )
         return self._start(self._pulled[1]), self._pulled[1]
 
     def close(self) -> None:
@@ -467,13 +505,25 @@ class MultiNodeServerEngine(ServerEngine):
                 body = {**body, "model": self.model}  # the name the restarted server serves
 
 
-def engine_command(rollout: RolloutSection, placement: HostPlacement, engine: EnginePlacement, *, python: str, weights: str,
-                   seed: int, routed_experts: bool, tokenizer: bool, port: int | str | None, head: str = "",
-                   head_port: int | str = "") -> str:
+def engine_command(
+    rollout: RolloutSection,
+    placement: HostPlacement,
+    engine: EnginePlacement,
+    *,
+    python: str,
+    weights: str,
+    seed: int,
+    routed_experts: bool,
+    tokenizer: bool,
+    port: int | str | None,
+    head: str = "",
+    head_port: int | str = "",
+) -> str:
     """The shell command that starts one engine's server (or, on the other hosts of an engine over several hosts,
     its headless ranks: `head`:`head_port` is where they meet) on `placement`'s devices."""
-    options = engine_options(weights, rollout, placement.devices.kind, seed=seed + engine.number,
-                             routed_experts=routed_experts, tokenizer=tokenizer)
+    options = engine_options(
+        weights, rollout, placement.devices.kind, seed=seed + engine.number, routed_experts=routed_experts, tokenizer=tokenizer
+    )
     env = shlex.join([f"{k}={v}" for k, v in {"VLLM_SERVER_DEV_MODE": "1", **engine.env()}.items()])
     node = multinode_args(engine, rollout.parallelism, head, head_port)
     return f"env {env} {shlex.join([python, '-m', server_guard.MODULE, *server_args(options, port, node)])}"
@@ -498,9 +548,21 @@ def rollout_plan(recipe: Recipe) -> list[tuple[str, HostPlacement | None, list[s
         commands = []
         for engine in placement.engines if placement else ():
             head = rollout.hosts[rollout.hosts.index(host) - engine.node_rank]
-            commands.append(engine_command(rollout, placement, engine, python=python, weights="<weights>", seed=recipe.train.seed,
-                                           routed_experts=routed, tokenizer=True, port=None if engine.node_rank else "<port>", head=head,
-                                           head_port=f"<port on {head}>"))
+            commands.append(
+                engine_command(
+                    rollout,
+                    placement,
+                    engine,
+                    python=python,
+                    weights="<weights>",
+                    seed=recipe.train.seed,
+                    routed_experts=routed,
+                    tokenizer=True,
+                    port=None if engine.node_rank else "<port>",
+                    head=head,
+                    head_port=f"<port on {head}>",
+                )
+            )
         plan.append((host, placement, commands))
     return plan
 
@@ -514,8 +576,13 @@ def host_placement(name: str, found: HostDevices, recipe: Recipe, *, node_rank: 
 def _store_args(sync: SyncSection, ssh: SSHSection) -> list[str]:
     """How the host's composer reaches the store: an ssh:// store with the recipe's key and known_hosts (paths on that
     host), an s3:// store at its endpoint."""
-    return ["--store", sync.store, *(["--endpoint", sync.endpoint] if sync.endpoint else []),
-            *(["--ssh-key", ssh.key_file] if ssh.key_file else []), *(["--known-hosts", ssh.known_hosts] if ssh.known_hosts else [])]
+    return [
+        "--store",
+        sync.store,
+        *(["--endpoint", sync.endpoint] if sync.endpoint else []),
+        *(["--ssh-key", ssh.key_file] if ssh.key_file else []),
+        *(["--known-hosts", ssh.known_hosts] if ssh.known_hosts else []),
+    ]
 
 
 def open_hosts(recipe: Recipe, files: RLRunFiles) -> list[LocalHost | RemoteHost | EngineHosts]:
@@ -542,4 +609,4 @@ def engine_hosts(hosts: list[LocalHost | RemoteHost]) -> list[LocalHost | Remote
         found = ", ".join(f"{host.name}: {len(host.devices().ids)} {host.devices().unit}s" for host in hosts)
         raise UserError(f"rollout.hosts: an engine over several hosts needs hosts alike, but they have different devices ({found})")
     span = spans[0]  # recipes.checks: they split into whole engines, none of them localhost
-    return [EngineHosts(hosts[i:i + span], number=i // span) for i in range(0, len(hosts), span)]
+    return [EngineHosts(hosts[i : i + span], number=i // span) for i in range(0, len(hosts), span)]

@@ -42,12 +42,24 @@ class EngineSlot:
 class RolloutWorker:
     """The driver's engines on every rollout host, making groups of `group_size` episodes into `queue`."""
 
-    def __init__(self, rollout: RolloutSection, env: EnvSection, group_size: int, seed: int, routed_experts: bool,
-                 hosts: list[LocalHost | RemoteHost | EngineHosts], tokenizer_dir: str, queue: RolloutQueue, files: RLRunFiles,
-                 on_group: Callable[[str, dict], None] = lambda gid, stats: None,
-                 evaluation: RLEvalSection | None = None, steps: int = 0,
-                 on_eval: Callable[[int, dict], None] = lambda version, record: None, ssh: SSHSection | None = None,
-                 trust_remote_code: bool = False):
+    def __init__(
+        self,
+        rollout: RolloutSection,
+        env: EnvSection,
+        group_size: int,
+        seed: int,
+        routed_experts: bool,
+        hosts: list[LocalHost | RemoteHost | EngineHosts],
+        tokenizer_dir: str,
+        queue: RolloutQueue,
+        files: RLRunFiles,
+        on_group: Callable[[str, dict], None] = lambda gid, stats: None,
+        evaluation: RLEvalSection | None = None,
+        steps: int = 0,
+        on_eval: Callable[[int, dict], None] = lambda version, record: None,
+        ssh: SSHSection | None = None,
+        trust_remote_code: bool = False,
+    ):
         self.rollout, self.group_size, self.seed = rollout, group_size, seed
         self.trust_remote_code = trust_remote_code
         self.queue, self.files, self.on_group, self.on_eval = queue, files, on_group, on_eval
@@ -61,7 +73,9 @@ class RolloutWorker:
         self.metrics = MetricsWriter(files.root / "rollout_metrics.jsonl")
         self._metrics_lock = threading.Lock()
 
-    def _start_engines(self, hosts: list[LocalHost | RemoteHost | EngineHosts], tokenizer_dir: str, routed_experts: bool) -> list[EngineSlot]:
+    def _start_engines(
+        self, hosts: list[LocalHost | RemoteHost | EngineHosts], tokenizer_dir: str, routed_experts: bool
+    ) -> list[EngineSlot]:
         policy = self.files.policy()
         slots = []
         for host in hosts:

@@ -39,8 +39,17 @@ def encode_group(trajectories: list[Trajectory], level: int = 3) -> bytes:
             if seg.routed_experts is not None:
                 arrays[f"{key}.routes"] = seg.routed_experts
             segs.append(key)
-        meta.append({"id": traj.id, "group_id": traj.group_id, "task_id": traj.task_id,
-                     "policy_version": traj.policy_version, "reward": traj.reward, "info": traj.info, "segments": segs})
+        meta.append(
+            {
+                "id": traj.id,
+                "group_id": traj.group_id,
+                "task_id": traj.task_id,
+                "policy_version": traj.policy_version,
+                "reward": traj.reward,
+                "info": traj.info,
+                "segments": segs,
+            }
+        )
     buffer = io.BytesIO()
     np.savez(buffer, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
     header = json.dumps({"policy_version": min(t.policy_version for t in trajectories)}).encode() + b"\n"
@@ -54,7 +63,7 @@ def _split(data: bytes, source: str) -> tuple[str, bytes, bytes]:
     header_end = data.find(b"\n", digest_end + 1) if digest_end > 0 else -1
     if not data.startswith(_MAGIC) or header_end < 0:
         raise UserError(f"{source}: not a composer trajectory file")
-    return data[len(_MAGIC):digest_end].decode(errors="replace"), data[digest_end + 1:header_end + 1], data[header_end + 1:]
+    return data[len(_MAGIC) : digest_end].decode(errors="replace"), data[digest_end + 1 : header_end + 1], data[header_end + 1 :]
 
 
 def group_policy_version(path: Path) -> int:
@@ -75,8 +84,10 @@ def decode_group(data: bytes, source: str = "trajectory file") -> list[Trajector
         arrays = {k: z[k] for k in z.files}
     trajectories = []
     for m in json.loads(arrays.pop("__meta__").tobytes()):
-        segments = [Segment(arrays[f"{k}.tokens"], arrays[f"{k}.mask"], arrays[f"{k}.logprobs"], arrays.get(f"{k}.routes"))
-                    for k in m.pop("segments")]
+        segments = [
+            Segment(arrays[f"{k}.tokens"], arrays[f"{k}.mask"], arrays[f"{k}.logprobs"], arrays.get(f"{k}.routes"))
+            for k in m.pop("segments")
+        ]
         trajectories.append(Trajectory(segments=segments, **m))
     return trajectories
 
@@ -99,8 +110,10 @@ def episode_stats(trajectories: list[Trajectory], max_context: int) -> dict[str,
     errors = [x for t in trajectories for x in t.info.get("compaction_errors", ())]
     if errors:  # tasks that know their facts (recall): the share of facts still needed that a compaction dropped
         stats["compaction_error_mean"] = sum(errors) / len(errors)
-    for label, chosen in (("reward_with_summaries", [t for t in trajectories if t.info["summaries"]]),
-                          ("reward_without_summaries", [t for t in trajectories if not t.info["summaries"]])):
+    for label, chosen in (
+        ("reward_with_summaries", [t for t in trajectories if t.info["summaries"]]),
+        ("reward_without_summaries", [t for t in trajectories if not t.info["summaries"]]),
+    ):
         if chosen:
             stats[label] = sum(t.reward for t in chosen) / len(chosen)
     calls = sum(t.info.get("tool_calls", 0) for t in trajectories)

@@ -12,8 +12,9 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import TextIO
 
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()

@@ -58,8 +58,11 @@ def duration_text(seconds: float | None) -> str:
 
 
 def _numbers(record: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in record.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k not in ("step", "time")}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k not in ("step", "time")
+    }
 
 
 class TensorBoard:
@@ -86,8 +89,7 @@ class WandbRun:
     def __init__(self, run_root: Path, name: str, run_id: str):
         import wandb
 
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "composer"), name=name, id=run_id, dir=str(run_root),
-                               resume="allow")
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "composer"), name=name, id=run_id, dir=str(run_root), resume="allow")
 
     def write(self, step: int, record: dict) -> None:
         self._run.log(_numbers(record), step=step)

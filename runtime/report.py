@@ -16,9 +16,9 @@ import io
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from matplotlib.figure import Figure
 
@@ -61,8 +61,21 @@ PANELS: list[tuple[str, tuple[str, ...]]] = [
 """The page's panels in order (headline first) and the figure groups each holds; the other groups go last."""
 OTHER_PANEL = "Other series"
 
-HEADLINE_SERIES = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "moe_aux_loss", "reward_mean", "pass_rate",
-                   "staleness_mean", "trained_tokens_per_s", "generated_tokens_per_s", "sync_ratio", "sync_seconds")
+HEADLINE_SERIES = (
+    "loss",
+    "eval_loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "moe_aux_loss",
+    "reward_mean",
+    "pass_rate",
+    "staleness_mean",
+    "trained_tokens_per_s",
+    "generated_tokens_per_s",
+    "sync_ratio",
+    "sync_seconds",
+)
 """What `composer report` summarises on the console (held-out `eval_*` series too); report.html has every series."""
 
 
@@ -221,25 +234,36 @@ def report_html(run_dirs: list[Path], series: list[Series], images: list[Path]) 
         recipe_path = run_dir / "recipe.yaml"
         if recipe_path.is_file():
             s = run_status(run_dir)
-            statuses.append(f"<p class=status>{esc(run_dir.name) + ': ' if len(run_dirs) > 1 else ''}<b>{esc(s.kind)}</b> run, "
-                            f"<b class={esc(s.status)}>{esc(s.status)}</b>{': ' + esc(s.reason) if s.reason else ''}; "
-                            f"step {s.steps_done} of {s.steps}"
-                            f"{f'; newest checkpoint step {s.checkpoint_step}' if s.checkpoint_step is not None else ''}</p>")
+            statuses.append(
+                f"<p class=status>{esc(run_dir.name) + ': ' if len(run_dirs) > 1 else ''}<b>{esc(s.kind)}</b> run, "
+                f"<b class={esc(s.status)}>{esc(s.status)}</b>{': ' + esc(s.reason) if s.reason else ''}; "
+                f"step {s.steps_done} of {s.steps}"
+                f"{f'; newest checkpoint step {s.checkpoint_step}' if s.checkpoint_step is not None else ''}</p>"
+            )
             if len(run_dirs) == 1:
                 recipes.append(f"<h2>Resolved recipe</h2><pre>{esc(recipe_path.read_text(errors='replace'))}</pre>")
         else:
             statuses.append(f"<p class=status>{esc(run_dir.name)}: no recipe.yaml: status unknown</p>")
     many = len(run_dirs) > 1
-    rows = "".join(f"<tr><td>{esc(x.name)}</td>{f'<td>{esc(x.run)}</td>' if many else ''}<td>{len(x.values)}</td>"
-                   + "".join(f"<td>{v:.4g}</td>" for v in (x.first, x.last, x.min, x.max)) + "</tr>" for x in series)
+    rows = "".join(
+        f"<tr><td>{esc(x.name)}</td>{f'<td>{esc(x.run)}</td>' if many else ''}<td>{len(x.values)}</td>"
+        + "".join(f"<td>{v:.4g}</td>" for v in (x.first, x.last, x.min, x.max))
+        + "</tr>"
+        for x in series
+    )
     group_files = {_file_name(group): group for group in group_series(series)}
     panels: dict[str, list[Path]] = {}
     for image in images:
         panels.setdefault(panel_of(group_files.get(image.stem, image.stem)), []).append(image)
     sections = "".join(
         f"<section><h2>{esc(title)}</h2><div class=grid>"
-        + "".join(f'<figure><img alt="{esc(p.stem)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></figure>' for p in members)
-        + "</div></section>" for title, members in panels.items())
+        + "".join(
+            f'<figure><img alt="{esc(p.stem)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></figure>'
+            for p in members
+        )
+        + "</div></section>"
+        for title, members in panels.items()
+    )
     title = ", ".join(d.name for d in run_dirs)
     return f"""<!DOCTYPE html>
 <html lang=en><head><meta charset=utf-8><title>{esc(title)}: composer report</title>
@@ -248,10 +272,10 @@ td,th{{border:1px solid #ccc;padding:.2em .6em;text-align:right}} td:first-child
 .grid{{display:flex;flex-wrap:wrap;gap:.5em}} figure{{margin:0;flex:1 1 34em;max-width:54em}} img{{width:100%}}
 pre{{background:#f4f4f4;padding:1em;overflow:auto}}
 .finished{{color:#070}} .failed{{color:#b00}} .resumable{{color:#a60}} .running{{color:#06a}}</style></head>
-<body><h1>{esc(', '.join(str(d) for d in run_dirs))}</h1>{''.join(statuses)}<p>written {time.strftime("%Y-%m-%d %H:%M:%S")}</p>
+<body><h1>{esc(", ".join(str(d) for d in run_dirs))}</h1>{"".join(statuses)}<p>written {time.strftime("%Y-%m-%d %H:%M:%S")}</p>
 {sections}
-<h2>Summary of every series</h2><table><tr><th>series</th>{'<th>run</th>' if many else ''}<th>points</th><th>first</th><th>last</th><th>min</th><th>max</th></tr>{rows}</table>
-{''.join(recipes)}</body></html>
+<h2>Summary of every series</h2><table><tr><th>series</th>{"<th>run</th>" if many else ""}<th>points</th><th>first</th><th>last</th><th>min</th><th>max</th></tr>{rows}</table>
+{"".join(recipes)}</body></html>
 """
 
 
@@ -262,9 +286,11 @@ def _file_name(group: str) -> str:
 def _bands(members: list[Series]) -> dict[tuple[str, str], tuple[Series, Series]]:
     """(run, name) of each series drawn with an interval -> its `_low` and `_high` series."""
     by_key = {(s.run, s.name): s for s in members}
-    return {(run, name[: -len(BAND[0])]): (s, by_key[(run, name[: -len(BAND[0])] + BAND[1])])
-            for (run, name), s in by_key.items()
-            if name.endswith(BAND[0]) and (run, name[: -len(BAND[0])]) in by_key and (run, name[: -len(BAND[0])] + BAND[1]) in by_key}
+    return {
+        (run, name[: -len(BAND[0])]): (s, by_key[(run, name[: -len(BAND[0])] + BAND[1])])
+        for (run, name), s in by_key.items()
+        if name.endswith(BAND[0]) and (run, name[: -len(BAND[0])]) in by_key and (run, name[: -len(BAND[0])] + BAND[1]) in by_key
+    }
 
 
 def _plot(title: str, members: list[Series]) -> bytes:
@@ -283,8 +309,9 @@ def _plot(title: str, members: list[Series]) -> bytes:
         for s in (x for x in lines if x.name in panel):
             marker = "o" if len(s.steps) <= 50 else None  # sparse series (eval) stay visible as points
             style = {"color": f"C{runs.index(s.run)}", "linestyle": ("-", "--", ":", "-.")[panel.index(s.name) % 4]} if compared else {}
-            [line] = axes.plot(s.steps, s.values, label=f"{s.run}: {s.name}" if compared else s.name, marker=marker,
-                               markersize=3, linewidth=1.2, **style)
+            [line] = axes.plot(
+                s.steps, s.values, label=f"{s.run}: {s.name}" if compared else s.name, marker=marker, markersize=3, linewidth=1.2, **style
+            )
             if (s.run, s.name) in bands:
                 low, high = bands[(s.run, s.name)]
                 if low.steps == s.steps == high.steps:
@@ -317,24 +344,36 @@ def _fraction(value: float | None, interval: list[float] | None = None) -> str:
 
 def _eval_rows(name: str, entry: dict, roles: list[str], pass_k: list[int]) -> list[tuple[str, list[str]]]:
     """The rows of one set's table: a figure per row, a checkpoint per column."""
+
     def figure(fn: Callable[[dict], str]) -> list[str]:
         return [fn(entry[role]) for role in roles]
 
     def record(s: dict, key: str) -> float | None:
         return s["record"].get(f"eval_{name}_{key}")
 
-    rows = [("tasks (skipped)", figure(lambda s: f"{s['tasks']} ({s['skipped']})")),
-            ("greedy pass@1 [95% CI]", figure(lambda s: _fraction(record(s, "greedy_pass@1"),
-                                                                  [record(s, "greedy_pass@1_low"), record(s, "greedy_pass@1_high")]))),
-            ("greedy reward", figure(lambda s: _fraction(record(s, "greedy_reward"))))]
+    rows = [
+        ("tasks (skipped)", figure(lambda s: f"{s['tasks']} ({s['skipped']})")),
+        (
+            "greedy pass@1 [95% CI]",
+            figure(lambda s: _fraction(record(s, "greedy_pass@1"), [record(s, "greedy_pass@1_low"), record(s, "greedy_pass@1_high")])),
+        ),
+        ("greedy reward", figure(lambda s: _fraction(record(s, "greedy_reward")))),
+    ]
     rows += [(f"pass@{k} (sampled)", figure(lambda s, k=k: _fraction(record(s, f"pass@{k}")))) for k in pass_k]
-    rows += [("infra failures (episodes)", figure(lambda s: str(s["infra_failures"]))),
-             ("greedy pass@1 without infra failures", figure(lambda s: _fraction(s["greedy_pass@1_without_infra_failures"]))),
-             ("flagged episodes", figure(lambda s: f"{s['flagged_episodes']}" + (f" ({', '.join(f'{f} {n}' for f, n in s['flags'].items())})" if s["flags"] else ""))),
-             ("summaries per episode", figure(lambda s: f"{s['summaries_per_episode']:.2f}")),
-             ("summary tokens (mean)", figure(lambda s: f"{s['summary_tokens_mean']:.1f}" if "summary_tokens_mean" in s else "-")),
-             ("compaction error [95% CI]", figure(lambda s: _fraction(s.get("compaction_error"), s.get("compaction_error_interval")))),
-             ("episode ends (greedy)", figure(lambda s: ", ".join(f"{r} {n}" for r, n in s["end_reasons"].items())))]
+    rows += [
+        ("infra failures (episodes)", figure(lambda s: str(s["infra_failures"]))),
+        ("greedy pass@1 without infra failures", figure(lambda s: _fraction(s["greedy_pass@1_without_infra_failures"]))),
+        (
+            "flagged episodes",
+            figure(
+                lambda s: f"{s['flagged_episodes']}" + (f" ({', '.join(f'{f} {n}' for f, n in s['flags'].items())})" if s["flags"] else "")
+            ),
+        ),
+        ("summaries per episode", figure(lambda s: f"{s['summaries_per_episode']:.2f}")),
+        ("summary tokens (mean)", figure(lambda s: f"{s['summary_tokens_mean']:.1f}" if "summary_tokens_mean" in s else "-")),
+        ("compaction error [95% CI]", figure(lambda s: _fraction(s.get("compaction_error"), s.get("compaction_error_interval")))),
+        ("episode ends (greedy)", figure(lambda s: ", ".join(f"{r} {n}" for r, n in s["end_reasons"].items()))),
+    ]
     return rows
 
 
@@ -346,30 +385,45 @@ def eval_report_html(results: dict) -> str:
     head = "".join(f"<th>{esc(role)}<br><small>{esc(spec)}</small></th>" for role, spec in results["checkpoints"].items())
     sections = []
     for name, entry in results["sets"].items():
-        rows = "".join(f"<tr><td>{esc(label)}</td>" + "".join(f"<td>{esc(v)}</td>" for v in values) + "</tr>"
-                       for label, values in _eval_rows(name, entry, roles, results["pass_k"]))
+        rows = "".join(
+            f"<tr><td>{esc(label)}</td>" + "".join(f"<td>{esc(v)}</td>" for v in values) + "</tr>"
+            for label, values in _eval_rows(name, entry, roles, results["pass_k"])
+        )
         part = f"<h2>{esc(name)}</h2><table><tr><th>figure</th>{head}</tr>{rows}</table>"
         if "difference" in entry:
             d = entry["difference"]
-            sampled = (f"<tr><td>sampled pass@1 difference [95% paired bootstrap CI]</td><td>{_signed(d['sampled_pass@1'], d['sampled_pass@1_interval'])}</td></tr>"
-                       if "sampled_pass@1" in d else "")
-            part += (f"<h3>checkpoint - compare (same {d['tasks']} tasks)</h3><table>"
-                     f"<tr><td>greedy pass@1 difference [95% paired bootstrap CI]</td><td>{_signed(d['greedy_pass@1'], d['greedy_pass@1_interval'])}</td></tr>"
-                     f"{sampled}<tr><td>tasks gained</td><td>{len(d['gained'])}: {esc(', '.join(d['gained']))}</td></tr>"
-                     f"<tr><td>tasks lost</td><td>{len(d['lost'])}: {esc(', '.join(d['lost']))}</td></tr></table>")
+            sampled = (
+                f"<tr><td>sampled pass@1 difference [95% paired bootstrap CI]</td><td>{_signed(d['sampled_pass@1'], d['sampled_pass@1_interval'])}</td></tr>"
+                if "sampled_pass@1" in d
+                else ""
+            )
+            part += (
+                f"<h3>checkpoint - compare (same {d['tasks']} tasks)</h3><table>"
+                f"<tr><td>greedy pass@1 difference [95% paired bootstrap CI]</td><td>{_signed(d['greedy_pass@1'], d['greedy_pass@1_interval'])}</td></tr>"
+                f"{sampled}<tr><td>tasks gained</td><td>{len(d['gained'])}: {esc(', '.join(d['gained']))}</td></tr>"
+                f"<tr><td>tasks lost</td><td>{len(d['lost'])}: {esc(', '.join(d['lost']))}</td></tr></table>"
+            )
         kinds = sorted({k for role in roles for k in entry[role]["kinds"]})
         if len(kinds) > 1:
-            kind_rows = "".join(f"<tr><td>{esc(k)}</td>" + "".join(
-                f"<td>{_fraction(entry[r]['kinds'][k]['greedy_pass@1'], entry[r]['kinds'][k]['interval'])} of {entry[r]['kinds'][k]['tasks']}</td>"
-                if k in entry[r]["kinds"] else "<td>-</td>" for r in roles) + "</tr>" for k in kinds)
+            kind_rows = "".join(
+                f"<tr><td>{esc(k)}</td>"
+                + "".join(
+                    f"<td>{_fraction(entry[r]['kinds'][k]['greedy_pass@1'], entry[r]['kinds'][k]['interval'])} of {entry[r]['kinds'][k]['tasks']}</td>"
+                    if k in entry[r]["kinds"]
+                    else "<td>-</td>"
+                    for r in roles
+                )
+                + "</tr>"
+                for k in kinds
+            )
             part += f"<h3>greedy pass@1 per kind</h3><table><tr><th>kind</th>{head}</tr>{kind_rows}</table>"
         sections.append(part)
     return f"""<!DOCTYPE html>
 <html lang=en><head><meta charset=utf-8><title>composer eval</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:70em}} table{{border-collapse:collapse;margin-bottom:1em}}
 td,th{{border:1px solid #ccc;padding:.2em .6em;text-align:right}} td:first-child{{text-align:left}}</style></head>
-<body><h1>composer eval</h1><p>{results['samples']} sampled episode(s) per task; written {time.strftime("%Y-%m-%d %H:%M:%S")}</p>
-{''.join(sections)}</body></html>
+<body><h1>composer eval</h1><p>{results["samples"]} sampled episode(s) per task; written {time.strftime("%Y-%m-%d %H:%M:%S")}</p>
+{"".join(sections)}</body></html>
 """
 
 

@@ -17,8 +17,9 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 from composer.recipes.errors import UserError
 from composer.recipes.schema import Recipe

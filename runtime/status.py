@@ -1,9 +1,9 @@
 """What a run directory says about its run, read from its files only: kind, status, steps, last figures, age.
 
-    running    a live process holds the run's lock (runtime.run_dir.RunDir)
-    failed     it last stopped on an error: logs/failure.txt, or a rank's logs/error-rank-N.txt
-    finished   every step done and the run's output written (midtrain: export/, RL: the last policy published)
-    resumable  stopped before the end (killed, interrupted): `--resume` continues from the newest checkpoint
+running    a live process holds the run's lock (runtime.run_dir.RunDir)
+failed     it last stopped on an error: logs/failure.txt, or a rank's logs/error-rank-N.txt
+finished   every step done and the run's output written (midtrain: export/, RL: the last policy published)
+resumable  stopped before the end (killed, interrupted): `--resume` continues from the newest checkpoint
 """
 
 from __future__ import annotations
@@ -84,8 +84,11 @@ def _output_written(run: RunDir, kind: str, steps: int) -> bool:
 
 
 def _checkpoint_step(run: RunDir) -> int | None:
-    steps = [int(p.name.removeprefix("step-")) for p in run.checkpoints.glob("step-*")
-             if p.name.removeprefix("step-").isdigit() and (p / "trainer_state.json").is_file()]
+    steps = [
+        int(p.name.removeprefix("step-"))
+        for p in run.checkpoints.glob("step-*")
+        if p.name.removeprefix("step-").isdigit() and (p / "trainer_state.json").is_file()
+    ]
     return max(steps, default=None)
 
 
@@ -114,4 +117,6 @@ def find_runs(directory: Path) -> list[Path]:
                 visit(child, depth + 1)
 
     visit(directory, 0)
-    return sorted(found, key=lambda p: -max((f.stat().st_mtime for f in (p / "metrics.jsonl", p / "recipe.yaml") if f.is_file()), default=0))
+    return sorted(
+        found, key=lambda p: -max((f.stat().st_mtime for f in (p / "metrics.jsonl", p / "recipe.yaml") if f.is_file()), default=0)
+    )

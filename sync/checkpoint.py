@@ -21,15 +21,36 @@ from composer.sync.codec import UINT_OF_WIDTH
 
 # safetensors dtype -> bytes per element. Bit patterns are compared as unsigned ints of this width.
 DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 # dtypes numpy represents natively; bf16 and fp8 are handed out as unsigned-int bit patterns.
 NUMPY_DTYPES = {
-    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16, "F16": np.float16,
-    "I32": np.int32, "U32": np.uint32, "F32": np.float32, "I64": np.int64, "U64": np.uint64, "F64": np.float64,
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "I16": np.int16,
+    "U16": np.uint16,
+    "F16": np.float16,
+    "I32": np.int32,
+    "U32": np.uint32,
+    "F32": np.float32,
+    "I64": np.int64,
+    "U64": np.uint64,
+    "F64": np.float64,
 }
 
 MAX_HEADER_BYTES = 100 << 20
@@ -112,8 +133,9 @@ def parse_header(header: str, name: str, size: int, where: str) -> SafetensorsFi
             continue
         dtype = entry.get("dtype") if isinstance(entry, dict) else None
         if dtype not in DTYPE_SIZES:
-            raise UserError(f"{where}: tensor {tensor_name!r} has dtype {dtype!r}, which sync does not handle "
-                            f"(supported: {', '.join(DTYPE_SIZES)})")
+            raise UserError(
+                f"{where}: tensor {tensor_name!r} has dtype {dtype!r}, which sync does not handle (supported: {', '.join(DTYPE_SIZES)})"
+            )
         try:
             begin, end = (int(x) for x in entry["data_offsets"])
             shape = tuple(int(d) for d in entry["shape"])
@@ -147,8 +169,7 @@ class Checkpoint:
         for file in self.files:
             for info in file.tensors:
                 if info.name in self.tensors:
-                    raise UserError(f"{root}: tensor {info.name!r} appears in both "
-                                    f"{self.tensors[info.name].file} and {file.name}")
+                    raise UserError(f"{root}: tensor {info.name!r} appears in both {self.tensors[info.name].file} and {file.name}")
                 self.tensors[info.name] = info
         self._fds = {file.name: os.open(root / file.name, os.O_RDONLY) for file in self.files}
 

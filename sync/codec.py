@@ -14,8 +14,8 @@ Frames carry zstd's content checksum, so a flipped bit in a stored payload fails
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import xxhash
@@ -70,7 +70,7 @@ def _to_planes(values: np.ndarray) -> np.ndarray:
         return values.view(np.uint8)
     interleaved, planes = values.view(np.uint8), np.empty(n * k, np.uint8)
     for j in range(k):
-        planes[j * n: (j + 1) * n] = interleaved[j::k]
+        planes[j * n : (j + 1) * n] = interleaved[j::k]
     return planes
 
 
@@ -80,7 +80,7 @@ def _from_planes(buf: np.ndarray, dtype: np.dtype, count: int) -> np.ndarray:
     k, values = dtype.itemsize, np.empty(count, dtype)
     interleaved = values.view(np.uint8)
     for j in range(k):
-        interleaved[j::k] = buf[j * count: (j + 1) * count]
+        interleaved[j::k] = buf[j * count : (j + 1) * count]
     return values
 
 
@@ -91,8 +91,9 @@ def gap_dtype_for(max_gap: int) -> np.dtype:
     return np.dtype(np.uint64)
 
 
-def encode_piece(new: np.ndarray, old: np.ndarray | None, compressor: zstandard.ZstdCompressor,
-                 changed_mask: np.ndarray | None = None) -> EncodedPiece:
+def encode_piece(
+    new: np.ndarray, old: np.ndarray | None, compressor: zstandard.ZstdCompressor, changed_mask: np.ndarray | None = None
+) -> EncodedPiece:
     """Encode `new` (unsigned-int bit patterns) against `old` (same length) or, without a base, as raw.
 
     `changed_mask` is an optional reusable bool buffer of at least len(new) (saves a page-faulting allocation).
@@ -106,8 +107,15 @@ def encode_piece(new: np.ndarray, old: np.ndarray | None, compressor: zstandard.
     gaps = np.diff(positions, prepend=-1) - 1
     gap_dtype = gap_dtype_for(int(gaps.max()))
     sparse = sparse_pays(positions.size, gap_dtype, new.size, new.itemsize)
-    return encode_changes(new.size, positions.size, gaps.astype(gap_dtype) if sparse else None,
-                          lambda: new[positions], lambda: new ^ old, lambda: new, compressor)
+    return encode_changes(
+        new.size,
+        positions.size,
+        gaps.astype(gap_dtype) if sparse else None,
+        lambda: new[positions],
+        lambda: new ^ old,
+        lambda: new,
+        compressor,
+    )
 
 
 def sparse_pays(changed: int, gap_dtype: np.dtype, size: int, itemsize: int) -> bool:
@@ -115,9 +123,15 @@ def sparse_pays(changed: int, gap_dtype: np.dtype, size: int, itemsize: int) -> 
     return changed * (gap_dtype.itemsize + itemsize) < size * itemsize
 
 
-def encode_changes(size: int, changed: int, gaps: np.ndarray | None, values: Callable[[], np.ndarray],
-                   xor: Callable[[], np.ndarray], raw: Callable[[], np.ndarray],
-                   compressor: zstandard.ZstdCompressor) -> EncodedPiece:
+def encode_changes(
+    size: int,
+    changed: int,
+    gaps: np.ndarray | None,
+    values: Callable[[], np.ndarray],
+    xor: Callable[[], np.ndarray],
+    raw: Callable[[], np.ndarray],
+    compressor: zstandard.ZstdCompressor,
+) -> EncodedPiece:
     """The smallest of the candidate encodings of a piece with `len(gaps)` changed elements, given the gaps
     (None when sparse cannot pay) and how to get the changed values, new ^ old, and new; the dense ones are
     made only when enough changed for them to have a chance. Shared by the host and the device encoders, so
@@ -133,8 +147,7 @@ def encode_changes(size: int, changed: int, gaps: np.ndarray | None, values: Cal
     return min(candidates, key=lambda c: len(c.payload))
 
 
-def _decompress(payload: bytes | memoryview, nbytes: int, decompressor: zstandard.ZstdDecompressor,
-                where: str) -> np.ndarray:
+def _decompress(payload: bytes | memoryview, nbytes: int, decompressor: zstandard.ZstdDecompressor, where: str) -> np.ndarray:
     try:
         raw = decompressor.decompress(payload, max_output_size=nbytes)
     except zstandard.ZstdError as e:
@@ -144,8 +157,15 @@ def _decompress(payload: bytes | memoryview, nbytes: int, decompressor: zstandar
     return np.frombuffer(raw, dtype=np.uint8)
 
 
-def apply_piece(encoding: str, payload: bytes | memoryview, changed: int, gap_width: int, out: np.ndarray,
-                decompressor: zstandard.ZstdDecompressor, where: str) -> None:
+def apply_piece(
+    encoding: str,
+    payload: bytes | memoryview,
+    changed: int,
+    gap_width: int,
+    out: np.ndarray,
+    decompressor: zstandard.ZstdDecompressor,
+    where: str,
+) -> None:
     """Turn `out` (the base piece, or anything for raw) into the encoded piece, in place."""
     n, dtype = out.size, out.dtype
     if encoding == SAME:
@@ -164,4 +184,3 @@ def apply_piece(encoding: str, payload: bytes | memoryview, changed: int, gap_wi
         out[positions] = _from_planes(buf[gap_bytes:], dtype, changed)
     else:
         raise CorruptDataError(f"{where}: unknown encoding {encoding!r}")
-

@@ -8,8 +8,8 @@ cannot tell which encoder wrote a version. Without a GPU the same code runs on C
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Iterator
 
 import numpy as np
 import zstandard
@@ -80,8 +80,9 @@ class DeviceDeltaEncoder:
         """Host work for one piece: wait for its copies, split into byte planes, compress."""
         import threading
 
-        compressor = self._compressors.setdefault(threading.get_ident(),
-                                                  zstandard.ZstdCompressor(level=self.zstd_level, write_checksum=True))
+        compressor = self._compressors.setdefault(
+            threading.get_ident(), zstandard.ZstdCompressor(level=self.zstd_level, write_checksum=True)
+        )
         if staged[0] == "same":
             return EncodedPiece(SAME, b"", 0)
         if staged[0] == "raw":
@@ -93,9 +94,14 @@ class DeviceDeltaEncoder:
         if event is not None:
             event.synchronize()
         return encode_changes(
-            size, changed, None if gaps is None else gaps.numpy(),
-            lambda: _as_numpy(values, itemsize), lambda: _as_numpy(dense["xor"], itemsize),
-            lambda: _as_numpy(dense["raw"], itemsize), compressor)
+            size,
+            changed,
+            None if gaps is None else gaps.numpy(),
+            lambda: _as_numpy(values, itemsize),
+            lambda: _as_numpy(dense["xor"], itemsize),
+            lambda: _as_numpy(dense["raw"], itemsize),
+            compressor,
+        )
 
     def encode(self, pairs: Iterable[tuple]) -> Iterator[EncodedPiece]:
         """Encoded pieces in input order; the device runs up to `in_flight` pieces ahead of compression."""

@@ -62,8 +62,7 @@ class TensorRecord:
         return [(start, p.stop) for start, p in zip(starts, self.pieces)]
 
     def same_layout(self, other: TensorRecord) -> bool:
-        return self.dtype == other.dtype and self.shape == other.shape and \
-            [p.stop for p in self.pieces] == [p.stop for p in other.pieces]
+        return self.dtype == other.dtype and self.shape == other.shape and [p.stop for p in self.pieces] == [p.stop for p in other.pieces]
 
     @property
     def unchanged(self) -> bool:
@@ -113,13 +112,15 @@ class Manifest:
 
     def same_tensors(self, other: Manifest) -> bool:
         """The same tensor names, dtypes and shapes (an engine holding one can take the other tensor by tensor)."""
-        return {n: (t.dtype, t.shape) for n, t in self.tensors.items()} == \
-            {n: (t.dtype, t.shape) for n, t in other.tensors.items()}
+        return {n: (t.dtype, t.shape) for n, t in self.tensors.items()} == {n: (t.dtype, t.shape) for n, t in other.tensors.items()}
 
     def differing_tensors(self, other: Manifest) -> list[str]:
         """Tensors whose bytes differ from `other`'s (compared by piece hashes)."""
-        return sorted(n for n, t in self.tensors.items()
-                      if n not in other.tensors or [p.hash for p in t.pieces] != [p.hash for p in other.tensors[n].pieces])
+        return sorted(
+            n
+            for n, t in self.tensors.items()
+            if n not in other.tensors or [p.hash for p in t.pieces] != [p.hash for p in other.tensors[n].pieces]
+        )
 
     def piece_hashes(self) -> dict[str, list[list]]:
         """Tensor name -> [[stop, hash], ...]: what a receiver checks the bytes it loads against."""
@@ -129,8 +130,7 @@ class Manifest:
         body = asdict(self)
         body["format"] = FORMAT
         text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        return json.dumps({"checksum": digest(text.encode()), "manifest": json.loads(text)},
-                          sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps({"checksum": digest(text.encode()), "manifest": json.loads(text)}, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Manifest:
@@ -146,14 +146,16 @@ class Manifest:
         if body.get("format") != FORMAT:
             raise CorruptDataError(f"{where}: manifest format {body.get('format')!r}; this composer reads {FORMAT}")
         try:
-            tensors = {
-                name: TensorRecord(t["dtype"], t["shape"], [Piece(**p) for p in t["pieces"]])
-                for name, t in body["tensors"].items()
-            }
+            tensors = {name: TensorRecord(t["dtype"], t["shape"], [Piece(**p) for p in t["pieces"]]) for name, t in body["tensors"].items()}
             manifest = cls(
-                id=body["id"], parent=body["parent"], anchor=body["anchor"], created=body["created"],
-                files=[FileRecord(**f) for f in body["files"]], tensors=tensors,
-                opaque=[OpaqueRecord(**o) for o in body["opaque"]], stats=body["stats"],
+                id=body["id"],
+                parent=body["parent"],
+                anchor=body["anchor"],
+                created=body["created"],
+                files=[FileRecord(**f) for f in body["files"]],
+                tensors=tensors,
+                opaque=[OpaqueRecord(**o) for o in body["opaque"]],
+                stats=body["stats"],
             )
         except (KeyError, TypeError):
             raise CorruptDataError(f"{where}: manifest is missing fields") from None

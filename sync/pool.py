@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")

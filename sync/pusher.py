@@ -14,11 +14,11 @@ import shutil
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import zstandard
@@ -148,8 +148,9 @@ class DeltaEncoder:
             state.cctx = zstandard.ZstdCompressor(level=self.codec.zstd_level, write_checksum=True)
         return state.new, state.old, state.mask, state.cctx
 
-    def encode(self, checkpoint: Checkpoint, parent: Manifest | None, base: Checkpoint | None,
-               packer: _Packer) -> tuple[dict[str, TensorRecord], dict]:
+    def encode(
+        self, checkpoint: Checkpoint, parent: Manifest | None, base: Checkpoint | None, packer: _Packer
+    ) -> tuple[dict[str, TensorRecord], dict]:
         """Tensor records of the new version (pieces filled, chunks assigned after `packer.finish()`) and stats."""
         jobs: list[_Job] = []
         records: dict[str, TensorRecord] = {}
@@ -223,8 +224,14 @@ def default_cache_dir(store: str) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "composer" / "sync" / key
 
 
-def push_version(checkpoint_dir: str | Path, sync: SyncSection, ssh: SSHSection | None = None, *,
-                 cache_dir: Path | None = None, on_progress: Progress | None = None) -> VersionInfo:
+def push_version(
+    checkpoint_dir: str | Path,
+    sync: SyncSection,
+    ssh: SSHSection | None = None,
+    *,
+    cache_dir: Path | None = None,
+    on_progress: Progress | None = None,
+) -> VersionInfo:
     """Publish `checkpoint_dir` as the store's next version: a delta against the head, or an anchor every
     `sync.anchor_every` versions. Raises `VersionTakenError` if another pusher published the id first."""
     started = time.monotonic()
@@ -244,14 +251,25 @@ def push_version(checkpoint_dir: str | Path, sync: SyncSection, ssh: SSHSection 
                 manifest, packer = _encode_against_cache(encoder, checkpoint, store, vid, parent, cache, refresh=True)
         store.publish(manifest)
     _adopt(cache, checkpoint.root, manifest)
-    return VersionInfo(vid, manifest.parent, manifest.anchor, is_anchor, manifest.stats["full_bytes"],
-                       manifest.stats["stored_bytes"], packer.sent_bytes, packer.chunks_sent, packer.chunks_skipped,
-                       manifest.stats["changed_elements"], manifest.stats["total_elements"],
-                       time.monotonic() - started)
+    return VersionInfo(
+        vid,
+        manifest.parent,
+        manifest.anchor,
+        is_anchor,
+        manifest.stats["full_bytes"],
+        manifest.stats["stored_bytes"],
+        packer.sent_bytes,
+        packer.chunks_sent,
+        packer.chunks_skipped,
+        manifest.stats["changed_elements"],
+        manifest.stats["total_elements"],
+        time.monotonic() - started,
+    )
 
 
-def _encode_against_cache(encoder: DeltaEncoder, checkpoint: Checkpoint, store: Store, vid: str, parent: Manifest,
-                          cache: ReceiverDir, refresh: bool) -> tuple[Manifest, _Packer]:
+def _encode_against_cache(
+    encoder: DeltaEncoder, checkpoint: Checkpoint, store: Store, vid: str, parent: Manifest, cache: ReceiverDir, refresh: bool
+) -> tuple[Manifest, _Packer]:
     if refresh:
         shutil.rmtree(cache.root, ignore_errors=True)
     if cache.current_id() != parent.id:
@@ -260,8 +278,15 @@ def _encode_against_cache(encoder: DeltaEncoder, checkpoint: Checkpoint, store: 
         return _encode(encoder, checkpoint, store, vid, parent.id, parent, base)
 
 
-def _encode(encoder: DeltaEncoder, checkpoint: Checkpoint, store: Store, vid: str, parent_id: str | None,
-            parent: Manifest | None, base: Checkpoint | None) -> tuple[Manifest, _Packer]:
+def _encode(
+    encoder: DeltaEncoder,
+    checkpoint: Checkpoint,
+    store: Store,
+    vid: str,
+    parent_id: str | None,
+    parent: Manifest | None,
+    base: Checkpoint | None,
+) -> tuple[Manifest, _Packer]:
     """Encode against `parent` and its tensors in `base`, or as an anchor when both are None
     (an anchor still names the previous version as its parent, for lineage)."""
     packer = _Packer(store, encoder.chunk_bytes)
@@ -276,9 +301,14 @@ def _encode(encoder: DeltaEncoder, checkpoint: Checkpoint, store: Store, vid: st
     stats["full_bytes"] = checkpoint.nbytes + sum((checkpoint.root / n).stat().st_size for n in checkpoint.opaque)
     stats["stored_bytes"] = packer.stored_bytes + opaque_new
     manifest = Manifest(
-        id=vid, parent=parent_id, anchor=parent.anchor if parent else vid,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        files=files, tensors=tensors, opaque=opaque, stats=stats,
+        id=vid,
+        parent=parent_id,
+        anchor=parent.anchor if parent else vid,
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        files=files,
+        tensors=tensors,
+        opaque=opaque,
+        stats=stats,
     )
     return manifest, packer
 

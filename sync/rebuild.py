@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Mapping
+from typing import BinaryIO
 
 import numpy as np
 import zstandard
@@ -103,13 +104,14 @@ class ChunkReader:
             return os.pread(f.fileno(), piece.length, piece.offset)
 
 
-def fetch_chunks(store: Store, needed: dict[str, str], staging: Path, workers: int,
-                 on_progress: Progress | None = None) -> tuple[ChunkReader, int]:
+def fetch_chunks(
+    store: Store, needed: dict[str, str], staging: Path, workers: int, on_progress: Progress | None = None
+) -> tuple[ChunkReader, int]:
     """Make every needed chunk (id -> the version needing it) available locally, verified against its hash.
 
-    A local store is read in place; a remote one is downloaded into `staging`, skipping chunks already
-    there from an interrupted pull; `on_progress` gets the bytes of each download. Returns the reader and
-the bytes downloaded.
+        A local store is read in place; a remote one is downloaded into `staging`, skipping chunks already
+        there from an interrupted pull; `on_progress` gets the bytes of each download. Returns the reader and
+    the bytes downloaded.
     """
     local = isinstance(store.transport, LocalTransport)
     directory = store.transport.root / CHUNKS if local else staging
@@ -169,12 +171,15 @@ class Rebuilder:
             load_base(plan, out)
             if digest(out) != plan.base_hash:
                 base = self.manifests[first_vid].parent
-                raise WrongBaseError(f"tensor {plan.name!r} piece {plan.index}: the base does not match version {base} "
-                                     f"that {first_vid} was encoded against (modified or wrong base); nothing applied")
+                raise WrongBaseError(
+                    f"tensor {plan.name!r} piece {plan.index}: the base does not match version {base} "
+                    f"that {first_vid} was encoded against (modified or wrong base); nothing applied"
+                )
         for vid, piece in plan.steps:
             where = f"version {vid} tensor {plan.name!r} piece {plan.index}"
-            apply_piece(piece.encoding, self.chunks.payload(piece) if piece.chunk else b"", piece.changed,
-                        piece.gap_width, out, dctx, where)
+            apply_piece(
+                piece.encoding, self.chunks.payload(piece) if piece.chunk else b"", piece.changed, piece.gap_width, out, dctx, where
+            )
             if digest(out) != piece.hash:
                 raise CorruptDataError(f"{where}: rebuilt bytes do not match the manifest hash")
         return out
@@ -211,8 +216,7 @@ class VerifyReport:
     chunks: int = 0
 
 
-def verify(store: Store, version: str | None = None, threads: int = 0,
-           on_progress: Progress | None = None) -> VerifyReport:
+def verify(store: Store, version: str | None = None, threads: int = 0, on_progress: Progress | None = None) -> VerifyReport:
     """Re-hash every chunk and rebuild every piece of `version` (default: every version) in memory,
     checking each piece's hash at every step of its chain."""
     versions = store.versions()
@@ -256,5 +260,3 @@ def verify(store: Store, version: str | None = None, threads: int = 0,
             for record in manifests[vid].opaque:
                 restore_opaque(reader, record, vid, None)
     return report
-
-

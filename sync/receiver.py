@@ -21,10 +21,10 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -132,8 +132,14 @@ def _target_version(store: Store, version: str | None) -> str:
     return target_id
 
 
-def pull(store: Store, to: Path, version: str | None = None, threads: int = 0,
-         on_progress: Progress | None = None, on_fetch: Progress | None = None) -> PullInfo:
+def pull(
+    store: Store,
+    to: Path,
+    version: str | None = None,
+    threads: int = 0,
+    on_progress: Progress | None = None,
+    on_fetch: Progress | None = None,
+) -> PullInfo:
     """Bring the receiver directory `to` to `version` (default: the store's head) and make it current.
     `on_fetch` gets the bytes of each chunk downloaded, `on_progress` the bytes of each piece rebuilt."""
     started = time.monotonic()
@@ -142,8 +148,9 @@ def pull(store: Store, to: Path, version: str | None = None, threads: int = 0,
         return _pull_locked(store, to, target_id, threads, on_progress, on_fetch, started)
 
 
-def _pull_locked(store: Store, to: Path, target_id: str, threads: int, on_progress: Progress | None,
-                 on_fetch: Progress | None, started: float) -> PullInfo:
+def _pull_locked(
+    store: Store, to: Path, target_id: str, threads: int, on_progress: Progress | None, on_fetch: Progress | None, started: float
+) -> PullInfo:
     receiver = ReceiverDir(to)
     current = receiver.current_id()
     if current == target_id:
@@ -159,20 +166,25 @@ def _pull_locked(store: Store, to: Path, target_id: str, threads: int, on_progre
     reader, fetched = fetch_chunks(store, needed_chunks(plans, target), to / ".incoming", workers, on_fetch)
     staged = receiver.staging(target_id)
     try:
-        _write_version(staged, target, plans, Rebuilder(reader, manifests), receiver.path(base) if base else None,
-                       workers, on_progress)
+        _write_version(staged, target, plans, Rebuilder(reader, manifests), receiver.path(base) if base else None, workers, on_progress)
         receiver.install(staged, target)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
     if not isinstance(store.transport, LocalTransport):
         shutil.rmtree(to / ".incoming", ignore_errors=True)
-    return PullInfo(target_id, base or target.anchor, fetched, sum(p.nbytes for p in plans),
-                    time.monotonic() - started)
+    return PullInfo(target_id, base or target.anchor, fetched, sum(p.nbytes for p in plans), time.monotonic() - started)
 
 
-def _write_version(staged: Path, target: Manifest, plans: list[PiecePlan], rebuilder: Rebuilder,
-                   base_dir: Path | None, workers: int, on_progress: Progress | None) -> None:
+def _write_version(
+    staged: Path,
+    target: Manifest,
+    plans: list[PiecePlan],
+    rebuilder: Rebuilder,
+    base_dir: Path | None,
+    workers: int,
+    on_progress: Progress | None,
+) -> None:
     """Write every file of `target` into `staged`: safetensors files piece by piece on worker threads
     (each piece verified), then the opaque files; everything fsynced."""
     fds: dict[str, int] = {}
@@ -244,8 +256,9 @@ def update_in_place(store: Store, to: Path, version: str | None = None, threads:
         directory = receiver.path(current) if current else None
         if held is None or not _patchable(held, target, directory):
             full = _full_pull(store, to, target_id, threads, receiver)
-            return InPlaceInfo(target_id, None, True, sorted(target.tensors), full.fetched_bytes, full.model_bytes,
-                               time.monotonic() - started)
+            return InPlaceInfo(
+                target_id, None, True, sorted(target.tensors), full.fetched_bytes, full.model_bytes, time.monotonic() - started
+            )
         chain = store.chain(target_id, stop_at=current)
         manifests = {m.id: m for m in chain}
         base = current if chain[-1].parent == current else None  # else: rebuild the differing pieces from the anchor
@@ -263,8 +276,9 @@ def update_in_place(store: Store, to: Path, version: str | None = None, threads:
             patched = _patch(directory, plans, Rebuilder(reader, manifests), workers)
         except WrongBaseError:  # the held copy was modified behind our back: rebuild it whole
             full = _full_pull(store, to, target_id, threads, receiver)
-            return InPlaceInfo(target_id, None, True, sorted(target.tensors), full.fetched_bytes, full.model_bytes,
-                               time.monotonic() - started)
+            return InPlaceInfo(
+                target_id, None, True, sorted(target.tensors), full.fetched_bytes, full.model_bytes, time.monotonic() - started
+            )
         before = {o.name: o.hash for o in held.opaque}
         for record in target.opaque:
             if before.get(record.name) != record.hash:
@@ -281,8 +295,7 @@ def update_in_place(store: Store, to: Path, version: str | None = None, threads:
         (receiver.manifests / f"{current}.json").unlink(missing_ok=True)
         if not isinstance(store.transport, LocalTransport):
             shutil.rmtree(to / ".incoming", ignore_errors=True)
-        return InPlaceInfo(target_id, current, False, sorted({plan.name for plan in plans}), fetched, patched,
-                           time.monotonic() - started)
+        return InPlaceInfo(target_id, current, False, sorted({plan.name for plan in plans}), fetched, patched, time.monotonic() - started)
 
 
 def _patch(directory: Path, plans: list[PiecePlan], rebuilder: Rebuilder, workers: int) -> int:
@@ -290,6 +303,7 @@ def _patch(directory: Path, plans: list[PiecePlan], rebuilder: Rebuilder, worker
     with Checkpoint(directory) as checkpoint:
         fds = {f.name: os.open(directory / f.name, os.O_WRONLY) for f in checkpoint.files}
         try:
+
             def patch(plan: PiecePlan) -> int:
                 info = checkpoint.tensors[plan.name]
                 data = rebuilder.run(plan, lambda p, out: checkpoint.read(info, p.start, p.stop, out))
@@ -322,8 +336,9 @@ def _full_pull(store: Store, to: Path, version: str, threads: int, receiver: Rec
     return _pull_locked(store, to, version, threads, None, None, time.monotonic())
 
 
-def apply_version(store: Store, version_id: str, base_tensors: Mapping[str, np.ndarray],
-                  threads: int = 0) -> Iterator[tuple[str, np.ndarray]]:
+def apply_version(
+    store: Store, version_id: str, base_tensors: Mapping[str, np.ndarray], threads: int = 0
+) -> Iterator[tuple[str, np.ndarray]]:
     """The tensors of `version_id` that differ from its parent, rebuilt from `base_tensors` (the parent version,
     e.g. the weights a rollout engine holds). Unchanged tensors are not yielded; an anchor yields every tensor.
 
@@ -346,11 +361,11 @@ def apply_version(store: Store, version_id: str, base_tensors: Mapping[str, np.n
             flat = _base_view(base_tensors, name, record) if any(p.base_hash for p in plans[name]) else None
 
             def load_base(plan: PiecePlan, out: np.ndarray, flat: np.ndarray | None = flat) -> None:
-                out[:] = flat[plan.start: plan.stop]
+                out[:] = flat[plan.start : plan.stop]
 
             result = np.empty(record.numel, dtype=UINT_OF_WIDTH[record.itemsize])
             for plan in plans[name]:
-                rebuilder.run(plan, load_base, out=result[plan.start: plan.stop])
+                rebuilder.run(plan, load_base, out=result[plan.start : plan.stop])
             yield name, result.view(numpy_dtype(record.dtype)).reshape(record.shape)
 
 
@@ -360,8 +375,10 @@ def _base_view(base_tensors: Mapping[str, np.ndarray], name: str, record: Tensor
         raise WrongBaseError(f"tensor {name!r} changed in this version but is missing from the base tensors")
     array = np.ascontiguousarray(array)
     if array.itemsize != record.itemsize or array.size != record.numel:
-        raise WrongBaseError(f"tensor {name!r}: base has {array.size} elements of {array.itemsize} bytes, "
-                             f"the version has {record.numel} of {record.itemsize}")
+        raise WrongBaseError(
+            f"tensor {name!r}: base has {array.size} elements of {array.itemsize} bytes, "
+            f"the version has {record.numel} of {record.itemsize}"
+        )
     return array.reshape(-1).view(UINT_OF_WIDTH[record.itemsize])
 
 

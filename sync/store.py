@@ -33,8 +33,7 @@ class Store:
         self._manifests: dict[str, Manifest] = {}
 
     @classmethod
-    def open(cls, location: str, ssh: SSHSection | None = None, create: bool = False,
-             endpoint: str | None = None) -> Store:
+    def open(cls, location: str, ssh: SSHSection | None = None, create: bool = False, endpoint: str | None = None) -> Store:
         """Open a store; `create` makes its directories, otherwise a missing store is a UserError.
         `endpoint` is the URL of an S3-compatible service for s3:// stores (default: AWS)."""
         store = cls(build_transport(location, ssh or SSHSection(), endpoint))
@@ -92,8 +91,10 @@ class Store:
         try:
             self.transport.publish(f"{MANIFESTS}/{manifest.id}.json", manifest.to_bytes())
         except FileExistsError:
-            raise VersionTakenError(f"store {self.location}: version {manifest.id} was published by another pusher "
-                                    "while this one was encoding; push again to build on the new head") from None
+            raise VersionTakenError(
+                f"store {self.location}: version {manifest.id} was published by another pusher "
+                "while this one was encoding; push again to build on the new head"
+            ) from None
         self._manifests[manifest.id] = manifest
 
     def put_manifest_copy(self, manifest: Manifest) -> bool:
@@ -102,8 +103,9 @@ class Store:
             self.transport.publish(f"{MANIFESTS}/{manifest.id}.json", manifest.to_bytes())
         except FileExistsError:
             if self.manifest(manifest.id).to_bytes() != manifest.to_bytes():
-                raise UserError(f"store {self.location} already has a DIFFERENT version {manifest.id}; "
-                                "relay only into stores fed from the same source") from None
+                raise UserError(
+                    f"store {self.location} already has a DIFFERENT version {manifest.id}; relay only into stores fed from the same source"
+                ) from None
             return False
         return True
 

@@ -16,8 +16,8 @@ import posixpath
 import secrets
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 from urllib.parse import urlsplit
 
 from composer.cluster.ssh import SSHHost
@@ -283,9 +283,13 @@ class S3Transport(Transport):
         self.bucket = parts.netloc
         self.prefix = parts.path.strip("/")
         self.part_bytes = max(part_bytes, 5 << 20)  # S3's smallest part
-        config = Config(retries={"max_attempts": 10, "mode": "standard"}, connect_timeout=15, read_timeout=120,
-                        max_pool_connections=2 * self.parallelism,
-                        s3={"addressing_style": "path"} if endpoint else None)
+        config = Config(
+            retries={"max_attempts": 10, "mode": "standard"},
+            connect_timeout=15,
+            read_timeout=120,
+            max_pool_connections=2 * self.parallelism,
+            s3={"addressing_style": "path"} if endpoint else None,
+        )
         self._client = boto3.client("s3", endpoint_url=endpoint, config=config)
         self.where = f"{location}" + (f" at {endpoint}" if endpoint else "")
 
@@ -309,15 +313,19 @@ class S3Transport(Transport):
             if code == "NoSuchBucket":
                 raise UserError(f"store {self.where}: bucket {self.bucket!r} does not exist; create it first") from None
             if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-                raise UserError(f"store {self.where}: access denied ({code}) when trying to {what}; check the "
-                                "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or ~/.aws)") from None
+                raise UserError(
+                    f"store {self.where}: access denied ({code}) when trying to {what}; check the "
+                    "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or ~/.aws)"
+                ) from None
             if code == "NotImplemented" or status == 501:
-                raise UserError(f"store {self.where}: the endpoint does not implement what sync needs to {what} "
-                                "(conditional writes, If-None-Match)") from None
+                raise UserError(
+                    f"store {self.where}: the endpoint does not implement what sync needs to {what} (conditional writes, If-None-Match)"
+                ) from None
             raise UserError(f"store {self.where}: cannot {what}: {code or status} {e}") from None
         except NoCredentialsError:
-            raise UserError(f"store {self.where}: no S3 credentials (set AWS_ACCESS_KEY_ID and "
-                            "AWS_SECRET_ACCESS_KEY, or configure ~/.aws)") from None
+            raise UserError(
+                f"store {self.where}: no S3 credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or configure ~/.aws)"
+            ) from None
         except BotoCoreError as e:
             raise UserError(f"store {self.where}: cannot {what}: {e}") from None
 
@@ -353,14 +361,16 @@ class S3Transport(Transport):
                 uploaded.update((p["PartNumber"], p["ETag"].strip('"')) for p in page.get("Parts", []))
         parts = []
         for number, start in enumerate(range(0, len(data), self.part_bytes), start=1):
-            body = data[start: start + self.part_bytes]
+            body = data[start : start + self.part_bytes]
             etag = hashlib.md5(body, usedforsecurity=False).hexdigest()  # S3's ETag of an unencrypted part
             if uploaded.get(number) != etag:
-                etag = self._client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                                                Body=bytes(body))["ETag"].strip('"')
+                etag = self._client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=bytes(body))[
+                    "ETag"
+                ].strip('"')
             parts.append({"PartNumber": number, "ETag": f'"{etag}"'})
-        self._client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
-                                               MultipartUpload={"Parts": parts}, **condition)
+        self._client.complete_multipart_upload(
+            Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}, **condition
+        )
 
     def exists(self, path: str) -> bool:
         keys = [self._key(path)] + ([self._key(path) + "/"] if "/" not in path else [])  # or a directory's marker
@@ -379,7 +389,7 @@ class S3Transport(Transport):
         with self._errors(f"list {directory}"):
             for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
                 for entry in page.get("Contents", []):
-                    name = entry["Key"][len(prefix):]
+                    name = entry["Key"][len(prefix) :]
                     if name and "/" not in name:
                         found[name] = entry["LastModified"].timestamp()
         return found
@@ -419,6 +429,5 @@ def build_transport(location: str, ssh: SSHSection, endpoint: str | None = None)
     if location.startswith("s3://"):
         return S3Transport(location, endpoint)
     if "://" in location:
-        raise UserError(f"store {location!r}: unsupported scheme; use a directory, ssh://[user@]host[:port]/path "
-                        "or s3://bucket/prefix")
+        raise UserError(f"store {location!r}: unsupported scheme; use a directory, ssh://[user@]host[:port]/path or s3://bucket/prefix")
     return LocalTransport(Path(location).expanduser())

@@ -27,8 +27,9 @@ def run_ranks(nproc: int, module: str, *args: str, timeout: float = 300) -> subp
     from composer.cluster.launch import torchrun_argv
 
     env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(torchrun_argv(sys.executable, nproc, module, list(args)), cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        torchrun_argv(sys.executable, nproc, module, list(args)), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_composer(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -125,11 +126,32 @@ def sshd(tmp_path_factory):
     (d / "authorized_keys").write_text(client_pub + "\n")
     port = free_port()
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
-    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", "/dev/null", "-p", str(port), "-h", str(d / "host_key"),
-                             "-o", "ListenAddress=127.0.0.1", "-o", f"AuthorizedKeysFile={d / 'authorized_keys'}",
-                             "-o", f"PidFile={d / 'sshd.pid'}", "-o", "StrictModes=no",
-                             "-o", "Subsystem sftp internal-sftp", "-o", "PermitRootLogin=prohibit-password"],
-                            stderr=open(d / "sshd.log", "wb"))
+    proc = subprocess.Popen(
+        [
+            SSHD,
+            "-D",
+            "-e",
+            "-f",
+            "/dev/null",
+            "-p",
+            str(port),
+            "-h",
+            str(d / "host_key"),
+            "-o",
+            "ListenAddress=127.0.0.1",
+            "-o",
+            f"AuthorizedKeysFile={d / 'authorized_keys'}",
+            "-o",
+            f"PidFile={d / 'sshd.pid'}",
+            "-o",
+            "StrictModes=no",
+            "-o",
+            "Subsystem sftp internal-sftp",
+            "-o",
+            "PermitRootLogin=prohibit-password",
+        ],
+        stderr=open(d / "sshd.log", "wb"),
+    )
     deadline = time.monotonic() + 10
     while True:
         try:

@@ -56,9 +56,12 @@ def train_tokenizer(vocab_size: int, max_bytes: int = 4 * 2**20):
     )
     tokenizer.train_from_iterator(stdlib_sample(max_bytes), trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
-        raise UserError(f"model.vocab_size={vocab_size}: the tokenizer corpus yields only {tokenizer.get_vocab_size()} tokens; use a smaller vocab_size")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, bos_token=None,
-                                   additional_special_tokens=SHAPING_TOKENS)
+        raise UserError(
+            f"model.vocab_size={vocab_size}: the tokenizer corpus yields only {tokenizer.get_vocab_size()} tokens; use a smaller vocab_size"
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, bos_token=None, additional_special_tokens=SHAPING_TOKENS
+    )
 
 
 @torch.no_grad()

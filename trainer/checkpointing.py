@@ -72,8 +72,13 @@ class Checkpointer:
             dist_checkpointing.save(sharded, str(tmp))
         dist.barrier()
         if dist.get_rank() == 0:
-            full_state = {"step": step, "optimizer": optimizer.name, "scheduler": optimizer.scheduler.state_dict(),
-                          "adam_steps": optimizer.adam_steps(), **state}
+            full_state = {
+                "step": step,
+                "optimizer": optimizer.name,
+                "scheduler": optimizer.scheduler.state_dict(),
+                "adam_steps": optimizer.adam_steps(),
+                **state,
+            }
             atomic_write_text(tmp / "trainer_state.json", json.dumps(full_state))
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
@@ -90,8 +95,10 @@ class Checkpointer:
         state = check_layout(path, layout)
         saved_optimizer = state.get("optimizer", "adam")  # checkpoints from before optim.name trained with Adam
         if saved_optimizer != optimizer.name:
-            raise UserError(f"{path}: trained with optim.name {saved_optimizer}, the recipe says {optimizer.name}; switching "
-                            f"optimizer on resume is refused (its state would not carry over): use {saved_optimizer}, or start a new run")
+            raise UserError(
+                f"{path}: trained with optim.name {saved_optimizer}, the recipe says {optimizer.name}; switching "
+                f"optimizer on resume is refused (its state would not carry over): use {saved_optimizer}, or start a new run"
+            )
         model_state = model.sharded_state_dict(prefix="")
         sharded = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)}
         with cuda_calls_on_cpu():

@@ -22,8 +22,9 @@ TILE_BYTES = 32 << 20
 """Bound on the temporaries of one query tile against the keys it sees (its scores and their gradient)."""
 
 
-def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                   layout: list[tuple[torch.Tensor, torch.Tensor]], group) -> torch.Tensor:
+def ring_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, layout: list[tuple[torch.Tensor, torch.Tensor]], group
+) -> torch.Tensor:
     """query [B, H, L, Dk], key [B, Hkv, L, Dk], value [B, Hkv, L, Dv] (Hkv divides H: query head h reads KV head
     h // (H / Hkv)) -> [B, H, L, Dv]. `layout[r]`: (position, sequence id) [L] of the tokens cp rank r holds."""
     return _RingAttention.apply(query, key, value, scale, layout, group)

@@ -34,8 +34,7 @@ class Every:
 class TrainerCore:
     """One rank's model (from `model.checkpoint`, or a seeded random initialisation), DDP, optimizer and checkpoints."""
 
-    def __init__(self, model: ModelSection, parallelism: ParallelismSection, optim: OptimSection, train: TrainSection,
-                 checkpoints: Path):
+    def __init__(self, model: ModelSection, parallelism: ParallelismSection, optim: OptimSection, train: TrainSection, checkpoints: Path):
         self.model_section, self.parallelism = model, parallelism
         init_distributed(parallelism, seed=train.seed)
         torch.manual_seed(train.seed)  # random initialisation is a function of the seed
@@ -64,14 +63,22 @@ class TrainerCore:
         """Collective. A checkpoint of `step` holding `state` (JSON-serialisable) beside model and optimizer."""
         self.checkpointer.save(step, self.model, self.optimizer, {"layout": self.parallelism.layout(), **(state or {})})
 
-    def export(self, out_dir: Path, tokenizer_dir: str | Path | None, dtype: torch.dtype | None = None, quantize: str | None = None) -> None:
+    def export(
+        self, out_dir: Path, tokenizer_dir: str | Path | None, dtype: torch.dtype | None = None, quantize: str | None = None
+    ) -> None:
         """Collective. The model as an HF checkpoint (safetensors, config.json, tokenizer), in `dtype` when given,
         quantized (`fp8`, `int4`) when asked."""
         export_hf(self.model, self.model_section, out_dir, tokenizer_dir=tokenizer_dir, dtype=dtype, quantize=quantize)
 
 
-def export_checkpoint(model: ModelSection, parallelism: ParallelismSection, train: TrainSection, checkpoints: Path,
-                      out_dir: Path, tokenizer_dir: str | Path | None) -> bool:
+def export_checkpoint(
+    model: ModelSection,
+    parallelism: ParallelismSection,
+    train: TrainSection,
+    checkpoints: Path,
+    out_dir: Path,
+    tokenizer_dir: str | Path | None,
+) -> bool:
     """Collective. The newest checkpoint's model as an HF checkpoint (no optimizer built); False when there is none."""
     init_distributed(parallelism, seed=train.seed)
     checkpointer = Checkpointer(checkpoints, train.keep_checkpoints)

@@ -138,8 +138,7 @@ class CheckpointLayout:
             used.update(parts.values())
             shapes += self._part_problems(parts)
         # a tied checkpoint may still store lm_head; old ones store RoPE tables; neither is a weight of the model
-        unused = {n for n in set(self.tensors) - used
-                  if not (n == self.stored("lm_head.weight") or n.endswith("rotary_emb.inv_freq"))}
+        unused = {n for n in set(self.tensors) - used if not (n == self.stored("lm_head.weight") or n.endswith("rotary_emb.inv_freq"))}
         out = []
         for problem, names in (("lacks tensors the model needs", missing), ("has tensors the model would not use", unused)):
             if names:
@@ -157,14 +156,18 @@ class CheckpointLayout:
                 return [f"{parts['weight']}: a block-fp8 weight is 2-D F8_E4M3, found {weight.dtype} {list(weight.shape)}"]
             want = (math.ceil(weight.shape[0] / q.block[0]), math.ceil(weight.shape[1] / q.block[1]))
             if scale.shape != want or scale.dtype != "F32":
-                return [f"{parts['weight_scale_inv']}: scales of shape {list(scale.shape)} ({scale.dtype}); a {list(weight.shape)} weight in "
-                        f"{q.block[0]}x{q.block[1]} blocks has {list(want)} (F32)"]
+                return [
+                    f"{parts['weight_scale_inv']}: scales of shape {list(scale.shape)} ({scale.dtype}); a {list(weight.shape)} weight in "
+                    f"{q.block[0]}x{q.block[1]} blocks has {list(want)} (F32)"
+                ]
             return []
         packed, scale, shape = t["weight_packed"], t["weight_scale"], t["weight_shape"]
         if packed.dtype != "I32" or len(packed.shape) != 2 or shape.shape != (2,):
             return [f"{parts['weight_packed']}: pack-quantized INT4 is 2-D I32 codes with a 2-element weight_shape"]
         columns = scale.shape[1] * q.group_size if len(scale.shape) == 2 else -1
         if len(scale.shape) != 2 or scale.shape[0] != packed.shape[0] or not 8 * (packed.shape[1] - 1) < columns <= 8 * packed.shape[1]:
-            return [f"{parts['weight_scale']}: scales of shape {list(scale.shape)} do not fit codes {list(packed.shape)} in groups of {q.group_size} "
-                    f"(rows x columns / {q.group_size} for columns up to {8 * packed.shape[1]})"]
+            return [
+                f"{parts['weight_scale']}: scales of shape {list(scale.shape)} do not fit codes {list(packed.shape)} in groups of {q.group_size} "
+                f"(rows x columns / {q.group_size} for columns up to {8 * packed.shape[1]})"
+            ]
         return []

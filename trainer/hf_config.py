@@ -50,8 +50,10 @@ def language_config(cfg: dict, where: Path) -> dict:
         return cfg
     text = cfg.get("text_config")
     if not isinstance(text, dict):
-        raise UserError(f"{where}: model_type {model_type} wraps a language model, but text_config is "
-                        f"{'missing' if text is None else 'not an object'}; a {model_type} config.json holds it there")
+        raise UserError(
+            f"{where}: model_type {model_type} wraps a language model, but text_config is "
+            f"{'missing' if text is None else 'not an object'}; a {model_type} config.json holds it there"
+        )
     if FAMILIES.get(text.get("model_type", "deepseek_v3")) != "deepseek_v3":
         raise UserError(f"{where}: text_config.model_type {text.get('model_type')!r}: {model_type} wraps a DeepSeek-V3 language model")
     return text
@@ -114,13 +116,17 @@ def _fp8(qc: dict, key: str, where: Path) -> Quantization:
     }
     bad = [f"{key}.{k} {qc.get(k)!r}" for k, is_bad in refused.items() if is_bad]
     if bad:
-        raise UserError(f"{where}: not supported for fp8 checkpoints: {', '.join(bad)} (supported: e4m3 weights, fp32 block scales, dynamic activations)")
+        raise UserError(
+            f"{where}: not supported for fp8 checkpoints: {', '.join(bad)} (supported: e4m3 weights, fp32 block scales, dynamic activations)"
+        )
     return Quantization("fp8", block=(block[0], block[1]))
 
 
 def _int4(qc: dict, key: str, where: Path) -> Quantization:
     if qc.get("format") != "pack-quantized":
-        raise UserError(f"{where}: {key}.format {qc.get('format')!r} is not supported; compressed-tensors checkpoints in pack-quantized only")
+        raise UserError(
+            f"{where}: {key}.format {qc.get('format')!r} is not supported; compressed-tensors checkpoints in pack-quantized only"
+        )
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise UserError(f"{where}: {key}.config_groups: expected the quantization scheme(s), got {groups!r}")
@@ -168,7 +174,8 @@ def model_section_from_hf(hf_dir: str | Path, dtype: str = "float32", unbuilt: l
         "attention_bias": bool(cfg.get("attention_bias", False)),
         "mlp_bias": bool(cfg.get("mlp_bias", False)),
         "hidden_act": cfg.get("hidden_act", "silu") != "silu",
-        f"{type_key} {rope_type!r} (default, and yarn for deepseek_v3)": rope_type not in ("default", "yarn") or (rope_type == "yarn" and family != "deepseek_v3"),
+        f"{type_key} {rope_type!r} (default, and yarn for deepseek_v3)": rope_type not in ("default", "yarn")
+        or (rope_type == "yarn" and family != "deepseek_v3"),
         "use_sliding_window": bool(cfg.get("use_sliding_window", False)),
         "decoder_sparse_step": cfg.get("decoder_sparse_step", 1) != 1,
         "mlp_only_layers": bool(cfg.get("mlp_only_layers")),
@@ -289,8 +296,16 @@ def _model_fields(cfg: dict, family: str, rope: dict, hf_dir, dtype: str) -> dic
 
 
 DEEPSEEK_V3_REQUIRED = (
-    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "kv_lora_rank",
-    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "intermediate_size",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_shared_experts",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "first_k_dense_replace",
+    "intermediate_size",
 )
 
 
@@ -319,4 +334,3 @@ def check_matches_checkpoint(m: ModelSection, hf_dir: str | Path) -> None:
 
 def _shown(value: object) -> str:
     return repr(value.model_dump()) if hasattr(value, "model_dump") else repr(value)
-

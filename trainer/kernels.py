@@ -163,11 +163,22 @@ def sdp_attention():
         refuses packed sequences and context parallelism.
         """
 
-        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None,
-                     cp_comm_type=None, pg_collection=None, k_channels: int | None = None, v_channels: int | None = None):
+        def __init__(
+            self,
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout=None,
+            softmax_scale=None,
+            cp_comm_type=None,
+            pg_collection=None,
+            k_channels: int | None = None,
+            v_channels: int | None = None,
+        ):
             super().__init__(config=config)
             self.attn_mask_type = attn_mask_type
-            self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+            self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
             self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
             pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups(required_pgs=["cp"])
             self.cp_group = pg_collection.cp
@@ -208,11 +219,15 @@ def sdp_attention():
                 width = v.shape[-1]
                 if width < q.shape[-1]:
                     v = F.pad(v, (0, q.shape[-1] - width))
-                out = torch.cat([
-                    F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                                                   scale=self.softmax_scale, dropout_p=dropout)
-                    for a, b in zip(bounds, bounds[1:])
-                ], dim=2)[..., :width]
+                out = torch.cat(
+                    [
+                        F.scaled_dot_product_attention(
+                            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=self.softmax_scale, dropout_p=dropout
+                        )
+                        for a, b in zip(bounds, bounds[1:])
+                    ],
+                    dim=2,
+                )[..., :width]
             out = out.permute(2, 0, 1, 3)  # [s, b, heads, dv]
             return out.reshape(out.shape[0], -1) if packed else out.reshape(out.shape[0], out.shape[1], -1)
 

@@ -68,12 +68,18 @@ def layout_for(model, lengths: list[int], packed: bool) -> SequenceLayout:
     from megatron.core import parallel_state
 
     config = model.config  # the GPTModel's, also on Megatron's DDP wrapper
-    return SequenceLayout.build(lengths, packed, cp_size=parallel_state.get_context_parallel_world_size(),
-                                cp_rank=parallel_state.get_context_parallel_rank(),
-                                multiple=config.tensor_model_parallel_size if config.sequence_parallel else 1)
+    return SequenceLayout.build(
+        lengths,
+        packed,
+        cp_size=parallel_state.get_context_parallel_world_size(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        multiple=config.tensor_model_parallel_size if config.sequence_parallel else 1,
+    )
 
 
-def forward_token_losses(model, layout: SequenceLayout, tokens: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def forward_token_losses(
+    model, layout: SequenceLayout, tokens: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """-log p(label) per model input of this rank ([rows, columns], fp32 under a temperature), at `temperature`."""
     from megatron.core import tensor_parallel
 
@@ -90,8 +96,9 @@ def forward_token_losses(model, layout: SequenceLayout, tokens: torch.Tensor, la
     return tensor_parallel.vocab_parallel_cross_entropy(logits.float() / temperature, labels)
 
 
-def sequence_logprobs(model, layout: SequenceLayout, sequences: list[np.ndarray], *, with_grad: bool = True,
-                      temperature: float = 1.0) -> torch.Tensor:
+def sequence_logprobs(
+    model, layout: SequenceLayout, sequences: list[np.ndarray], *, with_grad: bool = True, temperature: float = 1.0
+) -> torch.Tensor:
     """[B, S-1] as `token_logprobs` gives for the sequences padded to the longest (S): entry t of row b is
     log p(sequences[b][t+1] | sequences[b][:t+1]) in fp32, for t < len(b) - 1; the rest are not predictions.
 
@@ -107,7 +114,9 @@ def sequence_logprobs(model, layout: SequenceLayout, sequences: list[np.ndarray]
         return layout.padded(layout.stream(logprobs.cpu()))[:, :-1]
 
 
-def logprob_mismatch(learner: torch.Tensor, batch: MicroBatch, engine_logprobs: list[np.ndarray], loss_masks: list[np.ndarray]) -> dict[str, float]:
+def logprob_mismatch(
+    learner: torch.Tensor, batch: MicroBatch, engine_logprobs: list[np.ndarray], loss_masks: list[np.ndarray]
+) -> dict[str, float]:
     """Mean and max |learner - engine| logprob over the generated tokens (engine arrays aligned with the tokens,
     as in rollout Segments: entry t is the logprob of token t, used where loss_masks[b][t])."""
     diffs = []

@@ -66,8 +66,21 @@ def check_midtrain_recipe(recipe: Recipe) -> None:
     check_checkpoint_before_launch(recipe.model)
 
 
-RESUME_FIXED = ("data.sources", "data.tokenizer", "data.seq_length", "data.split", "data.files", "data.cleaning", "data.fim",
-                "data.tasks", "train.steps", "train.global_batch_size", "train.eval_batches", "train.seed", "optim.name")
+RESUME_FIXED = (
+    "data.sources",
+    "data.tokenizer",
+    "data.seq_length",
+    "data.split",
+    "data.files",
+    "data.cleaning",
+    "data.fim",
+    "data.tasks",
+    "train.steps",
+    "train.global_batch_size",
+    "train.eval_batches",
+    "train.seed",
+    "optim.name",
+)
 """What decides the sample order (Megatron's shuffle depends on the number of samples) and the evaluation set, and
 the optimizer whose state the checkpoints hold."""
 
@@ -76,8 +89,13 @@ def check_resume(run: RunDir, recipe: Recipe) -> None:
     """Refuse a resume whose recipe does not fit the run's checkpoints or would change its data order."""
     if not run.recipe_path.is_file():
         return  # RunDir.prepare reports the missing run
-    refuse_resume_changes(load_recipe(run.recipe_path), recipe, [*RESUME_FIXED, *(f"model.{key}" for key in ARCHITECTURE_FIELDS)],
-                          str(run.recipe_path), "the run's checkpoints and data order")
+    refuse_resume_changes(
+        load_recipe(run.recipe_path),
+        recipe,
+        [*RESUME_FIXED, *(f"model.{key}" for key in ARCHITECTURE_FIELDS)],
+        str(run.recipe_path),
+        "the run's checkpoints and data order",
+    )
     latest = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints).latest()
     if latest is not None:
         check_layout(latest, recipe.parallelism.layout())
@@ -123,7 +141,9 @@ class BatchSource:
         out = []
         for m in range(self.num_micro_batches):
             samples = [self.dataset[first + m * self.micro_batch + i] for i in range(self.micro_batch)]
-            batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+            batch = {
+                key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")
+            }
             out.append(self.placement(batch) if self.placement else batch)
         return out
 
@@ -217,7 +237,9 @@ def _reduce_step(loss_sum: float, tokens: float, aux: torch.Tensor, counts: torc
     return metrics
 
 
-def train_step(ddp, optimizer: TrainOptimizer, micro_batches: list[dict[str, torch.Tensor]], expert_load: ExpertLoad | None) -> dict[str, float]:
+def train_step(
+    ddp, optimizer: TrainOptimizer, micro_batches: list[dict[str, torch.Tensor]], expert_load: ExpertLoad | None
+) -> dict[str, float]:
     """One optimizer step on this rank's micro-batches (collective); the loss is the global batch's token mean.
 
     Gradients accumulate over the micro-batches; Megatron's DDP averages them over data parallelism. Megatron's
@@ -296,7 +318,11 @@ def prepare_batches(recipe: Recipe, run: RunDir) -> MidtrainData:
     prepared = PreparedData.read(run.root)
     num_samples = (train.steps * train.global_batch_size, train.eval_batches * train.global_batch_size, 0)
     datasets = build_gpt_datasets(
-        prepared, seq_length=data.seq_length, split=data.split, seed=train.seed, num_samples=num_samples,
+        prepared,
+        seq_length=data.seq_length,
+        split=data.split,
+        seed=train.seed,
+        num_samples=num_samples,
         index_cache_dir=run.root / "dataset-index",
     )
     if datasets.valid is None:
@@ -305,8 +331,13 @@ def prepare_batches(recipe: Recipe, run: RunDir) -> MidtrainData:
     placement = None
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:  # the pipeline schedule takes the sample rows
         p = recipe.parallelism
-        placement = BatchPlacement(data.attention, prepared.tokenizer.eod, parallel_state.get_context_parallel_world_size(),
-                                   parallel_state.get_context_parallel_rank(), p.tp if p.sequence_parallel else 1)
+        placement = BatchPlacement(
+            data.attention,
+            prepared.tokenizer.eod,
+            parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_context_parallel_rank(),
+            p.tp if p.sequence_parallel else 1,
+        )
     batch = (train.global_batch_size, train.micro_batch_size, dp_rank, dp_size, placement)
     return MidtrainData(BatchSource(datasets.train, *batch), BatchSource(datasets.valid, *batch), prepared.tokenizer.directory)
 
@@ -406,8 +437,11 @@ class MidtrainProgress:
                 self.console.print(f"step {step}: eval loss {fields['eval_loss']:.4f}", highlight=False)
         elif step > self.clock.start_step and self.clock.plain_due(step, now_anyway=evaluated):
             f = self.fields
-            self.console.print(f"midtrain step {step}/{self.total}  loss {f['loss']:.4f}  eval {f['eval_loss']:.4f}  "
-                               f"{f['tokens_per_s']:.0f} tok/s  eta {self.clock.eta_text(step)}", highlight=False)
+            self.console.print(
+                f"midtrain step {step}/{self.total}  loss {f['loss']:.4f}  eval {f['eval_loss']:.4f}  "
+                f"{f['tokens_per_s']:.0f} tok/s  eta {self.clock.eta_text(step)}",
+                highlight=False,
+            )
 
 
 # --- entry points ------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ from composer.trainer.kernels import KernelChoice, grouped_gemm_experts, local_a
 from composer.trainer.qk_clip import ALPHA as QK_CLIP_ALPHA
 
 
-def hf_config_from_model_section(m: ModelSection, dtype: torch.dtype, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
+def hf_config_from_model_section(
+    m: ModelSection, dtype: torch.dtype, bos_token_id: int | None = None, eos_token_id: int | None = None
+) -> dict:
     """config.json content for `m`, as transformers itself writes it (vLLM and AutoModel read it)."""
     from transformers import AutoConfig
 
@@ -118,8 +120,15 @@ def _deepseek_v3_config(m: ModelSection) -> dict:
     rope = dict(rope_type="rope", rotary_scaling_factor=1.0, mscale_all_dim=0.0)
     if m.yarn is not None:
         # Megatron's MLA YaRN: the same frequency blend, cos/sin factor and softmax scale (mscale_all_dim squared) as HF
-        rope = dict(rope_type="yarn", rotary_scaling_factor=m.yarn.factor, original_max_position_embeddings=m.yarn.original_max_position_embeddings,
-                    beta_fast=m.yarn.beta_fast, beta_slow=m.yarn.beta_slow, mscale=m.yarn.mscale, mscale_all_dim=m.yarn.mscale_all_dim)
+        rope = dict(
+            rope_type="yarn",
+            rotary_scaling_factor=m.yarn.factor,
+            original_max_position_embeddings=m.yarn.original_max_position_embeddings,
+            beta_fast=m.yarn.beta_fast,
+            beta_slow=m.yarn.beta_slow,
+            mscale=m.yarn.mscale,
+            mscale_all_dim=m.yarn.mscale_all_dim,
+        )
     return dict(
         q_lora_rank=m.q_lora_rank,
         kv_lora_rank=m.kv_lora_rank,

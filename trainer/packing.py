@@ -145,8 +145,15 @@ class SequenceLayout:
         if torch.cuda.is_available():
             bounds = bounds.cuda()
         longest = max(self.spans)
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
-                               cu_seqlens_kv_padded=bounds, max_seqlen_q=longest, max_seqlen_kv=longest)
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=bounds,
+            cu_seqlens_kv=bounds,
+            cu_seqlens_q_padded=bounds,
+            cu_seqlens_kv_padded=bounds,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
 
 
 def context_parallel_layout(spans: list[int], cp_size: int, packed: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:

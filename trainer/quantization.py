@@ -76,8 +76,9 @@ INT4_FIT = (-8.5, 7.5)
 """The same for INT4 codes -8..7."""
 
 
-def _scales(low: torch.Tensor, high: torch.Tensor, args, published: torch.Tensor | None, fit: tuple[float, float],
-            dtype: torch.dtype) -> torch.Tensor:
+def _scales(
+    low: torch.Tensor, high: torch.Tensor, args, published: torch.Tensor | None, fit: tuple[float, float], dtype: torch.dtype
+) -> torch.Tensor:
     """Fresh min-max scales in `dtype`, except where the published scale still fits (see the module docstring)."""
     from compressed_tensors.quantization.utils import calculate_qparams
 
@@ -91,7 +92,9 @@ def _scales(low: torch.Tensor, high: torch.Tensor, args, published: torch.Tensor
     return torch.where(fits, published.to(dtype), fresh)
 
 
-def fp8_quantize(w: torch.Tensor, block: tuple[int, int], published_scale_inv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize(
+    w: torch.Tensor, block: tuple[int, int], published_scale_inv: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, fp32 weight_scale_inv) of a 2-D weight."""
     from compressed_tensors.quantization.lifecycle.forward import quantize
 
@@ -102,8 +105,13 @@ def fp8_quantize(w: torch.Tensor, block: tuple[int, int], published_scale_inv: t
     return quantize(w, scale, None, args=_fp8_args(block), dtype=FP8_DTYPE), scale
 
 
-def int4_quantize(w: torch.Tensor, group_size: int, published_scale: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.bfloat16,
-                  shape_dtype: torch.dtype = torch.int32) -> dict[str, torch.Tensor]:
+def int4_quantize(
+    w: torch.Tensor,
+    group_size: int,
+    published_scale: torch.Tensor | None = None,
+    scale_dtype: torch.dtype = torch.bfloat16,
+    shape_dtype: torch.dtype = torch.int32,
+) -> dict[str, torch.Tensor]:
     """{weight_packed, weight_scale, weight_shape} of a 2-D weight whose columns group_size divides."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization.lifecycle.forward import quantize

@@ -48,8 +48,16 @@ class RLLearner:
     the untempered distribution, so the learner scores at 1.
     """
 
-    def __init__(self, model: ModelSection, parallelism: ParallelismSection, optim: OptimSection, train: TrainSection,
-                 rl: RLSection, checkpoints: Path, temperature: float = 1.0):
+    def __init__(
+        self,
+        model: ModelSection,
+        parallelism: ParallelismSection,
+        optim: OptimSection,
+        train: TrainSection,
+        rl: RLSection,
+        checkpoints: Path,
+        temperature: float = 1.0,
+    ):
         self.rl, self.parallelism, self.micro_batch_size = rl, parallelism, train.micro_batch_size
         self.temperature = temperature if temperature > 0 else 1.0
         self.core = TrainerCore(model, parallelism, optim, train, checkpoints)
@@ -57,7 +65,9 @@ class RLLearner:
         # before any step or resume: the reference is the starting policy, the same on every resume
         self.reference = self.core.frozen_copy() if rl.kl_coeff > 0 else None
 
-    def _reference_logprobs(self, layout: SequenceLayout, tokens: list[np.ndarray], replay: list[torch.Tensor] | None) -> torch.Tensor | None:
+    def _reference_logprobs(
+        self, layout: SequenceLayout, tokens: list[np.ndarray], replay: list[torch.Tensor] | None
+    ) -> torch.Tensor | None:
         if self.reference is None:
             return None
         # The reference replays the engine's routes too: the KL compares the two policies on the same experts.
@@ -117,8 +127,13 @@ class RLLearner:
             loss_sum += float(loss.detach())
         update = self.core.optimizer.step()
         totals = _all_reduce_stats(stats, loss_sum)
-        return {**totals, **update, **disagreement, "learner_seconds": time.monotonic() - started,
-                "trained_tokens_per_s": totals["trained_tokens"] / max(time.monotonic() - started, 1e-9)}
+        return {
+            **totals,
+            **update,
+            **disagreement,
+            "learner_seconds": time.monotonic() - started,
+            "trained_tokens_per_s": totals["trained_tokens"] / max(time.monotonic() - started, 1e-9),
+        }
 
 
 def sequence_normalisers(sequences: list[LearnerSequence], aggregation: str) -> list[float]:

@@ -60,8 +60,18 @@ class PolicyLossStats:
     fresh_abs_logprob_diff: float = 0.0
     fresh_ratio: float = 0.0
 
-    SUMMED = ("tokens", "abs_logprob_diff", "ratio", "clipped", "masked", "kl", "neg_logprob", "fresh_tokens",
-              "fresh_abs_logprob_diff", "fresh_ratio")
+    SUMMED = (
+        "tokens",
+        "abs_logprob_diff",
+        "ratio",
+        "clipped",
+        "masked",
+        "kl",
+        "neg_logprob",
+        "fresh_tokens",
+        "fresh_abs_logprob_diff",
+        "fresh_ratio",
+    )
 
     def add(self, other: PolicyLossStats) -> None:
         for name in self.SUMMED:

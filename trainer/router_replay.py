@@ -45,11 +45,7 @@ def unwrap(model):
 
 def moe_routers(model) -> list[tuple[int, torch.nn.Module]]:
     """(global 0-based layer index, router) for each MoE layer this rank holds, in layer order."""
-    return [
-        (layer.layer_number - 1, layer.mlp.router)
-        for layer in unwrap(model).decoder.layers
-        if hasattr(layer.mlp, "router")
-    ]
+    return [(layer.layer_number - 1, layer.mlp.router) for layer in unwrap(model).decoder.layers if hasattr(layer.mlp, "router")]
 
 
 def check_replay_supported(config) -> None:
@@ -160,7 +156,9 @@ def routing(model, replay: list[torch.Tensor] | None = None) -> Iterator[UsedRou
             # each rank's routers see its sequence shard under sequence parallelism
             rows = batch * seq // (config.tensor_model_parallel_size if config.sequence_parallel else 1)
             if any(t.shape[0] != rows for t in replay):
-                raise ReplayLayoutError(f"replay tensors of {[t.shape[0] for t in replay]} rows for a micro-batch of {rows} router tokens ({batch} x {seq})")
+                raise ReplayLayoutError(
+                    f"replay tensors of {[t.shape[0] for t in replay]} rows for a micro-batch of {rows} router tokens ({batch} x {seq})"
+                )
         for i, (_, router) in enumerate(routers):
             if replay is None:
                 router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
@@ -240,7 +238,9 @@ def replay_for_micro_batch(model, mode: str, routes: list[np.ndarray] | None, la
     if mode != "r3":
         raise UserError(f"rl.router_replay={mode!r}: expected `r3` or `off`")
     if routes is None or any(r is None for r in routes):
-        raise UserError("rl.router_replay=r3 but the trajectories carry no routed experts; enable them on the rollout engine or set rl.router_replay: off")
+        raise UserError(
+            "rl.router_replay=r3 but the trajectories carry no routed experts; enable them on the rollout engine or set rl.router_replay: off"
+        )
     from megatron.core import parallel_state
 
     config = unwrap(model).config
@@ -274,7 +274,9 @@ def routing_disagreement(used: torch.Tensor, layers: list[int], routes: list[np.
     return {layer: float(d) / max(tokens, 1) for layer, d in zip(layers, differ)}
 
 
-def replay_metrics(model, batch, routes: list[np.ndarray], engine_logprobs: list[np.ndarray], loss_masks: list[np.ndarray]) -> dict[str, float]:
+def replay_metrics(
+    model, batch, routes: list[np.ndarray], engine_logprobs: list[np.ndarray], loss_masks: list[np.ndarray]
+) -> dict[str, float]:
     """Train/inference mismatch on one micro-batch (`trainer.logprobs.MicroBatch`), with and without replay.
 
     Two no-grad forwards: free routing and replay of the engine's `routes`. Gives, per local MoE layer, the

@@ -20,10 +20,10 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
@@ -36,8 +36,14 @@ from composer.trainer.model import hf_config_from_model_section
 from composer.trainer.quantization import fp8_dequantize, fp8_quantize, int4_dequantize, int4_parts_shapes, int4_quantize
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "tokenizer.model", "chat_template.jinja", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
 )
 SHARD_BYTES = 2 * 2**30
 
@@ -142,14 +148,21 @@ _MLA_Q = (Rule(f"{_ML}.self_attention.linear_q_proj.weight", (f"{_L}.self_attn.q
 _BIAS_AND_SHARED_EXPERTS = (
     # a buffer in both: Megatron updates it aux-loss-free from the expert load, HF adds it to the scores for top-k
     Rule(f"{_ML}.mlp.router.expert_bias", (f"{_L}.mlp.gate.e_score_correction_bias",), layers="moe"),
-    Rule(f"{_ML}.mlp.shared_experts.linear_fc1.weight", (f"{_L}.mlp.shared_experts.gate_proj.weight", f"{_L}.mlp.shared_experts.up_proj.weight"), GLU, layers="moe"),
+    Rule(
+        f"{_ML}.mlp.shared_experts.linear_fc1.weight",
+        (f"{_L}.mlp.shared_experts.gate_proj.weight", f"{_L}.mlp.shared_experts.up_proj.weight"),
+        GLU,
+        layers="moe",
+    ),
     Rule(f"{_ML}.mlp.shared_experts.linear_fc2.weight", (f"{_L}.mlp.shared_experts.down_proj.weight",), layers="moe"),
 )
 FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
-    "qwen3_moe": _COMMON + (
+    "qwen3_moe": _COMMON
+    + (
         Rule(f"{_ML}.self_attention.q_layernorm.weight", (f"{_L}.self_attn.q_norm.weight",)),
         Rule(f"{_ML}.self_attention.k_layernorm.weight", (f"{_L}.self_attn.k_norm.weight",)),
-    ) + _EXPERTS,
+    )
+    + _EXPERTS,
     "llama": _COMMON + _DENSE_MLP,
     "deepseek_v3": _ATTENTION_OUT + _MLA + _DENSE_MLP + _EXPERTS + _BIAS_AND_SHARED_EXPERTS,
 }
@@ -210,7 +223,7 @@ def plan_params(model, m: ModelSection) -> Iterator[tuple[torch.nn.Parameter, Pa
     # persistent per-expert buffers (the router's expert bias) are weights of the checkpoint too
     buffers = ((name, b) for name, b in model.named_buffers() if name.endswith(".router.expert_bias"))
     for name, param in itertools.chain(model.named_parameters(), buffers):
-        for rule, regex in rules:
+        for rule, regex in rules:  # noqa: B007 (the matching rule is used after the loop)
             match = regex.match(name)
             if match:
                 break
@@ -267,8 +280,14 @@ def check_checkpoint_before_launch(m: ModelSection) -> None:
         check_checkpoint(m, m.checkpoint)
 
 
-SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
-                      "I32": torch.int32, "I64": torch.int64}
+SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
 
 
 class ShardReader:
@@ -312,8 +331,10 @@ class ShardReader:
             return fp8_dequantize(t["weight"], t["weight_scale_inv"], q.block)
         shape = tuple(t["weight_shape"].tolist())
         if int4_parts_shapes(shape, q.group_size) != {part: tuple(t[part].shape) for part in INT4_PARTS}:
-            raise UserError(f"{self.layout.root}: {parts['weight_shape']} = {list(shape)} does not match its codes {list(t['weight_packed'].shape)} "
-                            f"and scales {list(t['weight_scale'].shape)} (groups of {q.group_size})")
+            raise UserError(
+                f"{self.layout.root}: {parts['weight_shape']} = {list(shape)} does not match its codes {list(t['weight_packed'].shape)} "
+                f"and scales {list(t['weight_scale'].shape)} (groups of {q.group_size})"
+            )
         return int4_dequantize(t["weight_packed"], t["weight_scale"], t["weight_shape"], q.group_size)
 
     def files_of(self, names: tuple[str, ...]) -> list[str]:
@@ -332,7 +353,9 @@ def load_hf_into(model, m: ModelSection, hf_dir: str | Path) -> None:
             full = plan.rule.transform.to_megatron([reader.weight(n) for n in plan.hf_names], m, size)
             shard = full.chunk(size, dim=param.partition_dim)[rank] if size > 1 else full
             if shard.shape != param.shape:
-                raise UserError(f"{hf_dir}: {', '.join(plan.hf_names)} has shape {tuple(full.shape)}, which does not fit the model config (Megatron shard {tuple(param.shape)})")
+                raise UserError(
+                    f"{hf_dir}: {', '.join(plan.hf_names)} has shape {tuple(full.shape)}, which does not fit the model config (Megatron shard {tuple(param.shape)})"
+                )
             param.copy_(shard)
 
 
@@ -447,12 +470,34 @@ QUANTIZED_BY_DEFAULT = {
 DEFAULT_QUANTIZATION_CONFIG = {
     "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
     "int4": {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None, "weights": {
-            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False, "actorder": None}}},
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": None,
+                "output_activations": None,
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 32,
+                    "dynamic": False,
+                    "actorder": None,
+                },
+            }
+        },
         # Kimi-K2.6's list: everything but the routed experts stays dense
-        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
-                   "re:vision_tower.*", "re:mm_projector.*"],
+        "ignore": [
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+            "re:.*lm_head.*",
+            "re:vision_tower.*",
+            "re:mm_projector.*",
+        ],
     },
 }
 
@@ -502,8 +547,15 @@ class _Encoder:
 
 
 @torch.no_grad()
-def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | Path | None = None, max_shard_bytes: int = SHARD_BYTES,
-              dtype: torch.dtype | None = None, quantize: str | None = None) -> None:
+def export_hf(
+    model,
+    m: ModelSection,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+    quantize: str | None = None,
+) -> None:
     """Write `model` as an HF checkpoint at `out_dir`: per-expert names, shard by shard; the source checkpoint's
     (model.checkpoint) config.json, wrapper prefix, other files and carried tensors (MTP layers, vision tower),
     or composer's own config without one. Tensors in `dtype` when given (the RL policy in its engines' dtype), else
@@ -525,8 +577,9 @@ def export_hf(model, m: ModelSection, out_dir: str | Path, tokenizer_dir: str | 
 
 
 @torch.no_grad()
-def convert_hf(m: ModelSection, out_dir: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None,
-               max_shard_bytes: int = SHARD_BYTES) -> Path:
+def convert_hf(
+    m: ModelSection, out_dir: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None, max_shard_bytes: int = SHARD_BYTES
+) -> Path:
     """model.checkpoint rewritten as `export_hf` would write a model loaded from it, without building one (the RL
     starting policy in its engines' format), shard by shard."""
     out = Path(out_dir)
@@ -539,8 +592,16 @@ def convert_hf(m: ModelSection, out_dir: str | Path, dtype: torch.dtype | None =
     return out
 
 
-def _write_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]], m: ModelSection, out: Path, writing: bool, tokenizer_dir,
-                      max_shard_bytes: int, dtype: torch.dtype | None, quantize: str | None) -> None:
+def _write_checkpoint(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    m: ModelSection,
+    out: Path,
+    writing: bool,
+    tokenizer_dir,
+    max_shard_bytes: int,
+    dtype: torch.dtype | None,
+    quantize: str | None,
+) -> None:
     """Consume `tensors` (HF name, full tensor); when `writing`, write them as an HF checkpoint at `out`,
     atomically (a temporary directory renamed into place)."""
     source = CheckpointLayout.of(m.checkpoint) if m.checkpoint else None
@@ -573,8 +634,9 @@ def _write_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]], m: ModelSecti
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.safetensors\.index\.json$|config\.json$")
 
 
-def _write_config_and_files(directory: Path, m: ModelSection, dtype: torch.dtype, quantize: str | None, source: CheckpointLayout | None,
-                            tokenizer_dir) -> None:
+def _write_config_and_files(
+    directory: Path, m: ModelSection, dtype: torch.dtype, quantize: str | None, source: CheckpointLayout | None, tokenizer_dir
+) -> None:
     """config.json (the source's, describing what was written, or composer's own) and the other files: the source
     checkpoint's (tokenizer, chat template, remote code), then `tokenizer_dir`'s tokenizer files over them."""
     if source is not None:

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from composer.recipes.errors import UserError
 from composer.recipes.env_schema import EnvSection
+from composer.recipes.errors import UserError
 from composer.recipes.schema import SSHSection
 from composer.rollout.sandbox.graders import case_tests, guarded_reward
 from composer.rollout.sandbox.hosts import SandboxFleet
@@ -29,8 +29,10 @@ from composer.rollout.tasks.workspace import Workspace, is_full, mount_capped, u
 log = logging.getLogger("composer.env")
 
 SOLUTION_FILE = "solution.py"
-FUNCTION_TOOLS_NOTE = ("\n\n[Your workspace holds solution.py, which starts as the code above. Make `{entry_point}` in "
-                       "solution.py correct with the tools; the hidden tests call it once you finish.]\n")
+FUNCTION_TOOLS_NOTE = (
+    "\n\n[Your workspace holds solution.py, which starts as the code above. Make `{entry_point}` in "
+    "solution.py correct with the tools; the hidden tests call it once you finish.]\n"
+)
 
 
 class CodingEnvironment:
@@ -39,8 +41,9 @@ class CodingEnvironment:
     earns, and a canary that scores raises the alarm."""
 
     def __init__(self, config: EnvSection, seed: int, sandbox_root: Path | None = None, ssh: SSHSection | None = None):
-        self.sandbox = SandboxFleet(config.sandbox, ssh or SSHSection(), root=sandbox_root,
-                                    weights={t.name: t.weight for t in config.tasks})
+        self.sandbox = SandboxFleet(
+            config.sandbox, ssh or SSHSection(), root=sandbox_root, weights={t.name: t.weight for t in config.tasks}
+        )
         try:
             self.pool = TaskPool(config.tasks, self.sandbox, seed, canaries=config.canaries)
         except BaseException:
@@ -57,13 +60,21 @@ class CodingEnvironment:
 
     def grade_program(self, task: Task, program: str) -> SandboxResult:
         if isinstance(task.tests, RepoTests):
-            raise UserError(f"{task.id}: a repository task is graded through its workspace "
-                            "(rollout.tasks.repository.task_set.open_workspace), not as one program")
+            raise UserError(
+                f"{task.id}: a repository task is graded through its workspace "
+                "(rollout.tasks.repository.task_set.open_workspace), not as one program"
+            )
         result = self.sandbox.run(program, task.tests, "all_or_nothing" if task.canary else self.reward, task_set=task.family)
         flags = result.flags
         if task.canary and result.reward > 0:
-            log.warning("cheating alarm: canary %s scored %.2f (%d/%d); flags %s", task.id, result.reward,
-                        result.passed, result.total, ", ".join(flags) or "none")
+            log.warning(
+                "cheating alarm: canary %s scored %.2f (%d/%d); flags %s",
+                task.id,
+                result.reward,
+                result.passed,
+                result.total,
+                ", ".join(flags) or "none",
+            )
             flags = tuple(sorted({*flags, "canary_passed"}))
         return self._guarded(dataclasses.replace(result, flags=flags))
 
@@ -125,8 +136,9 @@ class FunctionWorkspace(Workspace):
         """The hidden tests' verdict on solution.py: how many pass and the first failure's reason, never the tests."""
         result = self.grade()
         lines = [f"{result.passed}/{result.total} tests passed ({result.status})."] + ([result.detail[:400]] if result.detail else [])
-        return CommandResult(0 if result.reward == 1.0 else 1, result.status, "\n".join(lines), result.wall_seconds,
-                             infra_failure=result.infra_failure)
+        return CommandResult(
+            0 if result.reward == 1.0 else 1, result.status, "\n".join(lines), result.wall_seconds, infra_failure=result.infra_failure
+        )
 
     def grade(self) -> SandboxResult:
         try:
@@ -158,8 +170,9 @@ class ReferenceReport:
     """Tasks with cases judged by their own test statements (in the grader), and the first reason."""
 
 
-def check_references(env: CodingEnvironment, max_tasks: int | None, workers: int,
-                     on_task: Callable[[str], None] = lambda task_set: None) -> list[ReferenceReport]:
+def check_references(
+    env: CodingEnvironment, max_tasks: int | None, workers: int, on_task: Callable[[str], None] = lambda task_set: None
+) -> list[ReferenceReport]:
     """Run every task set's reference solutions (its first `max_tasks` tasks, all when None) in the sandbox."""
     reports = []
     with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -32,48 +32,108 @@ MAX_CALLS_PER_REPLY = 8
 MAX_READ_LINES = 400
 MAX_SEARCH_MATCHES = 50
 
-SYSTEM_PROMPT = ("You are a coding agent working in a workspace directory. Use the tools to read, search and change "
-                 "files, run commands and run the tests; call finish when the task is done.")
+SYSTEM_PROMPT = (
+    "You are a coding agent working in a workspace directory. Use the tools to read, search and change "
+    "files, run commands and run the tests; call finish when the task is done."
+)
 
 TOOL_SCHEMAS: list[dict] = [
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a text file of the workspace, with line numbers (at most 400 lines per call).",
-        "parameters": {"type": "object", "properties": {
-            "path": {"type": "string", "description": "path relative to the workspace"},
-            "start_line": {"type": "integer", "description": "first line to show (1-based; default 1)"},
-            "end_line": {"type": "integer", "description": "last line to show (inclusive; default: the end)"},
-        }, "required": ["path"]}}},
-    {"type": "function", "function": {
-        "name": "search", "description": "Search the workspace's files for a regular expression (grep -E); shows at most 50 matching lines.",
-        "parameters": {"type": "object", "properties": {
-            "pattern": {"type": "string", "description": "extended regular expression"},
-            "path": {"type": "string", "description": "file or directory to search, relative to the workspace (default: all)"},
-        }, "required": ["pattern"]}}},
-    {"type": "function", "function": {
-        "name": "edit", "description": "Replace the exact text old_string, which must occur exactly once in the file, by new_string.",
-        "parameters": {"type": "object", "properties": {
-            "path": {"type": "string", "description": "path relative to the workspace"},
-            "old_string": {"type": "string", "description": "text to replace, exactly as in the file (no line numbers)"},
-            "new_string": {"type": "string", "description": "replacement text"},
-        }, "required": ["path", "old_string", "new_string"]}}},
-    {"type": "function", "function": {
-        "name": "write_file", "description": "Create or overwrite a file with the given content.",
-        "parameters": {"type": "object", "properties": {
-            "path": {"type": "string", "description": "path relative to the workspace"},
-            "content": {"type": "string", "description": "the whole new content of the file"},
-        }, "required": ["path", "content"]}}},
-    {"type": "function", "function": {
-        "name": "shell", "description": "Run a bash command in the workspace directory (sandboxed, no network) and show its exit code and output.",
-        "parameters": {"type": "object", "properties": {
-            "command": {"type": "string", "description": "the bash command"},
-            "timeout": {"type": "integer", "description": "seconds before it is killed (default and most: the sandbox's wall-clock limit)"},
-        }, "required": ["command"]}}},
-    {"type": "function", "function": {
-        "name": "run_tests", "description": "Run the task's tests on the workspace and show the results.",
-        "parameters": {"type": "object", "properties": {}, "required": []}}},
-    {"type": "function", "function": {
-        "name": "finish", "description": "End the episode: the workspace as it is now is graded.",
-        "parameters": {"type": "object", "properties": {}, "required": []}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a text file of the workspace, with line numbers (at most 400 lines per call).",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "description": "path relative to the workspace"},
+                    "start_line": {"type": "integer", "description": "first line to show (1-based; default 1)"},
+                    "end_line": {"type": "integer", "description": "last line to show (inclusive; default: the end)"},
+                },
+                "required": ["path"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the workspace's files for a regular expression (grep -E); shows at most 50 matching lines.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "pattern": {"type": "string", "description": "extended regular expression"},
+                    "path": {"type": "string", "description": "file or directory to search, relative to the workspace (default: all)"},
+                },
+                "required": ["pattern"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "edit",
+            "description": "Replace the exact text old_string, which must occur exactly once in the file, by new_string.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "description": "path relative to the workspace"},
+                    "old_string": {"type": "string", "description": "text to replace, exactly as in the file (no line numbers)"},
+                    "new_string": {"type": "string", "description": "replacement text"},
+                },
+                "required": ["path", "old_string", "new_string"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Create or overwrite a file with the given content.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "description": "path relative to the workspace"},
+                    "content": {"type": "string", "description": "the whole new content of the file"},
+                },
+                "required": ["path", "content"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "shell",
+            "description": "Run a bash command in the workspace directory (sandboxed, no network) and show its exit code and output.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "command": {"type": "string", "description": "the bash command"},
+                    "timeout": {
+                        "type": "integer",
+                        "description": "seconds before it is killed (default and most: the sandbox's wall-clock limit)",
+                    },
+                },
+                "required": ["command"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the task's tests on the workspace and show the results.",
+            "parameters": {"type": "object", "properties": {}, "required": []},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "finish",
+            "description": "End the episode: the workspace as it is now is graded.",
+            "parameters": {"type": "object", "properties": {}, "required": []},
+        },
+    },
 ]
 TOOL_NAMES = tuple(t["function"]["name"] for t in TOOL_SCHEMAS)
 _SCHEMA = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
@@ -82,7 +142,7 @@ _JSON_TYPES = {"string": (str,), "integer": (int,), "boolean": (bool,)}
 
 def plain_tool_guide() -> str:
     """The tools and the call format, for a template that cannot render `tools=` (or no template)."""
-    lines = ["Tools (call one or more per reply, each as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>):"]
+    lines = ['Tools (call one or more per reply, each as <tool_call>{"name": NAME, "arguments": {...}}</tool_call>):']
     for tool in TOOL_SCHEMAS:
         f = tool["function"]
         props, required = f["parameters"]["properties"], f["parameters"]["required"]
@@ -127,8 +187,10 @@ def _parse_call(body: str, number: int) -> ToolCall | CallError:
     try:
         call = json.loads(body)
     except json.JSONDecodeError as e:
-        return CallError(f"{where}: malformed JSON ({e.msg} at character {e.pos}); write "
-                         '{"name": TOOL, "arguments": {...}} between <tool_call> and </tool_call>')
+        return CallError(
+            f"{where}: malformed JSON ({e.msg} at character {e.pos}); write "
+            '{"name": TOOL, "arguments": {...}} between <tool_call> and </tool_call>'
+        )
     except RecursionError:
         return CallError(f"{where}: JSON nested too deeply")
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -138,7 +200,7 @@ def _parse_call(body: str, number: int) -> ToolCall | CallError:
         return CallError(f"{where}: unknown tool {name!r}; the tools are {', '.join(TOOL_NAMES)}")
     extra_keys = sorted(set(call) - {"name", "arguments"})
     if extra_keys:
-        return CallError(f"{where} ({name}): unexpected keys {extra_keys}; put the tool's arguments under \"arguments\"")
+        return CallError(f'{where} ({name}): unexpected keys {extra_keys}; put the tool\'s arguments under "arguments"')
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string (OpenAI's wire format)
         try:
@@ -146,7 +208,7 @@ def _parse_call(body: str, number: int) -> ToolCall | CallError:
         except (json.JSONDecodeError, RecursionError) as e:
             return CallError(f"{where} ({name}): arguments are a string that is not JSON ({getattr(e, 'msg', 'nested too deeply')})")
     if not isinstance(arguments, dict):
-        return CallError(f"{where} ({name}): \"arguments\" must be a JSON object")
+        return CallError(f'{where} ({name}): "arguments" must be a JSON object')
     problem = _argument_problem(name, arguments)
     return CallError(f"{where} ({name}): {problem}") if problem else ToolCall(name, arguments)
 
@@ -214,14 +276,20 @@ class ToolBox:
         last = min(len(lines), end_line or len(lines), start_line + MAX_READ_LINES - 1)
         shown = "\n".join(f"{n:>5}  {lines[n - 1]}" for n in range(start_line, last + 1))
         header = f"{path}: lines {start_line}-{last} of {len(lines)}" if lines else f"{path}: empty"
-        rest = f"\n[lines {last + 1}-{len(lines)} not shown: read them with start_line={last + 1}]" if last < min(len(lines), end_line or len(lines)) else ""
+        rest = (
+            f"\n[lines {last + 1}-{len(lines)} not shown: read them with start_line={last + 1}]"
+            if last < min(len(lines), end_line or len(lines))
+            else ""
+        )
         return ToolOutput(f"{header}\n{shown}{rest}", more=f"read a shorter range of {path} with start_line and end_line")
 
     def _search(self, ws: Workspace, pattern: str, path: str = ".") -> ToolOutput:
         where = "/".join(workspace_relative(path)) or "."
         # Without a path grep -r searches the working directory and names files without a leading ./
-        command = (f"grep -rnIE --color=never --exclude-dir=.git --exclude-dir=__pycache__ -e {shlex.quote(pattern)} "
-                   f"{'' if where == '.' else '-- ' + shlex.quote(where)} | head -n {MAX_SEARCH_MATCHES + 1}")
+        command = (
+            f"grep -rnIE --color=never --exclude-dir=.git --exclude-dir=__pycache__ -e {shlex.quote(pattern)} "
+            f"{'' if where == '.' else '-- ' + shlex.quote(where)} | head -n {MAX_SEARCH_MATCHES + 1}"
+        )
         result = ws.shell(command, self.shell_seconds)
         lines = [line for line in result.output.splitlines() if line.strip()]
         if result.status != "ok" and not lines:
@@ -230,8 +298,7 @@ class ToolBox:
             return ToolOutput(f"no match for {pattern!r} in {where}")
         if lines[0].startswith("grep:") and len(lines) == 1:
             return ToolOutput(f"error: {lines[0]}")
-        note = (f"\n[more than {MAX_SEARCH_MATCHES} matches: narrow the pattern or the path]"
-                if len(lines) > MAX_SEARCH_MATCHES else "")
+        note = f"\n[more than {MAX_SEARCH_MATCHES} matches: narrow the pattern or the path]" if len(lines) > MAX_SEARCH_MATCHES else ""
         return ToolOutput("\n".join(lines[:MAX_SEARCH_MATCHES]) + note, more="narrow the pattern or the path")
 
     def _edit(self, ws: Workspace, path: str, old_string: str, new_string: str) -> ToolOutput:
@@ -242,13 +309,17 @@ class ToolBox:
         text = ws.read_file(path)
         count = text.count(old_string)
         if count == 0:
-            return ToolOutput(f"error: old_string does not occur in {path}; read the file and copy the text exactly "
-                              "(whitespace included, without line numbers)")
+            return ToolOutput(
+                f"error: old_string does not occur in {path}; read the file and copy the text exactly "
+                "(whitespace included, without line numbers)"
+            )
         if count > 1:
             starts = [m.start() for m in re.finditer(re.escape(old_string), text)]
             at = ", ".join(str(text.count("\n", 0, s) + 1) for s in starts[:10])
-            return ToolOutput(f"error: old_string occurs {count} times in {path} (lines {at}); include more of the "
-                              "surrounding text so that it occurs once")
+            return ToolOutput(
+                f"error: old_string occurs {count} times in {path} (lines {at}); include more of the "
+                "surrounding text so that it occurs once"
+            )
         ws.write_file(path, text.replace(old_string, new_string, 1))
         line = text.count("\n", 0, text.index(old_string)) + 1
         return ToolOutput(f"edited {path} at line {line}")
@@ -259,8 +330,10 @@ class ToolBox:
 
     def _shell(self, ws: Workspace, command: str, timeout: int | None = None) -> ToolOutput:
         seconds = self.shell_seconds if timeout is None else min(max(timeout, 1), self.shell_seconds)
-        return ToolOutput(command_text(ws.shell(command, seconds)),
-                          more="redirect the output to a file and read parts of it, or filter it (grep, head, tail)")
+        return ToolOutput(
+            command_text(ws.shell(command, seconds)),
+            more="redirect the output to a file and read parts of it, or filter it (grep, head, tail)",
+        )
 
     def _run_tests(self, ws: Workspace) -> ToolOutput:
         return ToolOutput(command_text(ws.run_tests()), more="run a subset of the tests with the shell tool")
@@ -287,7 +360,9 @@ def tokenizer_code(model_dir: str | Path) -> str | None:
         config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
-    auto = config.get("auto_map", {}).get("AutoTokenizer") if isinstance(config, dict) and isinstance(config.get("auto_map"), dict) else None
+    auto = (
+        config.get("auto_map", {}).get("AutoTokenizer") if isinstance(config, dict) and isinstance(config.get("auto_map"), dict) else None
+    )
     classes = [c for c in (auto if isinstance(auto, list) else [auto]) if isinstance(c, str)]
     return classes[0] if classes else None
 
@@ -295,8 +370,10 @@ def tokenizer_code(model_dir: str | Path) -> str | None:
 def check_tokenizer_code(model_dir: str | Path, trust_remote_code: bool) -> None:
     code = tokenizer_code(model_dir)
     if code and not trust_remote_code:
-        raise UserError(f"{model_dir}: its tokenizer is Python code it ships ({code}, named by tokenizer_config.json); "
-                        "set model.trust_remote_code: true to run it")
+        raise UserError(
+            f"{model_dir}: its tokenizer is Python code it ships ({code}, named by tokenizer_config.json); "
+            "set model.trust_remote_code: true to run it"
+        )
 
 
 class Tokenizer:
@@ -333,9 +410,9 @@ def truncate(text: str, max_tokens: int, tok: Tokenizer, more: str) -> str:
         return text
     note_room = 40  # the note's own tokens
     keep = max(max_tokens - note_room, 2)
-    head, tail = tok.decode(ids[: keep // 3]), tok.decode(ids[len(ids) - (keep - keep // 3):])
+    head, tail = tok.decode(ids[: keep // 3]), tok.decode(ids[len(ids) - (keep - keep // 3) :])
     # (a token boundary inside a multi-byte character decodes to a replacement character: lengths are approximate there)
-    cut = text[len(head): max(len(text) - len(tail), len(head))]
+    cut = text[len(head) : max(len(text) - len(tail), len(head))]
     note = f"\n[... {len(cut)} characters ({cut.count(chr(10))} lines) cut{': ' + more if more else ''} ...]\n"
     return head + note + tail
 
@@ -385,19 +462,22 @@ class ChatFormat:
         """What follows a reply: (the end of its turn that the policy did not write, `messages` (tool or user
         messages) then the opening of the next reply)."""
         if not self.chat_template:
-            parts = [f"\n<tool_response>\n{m['content']}\n</tool_response>" if m["role"] == "tool" else f"\n\n{m['content']}"
-                     for m in messages]
+            parts = [
+                f"\n<tool_response>\n{m['content']}\n</tool_response>" if m["role"] == "tool" else f"\n\n{m['content']}" for m in messages
+            ]
             return [], self.tok.encode("".join(parts) + "\n")
         if self._base is None:
             base = self._head("task") + [{"role": "assistant", "content": self._MARK}]
             before = self._render(base, generation=False)
-            self._base = (base, before, self.tok.encode(before[before.rindex(self._MARK) + len(self._MARK):]))
+            self._base = (base, before, self.tok.encode(before[before.rindex(self._MARK) + len(self._MARK) :]))
         base, before, closing = self._base
         after = self._render(base + messages, generation=True)
         if not after.startswith(before):
-            raise UserError("rollout.chat_template: the policy's chat template re-renders earlier turns when messages "
-                            "are added; the harness needs one that only appends")
-        return self._rest_of(closing, reply_ids), self.tok.encode(after[len(before):])
+            raise UserError(
+                "rollout.chat_template: the policy's chat template re-renders earlier turns when messages "
+                "are added; the harness needs one that only appends"
+            )
+        return self._rest_of(closing, reply_ids), self.tok.encode(after[len(before) :])
 
     @staticmethod
     def _rest_of(closing: list[int], reply_ids: list[int]) -> list[int]:
@@ -419,14 +499,17 @@ class TurnResult:
     errors: int
 
 
-def run_reply(reply: str, workspace: Workspace, toolbox: ToolBox, tok: Tokenizer, budget_tokens: int,
-              message_overhead: int = 0) -> TurnResult:
+def run_reply(
+    reply: str, workspace: Workspace, toolbox: ToolBox, tok: Tokenizer, budget_tokens: int, message_overhead: int = 0
+) -> TurnResult:
     """Run the tool calls of one reply in order, up to finish; their outputs as tool messages, each cut to its share of
     `budget_tokens` (less the `message_overhead` tokens the chat format adds to each)."""
     calls = parse_tool_calls(reply)
     if not calls:
-        text = ("No tool call found in your reply. Call a tool as <tool_call>{\"name\": TOOL, \"arguments\": {...}}"
-                "</tool_call>; call finish when the task is done.")
+        text = (
+            'No tool call found in your reply. Call a tool as <tool_call>{"name": TOOL, "arguments": {...}}'
+            "</tool_call>; call finish when the task is done."
+        )
         return TurnResult([{"role": "user", "content": text}], finished=False, calls=0, errors=1)
     outputs: list[tuple[str, ToolOutput]] = []
     errors = 0
@@ -442,8 +525,12 @@ def run_reply(reply: str, workspace: Workspace, toolbox: ToolBox, tok: Tokenizer
             break
     finished = any(o.finished for _, o in outputs)
     if len(calls) > MAX_CALLS_PER_REPLY and not finished:
-        outputs.append(("error", ToolOutput(f"error: only {MAX_CALLS_PER_REPLY} tool calls run per reply; "
-                                            f"{len(calls) - MAX_CALLS_PER_REPLY} were not run")))
+        outputs.append(
+            (
+                "error",
+                ToolOutput(f"error: only {MAX_CALLS_PER_REPLY} tool calls run per reply; {len(calls) - MAX_CALLS_PER_REPLY} were not run"),
+            )
+        )
     share = max(budget_tokens // len(outputs) - message_overhead, 8)
     messages = [{"role": "tool", "name": name, "content": truncate(o.text, share, tok, o.more)} for name, o in outputs]
     return TurnResult(messages, finished=finished, calls=len(calls), errors=errors)

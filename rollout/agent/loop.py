@@ -151,8 +151,16 @@ class EpisodeRunner:
     def run_group(self, task: Task, group_id: str, group_size: int, policy_version: int, seed: int) -> list[Trajectory]:
         return self.run_tasks([task], group_id, group_size, policy_version, seed)[0]
 
-    def run_tasks(self, tasks: list[Task], group_id: str, group_size: int, policy_version: int, seed: int,
-                  temperature: float | None = None, task_numbers: list[int] | None = None) -> list[list[Trajectory]]:
+    def run_tasks(
+        self,
+        tasks: list[Task],
+        group_id: str,
+        group_size: int,
+        policy_version: int,
+        seed: int,
+        temperature: float | None = None,
+        task_numbers: list[int] | None = None,
+    ) -> list[list[Trajectory]]:
         """`group_size` episodes of each task, all in lock-step (one engine call per turn); `temperature`
         overrides the recipe's (held-out evaluation samples greedily with 0). Episodes are seeded by `seed` and the
         number of their task (`task_numbers`, default 0, 1, ...: a task keeps its seeds in any batch)."""
@@ -184,7 +192,8 @@ class EpisodeRunner:
     def _play(self, episodes: list[_Episode], temperature: float | None) -> None:
         while active := [e for e in episodes if not e.done]:
             completions = self.engine.generate(
-                [e.current.tokens for e in active], seeds=[e.seed + 7919 * (e.turns + e.summaries) for e in active],
+                [e.current.tokens for e in active],
+                seeds=[e.seed + 7919 * (e.turns + e.summaries) for e in active],
                 temperature=temperature,
             )
             turns = []
@@ -205,17 +214,21 @@ class EpisodeRunner:
         reply_ids = completion.token_ids
         reply = self.tok.decode(reply_ids)
         if self.tools:
+
             def use_tools() -> _Outcome:
                 turn = run_reply(reply, e.workspace, self.toolbox, self.tok, self._observation_cap, self._message_overhead)
                 closing, body = self.chat.after_reply(reply_ids, turn.messages)
                 return _Outcome(closing, body, finished=turn.finished, calls=turn.calls, errors=turn.errors)
+
             return use_tools
 
         def grade_reply() -> _Outcome:
             write_text(e.workspace.root, SOLUTION_FILE, e.task.program(reply))
             result = self.env.grade_workspace(e.workspace)
-            return _Outcome([], self.tok.encode(OBSERVATION_HEADER + _feedback(result))[: self._observation_cap] + self._next_turn,
-                            result=result)
+            return _Outcome(
+                [], self.tok.encode(OBSERVATION_HEADER + _feedback(result))[: self._observation_cap] + self._next_turn, result=result
+            )
+
         return grade_reply
 
     def _after_turn(self, e: _Episode, outcome: _Outcome) -> None:

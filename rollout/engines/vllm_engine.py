@@ -16,10 +16,10 @@ import urllib.error
 import urllib.request
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -48,8 +48,14 @@ class Engine(ABC):
     """What the agent loop needs of an inference engine (embedded or server; `build_engines` makes them)."""
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None,
-                 temperature: float | None = None) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        seeds: list[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> list[list[Completion]]:
         """`n` sampled completions of each prompt (token ids), with their logprobs and routed experts."""
 
     @abstractmethod
@@ -121,8 +127,10 @@ def check_local_serving_format(rollout: RolloutSection) -> None:
 
     kernels = {"fp8": "block-fp8 linears", "int4": "INT4 MoE"}.get(rollout.quantize)
     if kernels and "localhost" in rollout.hosts and not torch.cuda.is_available() and not torch.cpu._is_amx_tile_supported():
-        raise UserError(f"rollout.dtype {rollout.dtype}: vLLM on this CPU runs {kernels} only with AMX tiles (Sapphire Rapids or newer), "
-                        "which it lacks; use rollout.dtype: bfloat16 here, or --replay RUN to train on recorded rollouts without engines")
+        raise UserError(
+            f"rollout.dtype {rollout.dtype}: vLLM on this CPU runs {kernels} only with AMX tiles (Sapphire Rapids or newer), "
+            "which it lacks; use rollout.dtype: bfloat16 here, or --replay RUN to train on recorded rollouts without engines"
+        )
 
 
 def cpu_attention_backend(model_dir: Path, dtype: str) -> str | None:
@@ -141,18 +149,28 @@ def cpu_attention_backend(model_dir: Path, dtype: str) -> str | None:
     return "CPU_MLA" if dtype == "float32" and config.get("text_config", config).get("kv_lora_rank") else None
 
 
-def engine_options(model_dir: str, rollout: RolloutSection, kind: str, *, seed: int, routed_experts: bool,
-                   tokenizer: bool, cpu_backend: str | None = None) -> dict[str, object]:
+def engine_options(
+    model_dir: str, rollout: RolloutSection, kind: str, *, seed: int, routed_experts: bool, tokenizer: bool, cpu_backend: str | None = None
+) -> dict[str, object]:
     """vLLM's engine arguments (EngineArgs names; `server_args` makes them flags) for an engine of `rollout` on
     `kind` devices (`gpu`, `cpu`): vLLM's defaults on GPUs but for what the recipe sets; what CPUs need, forced
     on CPUs only, each with its reason (`cpu_backend`: the attention backend `cpu_attention_backend` chose)."""
     p = rollout.parallelism
     options: dict[str, object] = {
-        "model": str(model_dir), "dtype": rollout.compute_dtype, "max_model_len": rollout.max_context,
-        "kv_cache_memory_bytes": int(rollout.kv_cache_gib * 2**30), "seed": seed, "skip_tokenizer_init": not tokenizer,
-        "enable_return_routed_experts": routed_experts, "logprobs_mode": LOGPROBS_MODE, "enable_prefix_caching": True,
-        "worker_extension_cls": WORKER_EXTENSION, "tensor_parallel_size": p.tp, "pipeline_parallel_size": p.pp,
-        "data_parallel_size": p.dp, "enable_expert_parallel": p.enable_expert_parallel,
+        "model": str(model_dir),
+        "dtype": rollout.compute_dtype,
+        "max_model_len": rollout.max_context,
+        "kv_cache_memory_bytes": int(rollout.kv_cache_gib * 2**30),
+        "seed": seed,
+        "skip_tokenizer_init": not tokenizer,
+        "enable_return_routed_experts": routed_experts,
+        "logprobs_mode": LOGPROBS_MODE,
+        "enable_prefix_caching": True,
+        "worker_extension_cls": WORKER_EXTENSION,
+        "tensor_parallel_size": p.tp,
+        "pipeline_parallel_size": p.pp,
+        "data_parallel_size": p.dp,
+        "enable_expert_parallel": p.enable_expert_parallel,
     }
     if p.tp * p.pp > 1:
         # ranks as processes: the executor vLLM runs over several hosts without Ray, and on CPU the only one
@@ -175,8 +193,9 @@ class EmbeddedEngine(Engine):
     """A vLLM engine in this process: its engine core here, and its ranks here too (one rank) or in worker
     processes of their own (tensor or pipeline parallel), bound to `placement`'s devices."""
 
-    def __init__(self, model_dir: str | Path, rollout: RolloutSection, *, seed: int, routed_experts: bool,
-                 placement: EnginePlacement | None = None):
+    def __init__(
+        self, model_dir: str | Path, rollout: RolloutSection, *, seed: int, routed_experts: bool, placement: EnginePlacement | None = None
+    ):
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise UserError(f"rollout: {model_dir} is not an HF checkpoint (no config.json)")
@@ -192,13 +211,27 @@ class EmbeddedEngine(Engine):
 
         self.routed_experts = routed_experts
         rollout = with_resolved_dtype(rollout)
-        self._llm = LLM(**engine_options(str(model_dir), rollout, placement.kind, seed=seed, routed_experts=routed_experts,
-                                         tokenizer=(model_dir / "tokenizer.json").is_file(),
-                                         cpu_backend=cpu_attention_backend(model_dir, rollout.compute_dtype) if placement.kind == "cpu" else None))
+        self._llm = LLM(
+            **engine_options(
+                str(model_dir),
+                rollout,
+                placement.kind,
+                seed=seed,
+                routed_experts=routed_experts,
+                tokenizer=(model_dir / "tokenizer.json").is_file(),
+                cpu_backend=cpu_attention_backend(model_dir, rollout.compute_dtype) if placement.kind == "cpu" else None,
+            )
+        )
         self._sampling = rollout.sampling
 
-    def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None,
-                 temperature: float | None = None) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        seeds: list[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> list[list[Completion]]:
         """`n` samples per prompt (seeded per prompt); each carries the sampled tokens' logprobs and routed experts.
         `temperature` overrides the recipe's (0: greedy, as held-out evaluation uses)."""
         from vllm import SamplingParams, TokensPrompt
@@ -320,8 +353,16 @@ class VllmServer:
     """An OpenAI-compatible vLLM server started by composer on this host, stopped with it (starting
     returns at once, so several servers load together; `wait_ready` before use)."""
 
-    def __init__(self, model_dir: str | Path, rollout: RolloutSection, *, seed: int, routed_experts: bool, log_path: Path,
-                 placement: EnginePlacement | None = None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        rollout: RolloutSection,
+        *,
+        seed: int,
+        routed_experts: bool,
+        log_path: Path,
+        placement: EnginePlacement | None = None,
+    ):
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise UserError(f"rollout: {model_dir} is not an HF checkpoint (no config.json)")
@@ -329,9 +370,15 @@ class VllmServer:
         rollout = with_resolved_dtype(rollout)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        options = engine_options(str(model_dir), rollout, placement.kind, seed=seed, routed_experts=routed_experts,
-                                 tokenizer=(model_dir / "tokenizer.json").is_file(),
-                                 cpu_backend=cpu_attention_backend(model_dir, rollout.compute_dtype) if placement.kind == "cpu" else None)
+        options = engine_options(
+            str(model_dir),
+            rollout,
+            placement.kind,
+            seed=seed,
+            routed_experts=routed_experts,
+            tokenizer=(model_dir / "tokenizer.json").is_file(),
+            cpu_backend=cpu_attention_backend(model_dir, rollout.compute_dtype) if placement.kind == "cpu" else None,
+        )
         args = [sys.executable, "-m", server_guard.MODULE, *server_args(options, self.port)]
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **placement.env()}
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -405,16 +452,30 @@ class ServerEngine(Engine):
         self._sampling = rollout.sampling
         self._reports = reports
 
-    def generate(self, prompts: list[list[int]], n: int = 1, seeds: list[int] | None = None, max_tokens: int | None = None,
-                 temperature: float | None = None) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        seeds: list[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> list[list[Completion]]:
         s = self._sampling
 
         def complete(prompt: list[int], seed: int | None) -> list[Completion]:
             body = {
-                "model": self.model, "prompt": prompt, "n": n,
-                "temperature": s.temperature if temperature is None else temperature, "top_p": s.top_p,
-                "top_k": s.top_k, "max_tokens": max_tokens or s.max_tokens, "stop": s.stop, "logprobs": 0,
-                "return_token_ids": True, "return_tokens_as_token_ids": True, "seed": seed,
+                "model": self.model,
+                "prompt": prompt,
+                "n": n,
+                "temperature": s.temperature if temperature is None else temperature,
+                "top_p": s.top_p,
+                "top_k": s.top_k,
+                "max_tokens": max_tokens or s.max_tokens,
+                "stop": s.stop,
+                "logprobs": 0,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+                "seed": seed,
             }
             choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
             return [_server_completion(prompt, c) for c in choices]
@@ -478,13 +539,16 @@ def local_placement(rollout: RolloutSection) -> EnginePlacement:
     """The first engine's devices on this machine when no host placement is given (its engines alone here)."""
     devices = local_devices()
     if rollout.parallelism.devices > len(devices.ids):
-        raise UserError(f"rollout.parallelism: tp x pp x dp = {rollout.parallelism.devices} devices, but this machine has "
-                        f"{len(devices.ids)} {devices.unit}s")
+        raise UserError(
+            f"rollout.parallelism: tp x pp x dp = {rollout.parallelism.devices} devices, but this machine has "
+            f"{len(devices.ids)} {devices.unit}s"
+        )
     return place_engines(devices.kind, devices.ids, rollout)[0][0]
 
 
-def build_engines(rollout: RolloutSection, weights: str, placement: HostPlacement, *, seed: int, routed_experts: bool,
-                  log_dir: Path) -> tuple[list[Engine], list[VllmServer]]:
+def build_engines(
+    rollout: RolloutSection, weights: str, placement: HostPlacement, *, seed: int, routed_experts: bool, log_dir: Path
+) -> tuple[list[Engine], list[VllmServer]]:
     """The engines `rollout.engine` asks for on this host, serving `weights` on the devices `placement` gives them:
     one embedded engine, or `rollout.engines_per_host` vLLM servers (returned too: the caller stops them) and a
     client of each."""
@@ -492,8 +556,17 @@ def build_engines(rollout: RolloutSection, weights: str, placement: HostPlacemen
         [engine] = placement.engines
         return [EmbeddedEngine(weights, rollout, seed=seed, routed_experts=routed_experts, placement=engine)], []
     # Each server is told to end when the thread that started it does: call this from the main thread.
-    servers = [VllmServer(weights, rollout, seed=seed + engine.number, routed_experts=routed_experts,
-                          log_path=log_dir / f"vllm-{engine.number}.log", placement=engine) for engine in placement.engines]
+    servers = [
+        VllmServer(
+            weights,
+            rollout,
+            seed=seed + engine.number,
+            routed_experts=routed_experts,
+            log_path=log_dir / f"vllm-{engine.number}.log",
+            placement=engine,
+        )
+        for engine in placement.engines
+    ]
     try:
         for server in servers:
             server.wait_ready(SERVER_START_SECONDS)

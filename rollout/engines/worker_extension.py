@@ -23,8 +23,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 import xxhash
@@ -56,8 +56,12 @@ def refresh_prepacked_weights(model: torch.nn.Module, modules: set[str] | None =
             refreshed += 1
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if lm_head is not None and embed is not None and lm_head.weight is embed.weight and \
-            (modules is None or "model.embed_tokens" in modules):
+    if (
+        lm_head is not None
+        and embed is not None
+        and lm_head.weight is embed.weight
+        and (modules is None or "model.embed_tokens" in modules)
+    ):
         lm_head.quant_method.process_weights_after_loading(lm_head)
         refreshed += 1
     return refreshed
@@ -237,8 +241,10 @@ class WeightUpdateExtension:
             for stop, expected in pieces[name]:
                 got = tensor_digest(tensor, start, stop)
                 if got != expected:
-                    raise ValueError(f"weight update refused: tensor {name!r} elements [{start}, {stop}) in {directory} "
-                                     "do not match the version's manifest (modified or partly written); nothing loaded")
+                    raise ValueError(
+                        f"weight update refused: tensor {name!r} elements [{start}, {stop}) in {directory} "
+                        "do not match the version's manifest (modified or partly written); nothing loaded"
+                    )
                 applied.update(f"{name}:{got};".encode())
                 start = stop
             tensors.append((name, tensor))
@@ -248,8 +254,17 @@ class WeightUpdateExtension:
             runner.reload_weights(weights_iterator=iter(tensors))
         refreshed = refresh_prepacked_weights(runner.get_model(), layers)
         seconds = {"read": read_at - started, "verify": verified_at - read_at, "reload": time.perf_counter() - verified_at}
-        return self._leave_report(report, {"tensors": names, "layers": len(layers), "refreshed": refreshed, "digest": applied.hexdigest(),
-                                           "bytes": sum(t.numel() * t.element_size() for _, t in tensors), "seconds": seconds})
+        return self._leave_report(
+            report,
+            {
+                "tensors": names,
+                "layers": len(layers),
+                "refreshed": refreshed,
+                "digest": applied.hexdigest(),
+                "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+                "seconds": seconds,
+            },
+        )
 
     def _layer_of_checkpoint_tensors(self, index: dict[str, str]) -> dict[str, str]:
         """Checkpoint tensor name -> name of the model module whose parameter its weight loader fills, found
@@ -273,6 +288,7 @@ class WeightUpdateExtension:
             saved.append((param, param.__dict__.get("weight_loader")))
             param.weight_loader = record
         try:
+
             def shapes() -> Iterator[tuple[str, torch.Tensor]]:
                 for name, file in index.items():
                     with safe_open(file, framework="pt") as f:

@@ -68,8 +68,7 @@ class Provider(ABC):
     """The transport: how runs reach hosts. Callbacks may come from any thread, also from inside these calls."""
 
     @abstractmethod
-    def start(self, host: str, number: int, request: SandboxRequest, started: Callable[[], None],
-              done: Callable[[Outcome], None]) -> None:
+    def start(self, host: str, number: int, request: SandboxRequest, started: Callable[[], None], done: Callable[[Outcome], None]) -> None:
         """Start run `number` on `host`: call `started` when its sandbox starts, `done` once with its outcome."""
 
     @abstractmethod
@@ -218,10 +217,23 @@ class _TaskSet:
 class SandboxPool:
     """Runs requests on the provider's hosts within the limits; `done` gets every run's result exactly once."""
 
-    def __init__(self, provider: Provider, hosts: dict[str, int], clock: Clock, *, max_concurrent: int | None = None,
-                 max_queued: int = 4096, retries: int = 2, backoff_seconds: float = 0.2, probe_after_failures: int = 3,
-                 readmit_seconds: float = 30.0, request_timeout: float | None = None, weights: dict[str, float] | None = None,
-                 window: int = 4096, seed: int = 0):
+    def __init__(
+        self,
+        provider: Provider,
+        hosts: dict[str, int],
+        clock: Clock,
+        *,
+        max_concurrent: int | None = None,
+        max_queued: int = 4096,
+        retries: int = 2,
+        backoff_seconds: float = 0.2,
+        probe_after_failures: int = 3,
+        readmit_seconds: float = 30.0,
+        request_timeout: float | None = None,
+        weights: dict[str, float] | None = None,
+        window: int = 4096,
+        seed: int = 0,
+    ):
         if not hosts:
             raise ValueError("a pool needs hosts")
         self.provider, self.clock = provider, clock
@@ -358,8 +370,9 @@ class SandboxPool:
         self._running += 1
         if self.request_timeout is not None:
             self.clock.call_at(now + self.request_timeout, lambda: self._timed_out(job, token))
-        self.provider.start(host.name, token, job.request, lambda: self._started(job, token),
-                            lambda outcome: self._finished(job, token, outcome))
+        self.provider.start(
+            host.name, token, job.request, lambda: self._started(job, token), lambda outcome: self._finished(job, token, outcome)
+        )
 
     def _started(self, job: _Job, token: int) -> None:
         with self._lock:
@@ -468,8 +481,9 @@ class SandboxPool:
             return
         self._set_state(host, "down")
         host.removed += 1
-        log.warning("sandbox host %s removed (%s: %s); probing it again in %.0f s", host.name, failure.cause, failure.detail,
-                    self.readmit_seconds)
+        log.warning(
+            "sandbox host %s removed (%s: %s); probing it again in %.0f s", host.name, failure.cause, failure.detail, self.readmit_seconds
+        )
         self.clock.call_at(self.clock.now() + self.readmit_seconds, lambda: self._rejoin(host))
         self._pump()
 

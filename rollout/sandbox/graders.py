@@ -60,17 +60,27 @@ FLAGS = {
     "host_timeout": "the run timed out because the host starved it, not because of the program (an infrastructure failure)",
     "canary_passed": "a canary task (tests contradicting its statement) scored above 0",
     "tests_modified": "a repository task's episode changed its tests, conftest.py, pytest configuration, sitecustomize "
-                      "or .pth files (ignored: graded with trusted copies)",
+    "or .pth files (ignored: graded with trusted copies)",
     "change_dropped": "a repository task's episode changed what its grade does not take (code outside the task's "
-                      "function(s) or files, bytecode, non-regular files): left out, it never ran",
+    "function(s) or files, bytecode, non-regular files): left out, it never ran",
     "forbidden_code": "a repository task's graded change reaches the test runner, the import system, frames or tracing, "
-                      "gc, descriptors or processes, ctypes, atexit or builtins, or makes objects equal to anything",
+    "gc, descriptors or processes, ctypes, atexit or builtins, or makes objects equal to anything",
     "sentinel_tripped": "trusted sentinel tests in a repository task's test run were not reported as written (tests "
-                        "neutralised, outcomes rewritten)",
+    "neutralised, outcomes rewritten)",
 }
 # Flags that make an episode "flagged" unless the recipe says otherwise.
-DEFAULT_GUARDED = ("harness_touched", "early_exit", "forged_records", "non_plain", "writes_outside",
-                   "stray_processes", "canary_passed", "tests_modified", "forbidden_code", "sentinel_tripped")
+DEFAULT_GUARDED = (
+    "harness_touched",
+    "early_exit",
+    "forged_records",
+    "non_plain",
+    "writes_outside",
+    "stray_processes",
+    "canary_passed",
+    "tests_modified",
+    "forbidden_code",
+    "sentinel_tripped",
+)
 
 # An output a test statement judges in the grader is at most this long (encoded): what a statement does with it runs
 # here, and a loop in C over it cannot be stopped.
@@ -127,8 +137,13 @@ def judge_call(call: Call, got) -> bool:
 
 
 def _is_candidate_call(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "candidate"
-            and not any(isinstance(a, ast.Starred) for a in node.args) and all(k.arg for k in node.keywords))
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "candidate"
+        and not any(isinstance(a, ast.Starred) for a in node.args)
+        and all(k.arg for k in node.keywords)
+    )
 
 
 def _uses_candidate(node: ast.AST) -> bool:
@@ -140,9 +155,20 @@ def _tolerance_test(test: ast.expr) -> tuple[ast.Call, ast.expr, ast.expr] | Non
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Lt, ast.LtE))):
         return None
     outer = test.left
-    is_abs = isinstance(outer, ast.Call) and len(outer.args) == 1 and not outer.keywords and (
-        (isinstance(outer.func, ast.Name) and outer.func.id == "abs")
-        or (isinstance(outer.func, ast.Attribute) and outer.func.attr == "fabs" and isinstance(outer.func.value, ast.Name) and outer.func.value.id == "math"))
+    is_abs = (
+        isinstance(outer, ast.Call)
+        and len(outer.args) == 1
+        and not outer.keywords
+        and (
+            (isinstance(outer.func, ast.Name) and outer.func.id == "abs")
+            or (
+                isinstance(outer.func, ast.Attribute)
+                and outer.func.attr == "fabs"
+                and isinstance(outer.func.value, ast.Name)
+                and outer.func.value.id == "math"
+            )
+        )
+    )
     if not is_abs or not (isinstance(outer.args[0], ast.BinOp) and isinstance(outer.args[0].op, ast.Sub)):
         return None
     left, right = outer.args[0].left, outer.args[0].right
@@ -172,8 +198,16 @@ def _as_call(statement: ast.stmt, namespace: dict) -> Call | str:
         call, expected, compare = test.operand, None, "falsy"
     elif (close := _tolerance_test(test)) is not None:
         call, expected, compare = close[0], close[1], "close" if isinstance(test.ops[0], ast.Lt) else "within"
-    elif (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance" and len(test.args) == 2
-          and not test.keywords and _is_candidate_call(test.args[0]) and isinstance(test.args[1], ast.Name) and test.args[1].id in _TYPES):
+    elif (
+        isinstance(test, ast.Call)
+        and isinstance(test.func, ast.Name)
+        and test.func.id == "isinstance"
+        and len(test.args) == 2
+        and not test.keywords
+        and _is_candidate_call(test.args[0])
+        and isinstance(test.args[1], ast.Name)
+        and test.args[1].id in _TYPES
+    ):
         call, expected, compare = test.args[0], ast.copy_location(ast.Constant(test.args[1].id), test), "isinstance"
     elif isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.Is, ast.IsNot)):
         left, right = test.left, test.comparators[0]
@@ -262,8 +296,10 @@ def case_tests(tests: AssertionTests | CallTests | CaseTests) -> CaseTests:
 
 @cache
 def _call_cases(tests: CallTests) -> CaseTests:
-    cases = tuple(Call(kwargs=tuple(json.loads(i).items()), expected=json.loads(e), compare="json", seed=tests.seed + n)
-                  for n, (i, e) in enumerate(zip(tests.inputs, tests.expected)))
+    cases = tuple(
+        Call(kwargs=tuple(json.loads(i).items()), expected=json.loads(e), compare="json", seed=tests.seed + n)
+        for n, (i, e) in enumerate(zip(tests.inputs, tests.expected))
+    )
     return CaseTests(entry_point=tests.entry_point, cases=cases, seed=tests.seed)
 
 
@@ -277,8 +313,9 @@ class _CandidateFailed(BaseException):
     """The entry point raised, or gave no usable output (a BaseException: test code cannot catch it)."""
 
 
-def grade_program(session: Session, config: SandboxSection, program: str, tests: Tests, reward: RewardMode,
-                  uid: int | None) -> SandboxResult:
+def grade_program(
+    session: Session, config: SandboxSection, program: str, tests: Tests, reward: RewardMode, uid: int | None
+) -> SandboxResult:
     """Ask the live run for the program's outputs on the tests' inputs and judge them here."""
     script = isinstance(tests, ScriptRun)
     cases_of = None if script or isinstance(tests, GeneratedCalls) else case_tests(tests)
@@ -303,8 +340,8 @@ def grade_program(session: Session, config: SandboxSection, program: str, tests:
         ran_all = session.live or (loaded is not None and "error" in loaded and not session.stop)
     exit_code = session.finish()
     wall = time.monotonic() - session.started
-    return _verdict(session, config, results, total, reward, exit_code, ran_all, wall, uid,
-                    exit_status if script else None)
+    return _verdict(session, config, results, total, reward, exit_code, ran_all, wall, uid, exit_status if script else None)
+
 
 def _generated(session: Session, tests: GeneratedCalls, loaded: dict | None) -> list[CaseResult]:
     if loaded is None or "error" in loaded:
@@ -331,13 +368,20 @@ def _generated(session: Session, tests: GeneratedCalls, loaded: dict | None) -> 
         results.append(CaseResult(ok, error, input=text, output=output))
     return results
 
-def _call(session: Session, call_id: int, args: tuple, kwargs: tuple, seed: int | None,
-          max_bytes: int | None = None) -> tuple[bool, object, str | None]:
+
+def _call(
+    session: Session, call_id: int, args: tuple, kwargs: tuple, seed: int | None, max_bytes: int | None = None
+) -> tuple[bool, object, str | None]:
     """(answered, decoded output, error) for one call of the entry point in the sandbox; an output whose encoding
     is longer than `max_bytes` is refused undecoded."""
     try:
-        message = {"op": "call", "id": call_id, "args": plain_data.encode(list(args)),
-                   "kwargs": plain_data.encode(dict(kwargs)), "seed": seed}
+        message = {
+            "op": "call",
+            "id": call_id,
+            "args": plain_data.encode(list(args)),
+            "kwargs": plain_data.encode(dict(kwargs)),
+            "seed": seed,
+        }
     except plain_data.NotPlain as e:
         return False, None, f"the test's inputs are not plain data ({e})"
     reply = session.request(message)
@@ -359,6 +403,7 @@ def _call(session: Session, call_id: int, args: tuple, kwargs: tuple, seed: int 
     except (ValueError, TypeError):
         session.flag("forged_records", "an output that is not plain data")
         return False, None, "an output that is not plain data"
+
 
 def _cases(session: Session, tests: CaseTests, loaded: dict | None) -> list[CaseResult]:
     if loaded is None or "error" in loaded:
@@ -413,6 +458,7 @@ def _run_statement(code, namespace: dict, deadline: float) -> None:
     """Run a test statement here, stopped at `deadline`: a statement looping over an output (`for _ in
     range(candidate())`) loops no longer than the run may. A trace function on the test's own frames only, so the
     grader's code (the calls into the sandbox) runs untraced; C-level loops are bounded by the outputs' size."""
+
     def line(frame, event, arg):
         if time.monotonic() > deadline:
             raise _StatementTimeout
@@ -429,8 +475,18 @@ def _run_statement(code, namespace: dict, deadline: float) -> None:
         sys.settrace(previous)
 
 
-def _verdict(session: Session, config: SandboxSection, cases: list[CaseResult], total: int, reward: RewardMode,
-             exit_code: int | None, ran_all: bool, wall: float, uid: int | None, script_status: int | None) -> SandboxResult:
+def _verdict(
+    session: Session,
+    config: SandboxSection,
+    cases: list[CaseResult],
+    total: int,
+    reward: RewardMode,
+    exit_code: int | None,
+    ran_all: bool,
+    wall: float,
+    uid: int | None,
+    script_status: int | None,
+) -> SandboxResult:
     stop = session.stop
     passed = sum(c.ok for c in cases)
     memory = any(c.error and "MemoryError" in c.error for c in cases) or "MemoryError" in session.stderr.text()
@@ -453,7 +509,9 @@ def _verdict(session: Session, config: SandboxSection, cases: list[CaseResult], 
     elif memory:
         status, detail = "memory", f"memory limit of {config.memory_mb} MB"
     elif script_status is not None:
-        status, detail = ("ok", "") if ran_all and script_status == 0 else ("crash", f"exit status {script_status if ran_all else exit_code}")
+        status, detail = (
+            ("ok", "") if ran_all and script_status == 0 else ("crash", f"exit status {script_status if ran_all else exit_code}")
+        )
     elif not ran_all:
         status, detail = "crash", f"exit status {exit_code}, tests did not finish"
         session.flag("early_exit", f"the harness ended (exit status {exit_code}) before every case was asked")
@@ -466,9 +524,17 @@ def _verdict(session: Session, config: SandboxSection, cases: list[CaseResult], 
     flags = tuple(sorted(session.flags))
     return SandboxResult(
         reward=0.0 if infra else reward_for(passed, total, reward),
-        passed=passed, total=total, status=status, detail=detail,
-        stdout_tail=session.stdout.text(), stderr_tail=session.stderr.text(), wall_seconds=wall, uid=uid,
-        cases=tuple(cases), flags=flags, flag_details=tuple(f"{f}: {session.flags[f]}" for f in flags),
+        passed=passed,
+        total=total,
+        status=status,
+        detail=detail,
+        stdout_tail=session.stdout.text(),
+        stderr_tail=session.stderr.text(),
+        wall_seconds=wall,
+        uid=uid,
+        cases=tuple(cases),
+        flags=flags,
+        flag_details=tuple(f"{f}: {session.flags[f]}" for f in flags),
         infra_failure=infra,
     )
 

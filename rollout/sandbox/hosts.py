@@ -20,8 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from composer.recipes.errors import UserError
 from composer.recipes.env_schema import SandboxSection
+from composer.recipes.errors import UserError
 from composer.recipes.schema import SSHSection
 from composer.rollout.sandbox.fleet import Failure, Outcome, Provider, RealClock, SandboxPool
 from composer.rollout.sandbox.isolation import DEFAULT_ROOT, Isolation
@@ -103,6 +103,7 @@ class LocalSandboxHost(SandboxHost):
             except Exception as e:
                 outcome = Failure("error", f"{type(e).__name__}: {e}")
             done(outcome)
+
         self._threads.submit(run)
 
     def probe(self, done: Callable[[Failure | None], None]) -> None:
@@ -152,8 +153,10 @@ class RemoteSandboxHost(SandboxHost):
         if reply is None or reply["op"] != Op.READY:
             host.close()
             said = reply.get("error") if reply else self._said()
-            raise UserError(f"sandbox host {self.where}: its sandbox server ({self._python} -m {SERVER_MODULE}) did not start: {said}; "
-                            "env.sandbox.remote_python names the Python of the composer installed there")
+            raise UserError(
+                f"sandbox host {self.where}: its sandbox server ({self._python} -m {SERVER_MODULE}) did not start: {said}; "
+                "env.sandbox.remote_python names the Python of the composer installed there"
+            )
         try:
             self._cpus = int(reply["cpus"])
             self.isolation = Isolation(**reply["isolation"])
@@ -240,7 +243,9 @@ class RemoteSandboxHost(SandboxHost):
 
     def start(self, number: int, request: SandboxRequest | dict, started: Callable[[], None], done: Callable[[Outcome], None]) -> None:
         """Send a run (or, as a dict, another operation with its id) on the current connection."""
-        frame = frame_bytes(request if isinstance(request, dict) else {"op": Op.RUN, "id": number, "request": to_wire(request, SANDBOX_TYPES)})
+        frame = frame_bytes(
+            request if isinstance(request, dict) else {"op": Op.RUN, "id": number, "request": to_wire(request, SANDBOX_TYPES)}
+        )
         with self._lock:
             channel = self._channel
             if channel is not None:
@@ -302,6 +307,7 @@ class RemoteSandboxHost(SandboxHost):
                 self.cancel(number)
                 return done(Failure("probe_failed", f"no probe result within {PROBE_SECONDS:.0f} s"))
             done(_probe_verdict(outcome[0]))
+
         threading.Thread(target=check, daemon=True, name=f"sandbox-{self.name}-probe").start()
 
     def _hang_up(self) -> None:
@@ -365,11 +371,19 @@ class SandboxFleet:
         """Bytes of trees shipped to each host (project files, environments, tasks' changed files)."""
         self.clock = RealClock()
         self.pool = SandboxPool(
-            self.provider, self.capacities, self.clock, max_concurrent=config.max_concurrent, max_queued=config.max_queued,
-            retries=config.infra_retries, backoff_seconds=config.retry_backoff_seconds,
-            probe_after_failures=config.probe_after_failures, readmit_seconds=config.readmit_seconds,
+            self.provider,
+            self.capacities,
+            self.clock,
+            max_concurrent=config.max_concurrent,
+            max_queued=config.max_queued,
+            retries=config.infra_retries,
+            backoff_seconds=config.retry_backoff_seconds,
+            probe_after_failures=config.probe_after_failures,
+            readmit_seconds=config.readmit_seconds,
             # well past the run's own limits (two wall-clock limits: loading, then the tests) and the round trip
-            request_timeout=3 * config.wall_seconds + 60, weights=weights)
+            request_timeout=3 * config.wall_seconds + 60,
+            weights=weights,
+        )
 
     @property
     def max_concurrent(self) -> int:

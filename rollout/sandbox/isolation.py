@@ -68,7 +68,11 @@ def root_layout() -> dict:
             continue
         location = Path(spec.submodule_search_locations[0] if spec.submodule_search_locations else spec.origin).resolve()
         # The package, and its metadata (its file list) next to it.
-        candidates = [location, *location.parent.glob(f"{name}-*.dist-info"), *location.parent.glob(f"{name.replace('_', '-')}-*.dist-info")]
+        candidates = [
+            location,
+            *location.parent.glob(f"{name}-*.dist-info"),
+            *location.parent.glob(f"{name.replace('_', '-')}-*.dist-info"),
+        ]
         hidden += [str(p) for p in candidates if p.is_dir() and inside(str(p), read_only)]
     symlinks = [(f"/{n}", os.readlink(f"/{n}")) for n in ("bin", "lib", "lib64", "sbin") if os.path.islink(f"/{n}")]
     return {"read_only": read_only, "hidden": sorted(set(hidden)), "symlinks": symlinks}
@@ -82,11 +86,14 @@ def check_root_layout(sandbox_root: Path) -> None:
         covered = [m for m in (WORK_DIR, "/dev", "/proc", "/tmp") if inside(m, [path])]
         covered += [m for m in (WORK_DIR, "/dev", "/proc") if inside(path, [m])]
         if covered:
-            raise UserError(f"the sandbox cannot show its runs {path} (the interpreter or its environment): the run's "
-                            f"own {covered[0]} would cover it; install Python and composer's environment elsewhere")
+            raise UserError(
+                f"the sandbox cannot show its runs {path} (the interpreter or its environment): the run's "
+                f"own {covered[0]} would cover it; install Python and composer's environment elsewhere"
+            )
         if inside(str(sandbox_root), [path]):
-            raise UserError(f"the sandbox root {sandbox_root} lies inside {path}, which every run sees read-only: "
-                            f"choose a sandbox root outside it")
+            raise UserError(
+                f"the sandbox root {sandbox_root} lies inside {path}, which every run sees read-only: choose a sandbox root outside it"
+            )
 
 
 def installed_copies(distribution: str) -> tuple[str, ...]:
@@ -174,4 +181,3 @@ def starved_seconds(uid: int) -> float:
         return int(Path(f"/proc/{pids[0]}/schedstat").read_text().split()[1]) / 1e9
     except (FileNotFoundError, IndexError, ValueError):
         return 0.0
-

@@ -87,7 +87,7 @@ def _from_jsonable(node, depth: int):
     if kind is list:
         return [_from_jsonable(v, depth + 1) for v in node]
     if kind is dict and len(node) == 1:
-        (tag, body), = node.items()
+        ((tag, body),) = node.items()
         if tag == "$float" and body in ("nan", "inf", "-inf"):
             return float(body)
         if tag in _TAGS and type(body) is list:

@@ -49,7 +49,6 @@ class CaseTests:
     """Seeds `random` in the sandbox before the program loads."""
 
 
-
 @dataclass(frozen=True)
 class AssertionTests:
     """Test statements on `candidate` (the entry point), `setup` (trusted test code) first; a case passes
@@ -86,9 +85,6 @@ class ScriptRun:
 
 
 Tests = AssertionTests | CallTests | GeneratedCalls | ScriptRun | CaseTests
-
-
-
 
 
 @dataclass(frozen=True)
@@ -159,4 +155,3 @@ def reward_for(passed: int, total: int, mode: RewardMode) -> float:
     if mode == "all_or_nothing":
         return 1.0 if passed == total else 0.0
     return passed / total
-

@@ -30,16 +30,51 @@ import plain_data
 # The harness's own references, taken before any program runs.
 _dumps, _loads, _write, _exit, _getpid, _vars = json.dumps, json.loads, os.write, os._exit, os.getpid, vars
 _WATCHED = {
-    builtins: ("print", "open", "exec", "eval", "compile", "__import__", "isinstance", "type", "len", "repr",
-               "str", "int", "float", "bool", "list", "dict", "tuple", "set", "getattr", "setattr", "hasattr", "id"),
+    builtins: (
+        "print",
+        "open",
+        "exec",
+        "eval",
+        "compile",
+        "__import__",
+        "isinstance",
+        "type",
+        "len",
+        "repr",
+        "str",
+        "int",
+        "float",
+        "bool",
+        "list",
+        "dict",
+        "tuple",
+        "set",
+        "getattr",
+        "setattr",
+        "hasattr",
+        "id",
+    ),
     json: ("dumps", "loads", "dump", "load"),
     os: ("write", "_exit", "read", "fdopen", "getpid"),
     sys: ("exit",),
     plain_data: ("encode", "decode", "to_jsonable"),
 }
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_PATH_EVENTS = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.symlink",
-                "os.link", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
+_PATH_EVENTS = {
+    "os.remove",
+    "os.rename",
+    "os.mkdir",
+    "os.rmdir",
+    "os.chmod",
+    "os.chown",
+    "os.symlink",
+    "os.link",
+    "os.truncate",
+    "os.utime",
+    "shutil.rmtree",
+    "shutil.move",
+    "shutil.copyfile",
+}
 
 
 def _describe(error: BaseException) -> str:
@@ -58,7 +93,7 @@ class _Channel:
     def send(self, message: dict) -> None:
         data = (_dumps(message) + "\n").encode()
         while data:
-            data = data[_write(self._reply, data):]
+            data = data[_write(self._reply, data) :]
 
 
 def _guard(send, plan: dict):
@@ -111,7 +146,9 @@ def _guard(send, plan: dict):
             if path is None:
                 return
             mode, flags = args[1], args[2]
-            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags > 0 and flags & _WRITE_FLAGS)
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags > 0 and flags & _WRITE_FLAGS
+            )
             if writing and outside(path):
                 flag("writes_outside", f"opened {path} for writing")
             probe(path)

@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-from composer.recipes.errors import UserError
 from composer.recipes.env_schema import SandboxSection
+from composer.recipes.errors import UserError
 from composer.rollout.sandbox.graders import grade_program
 from composer.rollout.sandbox.isolation import (
     COMMAND_TOOLS,
@@ -65,8 +65,10 @@ def detect_isolation(sandbox_root: Path) -> Isolation:
         check_root_layout(sandbox_root)
         candidates = [Isolation(True, True), Isolation(True, False), Isolation(False, False)]
     else:
-        log.warning("sandbox: not running as root, so model code runs as this user with this user's view of the "
-                    "filesystem (no root of its own; RLIMIT_NPROC counts all the user's processes)")
+        log.warning(
+            "sandbox: not running as root, so model code runs as this user with this user's view of the "
+            "filesystem (no root of its own; RLIMIT_NPROC counts all the user's processes)"
+        )
         candidates = [Isolation(False, True), Isolation(False, False)]
     for isolation in candidates:
         probe = Sandbox(SandboxSection(infra_retries=0), sandbox_root, isolation).run(*_PROBE)
@@ -99,12 +101,22 @@ class Sandbox:
             result = self._run_once(program, tests, reward)
             if not result.infra_failure:
                 return result
-            log.warning("sandbox: infrastructure failure (%s)%s", result.detail,
-                        ", retrying" if attempt < self.config.infra_retries else "; the run is marked infra_failure")
+            log.warning(
+                "sandbox: infrastructure failure (%s)%s",
+                result.detail,
+                ", retrying" if attempt < self.config.infra_retries else "; the run is marked infra_failure",
+            )
         return result
 
-    def run_command(self, command: str, workdir: Path, timeout_s: float | None = None,
-                    hidden: tuple[str, ...] = (), channel: bool = False, environment: RunEnvironment | None = None) -> CommandResult:
+    def run_command(
+        self,
+        command: str,
+        workdir: Path,
+        timeout_s: float | None = None,
+        hidden: tuple[str, ...] = (),
+        channel: bool = False,
+        environment: RunEnvironment | None = None,
+    ) -> CommandResult:
         """`bash -c command` isolated like `run`, with the host directory `workdir` as the writable work
         directory (at /sandbox under a root of its own, also HOME and first on PYTHONPATH), everything it
         started killed at the end, and the host paths `hidden` (e.g. the installed copy of the task's project)
@@ -118,12 +130,16 @@ class Sandbox:
         if not workdir.is_dir():
             raise FileNotFoundError(f"sandbox work directory {workdir} does not exist")
         for attempt in range(self.config.infra_retries + 1):
-            result = self._command_once(command, workdir, timeout_s or self.config.wall_seconds, hidden, channel,
-                                        environment or RunEnvironment())
+            result = self._command_once(
+                command, workdir, timeout_s or self.config.wall_seconds, hidden, channel, environment or RunEnvironment()
+            )
             if not result.infra_failure:
                 return result
-            log.warning("sandbox: infrastructure failure (%s)%s", result.output[-200:],
-                        ", retrying" if attempt < self.config.infra_retries else "; the run is marked infra_failure")
+            log.warning(
+                "sandbox: infrastructure failure (%s)%s",
+                result.output[-200:],
+                ", retrying" if attempt < self.config.infra_retries else "; the run is marked infra_failure",
+            )
         return result
 
     @contextmanager
@@ -142,17 +158,28 @@ class Sandbox:
                 lease.release()
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    def _command_once(self, command: str, workdir: Path, timeout_s: float, hidden: tuple[str, ...],
-                      channel: bool, environment: RunEnvironment) -> CommandResult:
+    def _command_once(
+        self, command: str, workdir: Path, timeout_s: float, hidden: tuple[str, ...], channel: bool, environment: RunEnvironment
+    ) -> CommandResult:
         with self._run_slot("cmd-") as (run_dir, uid):
             return self._command_in(run_dir, uid, command, workdir, timeout_s, hidden, channel, environment)
 
-    def _command_in(self, run_dir: Path, uid: int | None, command: str, workdir: Path, timeout_s: float,
-                    hidden: tuple[str, ...], channel: bool, environment: RunEnvironment) -> CommandResult:
+    def _command_in(
+        self,
+        run_dir: Path,
+        uid: int | None,
+        command: str,
+        workdir: Path,
+        timeout_s: float,
+        hidden: tuple[str, ...],
+        channel: bool,
+        environment: RunEnvironment,
+    ) -> CommandResult:
         started = time.monotonic()
         session = None
-        config = self.config.model_copy(update={"wall_seconds": timeout_s,
-                                                "cpu_seconds": max(self.config.cpu_seconds, math.ceil(timeout_s))})
+        config = self.config.model_copy(
+            update={"wall_seconds": timeout_s, "cpu_seconds": max(self.config.cpu_seconds, math.ceil(timeout_s))}
+        )
         try:
             plan = self._plan(run_dir, uid, config)
             own_root = "new_root" in plan
@@ -168,10 +195,11 @@ class Sandbox:
                 os.chmod(workdir, 0o777)
             else:
                 if hidden:
-                    _warn_once("sandbox: without a root of its own a command can read what this user can read, "
-                               "including paths meant to be hidden (the installed copy of a task's project)")
-                plan.update(cwd=str(workdir), writable=[str(workdir), plan["writable"][1]],
-                            env=sandbox_environment(str(workdir)))
+                    _warn_once(
+                        "sandbox: without a root of its own a command can read what this user can read, "
+                        "including paths meant to be hidden (the installed copy of a task's project)"
+                    )
+                plan.update(cwd=str(workdir), writable=[str(workdir), plan["writable"][1]], env=sandbox_environment(str(workdir)))
             plan["env"]["PYTHONPATH"] = ":".join([*(os.path.join(plan["cwd"], p) for p in environment.pythonpath), plan["cwd"]])
             plan["env"]["PATH"] = ":".join([*environment.path, plan["env"]["PATH"]])
             plan["env"].update(environment.variables)
@@ -233,6 +261,7 @@ class Sandbox:
         }
         if own_root:
             (run_dir / "root").mkdir(mode=0o700)
-            plan.update(new_root=str(run_dir / "root"), work=str(work), tmp=str(tmp), **layout,
-                        write_cap=[c.max_write_mb << 20, c.max_inodes])
+            plan.update(
+                new_root=str(run_dir / "root"), work=str(work), tmp=str(tmp), **layout, write_cap=[c.max_write_mb << 20, c.max_inodes]
+            )
         return plan

@@ -76,8 +76,12 @@ class Zygote:
             # the user site and the script's directory off sys.path.
             self._proc = subprocess.Popen(
                 [sys.executable, "-s", "-P", str(_HERE / "zygote.py"), str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                env=sandbox_environment(str(self._cwd)), cwd=self._cwd, start_new_session=True,
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=sandbox_environment(str(self._cwd)),
+                cwd=self._cwd,
+                start_new_session=True,
             )
         finally:
             theirs.close()
@@ -135,8 +139,6 @@ def zygote_for(root: Path) -> Zygote:
             _zygotes[root] = Zygote(root)
             atexit.register(_zygotes[root].close)
         return _zygotes[root]
-
-
 
 
 # --- one run -----------------------------------------------------------------------------------
@@ -232,7 +234,7 @@ class Session:
             if not select.select([], [self._cmd], [], min(remaining, 1.0))[1]:
                 continue
             try:
-                view = view[os.write(self._cmd, view):]
+                view = view[os.write(self._cmd, view) :]
             except BlockingIOError:
                 continue
             except OSError:  # the harness is gone
@@ -331,8 +333,11 @@ class Session:
                 self.exit_code = int(record["exit"])
                 self.cpu_seconds = float(record.get("cpu", 0.0))
                 if record.get("write_limit"):
-                    self.flag("write_limit", f"the run's files reached their cap ({self.config.max_write_mb} MB, "
-                                             f"{self.config.max_inodes} inodes); later writes were refused")
+                    self.flag(
+                        "write_limit",
+                        f"the run's files reached their cap ({self.config.max_write_mb} MB, "
+                        f"{self.config.max_inodes} inodes); later writes were refused",
+                    )
 
     def _wait_end(self) -> None:
         """The harness ended: its holder reports the exit status right after."""
@@ -407,7 +412,8 @@ def command_result(session: Session, config: SandboxSection, uid: int | None) ->
     flags = [f for f in ("write_limit",) if f in session.flags]
     # The CPU limit ended it (SIGXCPU, SIGKILL past the hard limit, or bash reporting either: 128 + signal).
     cpu_kill = exit_code in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (
-        exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL) and session.cpu_seconds >= config.cpu_seconds)
+        exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL) and session.cpu_seconds >= config.cpu_seconds
+    )
     if session.setup_error or stop == "setup":
         return CommandResult(None, "infra", f"sandbox setup failed: {session.setup_error}", wall, infra_failure=True)
     if stop == "timeout":
@@ -423,8 +429,11 @@ def command_result(session: Session, config: SandboxSection, uid: int | None) ->
     elif stop in ("output", "results"):
         status, exit_code = "crash", None
         flags.append("output_limit")
-        text += (f"\n[killed: the output went past {config.max_file_mb} MB]" if stop == "output" else
-                 f"\n[killed: the report channel went past {MAX_RESULT_BYTES >> 20} MB]")
+        text += (
+            f"\n[killed: the output went past {config.max_file_mb} MB]"
+            if stop == "output"
+            else f"\n[killed: the report channel went past {MAX_RESULT_BYTES >> 20} MB]"
+        )
     elif exit_code is None:
         return CommandResult(None, "infra", text + "\n[the sandbox lost the command's exit status]", wall, infra_failure=True)
     elif exit_code != 0 and "MemoryError" in text:
@@ -433,5 +442,6 @@ def command_result(session: Session, config: SandboxSection, uid: int | None) ->
         status = "crash"
     else:
         status = "ok"
-    return CommandResult(exit_code, status, text, wall, tuple(sorted(flags)), cpu_seconds=session.cpu_seconds,
-                         channel=bytes(session.channel or b""))
+    return CommandResult(
+        exit_code, status, text, wall, tuple(sorted(flags)), cpu_seconds=session.cpu_seconds, channel=bytes(session.channel or b"")
+    )

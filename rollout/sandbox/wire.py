@@ -92,8 +92,9 @@ def wire_types(*classes: type) -> dict[str, type]:
     return {cls.__name__: cls for cls in classes}
 
 
-SANDBOX_TYPES = wire_types(RunRequest, AssertionTests, CallTests, GeneratedCalls, ScriptRun, CaseTests, Call, Statement,
-                           SandboxResult, CaseResult, CommandResult)
+SANDBOX_TYPES = wire_types(
+    RunRequest, AssertionTests, CallTests, GeneratedCalls, ScriptRun, CaseTests, Call, Statement, SandboxResult, CaseResult, CommandResult
+)
 """What a run request and its result are made of."""
 
 
@@ -163,6 +164,7 @@ def read_frame(read_exactly) -> dict | None:
 
 def exact_reader(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
     """`read(n)` (a stream's read, a channel's recv) made to return exactly n bytes, or fewer only at the end."""
+
     def read_exactly(n: int) -> bytes:
         chunks, left = [], n
         while left:
@@ -172,4 +174,5 @@ def exact_reader(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
             chunks.append(chunk)
             left -= len(chunk)
         return b"".join(chunks)
+
     return read_exactly

@@ -24,8 +24,27 @@ import runner  # noqa: E402
 
 sys.path.pop(0)
 # Imported once here instead of in every run.
-PRELOAD = ("collections", "itertools", "functools", "math", "re", "string", "heapq", "bisect", "typing", "fractions",
-           "decimal", "statistics", "datetime", "copy", "operator", "hashlib", "dataclasses", "numpy", "numpy.random")
+PRELOAD = (
+    "collections",
+    "itertools",
+    "functools",
+    "math",
+    "re",
+    "string",
+    "heapq",
+    "bisect",
+    "typing",
+    "fractions",
+    "decimal",
+    "statistics",
+    "datetime",
+    "copy",
+    "operator",
+    "hashlib",
+    "dataclasses",
+    "numpy",
+    "numpy.random",
+)
 PR_SET_CHILD_SUBREAPER = 36
 FD_NAMES = ("cmd", "reply", "stdout", "stderr", "status")
 

@@ -120,5 +120,3 @@ def write_text(root: Path, path: str, text: str) -> None:
         os.fchmod(f.fileno(), stat.S_IMODE(info.st_mode) | 0o666)
         f.truncate(0)
         f.write(data)
-
-

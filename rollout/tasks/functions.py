@@ -141,8 +141,10 @@ def _humaneval_task(problem: dict) -> Task:
     return Task(
         id=problem["task_id"],
         family="humaneval",
-        prompt=(f"Complete this Python function. Answer with the whole function in a ```python code block.\n\n"
-                f"```python\n{problem['prompt']}```\n"),
+        prompt=(
+            f"Complete this Python function. Answer with the whole function in a ```python code block.\n\n"
+            f"```python\n{problem['prompt']}```\n"
+        ),
         entry_point=entry,
         tests=AssertionTests(entry_point=entry, setup=setup, cases=tuple(cases)),
         continues=problem["prompt"],
@@ -206,17 +208,20 @@ class CodeIOSource(TaskSource):
         if generation.status != "ok" or generation.passed != CODEIO_CASES:
             return None
         cases = generation.cases
-        tests = CallTests(entry_point="main_solution", inputs=tuple(c.input for c in cases),
-                          expected=tuple(c.output for c in cases), seed=seed)
+        tests = CallTests(
+            entry_point="main_solution", inputs=tuple(c.input for c in cases), expected=tuple(c.output for c in cases), seed=seed
+        )
         # A reference that cannot pass its own tests again (unseeded randomness, clocks) makes no task.
         if sandbox.run(reference, tests).reward != 1.0:
             return None
         return Task(
             id=task_id,
             family="codeio",
-            prompt=(f"{row['task_description'].strip()}\n\n{row['input_output_spec'].strip()}\n\n"
-                    "Write a Python function `main_solution` that takes the inputs as keyword arguments and returns "
-                    "the output (JSON-serializable). Answer with the code in a ```python code block.\n"),
+            prompt=(
+                f"{row['task_description'].strip()}\n\n{row['input_output_spec'].strip()}\n\n"
+                "Write a Python function `main_solution` that takes the inputs as keyword arguments and returns "
+                "the output (JSON-serializable). Answer with the code in a ```python code block.\n"
+            ),
             entry_point="main_solution",
             tests=tests,
             reference=reference,
@@ -227,8 +232,7 @@ class CodeIOSource(TaskSource):
 
 # reasoning-gym generators whose answers are an integer or a word and are computed by a short program;
 # a problem the model cannot work out in its head it can compute (`bin(n).count("1")`, `math.gcd`, `s[::-1]`).
-RGYM_DATASETS = ("basic_arithmetic", "chain_sum", "count_bits", "gcd", "lcm", "leg_counting", "letter_counting",
-                 "spell_backward")
+RGYM_DATASETS = ("basic_arithmetic", "chain_sum", "count_bits", "gcd", "lcm", "leg_counting", "letter_counting", "spell_backward")
 RGYM_PER_DATASET = 200
 
 
@@ -243,9 +247,11 @@ class ReasoningGymSource(TaskSource):
             import reasoning_gym
         except ImportError:
             raise UserError("env.tasks: the rgym task set needs the reasoning-gym package (pip install reasoning-gym==0.1.25)") from None
-        self._rows = [(dataset, i, entry["question"], entry["answer"])
-                      for dataset in RGYM_DATASETS
-                      for i, entry in enumerate(reasoning_gym.create_dataset(dataset, size=RGYM_PER_DATASET, seed=_stable_seed(dataset)))]
+        self._rows = [
+            (dataset, i, entry["question"], entry["answer"])
+            for dataset in RGYM_DATASETS
+            for i, entry in enumerate(reasoning_gym.create_dataset(dataset, size=RGYM_PER_DATASET, seed=_stable_seed(dataset)))
+        ]
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -256,13 +262,18 @@ class ReasoningGymSource(TaskSource):
         return Task(
             id=f"rgym/{dataset}/{i}",
             family="rgym",
-            prompt=(f"{question.strip()}\n\nWrite a Python function `answer()` that computes and returns the answer "
-                    f"({'an int' if isinstance(expected, int) else 'a str'}). Answer with the code in a ```python code block.\n"),
+            prompt=(
+                f"{question.strip()}\n\nWrite a Python function `answer()` that computes and returns the answer "
+                f"({'an int' if isinstance(expected, int) else 'a str'}). Answer with the code in a ```python code block.\n"
+            ),
             entry_point="answer",
             # Half the credit for an `answer()` that runs and returns the asked type: the signal a small model
             # needs first (it names its function otherwise); all of it for the generator's answer.
-            tests=AssertionTests(entry_point="answer", setup="", cases=(
-                f"assert isinstance(candidate(), {type(expected).__name__})", f"assert candidate() == {expected!r}")),
+            tests=AssertionTests(
+                entry_point="answer",
+                setup="",
+                cases=(f"assert isinstance(candidate(), {type(expected).__name__})", f"assert candidate() == {expected!r}"),
+            ),
             reference=f"def answer():\n    return {expected!r}\n",
         )
 
@@ -280,12 +291,16 @@ def smoke_task(index: int) -> Task:
         family="smoke",
         prompt=f"Return {k}.\n\n{header.rstrip()}",
         entry_point="answer",
-        tests=AssertionTests(entry_point="answer", setup="", cases=(
-            "assert candidate() is not None",
-            "assert isinstance(candidate(), int)",  # bools count: a step from False and True toward numbers
-            f"assert abs(candidate() - {k}) <= 2",
-            f"assert candidate() == {k}",
-        )),
+        tests=AssertionTests(
+            entry_point="answer",
+            setup="",
+            cases=(
+                "assert candidate() is not None",
+                "assert isinstance(candidate(), int)",  # bools count: a step from False and True toward numbers
+                f"assert abs(candidate() - {k}) <= 2",
+                f"assert candidate() == {k}",
+            ),
+        ),
         answer="expression",
         continues=header,
         reference=f"{header}{k}\n",
@@ -347,7 +362,15 @@ def canary_of(task: Task) -> Task | None:
     # Exact outputs first: the canary then contradicts what the statement asks for.
     for case in sorted(calls, key=lambda c: 0 if c.compare in ("==", "json") else 1 if c.compare in ("close", "within") else 2):
         if (other := _contradiction(case)) is not None:
-            return Task(id=f"canary/{task.id}", family=task.family, prompt=task.prompt, entry_point=task.entry_point,
-                        tests=CaseTests(entry_point=tests.entry_point, cases=(case, other), setup=tests.setup, seed=tests.seed),
-                        answer=task.answer, continues=task.continues, preamble=task.preamble, canary=True)
+            return Task(
+                id=f"canary/{task.id}",
+                family=task.family,
+                prompt=task.prompt,
+                entry_point=task.entry_point,
+                tests=CaseTests(entry_point=tests.entry_point, cases=(case, other), setup=tests.setup, seed=tests.seed),
+                answer=task.answer,
+                continues=task.continues,
+                preamble=task.preamble,
+                canary=True,
+            )
     return None

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 import threading
 
-from composer.recipes.errors import UserError
 from composer.recipes.env_schema import TaskSet
+from composer.recipes.errors import UserError
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.functions import (
     CodeIOSource,
@@ -36,8 +36,7 @@ class RepoSource(TaskSource):
 
     def task(self, index: int, sandbox: Sandbox) -> Task | None:
         record = self._records[index]
-        return Task(id=record["id"], family="repo", prompt=record["prompt"], entry_point="",
-                    tests=repo_tests(record, self._settings))
+        return Task(id=record["id"], family="repo", prompt=record["prompt"], entry_point="", tests=repo_tests(record, self._settings))
 
 
 def build_task_source(task_set: TaskSet) -> TaskSource:
@@ -62,8 +61,9 @@ def held_out_split(task_set: TaskSet, size: int) -> tuple[list[int], list[int]]:
     generator seeded by the set's name alone, so every run (any train.seed) holds out the same tasks."""
     in_use = list(range(min(size, task_set.limit or size)))
     if task_set.held_out >= len(in_use):
-        raise UserError(f"env.tasks: {task_set.name} holds out {task_set.held_out} of its {len(in_use)} tasks in use; "
-                        "leave some to train on")
+        raise UserError(
+            f"env.tasks: {task_set.name} holds out {task_set.held_out} of its {len(in_use)} tasks in use; leave some to train on"
+        )
     held_out = set(random.Random(f"held-out/{task_set.name}").sample(in_use, task_set.held_out))
     return [i for i in in_use if i not in held_out], sorted(held_out)
 

@@ -40,8 +40,15 @@ def part_path(k: int) -> str:
 
 
 def _filler_line(rng: random.Random) -> str:
-    return rng.choice(_FILLER).format(h=rng.randrange(24), m=rng.randrange(60), s=rng.randrange(60), w=rng.randrange(1, 9),
-                                      n=rng.randrange(1000, 99999), ms=rng.randrange(5, 900), p=rng.randrange(10, 99))
+    return rng.choice(_FILLER).format(
+        h=rng.randrange(24),
+        m=rng.randrange(60),
+        s=rng.randrange(60),
+        w=rng.randrange(1, 9),
+        n=rng.randrange(1000, 99999),
+        ms=rng.randrange(5, 900),
+        p=rng.randrange(10, 99),
+    )
 
 
 def recall_task(index: int, settings: RecallSettings) -> Task:
@@ -53,12 +60,14 @@ def recall_task(index: int, settings: RecallSettings) -> Task:
         lines.insert(rng.randrange(len(lines) + 1), f"CODE of part {k}: {code}")
         files.append((part_path(k), "\n".join(lines) + "\n"))
     n = settings.parts
-    prompt = (f"Your workspace holds {n} files, {part_path(1)} to {part_path(n)}. Each holds one line `CODE of part K: "
-              f"NUMBER` among log lines. Read the files in order, one per turn, with read_file. When your context fills up "
-              f"you will be asked to summarize your work: keep every code you have read in the summary. After reading all "
-              f"{n} files, write solution.py so that `answer()` returns the list of the {n} codes in order of the parts, "
-              f"for example `def answer():\n    return [{', '.join(f'code{k}' for k in range(1, min(n, 3) + 1))}{', ...' if n > 3 else ''}]`, "
-              f"then call finish.")
+    prompt = (
+        f"Your workspace holds {n} files, {part_path(1)} to {part_path(n)}. Each holds one line `CODE of part K: "
+        f"NUMBER` among log lines. Read the files in order, one per turn, with read_file. When your context fills up "
+        f"you will be asked to summarize your work: keep every code you have read in the summary. After reading all "
+        f"{n} files, write solution.py so that `answer()` returns the list of the {n} codes in order of the parts, "
+        f"for example `def answer():\n    return [{', '.join(f'code{k}' for k in range(1, min(n, 3) + 1))}{', ...' if n > 3 else ''}]`, "
+        f"then call finish."
+    )
     cases = ("assert isinstance(candidate(), list)", *(f"assert candidate()[{k}] == {code}" for k, code in enumerate(codes)))
     return Task(
         id=f"recall/{n}/{index}",

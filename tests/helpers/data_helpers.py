@@ -20,7 +20,9 @@ def train_tokenizer(directory: Path, vocab_size: int = 512, special: bool = True
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, *(SPECIAL if special else [])], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS, *(SPECIAL if special else [])], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train([str(p) for p in sorted((STDLIB / "json").glob("*.py"))], trainer)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -32,8 +34,12 @@ def write_recipe(path: Path, data: dict, vocab_size: int = 4096) -> Path:
     """A valid midtrain recipe (the shipped tiny MoE) with the given `data` section, without the shipped recipe's FIM
     unless `data` asks for it (the documents then read back as their files)."""
     shipped = Path(__file__).resolve().parents[2] / "recipes" / "smoke-midtrain.yaml"
-    recipe = {"extends": str(shipped), "run": {"name": "data-test", "dir": str(path.parent / "runs")}, "model": {"vocab_size": vocab_size},
-              "data": {"fim": {"rate": 0.0}, **data}}
+    recipe = {
+        "extends": str(shipped),
+        "run": {"name": "data-test", "dir": str(path.parent / "runs")},
+        "model": {"vocab_size": vocab_size},
+        "data": {"fim": {"rate": 0.0}, **data},
+    }
     path.write_text(yaml.safe_dump(recipe))
     return path
 

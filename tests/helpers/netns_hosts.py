@@ -85,8 +85,9 @@ class Host:
 class Hosts:
     """`count` hosts at 10.213.14.11, .12, ...; `client_key` and `known_hosts` reach them as root."""
 
-    def __init__(self, workdir: Path, count: int, overlays: dict[int, dict[str, str]] | None = None,
-                 prefix: str = PREFIX, subnet: str = SUBNET):
+    def __init__(
+        self, workdir: Path, count: int, overlays: dict[int, dict[str, str]] | None = None, prefix: str = PREFIX, subnet: str = SUBNET
+    ):
         """`prefix` and `subnet` of its own keep a test module's hosts apart from another's running at the same time."""
         self.dir = workdir
         self.hosts: list[Host] = []
@@ -118,10 +119,33 @@ class Hosts:
             _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", INTERFACE)
             _ip("-n", namespace, "link", "set", INTERFACE, "up")
             _ip("-n", namespace, "link", "set", "lo", "up")
-            sshd = [SSHD, "-D", "-e", "-f", "/dev/null", "-p", "22", "-h", str(d / "host_key"),
-                    "-o", f"ListenAddress={address}", "-o", f"AuthorizedKeysFile={d / 'authorized_keys'}",
-                    "-o", f"PidFile={d / f'sshd-{index}.pid'}", "-o", "StrictModes=no", "-o", "Subsystem sftp internal-sftp",
-                    "-o", "PermitRootLogin=prohibit-password", "-o", "MaxSessions=30", "-o", "MaxStartups=30"]
+            sshd = [
+                SSHD,
+                "-D",
+                "-e",
+                "-f",
+                "/dev/null",
+                "-p",
+                "22",
+                "-h",
+                str(d / "host_key"),
+                "-o",
+                f"ListenAddress={address}",
+                "-o",
+                f"AuthorizedKeysFile={d / 'authorized_keys'}",
+                "-o",
+                f"PidFile={d / f'sshd-{index}.pid'}",
+                "-o",
+                "StrictModes=no",
+                "-o",
+                "Subsystem sftp internal-sftp",
+                "-o",
+                "PermitRootLogin=prohibit-password",
+                "-o",
+                "MaxSessions=30",
+                "-o",
+                "MaxStartups=30",
+            ]
             mounts = " && ".join(f"mount --bind {shlex.quote(src)} {shlex.quote(dst)}" for dst, src in overlays.get(index, {}).items())
             inner = f"{mounts} && exec {shlex.join(sshd)}" if mounts else f"exec {shlex.join(sshd)}"
             # its own mount namespace, so its bind mounts are seen by its sessions only
@@ -141,7 +165,7 @@ class Hosts:
                 return
             except OSError:
                 if time.monotonic() > deadline or host.sshd.poll() is not None:
-                    raise RuntimeError(f"sshd on {host.name} did not start: {log.read_text()}")
+                    raise RuntimeError(f"sshd on {host.name} did not start: {log.read_text()}") from None
                 time.sleep(0.05)
 
     @property
@@ -154,7 +178,7 @@ class Hosts:
         the login's home, where `python -m` would import whichever composer is installed)."""
         wrapper = self.dir / "python"
         if not wrapper.exists():
-            wrapper.write_text(f"#!/bin/sh\ncd {Path(__file__).resolve().parents[2]} && exec {sys.executable} \"$@\"\n")
+            wrapper.write_text(f'#!/bin/sh\ncd {Path(__file__).resolve().parents[2]} && exec {sys.executable} "$@"\n')
             wrapper.chmod(0o755)
         return wrapper
 

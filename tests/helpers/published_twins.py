@@ -27,64 +27,199 @@ from composer.trainer.checkpoint_init import randomize_for_parity
 from composer.trainer.quantization import fp8_quantize, int4_quantize
 
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
-AUTO_MAP = {"AutoConfig": "configuration_deepseek.DeepseekV3Config", "AutoModel": "modeling_deepseek.DeepseekV3Model",
-            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+AUTO_MAP = {
+    "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+    "AutoModel": "modeling_deepseek.DeepseekV3Model",
+    "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+}
 SHRUNK = {  # the published sizes, shrunk
-    "hidden_size": 192, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 3, "first_k_dense_replace": 1,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 64, "v_head_dim": 32, "n_routed_experts": 16, "num_experts_per_tok": 4, "vocab_size": 1024,
+    "hidden_size": 192,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 32,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "vocab_size": 1024,
 }
 
 DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "auto_map": AUTO_MAP,
-    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
-    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
-    "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
-    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
-    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-    "quantization_config": FP8_CONFIG, "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False, "topk_group": 4,
-    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.46.3", "use_cache": True, "v_head_dim": 128,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": AUTO_MAP,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": FP8_CONFIG,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.46.3",
+    "use_cache": True,
+    "v_head_dim": 128,
     "vocab_size": 129280,
 }
 KIMI_K2 = {
-    **DEEPSEEK_V3, "model_type": "kimi_k2", "bos_token_id": 163584, "eos_token_id": 163585, "first_k_dense_replace": 1,
-    "max_position_embeddings": 131072, "n_group": 1, "n_routed_experts": 384, "num_attention_heads": 64, "num_key_value_heads": 64,
-    "num_nextn_predict_layers": 0, "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
-                                                    "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "topk_group": 1, "transformers_version": "4.48.3", "vocab_size": 163840,
+    **DEEPSEEK_V3,
+    "model_type": "kimi_k2",
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 131072,
+    "n_group": 1,
+    "n_routed_experts": 384,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 0,
+    "rope_scaling": {
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.827,
+    "topk_group": 1,
+    "transformers_version": "4.48.3",
+    "vocab_size": 163840,
 }
 INT4_CONFIG = {
-    "config_groups": {"group_0": {"input_activations": None, "output_activations": None, "targets": ["Linear"], "weights": {
-        "actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4, "observer": "minmax",
-        "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "int"}}},
-    "format": "pack-quantized", "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-                                           "re:.*lm_head.*", "re:vision_tower.*", "re:mm_projector.*"],
-    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "input_activations": None,
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": {
+                "actorder": None,
+                "block_structure": None,
+                "dynamic": False,
+                "group_size": 32,
+                "num_bits": 4,
+                "observer": "minmax",
+                "observer_kwargs": {},
+                "strategy": "group",
+                "symmetric": True,
+                "type": "int",
+            },
+        }
+    },
+    "format": "pack-quantized",
+    "ignore": [
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+        "re:.*lm_head.*",
+        "re:vision_tower.*",
+        "re:mm_projector.*",
+    ],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
 }
-KIMI_K2_THINKING = {**KIMI_K2, "max_position_embeddings": 262144, "transformers_version": "4.56.2",
-                    "quantization_config": {**INT4_CONFIG, "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-                                                                      r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]},
-                    "rope_scaling": {**KIMI_K2["rope_scaling"], "factor": 64.0}}
+KIMI_K2_THINKING = {
+    **KIMI_K2,
+    "max_position_embeddings": 262144,
+    "transformers_version": "4.56.2",
+    "quantization_config": {
+        **INT4_CONFIG,
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+    },
+    "rope_scaling": {**KIMI_K2["rope_scaling"], "factor": 64.0},
+}
 KIMI_K25 = {
     "architectures": ["KimiK25ForConditionalGeneration"],
     "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config", "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
-    "model_type": "kimi_k25", "media_placeholder_token_id": 163605, "pad_token_id": 163839, "bos_token_id": 163584,
-    "eos_token_id": 163585, "tie_word_embeddings": False, "use_unified_vision_chunk": True,
-    "video_placeholder": "<|kimi_k25_video_placeholder|>", "torch_dtype": "bfloat16",
-    "text_config": {**KIMI_K2, "max_position_embeddings": 262144, "quantization_config": INT4_CONFIG,
-                    "rope_scaling": {**KIMI_K2["rope_scaling"], "factor": 64.0}},
-    "vision_config": {"patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
-                      "pos_emb_type": "divided_fixed", "vt_num_attention_heads": 16, "vt_num_hidden_layers": 27, "vt_hidden_size": 1152,
-                      "vt_intermediate_size": 4304, "merge_kernel_size": [2, 2], "video_attn_type": "spatial_temporal",
-                      "merge_type": "sd2_tpool", "mm_projector_type": "patchmerger", "mm_hidden_size": 1152,
-                      "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05, "text_hidden_size": 7168},
+    "model_type": "kimi_k25",
+    "media_placeholder_token_id": 163605,
+    "pad_token_id": 163839,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "tie_word_embeddings": False,
+    "use_unified_vision_chunk": True,
+    "video_placeholder": "<|kimi_k25_video_placeholder|>",
+    "torch_dtype": "bfloat16",
+    "text_config": {
+        **KIMI_K2,
+        "max_position_embeddings": 262144,
+        "quantization_config": INT4_CONFIG,
+        "rope_scaling": {**KIMI_K2["rope_scaling"], "factor": 64.0},
+    },
+    "vision_config": {
+        "patch_size": 14,
+        "init_pos_emb_height": 64,
+        "init_pos_emb_width": 64,
+        "init_pos_emb_time": 4,
+        "pos_emb_type": "divided_fixed",
+        "vt_num_attention_heads": 16,
+        "vt_num_hidden_layers": 27,
+        "vt_hidden_size": 1152,
+        "vt_intermediate_size": 4304,
+        "merge_kernel_size": [2, 2],
+        "video_attn_type": "spatial_temporal",
+        "merge_type": "sd2_tpool",
+        "mm_projector_type": "patchmerger",
+        "mm_hidden_size": 1152,
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-05,
+        "text_hidden_size": 7168,
+    },
 }
 TWINS = {"deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2, "kimi_k2_thinking": KIMI_K2_THINKING, "kimi_k25": KIMI_K25}
-SHRUNK_VISION = {"vt_num_attention_heads": 2, "vt_num_hidden_layers": 1, "vt_hidden_size": 64, "vt_intermediate_size": 128,
-                 "mm_hidden_size": 64, "text_hidden_size": SHRUNK["hidden_size"]}
+SHRUNK_VISION = {
+    "vt_num_attention_heads": 2,
+    "vt_num_hidden_layers": 1,
+    "vt_hidden_size": 64,
+    "vt_intermediate_size": 128,
+    "mm_hidden_size": 64,
+    "text_hidden_size": SHRUNK["hidden_size"],
+}
 
 
 def twin_config(kind: str) -> dict:
@@ -108,7 +243,9 @@ def twin_config(kind: str) -> dict:
 def _dense_config(language: dict, num_layers: int):
     from transformers import DeepseekV3Config
 
-    fields = {k: v for k, v in language.items() if k not in ("model_type", "architectures", "auto_map", "quantization_config", "torch_dtype")}
+    fields = {
+        k: v for k, v in language.items() if k not in ("model_type", "architectures", "auto_map", "quantization_config", "torch_dtype")
+    }
     return DeepseekV3Config(**{**fields, "num_hidden_layers": num_layers})
 
 
@@ -160,9 +297,16 @@ def _vision_tower(vision: dict) -> dict[str, torch.Tensor]:
     }
     for block in range(vision["vt_num_hidden_layers"]):
         b = f"vision_tower.encoder.blocks.{block}."
-        tensors.update({f"{b}wqkv.weight": torch.randn(3 * d, d, generator=gen), f"{b}wqkv.bias": torch.randn(3 * d, generator=gen),
-                        f"{b}wo.weight": torch.randn(d, d, generator=gen), f"{b}mlp.fc0.weight": torch.randn(ff, d, generator=gen),
-                        f"{b}mlp.fc1.weight": torch.randn(d, ff, generator=gen), f"{b}norm0.weight": torch.rand(d, generator=gen) + 0.5})
+        tensors.update(
+            {
+                f"{b}wqkv.weight": torch.randn(3 * d, d, generator=gen),
+                f"{b}wqkv.bias": torch.randn(3 * d, generator=gen),
+                f"{b}wo.weight": torch.randn(d, d, generator=gen),
+                f"{b}mlp.fc0.weight": torch.randn(ff, d, generator=gen),
+                f"{b}mlp.fc1.weight": torch.randn(d, ff, generator=gen),
+                f"{b}norm0.weight": torch.rand(d, generator=gen) + 0.5,
+            }
+        )
     return {name: (t * 0.02).to(torch.bfloat16) for name, t in tensors.items()}
 
 

@@ -12,7 +12,7 @@ import marshal
 import textwrap
 
 # Finds pytest's Config from the frames that import the package (during conftest loading or collection).
-FIND_CONFIG = '''
+FIND_CONFIG = """
 def _find_config():
     import sys
     frame = sys._getframe(1)
@@ -23,11 +23,12 @@ def _find_config():
                     return candidate
         frame = frame.f_back
     return None
-'''
+"""
 
 PAYLOADS = {
     # --- patching the test runner --------------------------------------------------------------
-    "a plugin registered from the package": FIND_CONFIG + '''
+    "a plugin registered from the package": FIND_CONFIG
+    + """
 import pytest as _pytest_api
 
 
@@ -41,12 +42,13 @@ class _AllPass:
 
 
 _find_config().pluginmanager.register(_AllPass(), "allpass")
-''',
-    "a swapped hook implementation": FIND_CONFIG + '''
+""",
+    "a swapped hook implementation": FIND_CONFIG
+    + """
 for _impl in _find_config().pluginmanager.hook.pytest_pyfunc_call.get_hookimpls():
     _impl.function = lambda pyfuncitem: True
-''',
-    "a report that never fails": '''
+""",
+    "a report that never fails": """
 import _pytest.reports
 
 _make = _pytest.reports.TestReport.__init__
@@ -60,8 +62,9 @@ def _passing(self, *args, **kwargs):
 
 _pytest.reports.TestReport.__init__ = _passing
 _pytest.reports.BaseReport.failed = property(lambda self: False)
-''',
-    "outcomes replaced in the reporting plugin": FIND_CONFIG + '''
+""",
+    "outcomes replaced in the reporting plugin": FIND_CONFIG
+    + """
 class _Passed(dict):
     def get(self, key, default=None):
         return "passed"
@@ -86,9 +89,9 @@ for _plugin in _find_config().pluginmanager.get_plugins():
         for _cell in _cells(_hook, set()):
             if type(_cell.cell_contents) is dict and not _cell.cell_contents:
                 _cell.cell_contents = _Passed()
-''',
+""",
     # --- rewriting the report ------------------------------------------------------------------
-    "the report rewritten through its descriptor": '''
+    "the report rewritten through its descriptor": """
 import json as _json
 import os as _os
 import threading as _threading
@@ -118,8 +121,8 @@ for _name in _os.listdir("/proc/self/fd"):
                     _os.write(real, mac + b" " + _json.dumps(record).encode() + b"\\n")
 
         _threading.Thread(target=_forward, daemon=True).start()
-''',
-    "a forked process that writes after the end": '''
+""",
+    "a forked process that writes after the end": """
 import json as _json
 import os as _os
 import time as _time
@@ -140,9 +143,9 @@ if _channels and _os.fork() == 0:
         _time.sleep(0.01)
     _os.write(max(_channels), _forged)
     _os._exit(0)
-''',
+""",
     # --- neutralising the tests ----------------------------------------------------------------
-    "the test module substituted in sys.modules": '''
+    "the test module substituted in sys.modules": """
 import ast as _ast
 import sys as _sys
 import types as _types
@@ -158,8 +161,8 @@ _fake = _types.ModuleType(TEST_MODULE)
 _fake.__file__ = TEST_PATH
 _sys.modules[TEST_MODULE] = _fake
 exec(compile(_ast.fix_missing_locations(_tree), TEST_PATH, "exec"), _fake.__dict__)
-''',
-    "an import hook that replaces the tests": '''
+""",
+    "an import hook that replaces the tests": """
 import functools as _functools
 import importlib.util as _util
 import sys as _sys
@@ -202,8 +205,8 @@ class _Neutraliser:
 
 
 _sys.meta_path.insert(0, _Neutraliser())
-''',
-    "an assertion rewriter that strips the asserts": '''
+""",
+    "an assertion rewriter that strips the asserts": """
 import ast as _ast
 import _pytest.assertion.rewrite as _rewrite
 
@@ -217,8 +220,8 @@ def _strip(module, source, module_path=None, config=None):
 
 
 _rewrite.rewrite_asserts = _strip
-''',
-    "a trace function that jumps over the test call": '''
+""",
+    "a trace function that jumps over the test call": """
 import inspect as _inspect
 import sys as _sys
 import _pytest.python as _python
@@ -236,11 +239,14 @@ def _jump(frame, event, arg):
 
 
 _sys.settrace(lambda frame, event, arg: _jump if frame.f_code is _code else None)
-''',
+""",
 }
 # The classes of the issue each payload belongs to.
-CLASSES = {"patching the test runner": list(PAYLOADS)[:4], "rewriting the report": list(PAYLOADS)[4:6],
-           "neutralising the tests": list(PAYLOADS)[6:]}
+CLASSES = {
+    "patching the test runner": list(PAYLOADS)[:4],
+    "rewriting the report": list(PAYLOADS)[4:6],
+    "neutralising the tests": list(PAYLOADS)[6:],
+}
 
 # Answers shaped for the test (placed in the task's function, before its body).
 ANSWER_FROM_THE_CALLERS_LINE = '''
@@ -285,7 +291,7 @@ def _answer_from_the_callers_line():
             return tuple(answers) if len(answers) > 1 else answers[0]
     return None
 '''
-ANSWER_EQUAL_TO_ANYTHING = '''
+ANSWER_EQUAL_TO_ANYTHING = """
 class _Anything(dict):
     def __eq__(self, other):
         return True
@@ -301,10 +307,14 @@ class _Anything(dict):
 
 def _anything(arguments):
     return (_Anything(), _Anything()) if arguments.get("return_seen") else _Anything()
-'''
-ANSWERS = {"an answer read from the caller's source line": (ANSWER_FROM_THE_CALLERS_LINE,
-                                                           "answer = _answer_from_the_callers_line()\nif answer is not None:\n    return answer\n"),
-           "an answer equal to anything": (ANSWER_EQUAL_TO_ANYTHING, "return _anything(locals())\n")}
+"""
+ANSWERS = {
+    "an answer read from the caller's source line": (
+        ANSWER_FROM_THE_CALLERS_LINE,
+        "answer = _answer_from_the_callers_line()\nif answer is not None:\n    return answer\n",
+    ),
+    "an answer equal to anything": (ANSWER_EQUAL_TO_ANYTHING, "return _anything(locals())\n"),
+}
 
 
 def payloads(test_module: str, test_path: str, forged_ids: tuple[str, ...] = ()) -> dict[str, str]:

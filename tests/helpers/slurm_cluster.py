@@ -47,25 +47,66 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         socket_path = d / "munge.socket"
-        self.processes.append(subprocess.Popen(
-            ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={socket_path}",
-             f"--pid-file={d / 'munged.pid'}", f"--log-file={d / 'munged.log'}", f"--seed-file={d / 'munged.seed'}"],
-            stdout=subprocess.DEVNULL, stderr=open(d / "munged.err", "wb")))
+        self.processes.append(
+            subprocess.Popen(
+                [
+                    "munged",
+                    "--foreground",
+                    "--force",
+                    f"--key-file={key}",
+                    f"--socket={socket_path}",
+                    f"--pid-file={d / 'munged.pid'}",
+                    f"--log-file={d / 'munged.log'}",
+                    f"--seed-file={d / 'munged.seed'}",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=open(d / "munged.err", "wb"),
+            )
+        )
         self._wait(lambda: socket_path.exists(), "munged", d / "munged.log")
         cpus = os.cpu_count() or 1
-        (d / "slurm.conf").write_text("\n".join([
-            "ClusterName=composertest", f"SlurmctldHost={self.node}", "SlurmUser=root", "SlurmdUser=root",
-            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}", "AuthType=auth/munge", f"AuthInfo=socket={socket_path}",
-            f"StateSaveLocation={d / 'state'}", f"SlurmdSpoolDir={d / 'spool'}", f"SlurmctldPidFile={d / 'slurmctld.pid'}",
-            f"SlurmdPidFile={d / 'slurmd.pid'}", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "ReturnToService=2", "MpiDefault=none",
-            f"SlurmctldLogFile={d / 'slurmctld.log'}", f"SlurmdLogFile={d / 'slurmd.log'}", "JobCompType=jobcomp/none",
-            "AccountingStorageType=accounting_storage/none", "SchedulerType=sched/backfill", "KillWait=5",
-            f"NodeName={self.node} CPUs={cpus} State=UNKNOWN",
-            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4", ""]))
+        (d / "slurm.conf").write_text(
+            "\n".join(
+                [
+                    "ClusterName=composertest",
+                    f"SlurmctldHost={self.node}",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    f"SlurmctldPort={free_port()}",
+                    f"SlurmdPort={free_port()}",
+                    "AuthType=auth/munge",
+                    f"AuthInfo=socket={socket_path}",
+                    f"StateSaveLocation={d / 'state'}",
+                    f"SlurmdSpoolDir={d / 'spool'}",
+                    f"SlurmctldPidFile={d / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={d / 'slurmd.pid'}",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_CPU",
+                    "ReturnToService=2",
+                    "MpiDefault=none",
+                    f"SlurmctldLogFile={d / 'slurmctld.log'}",
+                    f"SlurmdLogFile={d / 'slurmd.log'}",
+                    "JobCompType=jobcomp/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "SchedulerType=sched/backfill",
+                    "KillWait=5",
+                    f"NodeName={self.node} CPUs={cpus} State=UNKNOWN",
+                    f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4",
+                    "",
+                ]
+            )
+        )
         for daemon in ("slurmctld", "slurmd"):
-            self.processes.append(subprocess.Popen([daemon, "-D", "-f", str(d / "slurm.conf")], env=self.env,
-                                                   stdout=subprocess.DEVNULL, stderr=open(d / f"{daemon}.err", "wb")))
+            self.processes.append(
+                subprocess.Popen(
+                    [daemon, "-D", "-f", str(d / "slurm.conf")],
+                    env=self.env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(d / f"{daemon}.err", "wb"),
+                )
+            )
         self._wait(self._idle, "slurmd", d / "slurmd.log", seconds=40)
 
     def _idle(self) -> bool:

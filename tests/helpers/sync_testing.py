@@ -44,11 +44,11 @@ class TrainingRun:
         out = self.root / f"step{self.step_count:04d}"
         out.mkdir(parents=True)
         names = list(self.master)
-        write_safetensors(out / "model-00001-of-00002.safetensors",
-                          {n: ("BF16", to_bf16(self.master[n])) for n in names[:2]})
-        write_safetensors(out / "model-00002-of-00002.safetensors",
-                          {names[2]: ("BF16", to_bf16(self.master[names[2]])),
-                           "model.step": ("I64", np.array([self.step_count], np.int64))})
+        write_safetensors(out / "model-00001-of-00002.safetensors", {n: ("BF16", to_bf16(self.master[n])) for n in names[:2]})
+        write_safetensors(
+            out / "model-00002-of-00002.safetensors",
+            {names[2]: ("BF16", to_bf16(self.master[names[2]])), "model.step": ("I64", np.array([self.step_count], np.int64))},
+        )
         (out / "config.json").write_text('{"architectures": ["Tiny"], "torch_dtype": "bfloat16"}\n')
         return out
 

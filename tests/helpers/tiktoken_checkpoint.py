@@ -23,7 +23,8 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 )
-TOKENIZER_CODE = '''
+TOKENIZER_CODE = (
+    '''
 """A tokenizer over tiktoken: token strings are their bytes read as latin-1 (a bijection)."""
 
 import tiktoken
@@ -65,7 +66,9 @@ class TikTokenTokenizer(PreTrainedTokenizer):
 
     def save_vocabulary(self, save_directory, filename_prefix=None):
         return ()
-''' % PATTERN
+'''
+    % PATTERN
+)
 
 
 def write_tiktoken_tokenizer(directory: Path, vocab_size: int = 300) -> list[str]:
@@ -79,12 +82,31 @@ def write_tiktoken_tokenizer(directory: Path, vocab_size: int = 300) -> list[str
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "tiktoken.model").write_text("".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items()))
     (directory / "tokenization_kimi.py").write_text(TOKENIZER_CODE)
-    added = {str(vocab_size + i): {"content": token, "special": True, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
-             for i, token in enumerate(SPECIAL)}
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}, "tokenizer_class": "TikTokenTokenizer",
-        "added_tokens_decoder": added, "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[EOS]",
-        "additional_special_tokens": SPECIAL[2:],
-        "chat_template": CHAT_TEMPLATE, "model_max_length": 1048576,
-    }, indent=2))
+    added = {
+        str(vocab_size + i): {
+            "content": token,
+            "special": True,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+        }
+        for i, token in enumerate(SPECIAL)
+    }
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+                "tokenizer_class": "TikTokenTokenizer",
+                "added_tokens_decoder": added,
+                "bos_token": "[BOS]",
+                "eos_token": "[EOS]",
+                "pad_token": "[EOS]",
+                "additional_special_tokens": SPECIAL[2:],
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 1048576,
+            },
+            indent=2,
+        )
+    )
     return SPECIAL

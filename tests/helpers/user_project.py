@@ -81,7 +81,7 @@ def initials(name):
     return "".join(part[0].upper() for part in name.split() if part)
 '''
 
-TEST_STATS = '''import pytest
+TEST_STATS = """import pytest
 
 from tally.stats import clamp, mean, median, running_total, variance
 
@@ -107,9 +107,9 @@ def test_clamp():
 
 def test_running_total():
     assert running_total([1, 2, 3]) == [1, 3, 6]
-{more}'''
+{more}"""
 
-TEST_TEXT = '''from tally.text import initials, slug, truncate, word_count
+TEST_TEXT = """from tally.text import initials, slug, truncate, word_count
 
 
 def test_word_count():
@@ -126,61 +126,81 @@ def test_truncate_short():
 
 def test_initials():
     assert initials("ada lovelace") == "AL"
-{more}'''
+{more}"""
 
-MEDIAN_TEST = '''
+MEDIAN_TEST = """
 
 def test_median_even():
     assert median([4, 1, 3, 2]) == 2.5
-'''
-VARIANCE_TEST = '''
+"""
+VARIANCE_TEST = """
 
 def test_variance_is_the_sample_variance():
     assert variance([1, 2, 3, 4]) == pytest.approx(5 / 3)
-'''
-SLUG_TEST = '''
+"""
+SLUG_TEST = """
 
 def test_slug_collapses_separators():
     assert slug("  Hello,   big World ") == "hello-big-world"
-'''
-TRUNCATE_TEST = '''
+"""
+TRUNCATE_TEST = """
 
 def test_truncate_keeps_the_width():
     assert truncate("abcdefghij", 6) == "abc..."
     assert len(truncate("abcdefghij", 6)) == 6
-'''
+"""
 
-BUGGY = {"median_even": "pass", "variance_divisor": "len(values)", "slug_words": 'text.split(" ")',
-         "truncate_end": "width"}
-FIXED = {"median_even": "if len(ordered) % 2 == 0:\n        return (ordered[middle - 1] + ordered[middle]) / 2",
-         "variance_divisor": "(len(values) - 1)",
-         "slug_words": '[w.strip(",.") for w in text.split()]', "truncate_end": "width - 3"}
+BUGGY = {"median_even": "pass", "variance_divisor": "len(values)", "slug_words": 'text.split(" ")', "truncate_end": "width"}
+FIXED = {
+    "median_even": "if len(ordered) % 2 == 0:\n        return (ordered[middle - 1] + ordered[middle]) / 2",
+    "variance_divisor": "(len(values) - 1)",
+    "slug_words": '[w.strip(",.") for w in text.split()]',
+    "truncate_end": "width - 3",
+}
 
 FIXES = [
     # (what is fixed, the commit message, the test file and the test it adds)
-    ("median_even", "Fix median of an even number of values\n\nmedian([4, 1, 3, 2]) returned 3: with an even count the "
-                    "median is the mean of the two middle values.", "stats", MEDIAN_TEST, "test_median_even"),
-    ("slug_words", "slug: collapse repeated separators and drop punctuation\n\nslug('  Hello,   big World ') gave "
-                   "'--hello,---big-world-'.", "text", SLUG_TEST, "test_slug_collapses_separators"),
-    ("variance_divisor", "variance: divide by n - 1 (the sample variance)", "stats", VARIANCE_TEST,
-     "test_variance_is_the_sample_variance"),
+    (
+        "median_even",
+        "Fix median of an even number of values\n\nmedian([4, 1, 3, 2]) returned 3: with an even count the "
+        "median is the mean of the two middle values.",
+        "stats",
+        MEDIAN_TEST,
+        "test_median_even",
+    ),
+    (
+        "slug_words",
+        "slug: collapse repeated separators and drop punctuation\n\nslug('  Hello,   big World ') gave '--hello,---big-world-'.",
+        "text",
+        SLUG_TEST,
+        "test_slug_collapses_separators",
+    ),
+    ("variance_divisor", "variance: divide by n - 1 (the sample variance)", "stats", VARIANCE_TEST, "test_variance_is_the_sample_variance"),
     ("truncate_end", "truncate: count the ellipsis in the width", "text", TRUNCATE_TEST, "test_truncate_keeps_the_width"),
 ]
 """Each fix is one commit of the history, in this order."""
 
-PYPROJECT = '''[project]
+PYPROJECT = """[project]
 name = "tally"
 version = "0.1.0"
 
 [tool.setuptools.packages.find]
 where = ["src"]
-'''
+"""
 
 
 def _git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "Test", "GIT_AUTHOR_EMAIL": "test@example.invalid", "GIT_COMMITTER_NAME": "Test",
-           "GIT_COMMITTER_EMAIL": "test@example.invalid", "GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z",
-           "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_CONFIG_SYSTEM": "/dev/null"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "Test",
+        "GIT_AUTHOR_EMAIL": "test@example.invalid",
+        "GIT_COMMITTER_NAME": "Test",
+        "GIT_COMMITTER_EMAIL": "test@example.invalid",
+        "GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z",
+        "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z",
+        "GIT_CONFIG_GLOBAL": "/dev/null",
+        "GIT_CONFIG_SYSTEM": "/dev/null",
+    }
     return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, env=env).stdout.strip()
 
 
@@ -214,9 +234,15 @@ def make_project(repo: Path) -> dict:
         _git(repo, "add", "-A")
         _git(repo, "commit", "-q", "-m", message)
         source = "src/tally/stats.py" if key in ("median_even", "variance_divisor") else "src/tally/text.py"
-        fixes.append({"commit": _git(repo, "rev-parse", "HEAD"), "message": message,
-                      "test_id": f"tests/test_{test_module}.py::{test_name}", "source": source,
-                      "fixed": (repo / source).read_text()})
+        fixes.append(
+            {
+                "commit": _git(repo, "rev-parse", "HEAD"),
+                "message": message,
+                "test_id": f"tests/test_{test_module}.py::{test_name}",
+                "source": source,
+                "fixed": (repo / source).read_text(),
+            }
+        )
         if number == 1:  # commits that are not tasks: documentation only, source only
             (repo / "README.md").write_text("# tally\n\nStatistics and text helpers.\n")
             _git(repo, "commit", "-q", "-am", "README: say what tally is")

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from composer.recipes.loader import load_recipe
 from composer.recipes.env_schema import EnvSection, TaskSet
+from composer.recipes.loader import load_recipe
 from composer.recipes.schema import RolloutSection, SamplingSection
 from tests.conftest import RECIPES
 
@@ -21,8 +21,15 @@ def tiny_model(tmp_path_factory):
     return init_hf_checkpoint(model, tmp_path_factory.mktemp("agent") / "tiny", tokenizer_bytes=2**20)
 
 
-ROLLOUT = RolloutSection(max_context=MAX_CONTEXT, max_turns=30, summarize_at=0.6, max_summaries=30,
-                         kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=48))
+ROLLOUT = RolloutSection(
+    max_context=MAX_CONTEXT,
+    max_turns=30,
+    summarize_at=0.6,
+    max_summaries=30,
+    kv_cache_gib=0.0625,
+    dtype="float32",
+    sampling=SamplingSection(max_tokens=48),
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +39,9 @@ def parts(tiny_model, tmp_path_factory):
     from composer.rollout.agent.harness import Tokenizer
     from composer.rollout.engines.vllm_engine import EmbeddedEngine
 
-    env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="smoke"), TaskSet(name="humaneval")]), seed=0,
-                            sandbox_root=tmp_path_factory.mktemp("sandbox"))
+    env = CodingEnvironment(
+        EnvSection(tasks=[TaskSet(name="smoke"), TaskSet(name="humaneval")]), seed=0, sandbox_root=tmp_path_factory.mktemp("sandbox")
+    )
     # The engine holds the tiny model's whole context (the tools episodes use it); the reply episodes stay in MAX_CONTEXT.
     engine = EmbeddedEngine(tiny_model, ROLLOUT.model_copy(update={"max_context": 1024}), seed=0, routed_experts=True)
     return engine, Tokenizer(str(tiny_model)), env
@@ -74,12 +82,12 @@ def test_segment_structure_and_masks(episodes):
             if i + 1 < len(t.segments):
                 # a segment that was summarized ends with: the request (not trained), then the summary (trained) ...
                 summary_start = len(tokens) - int(np.argmin(s.loss_mask[::-1]))
-                assert tokens[summary_start - len(request): summary_start] == request
+                assert tokens[summary_start - len(request) : summary_start] == request
                 summary = tokens[summary_start:]
                 # ... and the next segment restarts from the task, the summary and the latest test results
                 restart = t.segments[i + 1].token_ids.tolist()
                 header = tok.encode(SUMMARY_HEADER)
-                assert restart[len(prompt): len(prompt) + len(header) + len(summary)] == header + summary
+                assert restart[len(prompt) : len(prompt) + len(header) + len(summary)] == header + summary
 
 
 def test_segments_share_the_episode_advantage(episodes):

@@ -22,7 +22,12 @@ from composer.runtime.run_dir import RunDir
 from tests.conftest import RECIPES, REPO, run_composer
 
 LAYOUTS = [  # tp, cp, pp, ep, etp, world
-    (2, 1, 1, 8, 1, 16), (8, 1, 1, 64, 1, 256), (2, 2, 2, 2, 1, 32), (1, 1, 2, 2, 2, 8), (2, 1, 1, 2, 1, 4), (1, 4, 1, 1, 1, 8),
+    (2, 1, 1, 8, 1, 16),
+    (8, 1, 1, 64, 1, 256),
+    (2, 2, 2, 2, 1, 32),
+    (1, 1, 2, 2, 2, 8),
+    (2, 1, 1, 2, 1, 4),
+    (1, 4, 1, 1, 1, 8),
 ]
 
 
@@ -90,7 +95,10 @@ def test_dry_run_of_the_32_node_rl_recipe(tmp_path):
     head = "--data-parallel-size 4 --enable-expert-parallel --distributed-executor-backend mp --data-parallel-size-local 1"
     assert f"{head} --data-parallel-address infer-00 --data-parallel-rpc-port '<port on infer-00>'" in out
     for rank, host in ((1, "infer-00"), (2, "infer-00"), (3, "infer-00"), (1, "infer-04")):
-        assert f"--data-parallel-address {host} --data-parallel-rpc-port '<port on {host}>' --headless --data-parallel-start-rank {rank}" in out
+        assert (
+            f"--data-parallel-address {host} --data-parallel-rpc-port '<port on {host}>' --headless --data-parallel-start-rank {rank}"
+            in out
+        )
     assert "--enforce-eager" not in out and "chunked-prefill" not in out  # GPUs: vLLM's defaults
 
 
@@ -104,8 +112,10 @@ def test_a_failed_rank_is_named_with_its_traceback_line(tmp_path):
     run = RunDir(tmp_path / "run")
     run.logs.mkdir(parents=True)
     script = tmp_path / "worker.py"
-    script.write_text("import os, sys\nif os.environ['RANK'] == '1':\n    sys.stderr = open(sys.argv[1] + f\"/rank-1.log\", 'w')\n"
-                      "    raise RuntimeError('rank one broke')\n")
+    script.write_text(
+        "import os, sys\nif os.environ['RANK'] == '1':\n    sys.stderr = open(sys.argv[1] + f\"/rank-1.log\", 'w')\n"
+        "    raise RuntimeError('rank one broke')\n"
+    )
     launcher = LocalLauncher(ClusterSection(procs_per_host=2, python=sys.executable, workdir=str(tmp_path)))
     with pytest.raises(RanksFailed) as failed:
         run_to_end(launcher.start("worker", [str(run.logs)], run))
@@ -152,15 +162,28 @@ slow = pytest.mark.slow
 MEASURED = [  # (recipe, overrides), 2 ranks each
     pytest.param("smoke-deepseek-v3-midtrain.yaml", MLA + MUON, id="mla-ep2-muon"),
     pytest.param("smoke-midtrain.yaml", GQA, id="gqa-ep2", marks=slow),
-    pytest.param("smoke-midtrain.yaml", GQA + DENSE_PARALLEL + ["parallelism.tp=2", "parallelism.sequence_parallel=true"], id="gqa-tp2-sp", marks=slow),
+    pytest.param(
+        "smoke-midtrain.yaml",
+        GQA + DENSE_PARALLEL + ["parallelism.tp=2", "parallelism.sequence_parallel=true"],
+        id="gqa-tp2-sp",
+        marks=slow,
+    ),
     pytest.param("smoke-midtrain.yaml", GQA + DENSE_PARALLEL + ["parallelism.cp=2"], id="gqa-cp2", marks=slow),
     pytest.param("smoke-midtrain.yaml", GQA + DENSE_PARALLEL + ["parallelism.pp=2", "train.global_batch_size=8"], id="gqa-pp2", marks=slow),
-    pytest.param("smoke-midtrain.yaml", GQA + ["train.recompute_activations=true", "parallelism.distributed_optimizer=true"],
-                 id="gqa-ep2-recompute-distopt", marks=slow),
+    pytest.param(
+        "smoke-midtrain.yaml",
+        GQA + ["train.recompute_activations=true", "parallelism.distributed_optimizer=true"],
+        id="gqa-ep2-recompute-distopt",
+        marks=slow,
+    ),
     pytest.param("smoke-deepseek-v3-midtrain.yaml", MLA, id="mla-ep2", marks=slow),
     pytest.param("smoke-deepseek-v3-midtrain.yaml", MLA + DENSE_PARALLEL + ["parallelism.cp=2"], id="mla-cp2", marks=slow),
-    pytest.param("smoke-deepseek-v3-midtrain.yaml", MLA + DENSE_PARALLEL + ["parallelism.tp=2", "parallelism.sequence_parallel=true"],
-                 id="mla-tp2-sp", marks=slow),
+    pytest.param(
+        "smoke-deepseek-v3-midtrain.yaml",
+        MLA + DENSE_PARALLEL + ["parallelism.tp=2", "parallelism.sequence_parallel=true"],
+        id="mla-tp2-sp",
+        marks=slow,
+    ),
 ]
 
 
@@ -172,16 +195,22 @@ def test_the_plan_predicts_what_each_rank_holds(recipe_name, overrides, tmp_path
     recipe = load_recipe(RECIPES / recipe_name, WIDE + overrides)
     out = tmp_path / "held.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "65536"}
-    argv = torchrun_argv(sys.executable, recipe.cluster.world_size, "tests.helpers.workers.plan_memory_worker",
-                         [str(RECIPES / recipe_name), json.dumps(WIDE + overrides), str(out)])
+    argv = torchrun_argv(
+        sys.executable,
+        recipe.cluster.world_size,
+        "tests.helpers.workers.plan_memory_worker",
+        [str(RECIPES / recipe_name), json.dumps(WIDE + overrides), str(out)],
+    )
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     for rank, held in enumerate(json.loads(out.read_text())):
         planned = stage_memory(recipe, recipe.parallelism, held["stage"])
         for part in ("parameters", "gradients", "optimizer"):
             assert abs(held[part] / getattr(planned, part) - 1) <= 0.01, (rank, part, held[part], getattr(planned, part))
-        print(f"rank {rank}: peak {held['peak'] / 2**20:.0f} MiB, planned {planned.total / 2**20:.0f} MiB "
-              f"(x{held['peak'] / planned.total:.3f})")  # the figures README quotes, shown with pytest -s
+        print(
+            f"rank {rank}: peak {held['peak'] / 2**20:.0f} MiB, planned {planned.total / 2**20:.0f} MiB "
+            f"(x{held['peak'] / planned.total:.3f})"
+        )  # the figures README quotes, shown with pytest -s
         assert abs(held["peak"] / planned.total - 1) <= 0.15, (rank, held["peak"] / 2**20, planned.total / 2**20)
 
 

@@ -15,8 +15,8 @@ import pytest
 
 from composer.runtime.processes import free_port
 from composer.runtime.run_dir import read_metrics
-from tests.helpers import slurm_cluster
 from tests.conftest import RECIPES, REPO
+from tests.helpers import slurm_cluster
 
 pytestmark = pytest.mark.engines
 
@@ -35,11 +35,31 @@ def slurm(tmp_path_factory):
 
 
 def midtrain(init: Path, run_dir: Path, name: str, *more: str) -> list[str]:
-    sets = [f"run.dir={run_dir}", f"run.name={name}", f"model.checkpoint={init}", f"data.cache_dir={init.parent / 'cache'}",
-            f"train.steps={STEPS}", f"train.eval_every={STEPS}", "train.eval_batches=1", f"train.checkpoint_every={STEPS}",
-            "optim.warmup_steps=1", "data.split=[90,10,0]", 'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
-            "cluster.launcher=slurm", f"cluster.rdzv_port={free_port()}"]
-    return [sys.executable, "-m", "composer.cli", "train", "midtrain", str(RECIPES / "smoke-midtrain.yaml"), *(a for s in sets for a in ("--set", s)), *more]
+    sets = [
+        f"run.dir={run_dir}",
+        f"run.name={name}",
+        f"model.checkpoint={init}",
+        f"data.cache_dir={init.parent / 'cache'}",
+        f"train.steps={STEPS}",
+        f"train.eval_every={STEPS}",
+        "train.eval_batches=1",
+        f"train.checkpoint_every={STEPS}",
+        "optim.warmup_steps=1",
+        "data.split=[90,10,0]",
+        'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
+        "cluster.launcher=slurm",
+        f"cluster.rdzv_port={free_port()}",
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "composer.cli",
+        "train",
+        "midtrain",
+        str(RECIPES / "smoke-midtrain.yaml"),
+        *(a for s in sets for a in ("--set", s)),
+        *more,
+    ]
 
 
 def steps(run: Path) -> list[int]:
@@ -47,8 +67,14 @@ def steps(run: Path) -> list[int]:
 
 
 def test_srun_inside_salloc_runs_the_ranks(slurm, init, tmp_path):
-    result = subprocess.run(["salloc", "--nodes=1", *midtrain(init, tmp_path, "salloc")], cwd=REPO, env={**slurm.env, "COLUMNS": "200"},
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        ["salloc", "--nodes=1", *midtrain(init, tmp_path, "salloc")],
+        cwd=REPO,
+        env={**slurm.env, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     run = tmp_path / "salloc"
     assert steps(run) == list(range(STEPS + 1))
@@ -57,8 +83,14 @@ def test_srun_inside_salloc_runs_the_ranks(slurm, init, tmp_path):
 
 
 def test_submit_writes_an_sbatch_script_and_the_job_trains(slurm, init, tmp_path):
-    result = subprocess.run(midtrain(init, tmp_path, "batch", "--submit"), cwd=REPO, env={**slurm.env, "COLUMNS": "200"},
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        midtrain(init, tmp_path, "batch", "--submit"),
+        cwd=REPO,
+        env={**slurm.env, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.split("submitted SLURM job ")[1].split()[0]
     assert job_id.isdigit()
@@ -85,9 +117,24 @@ def test_submit_outside_slurm_launcher_is_refused(init, tmp_path):
 
 def pytest_this_module(path: str, basetemp: Path, *tests: str) -> subprocess.CompletedProcess:
     """Some of this module's tests in a fresh pytest whose PATH is `path` (the SLURM it finds)."""
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", f"--basetemp={basetemp}",
-                           *(f"{__file__}::{test}" for test in tests)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PATH": path, "COLUMNS": "400"})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rs",
+            f"--basetemp={basetemp}",
+            *(f"{__file__}::{test}" for test in tests),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PATH": path, "COLUMNS": "400"},
+    )
 
 
 def test_without_slurm_only_the_tests_that_need_it_skip(monkeypatch, tmp_path):
@@ -95,8 +142,13 @@ def test_without_slurm_only_the_tests_that_need_it_skip(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", path)
     reason = slurm_cluster.why_not()
     assert reason is not None
-    done = pytest_this_module(path, tmp_path / "pytest", "test_srun_inside_salloc_runs_the_ranks",
-                              "test_submit_writes_an_sbatch_script_and_the_job_trains", "test_submit_outside_slurm_launcher_is_refused")
+    done = pytest_this_module(
+        path,
+        tmp_path / "pytest",
+        "test_srun_inside_salloc_runs_the_ranks",
+        "test_submit_writes_an_sbatch_script_and_the_job_trains",
+        "test_submit_outside_slurm_launcher_is_refused",
+    )
     assert done.returncode == 0, done.stdout[-3000:]
     assert "1 passed, 2 skipped" in done.stdout and reason in done.stdout, done.stdout[-3000:]
 

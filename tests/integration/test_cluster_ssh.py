@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from composer.runtime.run_dir import read_metrics
-from tests.helpers import netns_hosts
 from tests.conftest import COMPOSER, RECIPES, REPO, run_composer
+from tests.helpers import netns_hosts
 
 pytestmark = [pytest.mark.ssh, pytest.mark.skipif(netns_hosts.available() is not None, reason=str(netns_hosts.available()))]
 
@@ -52,16 +52,34 @@ def hosts(tmp_path_factory):
 
 
 def cluster_sets(hosts, names: list[str]) -> list[str]:
-    return [f"cluster.hosts={names}", "cluster.launcher=ssh", f"cluster.python={hosts.cluster_python}", "cluster.ssh.user=root",
-            f"cluster.ssh.key_file={hosts.client_key}", f"cluster.ssh.known_hosts={hosts.known_hosts}",
-            f"cluster.env={{GLOO_SOCKET_IFNAME: {netns_hosts.INTERFACE}}}"]
+    return [
+        f"cluster.hosts={names}",
+        "cluster.launcher=ssh",
+        f"cluster.python={hosts.cluster_python}",
+        "cluster.ssh.user=root",
+        f"cluster.ssh.key_file={hosts.client_key}",
+        f"cluster.ssh.known_hosts={hosts.known_hosts}",
+        f"cluster.env={{GLOO_SOCKET_IFNAME: {netns_hosts.INTERFACE}}}",
+    ]
 
 
 def midtrain(init: Path, run_dir: Path, name: str, steps: int, *extra: str) -> list[str]:
-    sets = [f"run.dir={run_dir}", f"run.name={name}", f"model.checkpoint={init}", f"data.cache_dir={init.parent / 'cache'}",
-            f"train.steps={steps}", f"train.eval_every={steps}", "train.eval_batches=1", "train.checkpoint_every=3",
-            "train.global_batch_size=16", "train.micro_batch_size=2", "optim.warmup_steps=1", "data.split=[90,10,0]",
-            'data.sources.0.paths=["{stdlib}/email/**/*.py"]', *extra]
+    sets = [
+        f"run.dir={run_dir}",
+        f"run.name={name}",
+        f"model.checkpoint={init}",
+        f"data.cache_dir={init.parent / 'cache'}",
+        f"train.steps={steps}",
+        f"train.eval_every={steps}",
+        "train.eval_batches=1",
+        "train.checkpoint_every=3",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=2",
+        "optim.warmup_steps=1",
+        "data.split=[90,10,0]",
+        'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
+        *extra,
+    ]
     return ["train", "midtrain", str(RECIPES / "smoke-midtrain.yaml"), *(a for s in sets for a in ("--set", s))]
 
 
@@ -103,8 +121,14 @@ def test_a_killed_host_stops_the_job_a_killed_driver_leaves_nothing_and_resume_f
     metrics = runs / "kill" / "metrics.jsonl"
 
     def start_and_wait_for_step(step: int, *more: str) -> subprocess.Popen:
-        driver = subprocess.Popen([*COMPOSER, *args, *more], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, "COLUMNS": "200"})
+        driver = subprocess.Popen(
+            [*COMPOSER, *args, *more],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "COLUMNS": "200"},
+        )
         deadline = time.monotonic() + 600  # a guard against a hang, not a speed limit
         while not (metrics.exists() and any(r["step"] >= step for r in read_metrics(metrics))):
             assert driver.poll() is None, driver.communicate()
@@ -146,8 +170,9 @@ def test_a_killed_host_stops_the_job_a_killed_driver_leaves_nothing_and_resume_f
 
 def test_a_run_dir_that_a_host_does_not_see_is_refused_before_launch(hosts, init, tmp_path):
     run_dir = hosts.dir / "shared" / "runs"  # host 3 mounts its own directory there
-    result = run_composer(*midtrain(init, run_dir, "unshared", 2, "cluster.procs_per_host=1",
-                                    *cluster_sets(hosts, [hosts.names[0], hosts.names[2]])))
+    result = run_composer(
+        *midtrain(init, run_dir, "unshared", 2, "cluster.procs_per_host=1", *cluster_sets(hosts, [hosts.names[0], hosts.names[2]]))
+    )
     assert result.returncode == 2
     message = " ".join(result.stderr.split())
     assert f"is not shared: a file written there on {hosts.names[0]} is not visible on {hosts.names[2]}" in message, result.stderr
@@ -157,7 +182,9 @@ def test_a_run_dir_that_a_host_does_not_see_is_refused_before_launch(hosts, init
 def test_cluster_check_passes_healthy_hosts_and_names_each_problem(hosts, tmp_path, write_recipe):
     recipe = RECIPES / "smoke-midtrain.yaml"
     sets = [f"run.dir={tmp_path / 'runs'}", "cluster.procs_per_host=2"]
-    healthy = run_composer("cluster", "check", str(recipe), *(a for s in [*sets, *cluster_sets(hosts, hosts.names[:2])] for a in ("--set", s)))
+    healthy = run_composer(
+        "cluster", "check", str(recipe), *(a for s in [*sets, *cluster_sets(hosts, hosts.names[:2])] for a in ("--set", s))
+    )
     assert healthy.returncode == 0, healthy.stdout + healthy.stderr
     assert "every host is ready" in healthy.stdout
     for host in hosts.names[:2]:
@@ -179,9 +206,18 @@ def test_cluster_check_passes_healthy_hosts_and_names_each_problem(hosts, tmp_pa
 def rollout_recipe(hosts, tmp_path: Path, host: str, *more: str):
     from composer.recipes.loader import load_recipe
 
-    sets = [f"run.dir={tmp_path / 'runs'}", "model.checkpoint=unused", "rollout.engine=server", f"rollout.hosts=[{host}]",
-            f"rollout.remote_dir={tmp_path / 'remote'}", f"rollout.remote_python={hosts.cluster_python}", "cluster.ssh.user=root",
-            f"cluster.ssh.key_file={hosts.client_key}", f"cluster.ssh.known_hosts={hosts.known_hosts}", *more]
+    sets = [
+        f"run.dir={tmp_path / 'runs'}",
+        "model.checkpoint=unused",
+        "rollout.engine=server",
+        f"rollout.hosts=[{host}]",
+        f"rollout.remote_dir={tmp_path / 'remote'}",
+        f"rollout.remote_python={hosts.cluster_python}",
+        "cluster.ssh.user=root",
+        f"cluster.ssh.key_file={hosts.client_key}",
+        f"cluster.ssh.known_hosts={hosts.known_hosts}",
+        *more,
+    ]
     return load_recipe(RECIPES / "smoke-rl.yaml", sets)
 
 
@@ -221,8 +257,8 @@ def test_a_rollout_host_that_does_not_see_a_directory_store_is_refused(hosts):
 @pytest.mark.engines
 def test_the_rl_learner_runs_on_two_hosts(hosts, tmp_path):
     from composer.recipes.loader import load_recipe
-    from tests.integration.test_rl import metrics, start
     from composer.trainer.checkpoint_init import init_hf_checkpoint
+    from tests.integration.test_rl import metrics, start
 
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)
     learner = cluster_sets(hosts, hosts.names[:2]) + ["cluster.procs_per_host=1", "train.steps=3"]

@@ -18,8 +18,8 @@ import torch
 
 from composer.recipes.errors import UserError
 from composer.recipes.loader import load_recipe
-from tests.conftest import RECIPES, run_composer, run_ranks
 from composer.trainer.checkpoint_init import init_hf_checkpoint
+from tests.conftest import RECIPES, run_composer, run_ranks
 
 pytestmark = pytest.mark.engines
 
@@ -31,8 +31,10 @@ LENGTHS = [37, 20, 9]
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cp")
     recipes = {"qwen3_moe": "smoke-midtrain.yaml", "deepseek_v3": "smoke-deepseek-v3-midtrain.yaml"}
-    return {family: init_hf_checkpoint(load_recipe(RECIPES / recipe, ["model.vocab_size=512"]).model, root / family, tokenizer_bytes=2**18)
-            for family, recipe in recipes.items()}
+    return {
+        family: init_hf_checkpoint(load_recipe(RECIPES / recipe, ["model.vocab_size=512"]).model, root / family, tokenizer_bytes=2**18)
+        for family, recipe in recipes.items()
+    }
 
 
 def test_cp2_and_cp2_x_tp2_compute_what_one_rank_computes(checkpoints, tmp_path):
@@ -68,11 +70,27 @@ def test_midtrain_at_cp2_reproduces_cp1(checkpoints, tmp_path):
 
     runs = {}
     for cp in (1, 2):
-        sets = [f"model.checkpoint={checkpoints['deepseek_v3']}", "model.vocab_size=512", f"run.dir={tmp_path}",
-                f"run.name=cp{cp}", f"parallelism.cp={cp}", f"data.cache_dir={tmp_path / 'cache'}", "data.attention=document",
-                "train.steps=2", "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=2", "train.global_batch_size=8",
-                "data.seq_length=128", "optim.warmup_steps=1", "data.split=[90,10,0]", 'data.sources.0.paths=["{stdlib}/email/**/*.py"]']
-        result = run_composer("train", "midtrain", str(RECIPES / "smoke-deepseek-v3-midtrain.yaml"), *(a for kv in sets for a in ("--set", kv)))
+        sets = [
+            f"model.checkpoint={checkpoints['deepseek_v3']}",
+            "model.vocab_size=512",
+            f"run.dir={tmp_path}",
+            f"run.name=cp{cp}",
+            f"parallelism.cp={cp}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "data.attention=document",
+            "train.steps=2",
+            "train.eval_every=2",
+            "train.eval_batches=1",
+            "train.checkpoint_every=2",
+            "train.global_batch_size=8",
+            "data.seq_length=128",
+            "optim.warmup_steps=1",
+            "data.split=[90,10,0]",
+            'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
+        ]
+        result = run_composer(
+            "train", "midtrain", str(RECIPES / "smoke-deepseek-v3-midtrain.yaml"), *(a for kv in sets for a in ("--set", kv))
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         runs[cp] = list(read_metrics(tmp_path / f"cp{cp}" / "metrics.jsonl"))
     assert [r["step"] for r in runs[2]] == [0, 1, 2]
@@ -94,8 +112,9 @@ def test_bad_context_parallel_settings_are_one_message_each():
     with pytest.raises(UserError, match="model.kernels.attention: parallelism.cp=2 need attention sdpa"):
         load_recipe(RECIPES / "smoke-midtrain.yaml", ["parallelism.cp=2", "parallelism.ep=1", "model.kernels.attention=local"])
     with pytest.raises(UserError, match="parallelism.cp: context parallelism with pipeline parallelism"):
-        load_recipe(RECIPES / "smoke-midtrain.yaml", ["parallelism.cp=2", "parallelism.ep=1", "parallelism.pp=2",
-                                                     "cluster.procs_per_host=4"])
+        load_recipe(
+            RECIPES / "smoke-midtrain.yaml", ["parallelism.cp=2", "parallelism.ep=1", "parallelism.pp=2", "cluster.procs_per_host=4"]
+        )
     recipe = load_recipe(RECIPES / "smoke-midtrain.yaml", ["parallelism.cp=2", "parallelism.ep=1"])
     assert recipe.parallelism.cp == 2
     result = run_composer("train", "midtrain", str(RECIPES / "smoke-midtrain.yaml"), "--dry-run", "--set", "parallelism.cp=2")

@@ -27,8 +27,17 @@ from composer.recipes.loader import load_recipe
 from tests.conftest import COMPOSER, REPO, run_composer
 from tests.helpers.data_helpers import EOS, STDLIB, train_tokenizer, write_recipe
 
-OFF = {"redact_secrets": False, "redact_pii": False, "exact_dedup": False, "near_dedup": False, "licenses": None,
-       "max_line_length": 100_000, "max_mean_line_length": 100_000, "min_alphanumeric_fraction": 0, "drop_generated": False}
+OFF = {
+    "redact_secrets": False,
+    "redact_pii": False,
+    "exact_dedup": False,
+    "near_dedup": False,
+    "licenses": None,
+    "max_line_length": 100_000,
+    "max_mean_line_length": 100_000,
+    "min_alphanumeric_fraction": 0,
+    "drop_generated": False,
+}
 """Every cleaning step off: the documents are the inputs."""
 
 
@@ -44,7 +53,14 @@ def tokenizer(tokenizer_dir) -> Tokenizer:
 
 def prepare(tmp_path: Path, tokenizer_dir: Path, sources: list[dict], **data):
     tmp_path.mkdir(parents=True, exist_ok=True)
-    section = {"tokenizer": str(tokenizer_dir), "cache_dir": str(tmp_path / "cache"), "tasks": 3, "num_workers": 2, "sources": sources, **data}
+    section = {
+        "tokenizer": str(tokenizer_dir),
+        "cache_dir": str(tmp_path / "cache"),
+        "tasks": 3,
+        "num_workers": 2,
+        "sources": sources,
+        **data,
+    }
     recipe = load_recipe(write_recipe(tmp_path / "recipe.yaml", section))
     return prepare_data(recipe.data, model_checkpoint=None, model_vocab_size=recipe.model.vocab_size)
 
@@ -67,8 +83,11 @@ def texts(prepared, tokenizer: Tokenizer) -> list[str]:
 
 
 def synthetic_code(rng: random.Random, words: list[str], lines: int) -> str:
-    return "".join(f"def {rng.choice(words)}_{i}({rng.choice(words)}, {rng.choice(words)}):\n"
-                   f"    return {rng.choice(words)} + {rng.choice(words)} * {rng.randrange(1000)}\n" for i in range(lines // 2))
+    return "".join(
+        f"def {rng.choice(words)}_{i}({rng.choice(words)}, {rng.choice(words)}):\n"
+        f"    return {rng.choice(words)} + {rng.choice(words)} * {rng.randrange(1000)}\n"
+        for i in range(lines // 2)
+    )
 
 
 def edit_lines(rng: random.Random, text: str, words: list[str], share: float) -> str:
@@ -92,8 +111,12 @@ def test_planted_exact_and_near_duplicates_are_found_at_the_stated_threshold(tmp
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": text, "path": f"f{n}.py"}) + "\n" for n, (_, text) in enumerate(records)))
 
-    prepared = prepare(tmp_path, tokenizer_dir, [{"name": "code", "paths": [str(corpus)], "format": "jsonl"}],
-                       cleaning={**OFF, "exact_dedup": True, "near_dedup": True, "near_threshold": 0.7})
+    prepared = prepare(
+        tmp_path,
+        tokenizer_dir,
+        [{"name": "code", "paths": [str(corpus)], "format": "jsonl"}],
+        cleaning={**OFF, "exact_dedup": True, "near_dedup": True, "near_threshold": 0.7},
+    )
     kept = texts(prepared, tokenizer)
     group_of = {}
     for i, text in records:
@@ -126,12 +149,18 @@ SECRETS = {
 def test_planted_secrets_are_redacted_and_reported_without_their_values(tmp_path, tokenizer_dir, tokenizer):
     repo = tmp_path / "service"
     repo.mkdir()
-    (repo / "settings.py").write_text(f'AWS_KEY = "{SECRETS["aws_access_key"]}"\nGITHUB = "{SECRETS["github_token"]}"\n'
-                                      f'password = "{SECRETS["assigned_secret"]}"\nplaceholder_password = "password"\n')
+    (repo / "settings.py").write_text(
+        f'AWS_KEY = "{SECRETS["aws_access_key"]}"\nGITHUB = "{SECRETS["github_token"]}"\n'
+        f'password = "{SECRETS["assigned_secret"]}"\nplaceholder_password = "password"\n'
+    )
     (repo / "deploy.pem.txt").write_text(SECRETS["private_key"] + "\n")
     (repo / "README.md").write_text(f"Contact {SECRETS['email']} for access.\n")
-    prepared = prepare(tmp_path, tokenizer_dir, [{"name": "service", "paths": [str(repo)], "format": "repository"}],
-                       cleaning={**OFF, "redact_secrets": True, "redact_pii": True})
+    prepared = prepare(
+        tmp_path,
+        tokenizer_dir,
+        [{"name": "service", "paths": [str(repo)], "format": "repository"}],
+        cleaning={**OFF, "redact_secrets": True, "redact_pii": True},
+    )
     text = "".join(texts(prepared, tokenizer))
     for kind, value in SECRETS.items():
         assert value.split("\n")[0] not in text
@@ -139,7 +168,9 @@ def test_planted_secrets_are_redacted_and_reported_without_their_values(tmp_path
     assert 'placeholder_password = "password"' in text  # not every assignment is a secret
     report = [json.loads(line) for line in (prepared.sources[0].prefix.parent / "redactions.jsonl").read_text().splitlines()]
     assert sorted(r["kind"] for r in report) == sorted(SECRETS)
-    assert {"path": "settings.py", "line": 3, "kind": "assigned_secret"}.items() <= next(r for r in report if r["kind"] == "assigned_secret").items()
+    assert {"path": "settings.py", "line": 3, "kind": "assigned_secret"}.items() <= next(
+        r for r in report if r["kind"] == "assigned_secret"
+    ).items()
     assert not any(value.split("\n")[0] in json.dumps(report) for value in SECRETS.values())
     assert prepared.sources[0].summary["redactions"] == {kind: 1 for kind in SECRETS}
 
@@ -159,8 +190,13 @@ def split_at(ids: list[int], marks: set[int]) -> list[tuple[int | None, list[int
 
 
 def test_fim_documents_decode_to_the_file_when_the_parts_are_put_back(tmp_path, tokenizer_dir, tokenizer):
-    prepared = prepare(tmp_path, tokenizer_dir, [{"name": "lib", "paths": ["{stdlib}/json/*.py", "{stdlib}/http/*.py"]}],
-                       cleaning=OFF, fim={"rate": 1.0, "spm_rate": 0.5})
+    prepared = prepare(
+        tmp_path,
+        tokenizer_dir,
+        [{"name": "lib", "paths": ["{stdlib}/json/*.py", "{stdlib}/http/*.py"]}],
+        cleaning=OFF,
+        fim={"rate": 1.0, "spm_rate": 0.5},
+    )
     files = sorted([*(STDLIB / "json").glob("*.py"), *(STDLIB / "http").glob("*.py")])
     prefix, middle, suffix = (tokenizer.token_to_id(t) for t in ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"))
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
@@ -217,9 +253,21 @@ def test_repository_documents_keep_every_kept_file_once_in_dependency_order(tmp_
         path, _, content = tokenizer.decode(ids, skip_special_tokens=False).partition("\n")
         assert content == (repo / path).read_text()
         paths.append(path)
-    assert sorted(paths) == ["README.md", "main.py", "toolkit/__init__.py", "toolkit/core.py", "toolkit/util.py", "web/app.js", "web/helpers.js"]
-    for before, after in [("toolkit/util.py", "toolkit/core.py"), ("toolkit/core.py", "toolkit/__init__.py"),
-                          ("toolkit/__init__.py", "main.py"), ("web/helpers.js", "web/app.js")]:
+    assert sorted(paths) == [
+        "README.md",
+        "main.py",
+        "toolkit/__init__.py",
+        "toolkit/core.py",
+        "toolkit/util.py",
+        "web/app.js",
+        "web/helpers.js",
+    ]
+    for before, after in [
+        ("toolkit/util.py", "toolkit/core.py"),
+        ("toolkit/core.py", "toolkit/__init__.py"),
+        ("toolkit/__init__.py", "main.py"),
+        ("web/helpers.js", "web/app.js"),
+    ]:
         assert paths.index(before) < paths.index(after)
     summary = prepared.sources[0].summary
     assert summary["left_out"] == {"binary": 1, "oversized": 1, "excluded */vendor/*": 1}
@@ -228,14 +276,21 @@ def test_repository_documents_keep_every_kept_file_once_in_dependency_order(tmp_
 
 def test_a_repository_declaring_a_licence_not_allowed_is_dropped_and_counted(tmp_path, tokenizer_dir, tokenizer):
     repos = tmp_path / "repos"
-    for name, licence in (("permissive", "MIT License\n\nPermission is hereby granted, free of charge, to any person"),
-                          ("copyleft", "GNU GENERAL PUBLIC LICENSE\nVersion 3, 29 June 2007"), ("silent", None)):
+    for name, licence in (
+        ("permissive", "MIT License\n\nPermission is hereby granted, free of charge, to any person"),
+        ("copyleft", "GNU GENERAL PUBLIC LICENSE\nVersion 3, 29 June 2007"),
+        ("silent", None),
+    ):
         (repos / name).mkdir(parents=True)
         (repos / name / "code.py").write_text(f"def {name}():\n    return '{name}'\n")
         if licence:
             (repos / name / "LICENSE").write_text(licence + "\n")
-    prepared = prepare(tmp_path, tokenizer_dir, [{"name": "repos", "paths": [str(repos / "*")], "format": "repository"}],
-                       cleaning={**OFF, "licenses": ["MIT"]})
+    prepared = prepare(
+        tmp_path,
+        tokenizer_dir,
+        [{"name": "repos", "paths": [str(repos / "*")], "format": "repository"}],
+        cleaning={**OFF, "licenses": ["MIT"]},
+    )
     text = "".join(texts(prepared, tokenizer))
     assert "permissive" in text and "silent" in text and "copyleft" not in text
     removed = prepared.sources[0].summary["removed"]["licence"]
@@ -286,18 +341,28 @@ def test_bad_inputs_are_one_clear_message_or_skipped_and_counted(tmp_path, token
     (tmp_path / "gone.py").symlink_to(tmp_path / "missing-target.py")
     fails({"paths": [str(tmp_path / "gone.py")]}, rf"{tmp_path / 'gone.py'}: cannot read")
     fails({"paths": [str(tmp_path / "no-such-repo")], "format": "repository"}, r"repository .*no-such-repo does not exist")
-    fails({"paths": [str(tmp_path / "broken.parquet")], "format": "parquet"}, r"needs the special tokens <\|fim_prefix\|>",
-          tokenizer=str(train_tokenizer(tmp_path / "plain-tokenizer", special=False)), fim={"rate": 0.5})
+    fails(
+        {"paths": [str(tmp_path / "broken.parquet")], "format": "parquet"},
+        r"needs the special tokens <\|fim_prefix\|>",
+        tokenizer=str(train_tokenizer(tmp_path / "plain-tokenizer", special=False)),
+        fim={"rate": 0.5},
+    )
 
     (tmp_path / "good.jsonl").write_text('{"text": "fine = 1\\n"}\n')
-    prepared = prepare(tmp_path, tokenizer_dir, [{"name": "skipping", "format": "jsonl",
-                                                  "paths": [str(tmp_path / "good.jsonl"), str(tmp_path / "broken.jsonl.zst")]}],
-                       cleaning=OFF, files={"on_unreadable": "skip"})
+    prepared = prepare(
+        tmp_path,
+        tokenizer_dir,
+        [{"name": "skipping", "format": "jsonl", "paths": [str(tmp_path / "good.jsonl"), str(tmp_path / "broken.jsonl.zst")]}],
+        cleaning=OFF,
+        files={"on_unreadable": "skip"},
+    )
     assert prepared.sources[0].summary["left_out"] == {"unreadable": 1} and prepared.sources[0].num_documents == 1
 
 
 def test_a_fim_rate_outside_zero_to_one_is_a_recipe_error(tmp_path, tokenizer_dir):
-    recipe = write_recipe(tmp_path / "recipe.yaml", {"tokenizer": str(tokenizer_dir), "sources": [{"name": "x", "paths": ["{stdlib}/json/*.py"]}]})
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml", {"tokenizer": str(tokenizer_dir), "sources": [{"name": "x", "paths": ["{stdlib}/json/*.py"]}]}
+    )
     result = run_composer("data", "prepare", str(recipe), "--set", "data.fim.rate=1.5")
     assert result.returncode == 2 and "data.fim.rate" in result.stderr and "less than or equal to 1" in result.stderr
     assert "Traceback" not in result.stderr
@@ -322,15 +387,29 @@ def alive(pid: int) -> bool:
 @pytest.mark.engines
 def test_kill_9_of_a_worker_or_the_driver_then_a_rerun_gives_the_bytes_of_one_uninterrupted_worker(tmp_path, tokenizer_dir):
     corpus = ["{stdlib}/email/**/*.py", "{stdlib}/asyncio/*.py", "{stdlib}/json/*.py"]
-    section = lambda cache, workers: {"tokenizer": str(tokenizer_dir), "cache_dir": str(tmp_path / cache), "tasks": 4, "num_workers": workers,
-                                      "fim": {"rate": 0.5}, "sources": [{"name": "lib", "paths": corpus}]}
-    reference = prepare(tmp_path / "one", tokenizer_dir, section("one", 1)["sources"], **{k: v for k, v in section("one", 1).items() if k != "sources"})
+    section = lambda cache, workers: {
+        "tokenizer": str(tokenizer_dir),
+        "cache_dir": str(tmp_path / cache),
+        "tasks": 4,
+        "num_workers": workers,
+        "fim": {"rate": 0.5},
+        "sources": [{"name": "lib", "paths": corpus}],
+    }
+    reference = prepare(
+        tmp_path / "one", tokenizer_dir, section("one", 1)["sources"], **{k: v for k, v in section("one", 1).items() if k != "sources"}
+    )
     expected = [reference.sources[0].prefix.with_suffix(s).read_bytes() for s in (".bin", ".idx")]
 
     def start(cache: str) -> subprocess.Popen:
         recipe = write_recipe(tmp_path / f"{cache}.yaml", section(cache, 2))
-        return subprocess.Popen([*COMPOSER, "data", "prepare", str(recipe)], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        return subprocess.Popen(
+            [*COMPOSER, "data", "prepare", str(recipe)],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
 
     def wait_for_tasks(cache: str, process: subprocess.Popen, stage: str) -> None:
         deadline = time.monotonic() + 300

@@ -19,8 +19,6 @@ import torch
 from composer.recipes.errors import UserError
 from composer.recipes.loader import load_recipe
 from composer.recipes.schema import ParallelismSection, RolloutSection, SamplingSection
-from tests.conftest import run_ranks
-from tests.integration.test_model_engines import assert_same_weights
 from composer.trainer.checkpoint_init import init_hf_checkpoint
 from composer.trainer.distributed import init_distributed, shutdown_distributed
 from composer.trainer.hf_config import model_section_from_hf
@@ -28,6 +26,8 @@ from composer.trainer.logprobs import pad_micro_batch, token_logprobs
 from composer.trainer.model import build_model, forward_logits
 from composer.trainer.router_replay import replay_for_micro_batch, routing, routing_disagreement
 from composer.trainer.weights import export_hf, load_hf_into
+from tests.conftest import run_ranks
+from tests.integration.test_model_engines import assert_same_weights
 
 pytestmark = pytest.mark.engines
 
@@ -234,8 +234,11 @@ def test_layouts_and_shapes_the_provider_cannot_build_are_refused(checkpoint, me
     for key, value, message in (
         ("rope_interleave", False, "rope_interleave"),
         ("scoring_func", "softmax", "scoring_func"),
-        ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "attention_factor": 1.2},
-         "attention_factor"),
+        (
+            "rope_parameters",
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "attention_factor": 1.2},
+            "attention_factor",
+        ),
     ):
         (changed / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(UserError, match=f"unsupported setting\\(s\\) for the Megatron provider: .*{message}"):
@@ -264,23 +267,59 @@ def chain(tmp_path_factory):
     root = tmp_path_factory.mktemp("chain")
     composer_ok("model", "init", str(root / "init"), "--recipe", str(TWIN))
     composer_ok(
-        "train", "midtrain", str(TWIN), *sum((["--set", kv] for kv in (
-            f"run.dir={root / 'runs'}", f"model.checkpoint={root / 'init'}", f"data.cache_dir={root / 'cache'}",
-            "train.steps=12", "train.eval_every=6", "train.eval_batches=2", "train.checkpoint_every=12",
-            "train.global_batch_size=8", "optim.warmup_steps=2", "data.split=[90,10,0]", 'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
-        )), []),
+        "train",
+        "midtrain",
+        str(TWIN),
+        *sum(
+            (
+                ["--set", kv]
+                for kv in (
+                    f"run.dir={root / 'runs'}",
+                    f"model.checkpoint={root / 'init'}",
+                    f"data.cache_dir={root / 'cache'}",
+                    "train.steps=12",
+                    "train.eval_every=6",
+                    "train.eval_batches=2",
+                    "train.checkpoint_every=12",
+                    "train.global_batch_size=8",
+                    "optim.warmup_steps=2",
+                    "data.split=[90,10,0]",
+                    'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
+                )
+            ),
+            [],
+        ),
     )
     midtrain = root / "runs/smoke-deepseek-v3-midtrain"
     composer_ok(
-        "train", "rl", str(REPO / "recipes/smoke-deepseek-v3-rl.yaml"), *sum((["--set", kv] for kv in (
-            f"run.dir={root / 'runs'}", f"model.checkpoint={midtrain / 'export'}", f"sync.store={root / 'store'}",
-            "train.steps=3", "rl.prompts_per_step=2", "rl.group_size=4", "train.global_batch_size=8",
-        )), []),
+        "train",
+        "rl",
+        str(REPO / "recipes/smoke-deepseek-v3-rl.yaml"),
+        *sum(
+            (
+                ["--set", kv]
+                for kv in (
+                    f"run.dir={root / 'runs'}",
+                    f"model.checkpoint={midtrain / 'export'}",
+                    f"sync.store={root / 'store'}",
+                    "train.steps=3",
+                    "rl.prompts_per_step=2",
+                    "rl.group_size=4",
+                    "train.global_batch_size=8",
+                )
+            ),
+            [],
+        ),
     )
     composer_ok("sync", "pull", "--store", str(root / "store"), "--to", str(root / "receiver"))
     rl = root / "runs/smoke-deepseek-v3-rl"
-    return {"root": root, "midtrain": list(read_metrics(midtrain / "metrics.jsonl")), "rl": list(read_metrics(rl / "metrics.jsonl")),
-            "midtrain_export": midtrain / "export", "pulled": root / "receiver/current"}
+    return {
+        "root": root,
+        "midtrain": list(read_metrics(midtrain / "metrics.jsonl")),
+        "rl": list(read_metrics(rl / "metrics.jsonl")),
+        "midtrain_export": midtrain / "export",
+        "pulled": root / "receiver/current",
+    }
 
 
 def test_twin_midtrains_and_the_expert_bias_balances(chain):
@@ -322,15 +361,34 @@ def test_twin_rl_replayed_with_fp8_policies_ships_fp8_deltas(chain):
 
     root = chain["root"]
     composer_ok(
-        "train", "rl", str(REPO / "recipes/smoke-deepseek-v3-rl.yaml"), "--replay", str(root / "runs/smoke-deepseek-v3-rl"), *sum((["--set", kv] for kv in (
-            f"run.dir={root / 'runs'}", "run.name=replay-fp8", f"model.checkpoint={chain['midtrain_export']}",
-            "rollout.dtype=fp8", "train.steps=3", "rl.prompts_per_step=2", "rl.group_size=4", "train.global_batch_size=8",
-        )), []),
+        "train",
+        "rl",
+        str(REPO / "recipes/smoke-deepseek-v3-rl.yaml"),
+        "--replay",
+        str(root / "runs/smoke-deepseek-v3-rl"),
+        *sum(
+            (
+                ["--set", kv]
+                for kv in (
+                    f"run.dir={root / 'runs'}",
+                    "run.name=replay-fp8",
+                    f"model.checkpoint={chain['midtrain_export']}",
+                    "rollout.dtype=fp8",
+                    "train.steps=3",
+                    "rl.prompts_per_step=2",
+                    "rl.group_size=4",
+                    "train.global_batch_size=8",
+                )
+            ),
+            [],
+        ),
     )
     records = list(read_metrics(root / "runs/replay-fp8/metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(0 < r["sync_changed_fraction"] < 1 and r["sync_ratio"] > 1 for r in records)
-    composer_ok("sync", "pull", "--store", str(root / "runs/replay-fp8/weights"), "--to", str(root / "receiver-fp8"))  # a replay's own store
+    composer_ok(
+        "sync", "pull", "--store", str(root / "runs/replay-fp8/weights"), "--to", str(root / "receiver-fp8")
+    )  # a replay's own store
     pulled = root / "receiver-fp8/current"
     layout = CheckpointLayout.of(pulled)
     m = model_section_from_hf(pulled)

@@ -27,16 +27,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from composer.recipes.errors import UserError
-from tests.helpers import netns_hosts
 from tests.conftest import RECIPES, REPO
+from tests.helpers import netns_hosts
 
 pytestmark = [pytest.mark.engines, pytest.mark.ssh, pytest.mark.slow]
 
 PREFIX, SUBNET = "cmpes", "10.213.19"
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8], [300, 2, 2, 9, 64, 128, 77, 1, 400, 33]]
 EDITED = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight"]
-DENSE = ["model.family=llama", "model.num_experts=0", "model.moe_top_k=0", "model.moe_ffn_hidden_size=0",
-         "model.ffn_hidden_size=256", "parallelism.ep=1", "rl.router_replay='off'"]
+DENSE = [
+    "model.family=llama",
+    "model.num_experts=0",
+    "model.moe_top_k=0",
+    "model.moe_ffn_hidden_size=0",
+    "model.ffn_hidden_size=256",
+    "parallelism.ep=1",
+    "rl.router_replay='off'",
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +62,10 @@ def hosts(tmp_path_factory):
         # gloo and vLLM's message queues are told the host's own interface and address
         address = f"{SUBNET}.{11 + index}"
         wrapper = work / f"python-{index}"
-        wrapper.write_text(f"#!/bin/sh\ncd {REPO} && GLOO_SOCKET_IFNAME={netns_hosts.INTERFACE} VLLM_HOST_IP={address} "
-                           f"exec taskset -c {index} {sys.executable} \"$@\"\n")
+        wrapper.write_text(
+            f"#!/bin/sh\ncd {REPO} && GLOO_SOCKET_IFNAME={netns_hosts.INTERFACE} VLLM_HOST_IP={address} "
+            f'exec taskset -c {index} {sys.executable} "$@"\n'
+        )
         wrapper.chmod(0o755)
         (work / f"remote-{index}").mkdir()
         overlays[index] = {str(work / "python"): str(wrapper), str(remote): str(work / f"remote-{index}")}
@@ -88,8 +97,15 @@ def policies(tmp_path_factory):
     from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     root = tmp_path_factory.mktemp("engine-over-hosts")
-    sets = [f"run.dir={root / 'runs'}", "model.checkpoint=unused", *DENSE, "rollout.engine=server", "rollout.max_context=256",
-            "rollout.sampling.max_tokens=8", f"sync.store={root / 'store'}"]
+    sets = [
+        f"run.dir={root / 'runs'}",
+        "model.checkpoint=unused",
+        *DENSE,
+        "rollout.engine=server",
+        "rollout.max_context=256",
+        "rollout.sampling.max_tokens=8",
+        f"sync.store={root / 'store'}",
+    ]
     recipe = load_recipe(RECIPES / "smoke-rl.yaml", sets)
     v1 = init_hf_checkpoint(recipe.model, root / "v1", tokenizer_bytes=2**20)
     v2 = _edit(v1, root / "v2")
@@ -106,10 +122,20 @@ def engine_over_hosts(hosts, policies, parallelism: str):
 
     sets, _, versions = policies
     name = parallelism.replace("=", "")
-    recipe = load_recipe(RECIPES / "smoke-rl.yaml", [
-        *sets, f"run.name={name}", f"rollout.parallelism.{parallelism}", f"rollout.hosts=[{hosts.names[0]}, {hosts.names[1]}]",
-        f"rollout.remote_dir={hosts.dir / 'remote'}", f"rollout.remote_python={hosts.python}", "cluster.ssh.user=root",
-        f"cluster.ssh.key_file={hosts.client_key}", f"cluster.ssh.known_hosts={hosts.known_hosts}"])
+    recipe = load_recipe(
+        RECIPES / "smoke-rl.yaml",
+        [
+            *sets,
+            f"run.name={name}",
+            f"rollout.parallelism.{parallelism}",
+            f"rollout.hosts=[{hosts.names[0]}, {hosts.names[1]}]",
+            f"rollout.remote_dir={hosts.dir / 'remote'}",
+            f"rollout.remote_python={hosts.python}",
+            "cluster.ssh.user=root",
+            f"cluster.ssh.key_file={hosts.client_key}",
+            f"cluster.ssh.known_hosts={hosts.known_hosts}",
+        ],
+    )
     files = RLRunFiles(Path(recipe.run.dir) / name)
     (files.root / "logs").mkdir(parents=True)
     [group] = open_hosts(recipe, files)
@@ -140,8 +166,9 @@ def single(policies):
     from composer.rollout.engines.vllm_engine import EmbeddedEngine
 
     sets, (v1, _), _ = policies
-    return EmbeddedEngine(v1, load_recipe(RECIPES / "smoke-rl.yaml", sets).rollout.model_copy(update={"engine": "embedded"}),
-                          seed=0, routed_experts=False)
+    return EmbeddedEngine(
+        v1, load_recipe(RECIPES / "smoke-rl.yaml", sets).rollout.model_copy(update={"engine": "embedded"}), seed=0, routed_experts=False
+    )
 
 
 def on_replica(engine, rollout, rank: int):
@@ -150,8 +177,12 @@ def on_replica(engine, rollout, rank: int):
 
     class OneReplica(ServerEngine):
         def _post(self, path, body):
-            request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
-                                             headers={"Content-Type": "application/json", "X-data-parallel-rank": str(rank)})
+            request = urllib.request.Request(
+                self.url + path,
+                data=json.dumps(body).encode(),
+                method="POST",
+                headers={"Content-Type": "application/json", "X-data-parallel-rank": str(rank)},
+            )
             with urllib.request.urlopen(request, timeout=600) as r:
                 return json.loads(r.read())
 
@@ -199,7 +230,9 @@ class TestDataParallelOverHosts:
         for index in range(2):  # each host patched its own receiver
             current = receiver_version(hosts, index, recipe.run.name)
             assert current.name == versions[1]
-            assert all(load_file(str(current / "model.safetensors"))[name].equal(load_file(str(v2 / "model.safetensors"))[name]) for name in EDITED)
+            assert all(
+                load_file(str(current / "model.safetensors"))[name].equal(load_file(str(v2 / "model.safetensors"))[name]) for name in EDITED
+            )
         single.load_weights(v2)
         [fresh] = single.weights_digest()
         after = engine.weights_digest()
@@ -210,8 +243,9 @@ class TestDataParallelOverHosts:
         for rank in (0, 1):
             assert_same_samples(sample(on_replica(engine, recipe.rollout, rank)), expected)
 
-    def test_a_killed_part_restarts_the_whole_engine_and_the_run_stops_once_restarts_are_spent(self, dp2, single, hosts, monkeypatch,
-                                                                                                  capfd):
+    def test_a_killed_part_restarts_the_whole_engine_and_the_run_stops_once_restarts_are_spent(
+        self, dp2, single, hosts, monkeypatch, capfd
+    ):
         import composer.rl.rollout_hosts as rollout_hosts
 
         group, engine, recipe = dp2
@@ -229,8 +263,11 @@ class TestDataParallelOverHosts:
 
         monkeypatch.setattr(rollout_hosts, "ENGINE_RESTARTS", 1)
         kill_headless_rank(hosts)
-        with pytest.raises(UserError, match=r"its part .*vllm-0-node1\.log exited, and the engine was restarted 1 time\(s\) in this "
-                                             r"run already; the run stops"):
+        with pytest.raises(
+            UserError,
+            match=r"its part .*vllm-0-node1\.log exited, and the engine was restarted 1 time\(s\) in this "
+            r"run already; the run stops",
+        ):
             sample(engine)
 
 

@@ -15,8 +15,8 @@ from composer.sync.pusher import push_version
 from composer.sync.receiver import pull, update_in_place
 from composer.sync.store import Store
 from tests.helpers.sync_testing import sync_section
-from tests.integration.test_weight_update import EDITED, _edit
 from tests.helpers.tiny_hf import make_tiny_qwen3_moe
+from tests.integration.test_weight_update import EDITED, _edit
 
 pytestmark = pytest.mark.engines
 

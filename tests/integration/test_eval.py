@@ -29,11 +29,38 @@ def rl_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, root / "init", tokenizer_bytes=2**20)
     result = subprocess.run(
-        [*COMPOSER, "train", "rl", str(RECIPES / "smoke-rl.yaml"), "--set", f"model.checkpoint={checkpoint}", "--set", f"run.dir={root / 'runs'}",
-         "--set", "train.steps=1", "--set", "rl.prompts_per_step=1", "--set", "rl.group_size=2", "--set", "train.global_batch_size=2", "--set", "train.micro_batch_size=2",
-         "--set", "rollout.sampling.temperature=0.7", "--set", "cluster.procs_per_host=1", "--set", "parallelism.ep=1",
-         *EVAL_SETTINGS],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
+        [
+            *COMPOSER,
+            "train",
+            "rl",
+            str(RECIPES / "smoke-rl.yaml"),
+            "--set",
+            f"model.checkpoint={checkpoint}",
+            "--set",
+            f"run.dir={root / 'runs'}",
+            "--set",
+            "train.steps=1",
+            "--set",
+            "rl.prompts_per_step=1",
+            "--set",
+            "rl.group_size=2",
+            "--set",
+            "train.global_batch_size=2",
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "rollout.sampling.temperature=0.7",
+            "--set",
+            "cluster.procs_per_host=1",
+            "--set",
+            "parallelism.ep=1",
+            *EVAL_SETTINGS,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return root, checkpoint, root / "runs" / "smoke-rl"
 
@@ -62,7 +89,7 @@ def test_a_killed_eval_resumes_and_gives_the_figures_of_the_rl_runs_held_out_eva
     kept = kept[: kept.rfind("\n") + 1]  # a line the kill tore is not a graded episode
     assert not (out / "results.json").exists()
 
-    result = composer(*args[len(COMPOSER):])
+    result = composer(*args[len(COMPOSER) :])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"checkpoint: {len(kept.splitlines())} of 24 episodes already graded" in result.stdout
     assert (out / "checkpoint.jsonl").read_text().startswith(kept)

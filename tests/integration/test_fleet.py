@@ -46,6 +46,7 @@ class FakeProvider(Provider):
         def finish():
             self.running[host] -= 1
             done(outcome)
+
         self.clock.call_at(self.clock.now() + self.seconds, finish)
 
     def cancel(self, host, number):
@@ -124,8 +125,7 @@ def test_a_failing_host_is_probed_removed_and_readmitted_after_its_cool_down_whi
     clock = SimulatedClock()
     provider = FakeProvider(clock, {"bad": always(Failure("server_error", "fake")), "good": always(OK)})
     provider.healthy["bad"] = False
-    pool = pool_of(provider, {"bad": 2, "good": 2}, retries=3, backoff_seconds=0.5, probe_after_failures=2,
-                   readmit_seconds=30.0, seed=1)
+    pool = pool_of(provider, {"bad": 2, "good": 2}, retries=3, backoff_seconds=0.5, probe_after_failures=2, readmit_seconds=30.0, seed=1)
     results = submit_all(pool, 20)
     clock.run(until=20.0)
     assert results == [OK] * 20  # every run retried on the good host: no infra failure
@@ -167,11 +167,13 @@ def test_a_run_failing_everywhere_ends_as_infra_failure_after_backed_off_retries
 
 def test_a_lost_connection_removes_the_host_at_once_and_a_silent_host_times_out():
     clock = SimulatedClock()
-    provider = FakeProvider(clock, {"lost": always(Failure("connection_lost", "fake")), "silent": always(None),
-                                    "good": always(OK)}, seconds=0.5)
+    provider = FakeProvider(
+        clock, {"lost": always(Failure("connection_lost", "fake")), "silent": always(None), "good": always(OK)}, seconds=0.5
+    )
     provider.healthy["lost"] = False
-    pool = pool_of(provider, {"lost": 1, "silent": 1, "good": 1}, request_timeout=10.0, probe_after_failures=1, retries=5,
-                   readmit_seconds=30.0)
+    pool = pool_of(
+        provider, {"lost": 1, "silent": 1, "good": 1}, request_timeout=10.0, probe_after_failures=1, retries=5, readmit_seconds=30.0
+    )
     results = submit_all(pool, 9)
     clock.run(until=25.0)
     assert results == [OK] * 9
@@ -205,20 +207,47 @@ def test_requests_and_results_cross_the_wire_unchanged_and_nothing_else_does():
         RunRequest("x = 1\n", ScriptRun()),
         RunRequest("p", CallTests("f", ('{"a": 1}',), ("2",), 7), "all_or_nothing"),
         RunRequest("p", GeneratedCalls("f", "g", 3, 9)),
-        RunRequest("p", CaseTests("f", (Call((1, (2, 3)), (("k", {1, 2}),), expected={"x": (1.5, None)}, compare="close", tolerance=0.1),
-                                       Statement("assert candidate(1)", "a loop")), setup="import math", seed=4)),
-        SandboxResult(0.5, 1, 2, "crash", "d", "out", "err", 1.25, 1900000001, (CaseResult(True), CaseResult(False, "e", "i", "o")),
-                      ("early_exit",), ("early_exit: why",)),
+        RunRequest(
+            "p",
+            CaseTests(
+                "f",
+                (
+                    Call((1, (2, 3)), (("k", {1, 2}),), expected={"x": (1.5, None)}, compare="close", tolerance=0.1),
+                    Statement("assert candidate(1)", "a loop"),
+                ),
+                setup="import math",
+                seed=4,
+            ),
+        ),
+        SandboxResult(
+            0.5,
+            1,
+            2,
+            "crash",
+            "d",
+            "out",
+            "err",
+            1.25,
+            1900000001,
+            (CaseResult(True), CaseResult(False, "e", "i", "o")),
+            ("early_exit",),
+            ("early_exit: why",),
+        ),
     ]
     import json
 
     for value in values:
         assert from_wire(json.loads(json.dumps(to_wire(value, SANDBOX_TYPES))), SANDBOX_TYPES) == value
-    for forged in ({"$dc": "Popen", "fields": {}}, {"$dc": "RunRequest", "fields": {"program": {"$v": '"p"'}, "shell": {"$v": "1"}}},
-                   {"$pickle": "..."}, {"$v": '{"$object": "os.system"}'}, {"$v": '"p"', "$dc": "RunRequest"}, {"$v": 3}):
+    for forged in (
+        {"$dc": "Popen", "fields": {}},
+        {"$dc": "RunRequest", "fields": {"program": {"$v": '"p"'}, "shell": {"$v": "1"}}},
+        {"$pickle": "..."},
+        {"$v": '{"$object": "os.system"}'},
+        {"$v": '"p"', "$dc": "RunRequest"},
+        {"$v": 3},
+    ):
         with pytest.raises((ProtocolError, ValueError)):
             from_wire(forged, SANDBOX_TYPES)
-
 
 
 def test_a_repository_task_crosses_the_wire_only_where_its_types_are_spoken():
@@ -229,13 +258,23 @@ def test_a_repository_task_crosses_the_wire_only_where_its_types_are_spoken():
     from composer.rollout.tasks.repository.shipping import WIRE_TYPES, ShippedTask, ShippedTrees
     from composer.rollout.tasks.repository.workspace import RepoTestPlan
 
-    plan = RepoTestPlan("pkg", ("tests/test_a.py",), ("tests/test_a.py::t1",), (), ("-q",), 60.0, "scored",
-                        (Scope("pkg/a.py", ("f", "C.g")), Scope("pkg/b.py")), "src")
+    plan = RepoTestPlan(
+        "pkg",
+        ("tests/test_a.py",),
+        ("tests/test_a.py::t1",),
+        (),
+        ("-q",),
+        60.0,
+        "scored",
+        (Scope("pkg/a.py", ("f", "C.g")), Scope("pkg/b.py")),
+        "src",
+    )
     task = ShippedTask(plan, ShippedTrees("pkg", False, "a" * 64, "b" * 64, ("/usr",)), "c" * 64, "all_or_nothing")
     wire = json.loads(json.dumps(to_wire(task, WIRE_TYPES)))
     assert from_wire(wire, WIRE_TYPES) == task
     with pytest.raises(ProtocolError):
         from_wire(wire, SANDBOX_TYPES)  # the sandbox's side alone does not speak repository tasks
+
 
 def test_a_real_local_fleet_runs_programs_concurrently_up_to_its_limit(tmp_path):
     from composer.recipes.env_schema import SandboxSection
@@ -254,6 +293,7 @@ def test_a_real_local_fleet_runs_programs_concurrently_up_to_its_limit(tmp_path)
 
     def overlapping(at: float) -> int:
         return sum(start <= at < end for start, end in spans)
+
     # two at a time (the global limit, below the host's three), never more
     assert max(overlapping(start) for start, _ in spans) == 2
 
@@ -264,8 +304,13 @@ def test_the_fleet_simulation_script_runs_a_small_burst():
 
     from tests.conftest import REPO
 
-    done = subprocess.run([sys.executable, "benchmarks/fleet_sim.py", "--episodes", "3000", "--hosts", "4", "--capacity", "16"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/fleet_sim.py", "--episodes", "3000", "--hosts", "4", "--capacity", "16"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == (1 if "MISSED" in done.stdout else 0), done.stderr  # CPU per episode is this machine's
     assert done.stdout.startswith("SIMULATION") and "results 3000/3000, infra_failure 0" in done.stdout
     for figure in ("orchestration CPU per episode", "time to drain / capacity bound", "memory with 3000 in flight"):
@@ -279,8 +324,13 @@ def test_the_fleet_simulation_exits_non_zero_when_it_misses_a_target():
     from tests.conftest import REPO
 
     # 60 episodes on 48 sandboxes: the slowest runs decide the drain, far above the capacity bound (simulated time)
-    done = subprocess.run([sys.executable, "benchmarks/fleet_sim.py", "--episodes", "60", "--hosts", "4", "--capacity", "16"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/fleet_sim.py", "--episodes", "60", "--hosts", "4", "--capacity", "16"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stdout
     missed = done.stderr.strip().splitlines()[-1]
     assert missed.startswith("MISSED its target: ") and "time to drain / capacity bound" in missed, done.stderr
@@ -300,11 +350,22 @@ def test_the_live_view_shows_the_fleet_in_one_row(tmp_path):
     clock.run(until=10.0)
     view = RLConsole(Console(file=io.StringIO(), width=200), "smoke-rl", steps=4, metrics=tmp_path / "metrics.jsonl", verbose=False)
     with view:
-        view.group("g0000001", {"engine": 0, "host": "localhost", "policy_version": 0, "reward_mean": 0.5,
-                                "generated_tokens_per_s": 100.0, "group_seconds": 2.0, **pool.snapshot()})
+        view.group(
+            "g0000001",
+            {
+                "engine": 0,
+                "host": "localhost",
+                "policy_version": 0,
+                "reward_mean": 0.5,
+                "generated_tokens_per_s": 100.0,
+                "group_seconds": 2.0,
+                **pool.snapshot(),
+            },
+        )
         rows = dict(view.figures())
-    assert rows["sandboxes"] == ("hosts 1/2 up   queue wait p95 3.00 s   start p95 0.000 s   retries 1   infra 0   "
-                                 "failures connection_lost 1")
+    assert rows["sandboxes"] == (
+        "hosts 1/2 up   queue wait p95 3.00 s   start p95 0.000 s   retries 1   infra 0   failures connection_lost 1"
+    )
 
 
 def test_the_sandbox_server_grades_what_it_is_sent_and_refuses_what_is_not_a_request(tmp_path):
@@ -318,9 +379,11 @@ def test_the_sandbox_server_grades_what_it_is_sent_and_refuses_what_is_not_a_req
     from tests.conftest import REPO
 
     assert MODULE == SERVER_MODULE  # the name the fleet starts over SSH is the program's own
-    server = subprocess.Popen([sys.executable, "-m", MODULE], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
+    server = subprocess.Popen(
+        [sys.executable, "-m", MODULE], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
+
         def send(message: dict) -> None:
             server.stdin.write(frame_bytes(message))
             server.stdin.flush()

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from tests.helpers import netns_hosts
 from tests.conftest import REPO
+from tests.helpers import netns_hosts
 
 pytestmark = [pytest.mark.ssh, pytest.mark.skipif(netns_hosts.available() is not None, reason=str(netns_hosts.available()))]
 
@@ -43,8 +43,7 @@ def sandbox_section(names: list[str], hosts=None, **more):
 
     if hosts is not None:
         more = {"remote_python": str(hosts.python), **more}
-    return SandboxSection(hosts=names, sandboxes_per_host=2, cpu_seconds=5, wall_seconds=30, retry_backoff_seconds=0.05,
-                          **more)
+    return SandboxSection(hosts=names, sandboxes_per_host=2, cpu_seconds=5, wall_seconds=30, retry_backoff_seconds=0.05, **more)
 
 
 def numbered(i: int, seconds: float):
@@ -71,8 +70,10 @@ def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
     cases = [
         numbered(7, 0),
         ("def f(x):\n    return x * 2\n", CallTests(entry_point="f", inputs=('{"x": 2}', '{"x": 3}'), expected=("4", "7"), seed=1)),
-        ("import random\n\ndef f(x):\n    return x + 1\n\ndef gen(rng):\n    return {'x': rng.randrange(9)}\n",
-         GeneratedCalls(entry_point="f", generator="gen", count=3, seed=5)),
+        (
+            "import random\n\ndef f(x):\n    return x + 1\n\ndef gen(rng):\n    return {'x': rng.randrange(9)}\n",
+            GeneratedCalls(entry_point="f", generator="gen", count=3, seed=5),
+        ),
         ("print('hello from', 6 * 7)\n", ScriptRun()),
     ]
     local = Sandbox(SandboxSection(cpu_seconds=5, wall_seconds=30), root=tmp_path)
@@ -82,8 +83,14 @@ def test_remote_hosts_grade_like_this_one(hosts, tmp_path):
         assert all(iso.dedicated_uid and iso.namespaces for iso in fleet.isolations.values())
         for program, tests in cases:
             here, there = local.run(program, tests), fleet.run(program, tests)
-            assert (there.reward, there.passed, there.total, there.status, there.stdout_tail, there.flags) == \
-                   (here.reward, here.passed, here.total, here.status, here.stdout_tail, here.flags)
+            assert (there.reward, there.passed, there.total, there.status, there.stdout_tail, there.flags) == (
+                here.reward,
+                here.passed,
+                here.total,
+                here.status,
+                here.stdout_tail,
+                here.flags,
+            )
             assert [(c.ok, c.input, c.output) for c in there.cases] == [(c.ok, c.input, c.output) for c in here.cases]
             assert not there.infra_failure
         assert sum(fleet.metrics()["sandbox_host_runs"].values()) == len(cases)
@@ -99,7 +106,10 @@ def test_an_unreachable_host_or_a_missing_composer_at_start_is_one_clear_error(h
     with pytest.raises(UserError, match=f"root@{netns_hosts.UNUSED_ADDRESS}:22: cannot connect"):
         SandboxFleet(sandbox_section([hosts.names[0], netns_hosts.UNUSED_ADDRESS], hosts), ssh_section(hosts))
     assert wait_for_no_process(hosts, "rollout.sandbox_host") == []  # the reachable host was closed again
-    with pytest.raises(UserError, match=f"sandbox host root@{hosts.names[0]}:22: its sandbox server .* did not start: .*No such file.*env.sandbox.remote_python"):
+    with pytest.raises(
+        UserError,
+        match=f"sandbox host root@{hosts.names[0]}:22: its sandbox server .* did not start: .*No such file.*env.sandbox.remote_python",
+    ):
         SandboxFleet(sandbox_section([hosts.names[0]], remote_python="/nonexistent/python"), ssh_section(hosts))
 
 
@@ -160,14 +170,21 @@ def test_an_rl_run_grades_its_episodes_on_the_sandbox_hosts(hosts, tmp_path):
     import json
 
     from composer.recipes.loader import load_recipe
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
     from tests.conftest import RECIPES
     from tests.integration.test_rl import start
-    from composer.trainer.checkpoint_init import init_hf_checkpoint
 
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)
-    sets = [f"env.sandbox.hosts=[{hosts.names[0]}, {hosts.names[1]}]", "env.sandbox.sandboxes_per_host=2", "cluster.ssh.user=root",
-            f"env.sandbox.remote_python={hosts.python}",
-            f"cluster.ssh.key_file={hosts.client_key}", f"cluster.ssh.known_hosts={hosts.known_hosts}", "train.steps=2", "rl.eval=null"]
+    sets = [
+        f"env.sandbox.hosts=[{hosts.names[0]}, {hosts.names[1]}]",
+        "env.sandbox.sandboxes_per_host=2",
+        "cluster.ssh.user=root",
+        f"env.sandbox.remote_python={hosts.python}",
+        f"cluster.ssh.key_file={hosts.client_key}",
+        f"cluster.ssh.known_hosts={hosts.known_hosts}",
+        "train.steps=2",
+        "rl.eval=null",
+    ]
     driver = start(tmp_path / "runs", checkpoint, *(a for s in sets for a in ("--set", s)))
     output, _ = driver.communicate(timeout=900)
     assert driver.returncode == 0, output[-3000:]

@@ -111,8 +111,12 @@ def tasks(env):
     """One task per family: smoke, a HumanEval task judged by Calls, one judged by Statements, CodeI/O."""
     humaneval = HumanEvalSource()
     codeio = CodeIOSource()
-    return {"smoke": smoke_task(3), "humaneval_calls": humaneval.task(0, env.sandbox),
-            "humaneval_statements": humaneval.task(53, env.sandbox), "codeio": codeio.task(0, env.sandbox)}
+    return {
+        "smoke": smoke_task(3),
+        "humaneval_calls": humaneval.task(0, env.sandbox),
+        "humaneval_statements": humaneval.task(53, env.sandbox),
+        "codeio": codeio.task(0, env.sandbox),
+    }
 
 
 @pytest.mark.parametrize("cheat", sorted(CHEATS))
@@ -146,12 +150,14 @@ def test_flags_name_what_the_program_did(env, tasks):
 def test_expected_outputs_never_reach_the_sandbox(env, tasks):
     """The child gets only inputs: a program that dumps everything it can reach finds no expected value."""
     task = tasks["humaneval_calls"]
-    dump = ("import gc, sys, os\n"
-            "seen = repr([o for o in gc.get_objects() if isinstance(o, (dict, list, tuple, str))][:200000])\n"
-            "seen += repr(sys.argv) + repr(dict(os.environ))\n"
-            "print(len(seen))\n"
-            "open('/tmp/seen.txt', 'w').write(seen)\n"
-            f"def {task.entry_point}(*args, **kwargs):\n    return seen\n")
+    dump = (
+        "import gc, sys, os\n"
+        "seen = repr([o for o in gc.get_objects() if isinstance(o, (dict, list, tuple, str))][:200000])\n"
+        "seen += repr(sys.argv) + repr(dict(os.environ))\n"
+        "print(len(seen))\n"
+        "open('/tmp/seen.txt', 'w').write(seen)\n"
+        f"def {task.entry_point}(*args, **kwargs):\n    return seen\n"
+    )
     result = env.sandbox.run(dump, task.tests)
     expected = [repr(c.expected) for c in rewrite_assertions(task.tests.entry_point, task.tests.setup, task.tests.cases).cases]
     outputs = " ".join(c.output or "" for c in result.cases)
@@ -213,8 +219,18 @@ def test_a_cheating_program_on_a_canary_raises_the_alarm(env, caplog):
     assert "cheating alarm" in caplog.text
     honest = env.grade(canary, "2")
     assert honest.reward == 0.0 and honest.flags == ()
-    runs = [Trajectory("a", "g", canary.id, 0, cheated.reward, [], info={"summaries": 0, "summary_tokens": [], "flags": list(cheated.flags), "canary": True}),
-            Trajectory("b", "g", canary.id, 0, honest.reward, [], info={"summaries": 0, "summary_tokens": [], "flags": [], "canary": True})]
+    runs = [
+        Trajectory(
+            "a",
+            "g",
+            canary.id,
+            0,
+            cheated.reward,
+            [],
+            info={"summaries": 0, "summary_tokens": [], "flags": list(cheated.flags), "canary": True},
+        ),
+        Trajectory("b", "g", canary.id, 0, honest.reward, [], info={"summaries": 0, "summary_tokens": [], "flags": [], "canary": True}),
+    ]
     stats = episode_stats(runs, max_context=512)
     assert (stats["canary_passes"], stats["canary_pass_rate"], stats["flag_canary_passed_rate"]) == (1.0, 0.5, 0.5)
 
@@ -245,6 +261,7 @@ def test_guards_decide_what_a_flagged_episode_earns(tmp_path, tasks):
 
 def test_a_sandbox_that_cannot_start_is_an_infrastructure_failure(tmp_path, monkeypatch, caplog):
     import composer.rollout.sandbox.runs as sandbox_module
+
     sandbox = Sandbox(LIMITS.model_copy(update={"infra_retries": 1}), root=tmp_path)
     broken = dict(sandbox_module.root_layout(), read_only=["/nonexistent-composer-lib"])
     monkeypatch.setattr(sandbox_module, "root_layout", lambda: broken)

@@ -80,8 +80,9 @@ def tok(tokenizer_dir):
 def env(tmp_path_factory):
     from composer.rollout.agent.environment import CodingEnvironment
 
-    return CodingEnvironment(EnvSection(tasks=[TaskSet(name="smoke"), TaskSet(name="humaneval")]), seed=0,
-                             sandbox_root=tmp_path_factory.mktemp("sandbox"))
+    return CodingEnvironment(
+        EnvSection(tasks=[TaskSet(name="smoke"), TaskSet(name="humaneval")]), seed=0, sandbox_root=tmp_path_factory.mktemp("sandbox")
+    )
 
 
 TOOLS = RolloutSection(harness="tools", max_context=4096, max_turns=8, sampling=SamplingSection(max_tokens=256))
@@ -100,33 +101,44 @@ def run_episode(tok, env, replies, task_index=(1, 0), rollout=TOOLS, **policy):
 
 
 def test_tool_calls_are_parsed_from_text_around_them_in_order():
-    reply = ("Let me look first.\n" + call("read_file", path="a.py", start_line=2) + "\nthen\n"
-             + '<tool_call>\n```json\n{"name": "run_tests", "arguments": {}}\n```\n</tool_call>'
-             + '<tool_call>{"name": "edit", "arguments": "{\\"path\\": \\"a.py\\", \\"old_string\\": \\"x\\", \\"new_string\\": \\"y\\"}"}</tool_call>'
-             + '<tool_call>{"name": "search", "arguments": {"pattern": "x"}}\n'  # its closing tag forgotten
-             + '<tool_call>{"name": "finish"}')
-    assert parse_tool_calls(reply) == [ToolCall("read_file", {"path": "a.py", "start_line": 2}), ToolCall("run_tests", {}),
-                                       ToolCall("edit", {"path": "a.py", "old_string": "x", "new_string": "y"}),
-                                       ToolCall("search", {"pattern": "x"}), ToolCall("finish", {})]
+    reply = (
+        "Let me look first.\n"
+        + call("read_file", path="a.py", start_line=2)
+        + "\nthen\n"
+        + '<tool_call>\n```json\n{"name": "run_tests", "arguments": {}}\n```\n</tool_call>'
+        + '<tool_call>{"name": "edit", "arguments": "{\\"path\\": \\"a.py\\", \\"old_string\\": \\"x\\", \\"new_string\\": \\"y\\"}"}</tool_call>'
+        + '<tool_call>{"name": "search", "arguments": {"pattern": "x"}}\n'  # its closing tag forgotten
+        + '<tool_call>{"name": "finish"}'
+    )
+    assert parse_tool_calls(reply) == [
+        ToolCall("read_file", {"path": "a.py", "start_line": 2}),
+        ToolCall("run_tests", {}),
+        ToolCall("edit", {"path": "a.py", "old_string": "x", "new_string": "y"}),
+        ToolCall("search", {"pattern": "x"}),
+        ToolCall("finish", {}),
+    ]
     assert parse_tool_calls("no call here, ```python\nprint(1)\n```") == []
 
 
-@pytest.mark.parametrize("body, message", [
-    ('{"name": "read_file", "arguments": {"path": "a.py"', "malformed JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    ('{"name": "rm_rf", "arguments": {}}', "unknown tool 'rm_rf'"),
-    ('{"name": "read_file", "arguments": {}}', "missing required argument path"),
-    ('{"name": "read_file", "arguments": {"path": "a", "lines": 3}}', "unknown argument lines"),
-    ('{"name": "read_file", "arguments": {"path": 7}}', "argument path must be a string, not int"),
-    ('{"name": "read_file", "arguments": {"path": "a", "start_line": "3"}}', "start_line must be an integer, not str"),
-    ('{"name": "read_file", "arguments": {"path": "a", "start_line": true}}', "start_line must be an integer, not bool"),
-    ('{"name": "shell", "arguments": ["ls"]}', '"arguments" must be a JSON object'),
-    ('{"name": "shell", "command": "ls"}', "unexpected keys ['command']"),
-    ('{"name": "shell", "arguments": {"command": "echo a\\u0000b"}}', "argument command must be text"),
-    ('{"name": "write_file", "arguments": {"path": "x", "content": "\\ud800"}}', "argument content must be text"),
-    ("[" * 100_000, "nested too deeply"),
-    ('{"name": "finish", "arguments": "' + "[" * 100_000 + '"}', "nested too deeply"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ('{"name": "read_file", "arguments": {"path": "a.py"', "malformed JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"name": "rm_rf", "arguments": {}}', "unknown tool 'rm_rf'"),
+        ('{"name": "read_file", "arguments": {}}', "missing required argument path"),
+        ('{"name": "read_file", "arguments": {"path": "a", "lines": 3}}', "unknown argument lines"),
+        ('{"name": "read_file", "arguments": {"path": 7}}', "argument path must be a string, not int"),
+        ('{"name": "read_file", "arguments": {"path": "a", "start_line": "3"}}', "start_line must be an integer, not str"),
+        ('{"name": "read_file", "arguments": {"path": "a", "start_line": true}}', "start_line must be an integer, not bool"),
+        ('{"name": "shell", "arguments": ["ls"]}', '"arguments" must be a JSON object'),
+        ('{"name": "shell", "command": "ls"}', "unexpected keys ['command']"),
+        ('{"name": "shell", "arguments": {"command": "echo a\\u0000b"}}', "argument command must be text"),
+        ('{"name": "write_file", "arguments": {"path": "x", "content": "\\ud800"}}', "argument content must be text"),
+        ("[" * 100_000, "nested too deeply"),
+        ('{"name": "finish", "arguments": "' + "[" * 100_000 + '"}', "nested too deeply"),
+    ],
+)
 def test_malformed_calls_are_errors_that_say_what_is_wrong(body, message):
     [error] = parse_tool_calls(f"text <tool_call>{body}</tool_call> more")
     assert isinstance(error, CallError) and message in error.message, error
@@ -191,7 +203,7 @@ def test_read_search_and_shell_outputs(workspace):
     assert shown.startswith("long.txt: lines 1-400 of 1000") and "[lines 401-1000 not shown: read them with start_line=401]" in shown
     assert tool(workspace, "read_file", path="long.txt", start_line=999).endswith("  999  row 999\n 1000  row 1000")
     assert "has 1000 lines" in tool(workspace, "read_file", path="long.txt", start_line=2000)
-    assert tool(workspace, "search", pattern="def has_close") .startswith("solution.py:4:def has_close_elements")
+    assert tool(workspace, "search", pattern="def has_close").startswith("solution.py:4:def has_close_elements")
     many = tool(workspace, "search", pattern="^row [0-9]+$", path="long.txt")
     assert many.count("\n") == 50 and "more than 50 matches" in many
     assert "no match" in tool(workspace, "search", pattern="zzz_absent")
@@ -204,11 +216,16 @@ def test_read_search_and_shell_outputs(workspace):
 
 
 def test_scripted_tool_calls_that_fix_a_function_task_earn_full_reward(tok, env):
-    trajectory, policy = run_episode(tok, env, [
-        "I will read the file first. " + call("read_file", path="solution.py"),
-        call("edit", path="solution.py", old_string='    True\n    """\n', new_string='    True\n    """\n' + HUMANEVAL_0) + call("run_tests"),
-        call("finish"),
-    ])
+    trajectory, policy = run_episode(
+        tok,
+        env,
+        [
+            "I will read the file first. " + call("read_file", path="solution.py"),
+            call("edit", path="solution.py", old_string='    True\n    """\n', new_string='    True\n    """\n' + HUMANEVAL_0)
+            + call("run_tests"),
+            call("finish"),
+        ],
+    )
     assert trajectory.reward == 1.0 and trajectory.info["end_reason"] == "finished" and trajectory.info["turns"] == 3
     assert trajectory.info["tool_calls"] == 4 and trajectory.info["tool_errors"] == 0
     assert "def has_close_elements" in policy.prompts[1] and "edited solution.py" in policy.prompts[2]
@@ -229,13 +246,20 @@ def test_an_episode_without_finish_is_graded_at_the_turn_limit(tok, env):
 
 
 def test_malformed_calls_get_error_observations_and_the_episode_goes_on(tok, env):
-    trajectory, policy = run_episode(tok, env, [
-        "The answer is 4.",
-        '<tool_call>{"name": "read_file", "arguments": {"path": </tool_call>',
-        call("delete_everything") + call("read_file", path="solution.py", start_line="1"),
-        call("finish", reason="done"),
-        call("write_file", path="solution.py", content="def answer():\n    return 4\n") + call("finish") + call("shell", command="touch late"),
-    ], task_index=(0, 0))
+    trajectory, policy = run_episode(
+        tok,
+        env,
+        [
+            "The answer is 4.",
+            '<tool_call>{"name": "read_file", "arguments": {"path": </tool_call>',
+            call("delete_everything") + call("read_file", path="solution.py", start_line="1"),
+            call("finish", reason="done"),
+            call("write_file", path="solution.py", content="def answer():\n    return 4\n")
+            + call("finish")
+            + call("shell", command="touch late"),
+        ],
+        task_index=(0, 0),
+    )
     assert "No tool call found" in policy.prompts[1]
     assert "malformed JSON" in policy.prompts[2]
     assert "unknown tool 'delete_everything'" in policy.prompts[3] and "start_line must be an integer" in policy.prompts[3]
@@ -251,7 +275,7 @@ def test_malformed_calls_get_error_observations_and_the_episode_goes_on(tok, env
 def test_long_observations_are_cut_to_the_budget_with_a_note(tok, env):
     rollout = TOOLS.model_copy(update={"sampling": SamplingSection(max_tokens=128)})
     _, policy = run_episode(tok, env, [call("shell", command="seq 1 5000"), call("finish")], rollout=rollout)
-    observation = policy.prompts[1][len(policy.prompts[0]):].split("</tool_call>", 1)[1]
+    observation = policy.prompts[1][len(policy.prompts[0]) :].split("</tool_call>", 1)[1]
     assert "\n1\n2\n" in observation and observation.rstrip().endswith("5000\n</tool_response>")
     assert "lines) cut: redirect the output to a file" in observation
     assert len(tok.encode(observation)) <= 128 + 16
@@ -260,8 +284,9 @@ def test_long_observations_are_cut_to_the_budget_with_a_note(tok, env):
 def test_self_summarization_keeps_working_with_tools(tok, env):
     from composer.rollout.agent.loop import SUMMARY_HEADER, SUMMARY_REQUEST
 
-    rollout = TOOLS.model_copy(update={"max_context": 3072, "summarize_at": 0.5, "max_summaries": 4, "max_turns": 12,
-                                       "sampling": SamplingSection(max_tokens=160)})
+    rollout = TOOLS.model_copy(
+        update={"max_context": 3072, "summarize_at": 0.5, "max_summaries": 4, "max_turns": 12, "sampling": SamplingSection(max_tokens=160)}
+    )
     reads = [call("read_file", path="solution.py")] * 6
     fix = call("write_file", path="solution.py", content="def has_close_elements(numbers, threshold):\n" + HUMANEVAL_0)
     trajectory, policy = run_episode(tok, env, reads + [fix, call("finish")], rollout=rollout, summary="SUMMARY: solution.py needs a body.")
@@ -324,7 +349,7 @@ def test_a_template_that_renders_tools_gets_the_schemas_through_it(tokenizer_dir
     trajectory, policy = run_episode(tok, env, [call("run_tests") + call("run_tests"), call("finish")], rollout=rollout)
     text = policy.prompts[1]
     assert json.dumps(TOOL_SCHEMAS[0]) in text and plain_tool_guide() not in text
-    observation = text[len(policy.prompts[0]):].rsplit("</tool_call>", 1)[1]
+    observation = text[len(policy.prompts[0]) :].rsplit("</tool_call>", 1)[1]
     assert observation.startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n[exit 1,")
     assert observation.count("<tool_response>") == 2 and observation.endswith("<|im_start|>assistant\n")
 
@@ -344,7 +369,10 @@ def test_replies_are_still_the_solution_without_tools(tok, env):
 
 EGO = "networkx/generators/ego.py"
 EGO_TESTS = "networkx/generators/tests/test_ego.py"
-EGO_FIX = ("if distance is None:\n            sp, _ = nx.single_source_dijkstra(G, n", "if distance is not None:\n            sp, _ = nx.single_source_dijkstra(G, n")
+EGO_FIX = (
+    "if distance is None:\n            sp, _ = nx.single_source_dijkstra(G, n",
+    "if distance is not None:\n            sp, _ = nx.single_source_dijkstra(G, n",
+)
 
 
 @pytest.fixture(scope="module")
@@ -367,10 +395,18 @@ def repo_task(tmp_path_factory):
     (layer / EGO).write_text(buggy)
     for path in [layer, *layer.rglob("*")]:
         path.chmod(0o777 if path.is_dir() else 0o666)  # the episode's commands run as other uids
-    tests = RepoTests(package="networkx", test_files=(EGO_TESTS,), fail_to_pass=(f"{EGO_TESTS}::TestGeneratorEgo::test_ego_distance",),
-                      pass_to_pass=(f"{EGO_TESTS}::TestGeneratorEgo::test_ego",), pytest_args=(), layer=layer,
-                      episode_base=bases / "episode", grading_base=bases / "grading", hidden=installed_copies("networkx"),
-                      timeout_s=60)
+    tests = RepoTests(
+        package="networkx",
+        test_files=(EGO_TESTS,),
+        fail_to_pass=(f"{EGO_TESTS}::TestGeneratorEgo::test_ego_distance",),
+        pass_to_pass=(f"{EGO_TESTS}::TestGeneratorEgo::test_ego",),
+        pytest_args=(),
+        layer=layer,
+        episode_base=bases / "episode",
+        grading_base=bases / "grading",
+        hidden=installed_copies("networkx"),
+        timeout_s=60,
+    )
     prompt = f"You are working in a checkout of networkx at /sandbox. The test {tests.fail_to_pass[0]} fails. Fix the library."
     return Task(id="repo/networkx/bug/ego", family="repo", prompt=prompt, entry_point="", tests=tests)
 
@@ -381,36 +417,45 @@ REPO = TOOLS.model_copy(update={"max_context": 8192, "max_turns": 6, "sampling":
 def test_scripted_tool_calls_that_fix_a_repository_bug_earn_full_reward(tok, env, repo_task):
     from composer.rollout.agent.loop import EpisodeRunner
 
-    policy = ScriptedPolicy(tok, [
-        call("search", pattern="def ego_graph") + call("shell", command="python -c 'import networkx; print(networkx.__file__)'"),
-        call("read_file", path=EGO, start_line=50, end_line=66),
-        call("run_tests"),
-        call("edit", path=EGO, old_string=EGO_FIX[0], new_string=EGO_FIX[1]) + call("run_tests"),
-        call("finish"),
-    ])
+    policy = ScriptedPolicy(
+        tok,
+        [
+            call("search", pattern="def ego_graph") + call("shell", command="python -c 'import networkx; print(networkx.__file__)'"),
+            call("read_file", path=EGO, start_line=50, end_line=66),
+            call("run_tests"),
+            call("edit", path=EGO, old_string=EGO_FIX[0], new_string=EGO_FIX[1]) + call("run_tests"),
+            call("finish"),
+        ],
+    )
     [trajectory] = EpisodeRunner(policy, tok, env, REPO).run_group(repo_task, "r", 1, 0, seed=0)
     assert f"{EGO}:" in policy.prompts[1] and "/sandbox/networkx/__init__.py" in policy.prompts[1]  # its own copy
     assert "if distance is None:" in policy.prompts[2]
-    assert "1 failed, 1 passed" in policy.prompts[3] and "2 passed" in policy.prompts[4][len(policy.prompts[3]):]
+    assert "1 failed, 1 passed" in policy.prompts[3] and "2 passed" in policy.prompts[4][len(policy.prompts[3]) :]
     assert trajectory.reward == 1.0 and trajectory.info["flags"] == [] and trajectory.info["end_reason"] == "finished"
     assert (trajectory.info["tests_passed"], trajectory.info["tests_total"]) == (2, 2)
 
 
-SKIP_ALL = "import pytest\n\n\ndef pytest_collection_modifyitems(items):\n    for item in items:\n        item.add_marker(pytest.mark.skip)\n"
+SKIP_ALL = (
+    "import pytest\n\n\ndef pytest_collection_modifyitems(items):\n    for item in items:\n        item.add_marker(pytest.mark.skip)\n"
+)
 
 
-@pytest.mark.parametrize("cheat", [
-    call("shell", command=f"sed -i 's/assert /assert True or /' {EGO_TESTS}"),
-    call("edit", path=EGO_TESTS, old_string="    def test_ego_distance(self):", new_string="    def _ego_distance(self):"),
-    call("write_file", path="conftest.py", content=SKIP_ALL),
-    call("write_file", path="networkx/conftest.py", content=SKIP_ALL)
-    + call("edit", path=EGO, old_string=EGO_FIX[0], new_string=EGO_FIX[1]),  # a fix, but with a cheat
-], ids=["edit-test", "delete-failing-test", "conftest-skips", "fix-and-conftest"])
+@pytest.mark.parametrize(
+    "cheat",
+    [
+        call("shell", command=f"sed -i 's/assert /assert True or /' {EGO_TESTS}"),
+        call("edit", path=EGO_TESTS, old_string="    def test_ego_distance(self):", new_string="    def _ego_distance(self):"),
+        call("write_file", path="conftest.py", content=SKIP_ALL),
+        call("write_file", path="networkx/conftest.py", content=SKIP_ALL)
+        + call("edit", path=EGO, old_string=EGO_FIX[0], new_string=EGO_FIX[1]),  # a fix, but with a cheat
+    ],
+    ids=["edit-test", "delete-failing-test", "conftest-skips", "fix-and-conftest"],
+)
 def test_scripted_cheats_earn_nothing_and_are_flagged(tok, env, repo_task, cheat):
     from composer.rollout.agent.loop import EpisodeRunner
 
     policy = ScriptedPolicy(tok, [cheat + call("run_tests"), call("finish")])
     [trajectory] = EpisodeRunner(policy, tok, env, REPO).run_group(repo_task, "c", 1, 0, seed=0)
-    visible = policy.prompts[1][len(policy.prompts[0]):]
+    visible = policy.prompts[1][len(policy.prompts[0]) :]
     assert "failed" not in visible.split("</tool_call>")[-1]  # the cheat fools the agent-visible test run ...
     assert trajectory.reward == 0.0 and "tests_modified" in trajectory.info["flags"]  # ... not the grade

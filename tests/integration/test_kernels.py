@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from composer.recipes.errors import UserError
 from composer.recipes.loader import load_recipe
 from composer.recipes.schema import KernelsSection, ParallelismSection
-from tests.conftest import run_ranks
-from tests.helpers.workers.kernel_parity_worker import kernel_parity
 from composer.trainer.checkpoint_init import init_hf_checkpoint
 from composer.trainer.distributed import init_distributed, shutdown_distributed
 from composer.trainer.hf_config import model_section_from_hf
 from composer.trainer.kernels import check_kernels_installed, resolve_kernels
 from composer.trainer.model import build_model
+from tests.conftest import run_ranks
+from tests.helpers.workers.kernel_parity_worker import kernel_parity
 
 pytestmark = pytest.mark.engines
 
@@ -126,8 +126,14 @@ def test_the_recipe_key_is_strict():
 
 def test_gpu_benchmark_runs_tiny_on_cpu():
     """benchmarks/gpu_bench.py --tiny: every section runs and prints its ratio against the baseline of the same run."""
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_bench.py"), "--tiny"], capture_output=True, text=True,
-                            timeout=300, cwd=REPO, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/gpu_bench.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     out = result.stdout
     for needle in ("qwen3_moe", "deepseek_v3", "tokens/s", "speedup x", "parity", "sync encode", "peak memory"):

@@ -13,9 +13,9 @@ import pytest
 
 from composer.recipes.loader import load_recipe
 from composer.runtime.run_dir import read_metrics
-from tests.conftest import RECIPES, run_composer
 from composer.trainer.checkpoint_init import init_hf_checkpoint
 from composer.trainer.hf_config import model_section_from_hf
+from tests.conftest import RECIPES, run_composer
 
 
 def test_a_rescaled_stage_exports_its_own_rope(tmp_path):
@@ -51,7 +51,12 @@ def test_the_long_context_stages_run_end_to_end(tmp_path):
     stage1 = ["train.steps=40", "train.eval_every=20", "train.checkpoint_every=20", f"model.checkpoint={init}"]
     result = run_composer("train", "midtrain", str(RECIPES / "long-context-stage1.yaml"), *sets(*corpus, *stage1))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    stage2 = ["train.steps=20", "train.eval_every=10", "train.checkpoint_every=10", f"model.checkpoint={runs / 'long-context-stage1' / 'export'}"]
+    stage2 = [
+        "train.steps=20",
+        "train.eval_every=10",
+        "train.checkpoint_every=10",
+        f"model.checkpoint={runs / 'long-context-stage1' / 'export'}",
+    ]
     result = run_composer("train", "midtrain", str(RECIPES / "long-context-stage2.yaml"), *sets(*corpus, *stage2))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
 

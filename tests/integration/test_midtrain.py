@@ -24,8 +24,13 @@ pytestmark = pytest.mark.engines
 
 STEPS = 12
 SHORT = [
-    f"train.steps={STEPS}", "train.eval_every=6", "train.eval_batches=2", "train.checkpoint_every=4",
-    "train.global_batch_size=8", "optim.warmup_steps=2", "data.split=[90,10,0]",
+    f"train.steps={STEPS}",
+    "train.eval_every=6",
+    "train.eval_batches=2",
+    "train.checkpoint_every=4",
+    "train.global_batch_size=8",
+    "optim.warmup_steps=2",
+    "data.split=[90,10,0]",
     'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
 ]
 
@@ -44,8 +49,17 @@ def workspace(tmp_path_factory) -> Path:
 
 def midtrain_args(root: Path, name: str, *extra: str) -> list[str]:
     return [
-        "train", "midtrain", str(RECIPES / "smoke-midtrain.yaml"),
-        *sets(f"run.dir={root / 'runs'}", f"run.name={name}", f"model.checkpoint={root / 'init'}", f"data.cache_dir={root / 'cache'}", *SHORT, *extra),
+        "train",
+        "midtrain",
+        str(RECIPES / "smoke-midtrain.yaml"),
+        *sets(
+            f"run.dir={root / 'runs'}",
+            f"run.name={name}",
+            f"model.checkpoint={root / 'init'}",
+            f"data.cache_dir={root / 'cache'}",
+            *SHORT,
+            *extra,
+        ),
     ]
 
 
@@ -201,8 +215,11 @@ def test_keys_the_loop_cannot_honour_are_refused_before_launch(workspace):
 def test_runs_lists_the_finished_the_failed_and_the_killed_then_resumed_runs(workspace, reference):
     result = run_composer("runs", str(workspace / "runs"))
     assert result.returncode == 0, result.stderr
-    status = {line.split("│")[1].strip().rsplit("/", 1)[-1]: line.split("│")[3].strip()
-              for line in result.stdout.splitlines() if line.startswith("│")}
+    status = {
+        line.split("│")[1].strip().rsplit("/", 1)[-1]: line.split("│")[3].strip()
+        for line in result.stdout.splitlines()
+        if line.startswith("│")
+    }
     assert status["reference"] == "finished"
     if "killed" in status:  # resumed to the end by its test
         assert status["killed"] == "finished"

@@ -14,12 +14,12 @@ import torch
 
 from composer.recipes.loader import load_recipe
 from composer.recipes.schema import ParallelismSection
-from tests.conftest import run_ranks
 from composer.trainer.checkpoint_init import init_hf_checkpoint
 from composer.trainer.distributed import init_distributed, shutdown_distributed
 from composer.trainer.hf_config import model_section_from_hf
 from composer.trainer.model import build_model, forward_logits
 from composer.trainer.weights import export_hf, hf_weight_files, load_hf_into
+from tests.conftest import run_ranks
 
 pytestmark = pytest.mark.engines
 
@@ -158,8 +158,14 @@ def test_vllm_serves_the_exported_model(megatron, tokens, tmp_path, monkeypatch)
     logprobs = torch.log_softmax(logits, dim=-1)
 
     llm = LLM(
-        model=str(tmp_path / "served"), tokenizer=None, skip_tokenizer_init=True, dtype="float32",
-        enforce_eager=True, kv_cache_memory_bytes=64 * 2**20, max_model_len=64, seed=0,
+        model=str(tmp_path / "served"),
+        tokenizer=None,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 * 2**20,
+        max_model_len=64,
+        seed=0,
         enable_return_routed_experts=True,
     )
     try:

@@ -20,10 +20,16 @@ from tests.conftest import COMPOSER, RECIPES, REPO, run_composer, run_ranks
 # --- recipe keys -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["optim.muon.momentum=0.9"], "optim.muon: Muon settings, but optim.name is adam; set optim.name: muon or remove optim.muon"),
-    (["optim.qk_clip=0"], "optim.qk_clip: must be > 0: the largest attention logit allowed (e.g. 100); leave it unset for no clipping (got 0)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optim.muon.momentum=0.9"], "optim.muon: Muon settings, but optim.name is adam; set optim.name: muon or remove optim.muon"),
+        (
+            ["optim.qk_clip=0"],
+            "optim.qk_clip: must be > 0: the largest attention logit allowed (e.g. 100); leave it unset for no clipping (got 0)",
+        ),
+    ],
+)
 def test_bad_optimizer_settings_are_one_clear_error(overrides, message):
     result = run_composer("recipe", "validate", str(RECIPES / "smoke-midtrain.yaml"), *(a for o in overrides for a in ("--set", o)))
     assert result.returncode == 2
@@ -31,16 +37,32 @@ def test_bad_optimizer_settings_are_one_clear_error(overrides, message):
     assert "1 problem" in result.stdout + result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("recipe, overrides, path, message", [
-    ("smoke-midtrain", ["optim.qk_clip=-5"], "optim.qk_clip", "must be > 0"),
-    ("smoke-midtrain", ["optim.name=muon", "optim.muon.nesterow=false"], "optim.muon.nesterow", "unknown key; did you mean 'nesterov'?"),
-    ("smoke-midtrain", ["optim.name=sgd"], "optim.name", "Input should be 'adam' or 'muon'"),
-    ("smoke-midtrain", ["optim.name=muon", "parallelism.distributed_optimizer=true"], "parallelism.distributed_optimizer",
-     "Megatron-Core 0.16.1's Muon does not shard"),
-    ("smoke-midtrain", ["optim.qk_clip=100"], "optim.qk_clip", "model.family qwen3_moe normalises queries and keys (QK-norm)"),
-    ("smoke-deepseek-v3-midtrain", ["optim.qk_clip=100", "model.dtype=bfloat16", "parallelism.distributed_optimizer=true"],
-     "optim.qk_clip", "the distributed optimizer holds the fp32 master weights in shards"),
-])
+@pytest.mark.parametrize(
+    "recipe, overrides, path, message",
+    [
+        ("smoke-midtrain", ["optim.qk_clip=-5"], "optim.qk_clip", "must be > 0"),
+        (
+            "smoke-midtrain",
+            ["optim.name=muon", "optim.muon.nesterow=false"],
+            "optim.muon.nesterow",
+            "unknown key; did you mean 'nesterov'?",
+        ),
+        ("smoke-midtrain", ["optim.name=sgd"], "optim.name", "Input should be 'adam' or 'muon'"),
+        (
+            "smoke-midtrain",
+            ["optim.name=muon", "parallelism.distributed_optimizer=true"],
+            "parallelism.distributed_optimizer",
+            "Megatron-Core 0.16.1's Muon does not shard",
+        ),
+        ("smoke-midtrain", ["optim.qk_clip=100"], "optim.qk_clip", "model.family qwen3_moe normalises queries and keys (QK-norm)"),
+        (
+            "smoke-deepseek-v3-midtrain",
+            ["optim.qk_clip=100", "model.dtype=bfloat16", "parallelism.distributed_optimizer=true"],
+            "optim.qk_clip",
+            "the distributed optimizer holds the fp32 master weights in shards",
+        ),
+    ],
+)
 def test_optimizer_settings_that_cannot_work_are_refused(recipe, overrides, path, message):
     from composer.recipes.loader import RecipeError, load_recipe
 
@@ -55,8 +77,15 @@ def test_muon_defaults_fill_in_and_qk_clip_validates_for_mla_and_gqa():
 
     recipe = load_recipe(RECIPES / "smoke-deepseek-v3-midtrain.yaml", ["optim.name=muon", "optim.qk_clip=100"])
     assert recipe.optim.muon.momentum == 0.95 and recipe.optim.muon.nesterov and recipe.optim.muon.router == "muon"
-    dense = ["model.family=llama", "model.num_experts=0", "model.moe_top_k=0", "model.moe_ffn_hidden_size=0",
-             "model.ffn_hidden_size=256", "parallelism.ep=1", "optim.qk_clip=100"]
+    dense = [
+        "model.family=llama",
+        "model.num_experts=0",
+        "model.moe_top_k=0",
+        "model.moe_ffn_hidden_size=0",
+        "model.ffn_hidden_size=256",
+        "parallelism.ep=1",
+        "optim.qk_clip=100",
+    ]
     assert load_recipe(RECIPES / "smoke-midtrain.yaml", dense).optim.qk_clip == 100
 
 
@@ -67,8 +96,9 @@ def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
     from composer.trainer.checkpointing import Checkpointer
 
     (tmp_path / "step-00000003").mkdir()
-    (tmp_path / "step-00000003" / "trainer_state.json").write_text(json.dumps({"step": 3, "optimizer": "muon", "layout": {
-        "tp": 1, "pp": 1, "ep": 1, "etp": 1, "cp": 1}}))
+    (tmp_path / "step-00000003" / "trainer_state.json").write_text(
+        json.dumps({"step": 3, "optimizer": "muon", "layout": {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "cp": 1}})
+    )
     (tmp_path / "latest").write_text("step-00000003")
     checkpointer = Checkpointer(tmp_path, keep=2)
     with pytest.raises(UserError, match="trained with optim.name muon, the recipe says adam; switching optimizer on resume is refused"):
@@ -143,9 +173,16 @@ def test_qk_clip_above_every_logit_changes_nothing_and_logs_the_largest(parallel
 
 STEPS = 5
 SHORT = [
-    f"train.steps={STEPS}", "train.eval_every=3", "train.eval_batches=1", "train.checkpoint_every=2",
-    "train.global_batch_size=8", "optim.warmup_steps=1", "data.split=[90,10,0]",
-    'data.sources.0.paths=["{stdlib}/email/**/*.py"]', "optim.name=muon", "optim.lr=0.02",
+    f"train.steps={STEPS}",
+    "train.eval_every=3",
+    "train.eval_batches=1",
+    "train.checkpoint_every=2",
+    "train.global_batch_size=8",
+    "optim.warmup_steps=1",
+    "data.split=[90,10,0]",
+    'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
+    "optim.name=muon",
+    "optim.lr=0.02",
     "optim.qk_clip=0.3",  # the tiny twin's largest logit grows from 0.29 at initialisation: clipping is at work
 ]
 
@@ -164,8 +201,17 @@ def workspace(tmp_path_factory) -> Path:
 
 def midtrain_args(root: Path, name: str, *extra: str) -> list[str]:
     return [
-        "train", "midtrain", str(RECIPES / "smoke-deepseek-v3-midtrain.yaml"),
-        *sets(f"run.dir={root / 'runs'}", f"run.name={name}", f"model.checkpoint={root / 'init'}", f"data.cache_dir={root / 'cache'}", *SHORT, *extra),
+        "train",
+        "midtrain",
+        str(RECIPES / "smoke-deepseek-v3-midtrain.yaml"),
+        *sets(
+            f"run.dir={root / 'runs'}",
+            f"run.name={name}",
+            f"model.checkpoint={root / 'init'}",
+            f"data.cache_dir={root / 'cache'}",
+            *SHORT,
+            *extra,
+        ),
     ]
 
 
@@ -194,8 +240,13 @@ def test_the_largest_attention_logit_is_logged_every_step_and_clipped(reference)
 def test_killed_muon_run_resumes_with_the_same_losses(workspace, reference):
     kill_after = random.randint(3, 4)  # past the step-2 checkpoint; sometimes mid-save of step 4
     run_dir = workspace / "runs" / "killed"
-    process = subprocess.Popen([*COMPOSER, *midtrain_args(workspace, "killed")], cwd=REPO, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        [*COMPOSER, *midtrain_args(workspace, "killed")],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         while not (run_dir / "metrics.jsonl").exists() or max([r["step"] for r in records(run_dir)], default=-1) < kill_after:
             assert process.poll() is None, "the run ended before it could be killed"

@@ -19,20 +19,31 @@ PRODUCT_FOLDERS = ("cli", "rl", "rollout", "trainer", "sync", "data", "runtime",
 def installed(tmp_path_factory) -> Path:
     """A fresh venv holding the wheel alone; its dependencies are read from this environment's site-packages."""
     work = tmp_path_factory.mktemp("wheel")
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(work / "dist"),
-                            str(REPO)], capture_output=True, text=True, timeout=600)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(work / "dist"), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     [wheel] = (work / "dist").glob("composer_train-*.whl")
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     # The dependencies (torch, vLLM, ...) come from this environment, as a path entry: its .pth files (the editable
     # install's import hook among them) are not run, so composer can only come from the wheel.
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )
     (site / "deps-from-test-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return venv
 
@@ -53,12 +64,18 @@ def test_the_installed_command_works_outside_the_checkout(installed, tmp_path):
     composer = installed / "bin" / "composer"
     version = subprocess.run([str(composer), "--version"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert version.returncode == 0 and version.stdout.startswith("composer "), version.stderr
-    where = subprocess.run([str(installed / "bin" / "python"), "-c", "import composer.cli.main as m; print(m.__file__)"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    where = subprocess.run(
+        [str(installed / "bin" / "python"), "-c", "import composer.cli.main as m; print(m.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert where.returncode == 0 and str(REPO) not in where.stdout and "site-packages/composer/cli/main.py" in where.stdout
     shipped = next((installed / "lib").glob("python3.*/site-packages")) / "composer" / "recipes" / "smoke-rl.yaml"
-    validated = subprocess.run([str(composer), "recipe", "validate", str(shipped)], cwd=tmp_path, capture_output=True, text=True,
-                               timeout=300)
+    validated = subprocess.run(
+        [str(composer), "recipe", "validate", str(shipped)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert validated.returncode == 0, validated.stdout + validated.stderr
     for name in ("cli", "data", "rl", "trainer"):  # a user's own packages of these names are not shadowed
         shadow = subprocess.run([str(installed / "bin" / "python"), "-c", f"import {name}"], cwd=tmp_path, capture_output=True, text=True)

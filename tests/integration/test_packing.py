@@ -32,8 +32,10 @@ LENGTHS = [41, 7, 23, 2, 16, 30]
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("packing")
     recipes = {"qwen3_moe": "recipes/smoke-midtrain.yaml", "deepseek_v3": "recipes/smoke-deepseek-v3-midtrain.yaml"}
-    return {family: init_hf_checkpoint(load_recipe(REPO / recipe, ["model.vocab_size=512"]).model, root / family, tokenizer_bytes=2**18)
-            for family, recipe in recipes.items()}
+    return {
+        family: init_hf_checkpoint(load_recipe(REPO / recipe, ["model.vocab_size=512"]).model, root / family, tokenizer_bytes=2**18)
+        for family, recipe in recipes.items()
+    }
 
 
 def learner_sequences(m, seed: int = 0):
@@ -45,10 +47,21 @@ def learner_sequences(m, seed: int = 0):
         mask = np.zeros(n, dtype=bool)
         mask[n // 3 :] = True  # a prompt, then generated tokens ...
         mask[n // 2 : n // 2 + 2] = False  # ... with a tool output between them
-        routes = np.stack([np.stack([rng.choice(m.num_experts, m.moe_top_k, replace=False) for _ in range(m.num_layers)])
-                           for _ in range(n - 1)]) if n > 1 else np.zeros((0, m.num_layers, m.moe_top_k), dtype=np.int64)
-        out.append(LearnerSequence(rng.integers(1, m.vocab_size, n), mask, rng.uniform(-9, -5, n).astype(np.float32),
-                                   float(rng.normal()), routes, episode=f"e{i // 2}"))
+        routes = (
+            np.stack([np.stack([rng.choice(m.num_experts, m.moe_top_k, replace=False) for _ in range(m.num_layers)]) for _ in range(n - 1)])
+            if n > 1
+            else np.zeros((0, m.num_layers, m.moe_top_k), dtype=np.int64)
+        )
+        out.append(
+            LearnerSequence(
+                rng.integers(1, m.vocab_size, n),
+                mask,
+                rng.uniform(-9, -5, n).astype(np.float32),
+                float(rng.normal()),
+                routes,
+                episode=f"e{i // 2}",
+            )
+        )
     return out
 
 
@@ -113,7 +126,12 @@ def test_document_attention_equals_each_document_alone(checkpoints):
     tokens = torch.as_tensor(rng.integers(1, m.vocab_size, (2, 25)))
     tokens[0, [6, 15]] = eod
     tokens[1, [9]] = eod
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 24), "position_ids": torch.arange(24).expand(2, 24)}
+    batch = {
+        "tokens": tokens[:, :-1],
+        "labels": tokens[:, 1:],
+        "loss_mask": torch.ones(2, 24),
+        "position_ids": torch.arange(24).expand(2, 24),
+    }
     init_distributed(ParallelismSection())
     try:
         model = build_model(m, ParallelismSection()).eval()

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from composer.recipes.loader import load_recipe
-from tests.conftest import run_ranks
-from tests.integration.test_model_engines import assert_same_weights
 from composer.trainer.checkpoint_init import init_hf_checkpoint
 from composer.trainer.hf_config import model_section_from_hf
+from tests.conftest import run_ranks
+from tests.integration.test_model_engines import assert_same_weights
 
 pytestmark = pytest.mark.engines
 
@@ -56,11 +56,27 @@ def test_midtrain_at_pp2_reproduces_pp1(checkpoints, tmp_path):
 
     runs = {}
     for pp in (1, 2):
-        sets = [f"model.checkpoint={checkpoints['deepseek_v3']}", "model.num_layers=4", "model.vocab_size=512",
-                f"run.dir={tmp_path}", f"run.name=pp{pp}", f"parallelism.pp={pp}", "parallelism.ep=1", f"data.cache_dir={tmp_path / 'cache'}",
-                "train.steps=2", "train.eval_every=1", "train.eval_batches=1", "train.checkpoint_every=2", "train.global_batch_size=8",
-                "optim.warmup_steps=1", "data.split=[90,10,0]", 'data.sources.0.paths=["{stdlib}/email/**/*.py"]']
-        result = run_composer("train", "midtrain", str(REPO / "recipes/smoke-deepseek-v3-midtrain.yaml"), *(a for kv in sets for a in ("--set", kv)))
+        sets = [
+            f"model.checkpoint={checkpoints['deepseek_v3']}",
+            "model.num_layers=4",
+            "model.vocab_size=512",
+            f"run.dir={tmp_path}",
+            f"run.name=pp{pp}",
+            f"parallelism.pp={pp}",
+            "parallelism.ep=1",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "train.steps=2",
+            "train.eval_every=1",
+            "train.eval_batches=1",
+            "train.checkpoint_every=2",
+            "train.global_batch_size=8",
+            "optim.warmup_steps=1",
+            "data.split=[90,10,0]",
+            'data.sources.0.paths=["{stdlib}/email/**/*.py"]',
+        ]
+        result = run_composer(
+            "train", "midtrain", str(REPO / "recipes/smoke-deepseek-v3-midtrain.yaml"), *(a for kv in sets for a in ("--set", kv))
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         runs[pp] = list(read_metrics(tmp_path / f"pp{pp}" / "metrics.jsonl"))
     assert [r["step"] for r in runs[2]] == [0, 1, 2]

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from composer.recipes.errors import UserError
+from composer.trainer.hf_config import model_section_from_hf
 from tests.conftest import run_composer
 from tests.helpers.published_twins import make_twin, twin_config, write_reference
 from tests.helpers.tiktoken_checkpoint import write_tiktoken_tokenizer
-from composer.trainer.hf_config import model_section_from_hf
 
 REPO = Path(__file__).resolve().parents[2]
 KINDS = ("deepseek_v3", "kimi_k2", "kimi_k2_thinking", "kimi_k25")
@@ -69,8 +69,10 @@ def recipe_for(twin: Path, tmp_path: Path, **model) -> Path:
 
     section = model_section_from_hf(twin).model_dump(mode="json", exclude_defaults=True)
     recipe = {
-        "run": {"name": "twin", "dir": str(tmp_path / "runs")}, "model": {**section, **model},
-        "optim": {"lr": 1e-3}, "train": {"steps": 1, "global_batch_size": 1},
+        "run": {"name": "twin", "dir": str(tmp_path / "runs")},
+        "model": {**section, **model},
+        "optim": {"lr": 1e-3},
+        "train": {"steps": 1, "global_batch_size": 1},
         "data": {"sources": [{"name": "stdlib", "paths": ["{stdlib}/json/*.py"]}], "seq_length": 64},
     }
     path = tmp_path / "recipe.yaml"
@@ -87,10 +89,14 @@ def test_validate_and_dry_run_read_the_checkpoint_and_name_the_key_that_differs(
     for command in (["recipe", "validate", str(stale)], ["train", "midtrain", str(stale), "--dry-run"]):
         result = run_composer(*command)
         assert result.returncode == 2 and "Traceback" not in result.stderr, (command, result.stderr)
-        assert "does not match config.json: model.yarn: recipe None, checkpoint {'factor': 32.0" in " ".join(result.stdout.split() + result.stderr.split()), command
+        assert "does not match config.json: model.yarn: recipe None, checkpoint {'factor': 32.0" in " ".join(
+            result.stdout.split() + result.stderr.split()
+        ), command
 
 
-@pytest.mark.parametrize("problem", ["unknown quantization", "truncated shard", "scales of the wrong shape", "kimi_k25 without text_config"])
+@pytest.mark.parametrize(
+    "problem", ["unknown quantization", "truncated shard", "scales of the wrong shape", "kimi_k25 without text_config"]
+)
 def test_a_bad_checkpoint_is_one_message_before_any_rank_starts(twins, tmp_path, problem):
     kind = "kimi_k25" if problem in ("kimi_k25 without text_config",) else "kimi_k2"
     recipe = recipe_for(twins[kind], tmp_path)
@@ -251,8 +257,11 @@ def test_a_bf16_master_from_int4_requantizes_to_the_published_bytes(twins, megat
     name = "language_model.model.layers.1.mlp.experts.2.down_proj.weight_scale"
     changed = (moved[name] != original[name]).nonzero().tolist()
     assert changed == [[5, 1]]
-    assert [n for n in original if n != name and not n.startswith("language_model.model.layers.1.mlp.experts.2.down_proj")
-            and not same_bits(original[n], moved[n])] == []
+    assert [
+        n
+        for n in original
+        if n != name and not n.startswith("language_model.model.layers.1.mlp.experts.2.down_proj") and not same_bits(original[n], moved[n])
+    ] == []
 
 
 @pytest.mark.engines
@@ -277,7 +286,9 @@ def test_quantized_twins_load_under_tensor_and_expert_parallelism(twins, tmp_pat
     from both ranks, the published bytes (tests/helpers/workers/published_worker.py)."""
     from tests.conftest import run_ranks
 
-    result = run_ranks(2, "tests.helpers.workers.published_worker", str(tmp_path), str(twins["kimi_k25"]), str(twins["deepseek_v3"]), timeout=600)
+    result = run_ranks(
+        2, "tests.helpers.workers.published_worker", str(tmp_path), str(twins["kimi_k25"]), str(twins["deepseek_v3"]), timeout=600
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     results = torch.load(tmp_path / "results.pt")
     for kind in ("kimi_k25", "deepseek_v3"):
@@ -300,14 +311,19 @@ def test_a_tiktoken_tokenizer_shipped_as_code_loads_offline_only_when_trusted(tw
     from composer.rollout.agent.harness import Tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match="tokenization_kimi.TikTokenTokenizer, named by tokenizer_config.json.*set model.trust_remote_code: true"):
+    with pytest.raises(
+        UserError, match="tokenization_kimi.TikTokenTokenizer, named by tokenizer_config.json.*set model.trust_remote_code: true"
+    ):
         Tokenizer(str(twins["kimi_k25"]))
     tok = Tokenizer(str(twins["kimi_k25"]), trust_remote_code=True)
     text = "def wrap(text, width=70):\n    return text.split()  # ünïcode"
     ids = tok.encode(text)
     assert tok.decode(ids) == text and len(ids) < len(text)
-    prompt = tok.render([{"role": "user", "content": "fix the bug"}], tools=[{"type": "function", "function": {"name": "finish"}}],
-                        add_generation_prompt=True)
+    prompt = tok.render(
+        [{"role": "user", "content": "fix the bug"}],
+        tools=[{"type": "function", "function": {"name": "finish"}}],
+        add_generation_prompt=True,
+    )
     assert prompt.startswith("<|im_system|>tool_declare<|im_middle|>[{") and prompt.endswith("<|im_assistant|>assistant<|im_middle|>")
     ids = tok.encode(prompt)
     assert ids[0] == 300 + 5 and ids.count(300 + 6) == 3  # <|im_system|>, three <|im_middle|>
@@ -319,12 +335,18 @@ def test_an_rl_recipe_on_such_a_checkpoint_is_refused_before_launch_until_truste
 
     recipe = yaml.safe_load(recipe_for(twins["kimi_k25"], tmp_path).read_text())
     del recipe["data"]
-    recipe.update(rollout={"max_context": 256, "sampling": {"max_tokens": 16}}, env={"tasks": [{"name": "smoke"}]}, rl={"group_size": 2, "prompts_per_step": 1},
-                  sync={"store": str(tmp_path / "store")})
+    recipe.update(
+        rollout={"max_context": 256, "sampling": {"max_tokens": 16}},
+        env={"tasks": [{"name": "smoke"}]},
+        rl={"group_size": 2, "prompts_per_step": 1},
+        sync={"store": str(tmp_path / "store")},
+    )
     (tmp_path / "rl.yaml").write_text(yaml.safe_dump(recipe))
     for command in (["recipe", "validate"], ["train", "rl", "--dry-run"]):
         result = run_composer(*command[:2], str(tmp_path / "rl.yaml"), *command[2:])
-        assert result.returncode == 2 and "set model.trust_remote_code: true to run it" in " ".join((result.stdout + result.stderr).split()), command
+        assert result.returncode == 2 and "set model.trust_remote_code: true to run it" in " ".join(
+            (result.stdout + result.stderr).split()
+        ), command
     result = run_composer("recipe", "validate", str(tmp_path / "rl.yaml"), "--set", "model.trust_remote_code=true")
     assert result.returncode == 0, result.stdout
 
@@ -344,7 +366,9 @@ def test_the_starting_policy_is_converted_as_the_learner_exports(twins, megatron
         export_hf(model, m, tmp_path / f"{kind}-{quantize}-exported", dtype=dtype, quantize=quantize)
         a, b = stored_tensors(converted), stored_tensors(tmp_path / f"{kind}-{quantize}-exported")
         assert set(a) == set(b) and all(same_bits(a[n], b[n]) for n in a), (kind, quantize)
-        assert json.loads((converted / "config.json").read_text()) == json.loads((tmp_path / f"{kind}-{quantize}-exported/config.json").read_text())
+        assert json.loads((converted / "config.json").read_text()) == json.loads(
+            (tmp_path / f"{kind}-{quantize}-exported/config.json").read_text()
+        )
     original = stored_tensors(twins["kimi_k25"])
     assert all(same_bits(original[n], a[n]) for n in original if n.startswith(("vision_tower.", "mm_projector.")))
     fp8 = stored_tensors(tmp_path / "kimi_k25-fp8-converted")
@@ -353,7 +377,8 @@ def test_the_starting_policy_is_converted_as_the_learner_exports(twins, megatron
     config = json.loads((tmp_path / "kimi_k25-fp8-converted/config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "fp8" and "quantization_config" not in config["text_config"]
     assert model_section_from_hf(tmp_path / "kimi_k25-fp8-converted") == model_section_from_hf(twins["kimi_k25"]).model_copy(
-        update={"checkpoint": str(tmp_path / "kimi_k25-fp8-converted")})
+        update={"checkpoint": str(tmp_path / "kimi_k25-fp8-converted")}
+    )
 
 
 @pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="this CPU runs vLLM's fp8 and INT4 kernels")
@@ -363,8 +388,12 @@ def test_quantized_engines_this_cpu_cannot_run_are_refused_before_launch(twins, 
     recipe = yaml.safe_load(recipe_for(twins["kimi_k25"], tmp_path).read_text())
     del recipe["data"]
     recipe["model"]["trust_remote_code"] = True
-    recipe.update(rollout={"max_context": 256, "sampling": {"max_tokens": 16}, "dtype": "int4"}, env={"tasks": [{"name": "smoke"}]},
-                  rl={"group_size": 2, "prompts_per_step": 1}, sync={"store": str(tmp_path / "store")})
+    recipe.update(
+        rollout={"max_context": 256, "sampling": {"max_tokens": 16}, "dtype": "int4"},
+        env={"tasks": [{"name": "smoke"}]},
+        rl={"group_size": 2, "prompts_per_step": 1},
+        sync={"store": str(tmp_path / "store")},
+    )
     (tmp_path / "rl.yaml").write_text(yaml.safe_dump(recipe))
     result = run_composer("train", "rl", str(tmp_path / "rl.yaml"))
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -35,15 +35,19 @@ class ScriptedAgent(Engine):
         codes = dict(re.findall(r"CODE of part (\d+): (\d+)", context)) | dict(re.findall(r"part (\d+) = (\d+)", context))
         read = max([int(k) for k in codes] + [int(k) for k in re.findall(r"read up to part (\d+)", context)], default=0)
         if context.endswith(SUMMARY_REQUEST):
-            text = f"I read up to part {read}." + (" Codes: " + ", ".join(f"part {k} = {v}" for k, v in sorted(codes.items())) if self.keeps_codes else "")
+            text = f"I read up to part {read}." + (
+                " Codes: " + ", ".join(f"part {k} = {v}" for k, v in sorted(codes.items())) if self.keeps_codes else ""
+            )
             self.summaries.append(text)
         elif read < PARTS:
             text = f'<tool_call>{{"name": "read_file", "arguments": {{"path": "notes/part_{read + 1}.txt"}}}}</tool_call>'
         else:
             answer = [int(codes.get(str(k), 0)) for k in range(1, PARTS + 1)]
             program = f"def answer():\n    return {answer}\n".replace("\n", "\\n")
-            text = (f'<tool_call>{{"name": "write_file", "arguments": {{"path": "solution.py", "content": "{program}"}}}}</tool_call>'
-                    '<tool_call>{"name": "finish", "arguments": {}}</tool_call>')
+            text = (
+                f'<tool_call>{{"name": "write_file", "arguments": {{"path": "solution.py", "content": "{program}"}}}}</tool_call>'
+                '<tool_call>{"name": "finish", "arguments": {}}</tool_call>'
+            )
         ids = self.tok.encode(text)
         return Completion(list(prompt), ids, [-0.5] * len(ids), None, "stop")
 
@@ -62,8 +66,11 @@ def parts(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer(4096, 2**20).save_pretrained(directory)
-    env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="recall", recall=RecallSettings(parts=PARTS))]), seed=0,
-                            sandbox_root=tmp_path_factory.mktemp("sandbox"))
+    env = CodingEnvironment(
+        EnvSection(tasks=[TaskSet(name="recall", recall=RecallSettings(parts=PARTS))]),
+        seed=0,
+        sandbox_root=tmp_path_factory.mktemp("sandbox"),
+    )
     yield Tokenizer(str(directory)), env
     env.close()
 
@@ -72,8 +79,15 @@ def play(parts, keeps_codes: bool, **rollout) -> tuple[Trajectory, ScriptedAgent
     from composer.rollout.agent.loop import EpisodeRunner
 
     tok, env = parts
-    settings = {"harness": "tools", "max_context": CONTEXT, "max_turns": 3 * PARTS, "summarize_at": 0.5, "max_summaries": 10,
-                "sampling": SamplingSection(max_tokens=160), **rollout}
+    settings = {
+        "harness": "tools",
+        "max_context": CONTEXT,
+        "max_turns": 3 * PARTS,
+        "summarize_at": 0.5,
+        "max_summaries": 10,
+        "sampling": SamplingSection(max_tokens=160),
+        **rollout,
+    }
     agent = ScriptedAgent(tok, keeps_codes)
     runner = EpisodeRunner(agent, tok, env, RolloutSection(**settings))
     [[trajectory]] = runner.run_tasks([env.pool.task(0, 0)], "g", 1, 0, seed=0)
@@ -134,9 +148,9 @@ def test_the_episode_reward_reaches_the_summary_tokens(parts):
             ids, mask = t.segments[i].token_ids.tolist(), t.segments[i].loss_mask
             start = len(ids) - int(np.argmin(mask[::-1]))  # where the trained tail begins
             assert tok.decode(ids[start:]) == summary and mask[start:].all()
-            assert ids[start - len(request): start] == request and not mask[start - len(request): start].any()
+            assert ids[start - len(request) : start] == request and not mask[start - len(request) : start].any()
             restart, shown = t.segments[i + 1].token_ids.tolist(), header + ids[start:]
-            assert any(restart[j: j + len(shown)] == shown for j in range(len(restart)))  # the next segment starts from it
+            assert any(restart[j : j + len(shown)] == shown for j in range(len(restart)))  # the next segment starts from it
             summary_spans.append((n, i, start, len(ids)))
     (good, _), (bad, _) = played
     sequences = learner_sequences([[good, bad]], RLSection(advantage="group_mean"), step=0)
@@ -149,5 +163,5 @@ def test_the_episode_reward_reaches_the_summary_tokens(parts):
     assert (logprobs.grad[~mask] == 0).all()
     for n, i, start, end in summary_spans:
         row = i if n == 0 else len(good.segments) + i
-        pushed = -logprobs.grad[row, start - 1: end - 1]  # entry t predicts token t + 1
+        pushed = -logprobs.grad[row, start - 1 : end - 1]  # entry t predicts token t + 1
         assert ((pushed > 0) if n == 0 else (pushed < 0)).all()

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import netns_hosts
 from tests.conftest import REPO
+from tests.helpers import netns_hosts
 
 pytestmark = [pytest.mark.ssh, pytest.mark.skipif(netns_hosts.available() is not None, reason=str(netns_hosts.available()))]
 
@@ -35,8 +35,9 @@ def hosts(tmp_path_factory):
     for root in roots.values():
         root.mkdir(mode=0o711)
     (base / "ssh").mkdir()
-    made = netns_hosts.Hosts(base / "ssh", 2, overlays={i: {SANDBOX_ROOT: str(root)} for i, root in roots.items()},
-                             prefix="cmpws", subnet="10.213.15")  # apart from the fleet tests' hosts
+    made = netns_hosts.Hosts(
+        base / "ssh", 2, overlays={i: {SANDBOX_ROOT: str(root)} for i, root in roots.items()}, prefix="cmpws", subnet="10.213.15"
+    )  # apart from the fleet tests' hosts
     made.roots = [roots[0], roots[1]]
     try:
         yield made
@@ -54,9 +55,14 @@ def task(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("remote-task")
     made = make_project(base / "tally")
-    settings = RepoTaskSettings(projects=[{"name": "tally", "path": str(base / "tally"), "commit": "main", "package": "src/tally",
-                                           "install": "pip install pytest"}], kinds=["history"], num_tasks=1,
-                                cache_dir=str(base / "cache"))
+    settings = RepoTaskSettings(
+        projects=[
+            {"name": "tally", "path": str(base / "tally"), "commit": "main", "package": "src/tally", "install": "pip install pytest"}
+        ],
+        kinds=["history"],
+        num_tasks=1,
+        cache_dir=str(base / "cache"),
+    )
     build_repo_tasks(settings, SandboxSection(cpu_seconds=60, wall_seconds=120, memory_mb=2048), base / "sandboxes", workers=2)
     (record,) = load_tasks(settings)
     fix = next(f for f in made["fixes"] if f["commit"] == record["base"])
@@ -66,8 +72,15 @@ def task(tmp_path_factory):
 def sandbox_section(hosts, names):
     from composer.recipes.env_schema import SandboxSection
 
-    return SandboxSection(hosts=names, sandboxes_per_host=2, cpu_seconds=60, wall_seconds=120, memory_mb=2048,
-                          retry_backoff_seconds=0.05, remote_python=str(hosts.python))
+    return SandboxSection(
+        hosts=names,
+        sandboxes_per_host=2,
+        cpu_seconds=60,
+        wall_seconds=120,
+        memory_mb=2048,
+        retry_backoff_seconds=0.05,
+        remote_python=str(hosts.python),
+    )
 
 
 def fleet_of(hosts, names):
@@ -113,8 +126,13 @@ def test_a_task_graded_on_a_remote_host_earns_what_it_earns_here(hosts, task):
                 theirs = play(there_ws, fix, commands)
             finally:
                 there_ws.close()
-            assert (theirs.reward, theirs.flags, theirs.passed, theirs.total, theirs.status) == \
-                   (mine.reward, mine.flags, mine.passed, mine.total, mine.status), name
+            assert (theirs.reward, theirs.flags, theirs.passed, theirs.total, theirs.status) == (
+                mine.reward,
+                mine.flags,
+                mine.passed,
+                mine.total,
+                mine.status,
+            ), name
             assert not theirs.infra_failure
         # the file tools and the agent's test run, there; two episodes at once go to both hosts
         ws, other = RemoteRepoWorkspace(fleet, tests, "fraction"), RemoteRepoWorkspace(fleet, tests, "fraction")
@@ -228,16 +246,28 @@ def test_env_build_spreads_its_surveys_and_validations_over_the_sandbox_hosts(ho
 
     tests, _, _ = task
     cache = tests.grading_base.parents[2]
-    settings = RepoTaskSettings(projects=[{"name": "tally", "path": str(cache.parent / "tally"), "commit": "main",
-                                           "package": "src/tally", "install": "pip install pytest"}], kinds=["history"],
-                                num_tasks=1, cache_dir=str(cache))
+    settings = RepoTaskSettings(
+        projects=[
+            {
+                "name": "tally",
+                "path": str(cache.parent / "tally"),
+                "commit": "main",
+                "package": "src/tally",
+                "install": "pip install pytest",
+            }
+        ],
+        kinds=["history"],
+        num_tasks=1,
+        cache_dir=str(cache),
+    )
     here = [(t["id"], t["fail_to_pass"], t["pass_to_pass"]) for t in load_tasks(settings)]
     shutil.rmtree(set_dir(settings))  # its verdicts, and every survey: the build runs them again, on the hosts
     for survey in cache.glob("projects/*/survey-*"):
         shutil.rmtree(survey)
     ssh = SSHSection(user="root", key_file=str(hosts.client_key), known_hosts=str(hosts.known_hosts))
-    report = build_repo_tasks(settings, sandbox_section(hosts, hosts.names), tests.grading_base.parents[3] / "sandboxes",
-                              workers=1, ssh=ssh)
+    report = build_repo_tasks(
+        settings, sandbox_section(hosts, hosts.names), tests.grading_base.parents[3] / "sandboxes", workers=1, ssh=ssh
+    )
     assert report.validated == 1 and set(report.host_runs) == set(hosts.names), report.host_runs
     assert [(t["id"], t["fail_to_pass"], t["pass_to_pass"]) for t in load_tasks(settings)] == here
     assert not wait_servers_gone(hosts)  # the build's fleet is closed
@@ -282,8 +312,8 @@ def test_rl_on_repository_tasks_graded_on_the_remote_hosts(hosts, tmp_path, comp
 
     from composer.recipes.loader import load_recipe
     from composer.rl.trajectories import TrajectoryStore
-    from tests.conftest import RECIPES
     from composer.trainer.checkpoint_init import init_hf_checkpoint
+    from tests.conftest import RECIPES
 
     recipe = RECIPES / "smoke-repo-rl.yaml"
     cache = ["--set", f"env.tasks.0.repo.cache_dir={tmp_path / 'repo-tasks'}"]
@@ -296,11 +326,28 @@ def test_rl_on_repository_tasks_graded_on_the_remote_hosts(hosts, tmp_path, comp
         return {d.name for root in hosts.roots if (root / "shipped").is_dir() for d in (root / "shipped").iterdir()}
 
     before = shipped()
-    remote = [f"env.sandbox.hosts=[{hosts.names[0]}, {hosts.names[1]}]", "env.sandbox.sandboxes_per_host=2",
-              f"env.sandbox.remote_python={hosts.python}", "cluster.ssh.user=root", f"cluster.ssh.key_file={hosts.client_key}",
-              f"cluster.ssh.known_hosts={hosts.known_hosts}"]
-    result = composer("train", "rl", str(recipe), "--set", f"model.checkpoint={checkpoint}", "--set", f"run.dir={run.parent}",
-                      "--set", f"sync.store={run}/weights", *cache, *(a for s in remote for a in ("--set", s)), timeout=1500)
+    remote = [
+        f"env.sandbox.hosts=[{hosts.names[0]}, {hosts.names[1]}]",
+        "env.sandbox.sandboxes_per_host=2",
+        f"env.sandbox.remote_python={hosts.python}",
+        "cluster.ssh.user=root",
+        f"cluster.ssh.key_file={hosts.client_key}",
+        f"cluster.ssh.known_hosts={hosts.known_hosts}",
+    ]
+    result = composer(
+        "train",
+        "rl",
+        str(recipe),
+        "--set",
+        f"model.checkpoint={checkpoint}",
+        "--set",
+        f"run.dir={run.parent}",
+        "--set",
+        f"sync.store={run}/weights",
+        *cache,
+        *(a for s in remote for a in ("--set", s)),
+        timeout=1500,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     groups = [json.loads(line) for line in (run / "rollout_metrics.jsonl").read_text().splitlines()]
     assert groups and all(g["infra_failure_rate"] == 0.0 for g in groups)

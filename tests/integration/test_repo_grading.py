@@ -73,13 +73,25 @@ def test_an_honest_fix_is_taken_as_written_and_nothing_else_is(base):
 
 
 def test_changes_outside_the_tasks_function_are_dropped_and_named(base):
-    episode = (MODULE.replace("math.pi * r * 3  # the bug", "math.pi * r * r")
-               .replace("return 2 * math.pi * r", "return 0")  # another function
-               .replace("return a * a", "return a")  # a method
-               + "\nimport builtins\nbuiltins.len = lambda x: 0\n")  # module-level code
-    kept = keep_change({"shapes/core.py": episode.encode(), "shapes/other.py": b"def helper():\n    return 2\n",
-                        "shapes/other.py.orig": b"x", "shapes/new.py": b"import os\n", "notes.txt": b"scratch"},
-                       TASK, base, "shapes", SCOPE)
+    episode = (
+        MODULE.replace("math.pi * r * 3  # the bug", "math.pi * r * r")
+        .replace("return 2 * math.pi * r", "return 0")  # another function
+        .replace("return a * a", "return a")  # a method
+        + "\nimport builtins\nbuiltins.len = lambda x: 0\n"
+    )  # module-level code
+    kept = keep_change(
+        {
+            "shapes/core.py": episode.encode(),
+            "shapes/other.py": b"def helper():\n    return 2\n",
+            "shapes/other.py.orig": b"x",
+            "shapes/new.py": b"import os\n",
+            "notes.txt": b"scratch",
+        },
+        TASK,
+        base,
+        "shapes",
+        SCOPE,
+    )
     text = kept.files["shapes/core.py"].decode()
     assert "math.pi * r * r" in text and "return 2 * math.pi * r" in text and "return a * a" in text
     assert "builtins" not in text and set(kept.files) == {"shapes/core.py"}
@@ -90,9 +102,11 @@ def test_changes_outside_the_tasks_function_are_dropped_and_named(base):
 
 
 def test_what_a_fix_adds_at_module_level_for_its_function_is_kept(base):
-    episode = MODULE.replace('import math\n', 'import math\nfrom functools import lru_cache\n').replace(
-        "def area(r):", "_SQUARE = 2\n\n\ndef _square(x):\n    return x ** _SQUARE\n\n\n@lru_cache\ndef area(r):").replace(
-        "math.pi * r * 3  # the bug", "math.pi * _square(r)")
+    episode = (
+        MODULE.replace("import math\n", "import math\nfrom functools import lru_cache\n")
+        .replace("def area(r):", "_SQUARE = 2\n\n\ndef _square(x):\n    return x ** _SQUARE\n\n\n@lru_cache\ndef area(r):")
+        .replace("math.pi * r * 3  # the bug", "math.pi * _square(r)")
+    )
     kept = keep_change({"shapes/core.py": episode.encode()}, TASK, base, "shapes", SCOPE)
     namespace = {}
     exec(kept.files["shapes/core.py"].decode(), namespace)
@@ -102,9 +116,13 @@ def test_what_a_fix_adds_at_module_level_for_its_function_is_kept(base):
 def test_only_source_is_taken(base):
     """Bytecode beside or instead of a module, compiled modules, a FIFO or symlink for the task's file: never
     taken (the task's own file is graded), and named; a deleted task file is the task's file too."""
-    changed = {"shapes/__pycache__/core.cpython-311.pyc": b"forged", "shapes/core.pyc": b"forged",
-               "shapes/fast.cpython-311-x86_64-linux-gnu.so": b"\x7fELF", "shapes/tests/__pycache__/x.pyc": b"",
-               "shapes/core.py": NOT_A_FILE}
+    changed = {
+        "shapes/__pycache__/core.cpython-311.pyc": b"forged",
+        "shapes/core.pyc": b"forged",
+        "shapes/fast.cpython-311-x86_64-linux-gnu.so": b"\x7fELF",
+        "shapes/tests/__pycache__/x.pyc": b"",
+        "shapes/core.py": NOT_A_FILE,
+    }
     kept = keep_change(changed, TASK, base, "shapes", SCOPE)
     assert kept.files == TASK and kept.protected == ()
     assert len(kept.dropped) == 5 and sum("bytecode or a compiled module" in d for d in kept.dropped) == 4
@@ -115,8 +133,16 @@ def test_only_source_is_taken(base):
 
 
 def test_tests_and_test_configuration_are_never_taken(base):
-    changed = {"shapes/tests/test_core.py": b"", "shapes/conftest.py": b"", "conftest.py": b"", "pytest.ini": b"",
-               "shapes/zz.pth": b"", "sitecustomize.py": b"", "pytest.py": b"", "json.py": b""}
+    changed = {
+        "shapes/tests/test_core.py": b"",
+        "shapes/conftest.py": b"",
+        "conftest.py": b"",
+        "pytest.ini": b"",
+        "shapes/zz.pth": b"",
+        "sitecustomize.py": b"",
+        "pytest.py": b"",
+        "json.py": b"",
+    }
     kept = keep_change(changed, TASK, base, "shapes", SCOPE)
     assert kept.files == TASK and sorted(kept.protected) == sorted(changed)
 
@@ -125,10 +151,14 @@ def test_a_scope_of_several_functions_and_files(base):
     """What task kinds that change several functions or files need: each named function spliced, a whole file
     taken as written (new, or deleted), everything else dropped."""
     scope = (Scope("shapes/core.py", ("area", "Box.volume")), Scope("shapes/extra.py"), Scope("shapes/other.py"))
-    episode = MODULE.replace("math.pi * r * 3  # the bug", "math.pi * r * r").replace("return a * a", "return a ** 3").replace(
-        "return 2 * math.pi * r", "return -1")
-    kept = keep_change({"shapes/core.py": episode.encode(), "shapes/extra.py": b"VALUE = 1\n", "shapes/other.py": None},
-                       TASK, base, "shapes", scope)
+    episode = (
+        MODULE.replace("math.pi * r * 3  # the bug", "math.pi * r * r")
+        .replace("return a * a", "return a ** 3")
+        .replace("return 2 * math.pi * r", "return -1")
+    )
+    kept = keep_change(
+        {"shapes/core.py": episode.encode(), "shapes/extra.py": b"VALUE = 1\n", "shapes/other.py": None}, TASK, base, "shapes", scope
+    )
     text = kept.files["shapes/core.py"].decode()
     assert "math.pi * r * r" in text and "return a ** 3" in text and "return 2 * math.pi * r" in text
     assert kept.files["shapes/extra.py"] == b"VALUE = 1\n" and kept.files["shapes/other.py"] is None
@@ -136,8 +166,9 @@ def test_a_scope_of_several_functions_and_files(base):
 
 
 def test_without_a_scope_every_existing_source_file_is_taken_whole(base):
-    kept = keep_change({"shapes/other.py": b"def helper():\n    return 2\n", "shapes/new.py": b"X = 1\n",
-                        "shapes/core.py": None}, TASK, base, "shapes", ())
+    kept = keep_change(
+        {"shapes/other.py": b"def helper():\n    return 2\n", "shapes/new.py": b"X = 1\n", "shapes/core.py": None}, TASK, base, "shapes", ()
+    )
     assert kept.files == {**TASK, "shapes/other.py": b"def helper():\n    return 2\n"}
     assert {d.split(":")[0] for d in kept.dropped} == {"shapes/new.py", "shapes/core.py"}
 
@@ -188,26 +219,43 @@ def test_honest_fixes_reach_nothing_the_policy_refuses():
 
 # Constructs each refused on its own, by what it reaches (evasions of a naive name check included).
 REFUSED = {
-    "import _pytest.runner": "the test runner", "from pluggy import HookimplMarker": "the test runner",
+    "import _pytest.runner": "the test runner",
+    "from pluggy import HookimplMarker": "the test runner",
     "import importlib; importlib.import_module('g' + 'c')": "the import system",
-    "import sys; sys.modules['x'] = None": "the import system", "from sys import modules as m": "the import system",
+    "import sys; sys.modules['x'] = None": "the import system",
+    "from sys import modules as m": "the import system",
     "import sys; sys.meta_path.insert(0, object())": "the import system",
-    "import sys; sys.settrace(print)": "frames and tracing", "import sys; f = sys._getframe(1)": "frames and tracing",
+    "import sys; sys.settrace(print)": "frames and tracing",
+    "import sys; f = sys._getframe(1)": "frames and tracing",
     "try:\n    1 / 0\nexcept Exception as e:\n    f = e.__traceback__.tb_frame.f_back": "frames and tracing",
-    "import inspect; inspect.stack()": "frames and tracing", "import linecache": "frames and tracing",
-    "import gc; gc.get_objects()": "the interpreter's objects", "import ctypes": "the interpreter's objects",
-    "f = print.__self__": "the interpreter's objects", "g = (lambda: 0).__globals__": "the interpreter's objects",
+    "import inspect; inspect.stack()": "frames and tracing",
+    "import linecache": "frames and tracing",
+    "import gc; gc.get_objects()": "the interpreter's objects",
+    "import ctypes": "the interpreter's objects",
+    "f = print.__self__": "the interpreter's objects",
+    "g = (lambda: 0).__globals__": "the interpreter's objects",
     "x = ().__class__.__base__.__subclasses__()": "the interpreter's objects",
-    "import os; os.dup2(1, 2)": "processes and descriptors", "import os as o; o.fork()": "processes and descriptors",
-    "import os; os.write(99, b'')": "processes and descriptors", "import os; os.environ['X'] = '1'": "processes and descriptors",
+    "import os; os.dup2(1, 2)": "processes and descriptors",
+    "import os as o; o.fork()": "processes and descriptors",
+    "import os; os.write(99, b'')": "processes and descriptors",
+    "import os; os.environ['X'] = '1'": "processes and descriptors",
     "import networkx; networkx.utils.backends.os.kill(1, 9)": "processes and descriptors",
-    "import atexit": "processes and descriptors", "import subprocess": "processes and descriptors",
-    "import threading": "processes and descriptors", "import sys; sys.exit(0)": "processes and descriptors",
-    "p = '/proc/self/fd/3'": "processes and descriptors", "import builtins": "builtins",
-    "x = __builtins__": "builtins", "eval('1')": "builtins", "exec('1')": "builtins", "globals()['x'] = 1": "builtins",
-    "import sys; vars(sys)": "builtins", "import sys; sys.__dict__['mod' + 'ules']": "the interpreter's objects",
-    "import sys; getattr(sys, 'mod' + 'ules')": "builtins", "import sys; getattr(sys, 'modules')": "the import system",
-    "open('/sandbox/x').read()": "files", "import pathlib": "files",
+    "import atexit": "processes and descriptors",
+    "import subprocess": "processes and descriptors",
+    "import threading": "processes and descriptors",
+    "import sys; sys.exit(0)": "processes and descriptors",
+    "p = '/proc/self/fd/3'": "processes and descriptors",
+    "import builtins": "builtins",
+    "x = __builtins__": "builtins",
+    "eval('1')": "builtins",
+    "exec('1')": "builtins",
+    "globals()['x'] = 1": "builtins",
+    "import sys; vars(sys)": "builtins",
+    "import sys; sys.__dict__['mod' + 'ules']": "the interpreter's objects",
+    "import sys; getattr(sys, 'mod' + 'ules')": "builtins",
+    "import sys; getattr(sys, 'modules')": "the import system",
+    "open('/sandbox/x').read()": "files",
+    "import pathlib": "files",
     "class R(dict):\n    def __eq__(self, other):\n        return True": "answers that match anything",
     "R = type('R', (dict,), {'__eq__': lambda s, o: True})": "answers that match anything",
     "class R(int):\n    __eq__ = lambda s, o: True": "answers that match anything",
@@ -265,29 +313,39 @@ def report_of(channel: bytes, key: bytes, sentinels: dict[str, str]):
 def test_the_report_is_believed_only_as_the_trusted_entry_chained_it():
     key, other = os.urandom(32), os.urandom(32)
     sentinels = {"t.py::test_good": "passed", "t.py::test_bad": "failed"}
-    run = [{"id": "t.py::test_a", "outcome": "passed"}, {"id": "t.py::test_good", "outcome": "passed"},
-           {"id": "t.py::test_bad", "outcome": "failed"}, {"end": True, "exitstatus": 1, "tampered": []}]
+    run = [
+        {"id": "t.py::test_a", "outcome": "passed"},
+        {"id": "t.py::test_good", "outcome": "passed"},
+        {"id": "t.py::test_bad", "outcome": "failed"},
+        {"end": True, "exitstatus": 1, "tampered": []},
+    ]
     honest = report_of(channel_of(run, key), key, sentinels)
     assert (honest.complete, honest.flags, honest.outcomes) == (True, (), {"t.py::test_a": "passed"})
     lines = channel_of(run, key).splitlines(keepends=True)
     changed = lines[0].replace(b'"passed"', b'"failed"')
-    for name, channel in {"a line changed": lines[0].replace(b"test_a", b"test_z") + b"".join(lines[1:]),
-                          "a line dropped": b"".join(lines[1:]), "lines swapped": b"".join([lines[1], lines[0], *lines[2:]]),
-                          "a line added": channel_of(run[:1], other) + b"".join(lines),
-                          "a line after the end": b"".join(lines) + changed,
-                          "the end forged early": channel_of(run[:1] + run[-1:], key) + b"".join(lines[1:])}.items():
+    for name, channel in {
+        "a line changed": lines[0].replace(b"test_a", b"test_z") + b"".join(lines[1:]),
+        "a line dropped": b"".join(lines[1:]),
+        "lines swapped": b"".join([lines[1], lines[0], *lines[2:]]),
+        "a line added": channel_of(run[:1], other) + b"".join(lines),
+        "a line after the end": b"".join(lines) + changed,
+        "the end forged early": channel_of(run[:1] + run[-1:], key) + b"".join(lines[1:]),
+    }.items():
         report = report_of(channel, key, sentinels)
         assert not report.complete and "forged_records" in report.flags, name
     silent = report_of(b"", key, sentinels)
     assert (silent.complete, silent.flags) == (False, ("early_exit",))
 
 
-@pytest.mark.parametrize("outcomes, tripped", [
-    ({"test_good": "passed", "test_bad": "passed"}, True),  # asserts stripped, outcomes rewritten
-    ({"test_bad": "failed"}, True),  # a must-pass sentinel missing while real tests pass (the module swapped)
-    ({"test_good": "failed", "test_bad": "failed"}, True),
-    ({"test_good": "passed", "test_bad": "failed"}, False),
-])
+@pytest.mark.parametrize(
+    "outcomes, tripped",
+    [
+        ({"test_good": "passed", "test_bad": "passed"}, True),  # asserts stripped, outcomes rewritten
+        ({"test_bad": "failed"}, True),  # a must-pass sentinel missing while real tests pass (the module swapped)
+        ({"test_good": "failed", "test_bad": "failed"}, True),
+        ({"test_good": "passed", "test_bad": "failed"}, False),
+    ],
+)
 def test_sentinels_not_reported_as_written_make_the_report_untrusted(outcomes, tripped):
     key = os.urandom(32)
     sentinels = {"t.py::test_good": "passed", "t.py::test_bad": "failed"}
@@ -299,8 +357,11 @@ def test_sentinels_not_reported_as_written_make_the_report_untrusted(outcomes, t
 def test_a_file_that_runs_no_test_runs_no_sentinel():
     """A test file that fails to import (a broken fix) reports no test: its sentinels are not missed."""
     key = os.urandom(32)
-    report = report_of(channel_of([{"collect_error": "t.py"}, {"end": True, "tampered": []}], key), key,
-                       {"t.py::test_good": "passed", "t.py::test_bad": "failed"})
+    report = report_of(
+        channel_of([{"collect_error": "t.py"}, {"end": True, "tampered": []}], key),
+        key,
+        {"t.py::test_good": "passed", "t.py::test_bad": "failed"},
+    )
     assert (report.complete, report.flags, report.outcomes) == (True, (), {})
 
 
@@ -329,7 +390,7 @@ CORE = '''def double(x):
     """Twice x."""
     return x + x + 1
 '''
-TESTS = '''from toy.core import double
+TESTS = """from toy.core import double
 
 
 def test_double():
@@ -342,7 +403,7 @@ def test_double_zero():
 
 def test_type():
     assert isinstance(double(1), int)
-'''
+"""
 TEST_FILE = "toy/tests/test_core.py"
 FAILING = (f"{TEST_FILE}::test_double", f"{TEST_FILE}::test_double_zero")
 
@@ -389,8 +450,10 @@ def unguarded(sandbox: Sandbox, toy: Path, variants: dict[str, dict], tmp_path: 
             else:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(content if path.suffix == ".pyc" else content.replace(b"/sandbox/repo/", f"/sandbox/{n}/".encode()))
-        commands.append(f"cd /sandbox/{n} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -q -p no:cacheprovider {TEST_FILE}"
-                        f" 2>&1 | tail -1 | sed 's/ in .*//; s/^/{n}: /'")
+        commands.append(
+            f"cd /sandbox/{n} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -q -p no:cacheprovider {TEST_FILE}"
+            f" 2>&1 | tail -1 | sed 's/ in .*//; s/^/{n}: /'"
+        )
     for path in [work, *work.rglob("*")]:
         os.chmod(path, 0o777 if path.is_dir() else 0o666)
     result = sandbox.run_command("; ".join(commands), work, timeout_s=120)
@@ -432,19 +495,30 @@ def test_bytecode_is_never_read_in_the_run(sandbox, toy, tmp_path):
     tag = sys.implementation.cache_tag
     fixed = CORE.replace("x + x + 1", "x + x")
     init, conftest = toy / "toy" / "__init__.py", toy / "toy" / "conftest.py"
-    all_pass = ("import pytest\n\n\n@pytest.hookimpl(wrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
-                "    report = yield\n    report.outcome = 'passed'\n    return report\n")
+    all_pass = (
+        "import pytest\n\n\n@pytest.hookimpl(wrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+        "    report = yield\n    report.outcome = 'passed'\n    return report\n"
+    )
     variants = {
         "unchecked pyc": {f"toy/__pycache__/core.{tag}.pyc": pyc(fixed, "/sandbox/repo/toy/core.py", None)},
-        "timestamp pyc": {f"toy/__pycache__/__init__.{tag}.pyc": pyc(
-            "import toy.core\ntoy.core.double = lambda x: 2 * x\nfrom toy.core import double\n", "/sandbox/repo/toy/__init__.py",
-            (int(init.stat().st_mtime), init.stat().st_size))},
+        "timestamp pyc": {
+            f"toy/__pycache__/__init__.{tag}.pyc": pyc(
+                "import toy.core\ntoy.core.double = lambda x: 2 * x\nfrom toy.core import double\n",
+                "/sandbox/repo/toy/__init__.py",
+                (int(init.stat().st_mtime), init.stat().st_size),
+            )
+        },
         "sourceless pyc": {"toy/core.py": None, "toy/core.pyc": pyc(fixed, "core.py", None)},
-        "conftest pyc": {f"toy/__pycache__/conftest.{tag}-pytest-{_pytest.__version__}.pyc": pyc(
-            "import toy\n" + all_pass, "/sandbox/repo/toy/conftest.py", conftest.read_bytes())},
+        "conftest pyc": {
+            f"toy/__pycache__/conftest.{tag}-pytest-{_pytest.__version__}.pyc": pyc(
+                "import toy\n" + all_pass, "/sandbox/repo/toy/conftest.py", conftest.read_bytes()
+            )
+        },
     }
     assert unguarded(sandbox, toy, variants, tmp_path) == dict.fromkeys(variants, "3 passed")
-    whole = {relative: content for changes in list(variants.values())[:2] + list(variants.values())[3:] for relative, content in changes.items()}
+    whole = {
+        relative: content for changes in list(variants.values())[:2] + list(variants.values())[3:] for relative, content in changes.items()
+    }
     report = guarded(sandbox, toy, whole, tmp_path)
     assert (report.complete, report.flags) == (True, ())
     assert [report.outcomes[i] for i in FAILING] == ["failed", "failed"]

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from composer.recipes.env_schema import RepoTaskSettings, SandboxSection, TaskSet
 from composer.recipes.errors import UserError
 from composer.recipes.loader import load_recipe, recipe_to_yaml, validate_recipe
-from composer.recipes.env_schema import RepoTaskSettings, SandboxSection, TaskSet
 from composer.rollout.sandbox.graders import DEFAULT_GUARDED, guarded_reward
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.runs import Sandbox
-from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE
-from composer.rollout.tasks.repository.mutations import Mutation, changed_module, mutations
 from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
 from composer.rollout.tasks.repository.candidates import candidates
+from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE
+from composer.rollout.tasks.repository.mutations import Mutation, changed_module, mutations
 from composer.rollout.tasks.repository.task_set import (
     check_repo_tasks,
     load_tasks,
@@ -43,8 +43,7 @@ SANDBOX = SandboxSection(cpu_seconds=60, wall_seconds=120, memory_mb=2048)
 
 
 def settings(cache: Path, **overrides) -> RepoTaskSettings:
-    return RepoTaskSettings(**{"projects": ["networkx"], "num_tasks": 3, "include": [MODULE], "cache_dir": str(cache),
-                               **overrides})
+    return RepoTaskSettings(**{"projects": ["networkx"], "num_tasks": 3, "include": [MODULE], "cache_dir": str(cache), **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +108,9 @@ def test_each_mutation_changes_one_spot_and_keeps_the_module_valid():
     assert any("return False\n    return False" in t for t in texts.values())
     (feature,) = mutations(SOURCE, "feature", named_in="clip")
     body_removed = changed_module(SOURCE, feature)
-    assert body_removed.startswith('def clip(values, low, high):\n    """Values limited to [low, high]."""\n    raise NotImplementedError\n\n\ndef flag')
+    assert body_removed.startswith(
+        'def clip(values, low, high):\n    """Values limited to [low, high]."""\n    raise NotImplementedError\n\n\ndef flag'
+    )
     assert mutations(SOURCE, "bug", named_in="nothing here") == []  # only functions the tests name
 
 
@@ -139,7 +140,12 @@ def test_repo_settings_are_checked_strictly():
         RepoTaskSettings(projects=["numpy"])
     assert TaskSet(name="repo").repo == RepoTaskSettings()
     # A run's saved recipe loads again (the smoke set's `repo: null`, the repo set's full settings).
-    for recipe in (load_recipe(REPO / "recipes" / "smoke-rl.yaml", ["env.tasks=[{name: smoke, held_out: 20}, {name: repo}]", "rollout.harness=tools", "rollout.max_turns=2"]),):
+    for recipe in (
+        load_recipe(
+            REPO / "recipes" / "smoke-rl.yaml",
+            ["env.tasks=[{name: smoke, held_out: 20}, {name: repo}]", "rollout.harness=tools", "rollout.max_turns=2"],
+        ),
+    ):
         assert validate_recipe(yaml.safe_load(recipe_to_yaml(recipe)), "saved") == recipe
 
 
@@ -193,15 +199,31 @@ def test_an_unbuilt_set_is_one_clear_error(tmp_path):
 def test_a_build_killed_mid_way_resumes_to_the_same_set(built, tmp_path, composer):
     """kill -9 while validating, then again: the same tasks as an uninterrupted build (and a torn verdict file is redone)."""
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "extends": str(REPO / "recipes" / "smoke-rl.yaml"),
-        "rollout": {"harness": "tools", "max_turns": 2},
-        "env": {"sandbox": SANDBOX.model_dump(include={"cpu_seconds", "wall_seconds", "memory_mb"}),
-                "tasks": [{"name": "repo", "repo": settings(tmp_path / "cache").model_dump(include={"projects", "num_tasks", "include", "cache_dir"})}]},
-    }))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "extends": str(REPO / "recipes" / "smoke-rl.yaml"),
+                "rollout": {"harness": "tools", "max_turns": 2},
+                "env": {
+                    "sandbox": SANDBOX.model_dump(include={"cpu_seconds", "wall_seconds", "memory_mb"}),
+                    "tasks": [
+                        {
+                            "name": "repo",
+                            "repo": settings(tmp_path / "cache").model_dump(include={"projects", "num_tasks", "include", "cache_dir"}),
+                        }
+                    ],
+                },
+            }
+        )
+    )
     verdicts = set_dir(settings(tmp_path / "cache")) / "verdicts"
-    build = subprocess.Popen([sys.executable, "-m", "composer.cli", "env", "build", str(recipe), "--workers", "2"], cwd=REPO,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    build = subprocess.Popen(
+        [sys.executable, "-m", "composer.cli", "env", "build", str(recipe), "--workers", "2"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while not (verdicts.is_dir() and list(verdicts.glob("*.json"))) and time.monotonic() < deadline and build.poll() is None:
         time.sleep(0.2)
@@ -236,11 +258,13 @@ def test_an_episode_imports_the_workspace_copy_and_cannot_read_the_original(buil
     with open_workspace(tests, sandbox) as ws:
         probe = ws.shell(
             "python -c 'import networkx, importlib.util; print(networkx.__file__); "
-            "print(importlib.util.find_spec(\"networkx.algorithms.shortest_paths.unweighted\").origin)'; "
+            'print(importlib.util.find_spec("networkx.algorithms.shortest_paths.unweighted").origin)\'; '
             f"python -m pip show -f networkx 2>&1 | grep -c unweighted; "
             f"find / -name unweighted.py -path '*shortest_paths*' 2>/dev/null; "
             f"cat {installed}/algorithms/shortest_paths/unweighted.py {tests.grading_base}/{MODULE} {tests.episode_base}/{MODULE} 2>&1 | head -3; "
-            "grep -o 'lowerdir=[^,]*' /proc/self/mountinfo | head -1; ls /proc/self/root/", 60)
+            "grep -o 'lowerdir=[^,]*' /proc/self/mountinfo | head -1; ls /proc/self/root/",
+            60,
+        )
         lines = probe.output.splitlines()
         assert lines[:2] == ["/sandbox/networkx/__init__.py", f"/sandbox/{MODULE}"]
         assert lines[2] == "0"  # pip lists no file of the installed copy
@@ -255,8 +279,9 @@ def test_an_episode_imports_the_workspace_copy_and_cannot_read_the_original(buil
 # --- copy-on-write views -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overlay", [pytest.param(True, marks=pytest.mark.skipif(not AS_ROOT, reason="overlayfs needs root")), False],
-                         ids=["overlay", "copy"])
+@pytest.mark.parametrize(
+    "overlay", [pytest.param(True, marks=pytest.mark.skipif(not AS_ROOT, reason="overlayfs needs root")), False], ids=["overlay", "copy"]
+)
 def test_each_episode_has_its_own_view_destroyed_at_close(built, cache, sandbox, overlay):
     tests = repo_tests(task_of(built, "bug"), settings(cache))
     before = (tests.episode_base / MODULE).read_bytes()
@@ -293,7 +318,12 @@ def test_a_scripted_fix_earns_full_reward(built, cache, sandbox):
         assert shown.exit_code == 1 and f"{len(tests.fail_to_pass)} failed" in shown.output
         assert ws.shell(fix(tests), 30).exit_code == 0
         fixed = ws.grade()
-    assert (fixed.reward, fixed.passed, fixed.total, fixed.flags) == (1.0, fixed.total, len(tests.fail_to_pass) + len(tests.pass_to_pass), ())
+    assert (fixed.reward, fixed.passed, fixed.total, fixed.flags) == (
+        1.0,
+        fixed.total,
+        len(tests.fail_to_pass) + len(tests.pass_to_pass),
+        (),
+    )
 
 
 def test_an_implemented_feature_in_a_copy_workspace_earns_full_reward(built, cache, sandbox):
@@ -313,13 +343,25 @@ def appended(path: str, code: str) -> str:
 TEST_CHEATS = [
     ("edit a failing test", "sed -i -E 's/^( +)assert .*/\\1pass/' {test}"),
     ("delete another test file", "rm networkx/algorithms/shortest_paths/tests/test_generic.py"),
-    ("a conftest that skips everything", appended("networkx/conftest.py", (
-        "import pytest\n\n\ndef pytest_collection_modifyitems(items):\n"
-        "    for item in items:\n        item.add_marker(pytest.mark.skip)\n"))),
+    (
+        "a conftest that skips everything",
+        appended(
+            "networkx/conftest.py",
+            (
+                "import pytest\n\n\ndef pytest_collection_modifyitems(items):\n"
+                "    for item in items:\n        item.add_marker(pytest.mark.skip)\n"
+            ),
+        ),
+    ),
     ("a pytest.ini with addopts", "printf '[pytest]\\naddopts = -k nothing\\n' | tee pytest.ini > networkx/pytest.ini"),
-    ("a sitecustomize that patches pytest", appended("sitecustomize.py", "import _pytest.runner\n_pytest.runner.runtestprotocol = lambda *a, **k: []\n")
-     + " && cp sitecustomize.py networkx/"),
+    (
+        "a sitecustomize that patches pytest",
+        appended("sitecustomize.py", "import _pytest.runner\n_pytest.runner.runtestprotocol = lambda *a, **k: []\n")
+        + " && cp sitecustomize.py networkx/",
+    ),
 ]
+
+
 @pytest.mark.skipif(not AS_ROOT, reason="the mount table shows the bases' host paths only with overlayfs")
 def test_a_symlink_or_fifo_in_place_of_a_module_is_never_followed_or_read(built, cache, sandbox):
     """The mount table names the bases' host paths: a symlink there resolves on the host, never for the grader; a
@@ -331,8 +373,11 @@ def test_a_symlink_or_fifo_in_place_of_a_module_is_never_followed_or_read(built,
         lowers = ws.shell("grep -o 'lowerdir=[^,]*' /proc/self/mountinfo | head -1", 30).output.strip()
         base = lowers.removeprefix("lowerdir=").split(":")[-1]
         assert base == str(tests.episode_base)
-        ws.shell(f"rm {MODULE} {dense} && ln -s {tests.grading_base}/{MODULE} {MODULE} && mkfifo -m 666 {dense} && "
-                 f"ln -s {tests.grading_base}/networkx/algorithms networkx/algorithms2", 30)
+        ws.shell(
+            f"rm {MODULE} {dense} && ln -s {tests.grading_base}/{MODULE} {MODULE} && mkfifo -m 666 {dense} && "
+            f"ln -s {tests.grading_base}/networkx/algorithms networkx/algorithms2",
+            30,
+        )
         assert ws.changed() == {MODULE: NOT_A_FILE, dense: NOT_A_FILE, "networkx/algorithms2": NOT_A_FILE}
         result = ws.grade()
     # Graded with the task's changed module, not the original the link points to; the package imports.
@@ -355,23 +400,31 @@ def test_cheats_outside_the_tasks_function_never_run(built, cache, sandbox):
     tag = sys.implementation.cache_tag
     package = tests.grading_base / "networkx"
     init, conftest = package / "algorithms" / "shortest_paths" / "__init__.py", package / "conftest.py"
-    all_pass = ("\n\n@pytest.hookimpl(wrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
-                "    report = yield\n    report.outcome = 'passed'\n    return report\n")
+    all_pass = (
+        "\n\n@pytest.hookimpl(wrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+        "    report = yield\n    report.outcome = 'passed'\n    return report\n"
+    )
     forged = {
         f"networkx/algorithms/shortest_paths/__pycache__/unweighted.{tag}.pyc": pyc(
-            (tests.grading_base / MODULE).read_text(), f"/sandbox/{MODULE}", None),
+            (tests.grading_base / MODULE).read_text(), f"/sandbox/{MODULE}", None
+        ),
         f"networkx/algorithms/shortest_paths/__pycache__/__init__.{tag}.pyc": pyc(
-            init.read_text(), "/sandbox/networkx/algorithms/shortest_paths/__init__.py", (int(init.stat().st_mtime), init.stat().st_size)),
+            init.read_text(), "/sandbox/networkx/algorithms/shortest_paths/__init__.py", (int(init.stat().st_mtime), init.stat().st_size)
+        ),
         f"networkx/__pycache__/conftest.{tag}-pytest-{_pytest.__version__}.pyc": pyc(
-            conftest.read_text() + all_pass, "/sandbox/networkx/conftest.py", conftest.read_bytes()),
+            conftest.read_text() + all_pass, "/sandbox/networkx/conftest.py", conftest.read_bytes()
+        ),
         "networkx/algorithms/shortest_paths/dense.pyc": pyc((package / "algorithms/shortest_paths/dense.py").read_text(), "dense.py", None),
     }
-    code = "".join(cheats_for(tests)[name] for names in (CLASSES["patching the test runner"], CLASSES["neutralising the tests"])
-                   for name in names)
+    code = "".join(
+        cheats_for(tests)[name] for names in (CLASSES["patching the test runner"], CLASSES["neutralising the tests"]) for name in names
+    )
     with open_workspace(tests, sandbox) as ws:
-        commands = [appended("networkx/__init__.py", code.replace("/sandbox/repo/", "/sandbox/")),
-                    appended("networkx/utils/misc.py", "import os\nif os.environ.get('NEVER') == 'x':\n    os._exit(0)\n"),
-                    "rm networkx/algorithms/shortest_paths/dense.py"]
+        commands = [
+            appended("networkx/__init__.py", code.replace("/sandbox/repo/", "/sandbox/")),
+            appended("networkx/utils/misc.py", "import os\nif os.environ.get('NEVER') == 'x':\n    os._exit(0)\n"),
+            "rm networkx/algorithms/shortest_paths/dense.py",
+        ]
         assert ws.shell("\n".join(commands), 30).exit_code == 0
         for relative, content in forged.items():
             (ws.root / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -431,8 +484,9 @@ def test_a_fix_of_its_own_with_a_helper_earns_full_reward(built, cache, sandbox)
     with open_workspace(tests, sandbox) as ws:
         text = (ws.root / MODULE).read_text()
         assert text.count("    raise NotImplementedError\n") == 1
-        episode = ("import math\nfrom collections import deque\n" + text.replace("    raise NotImplementedError\n", FEATURE_FIX)
-                   .replace("import operator\n", "import operator  # used by the other functions\n"))
+        episode = "import math\nfrom collections import deque\n" + text.replace("    raise NotImplementedError\n", FEATURE_FIX).replace(
+            "import operator\n", "import operator  # used by the other functions\n"
+        )
         assert ws.shell(written(MODULE, episode), 30).exit_code == 0
         result = ws.grade()
     assert (result.reward, result.flags) == (1.0, ()), (result.detail, result.stdout_tail[-2000:])

@@ -80,8 +80,16 @@ def test_report_html_is_self_contained_and_renders_every_plot(tmp_path, browser,
     plots = sorted(p.stem for p in (run / "report").glob("*.png"))
 
     browser.do("POST", "/url", {"url": page.as_uri()})
-    images = browser.do("POST", "/execute/sync", {"script": "return [...document.images].map(i => [i.alt, i.complete, i.naturalWidth, i.naturalHeight])", "args": []})
-    fetched = browser.do("POST", "/execute/sync", {"script": "return performance.getEntriesByType('resource').map(e => e.name).filter(n => !n.startsWith('data:'))", "args": []})
+    images = browser.do(
+        "POST",
+        "/execute/sync",
+        {"script": "return [...document.images].map(i => [i.alt, i.complete, i.naturalWidth, i.naturalHeight])", "args": []},
+    )
+    fetched = browser.do(
+        "POST",
+        "/execute/sync",
+        {"script": "return performance.getEntriesByType('resource').map(e => e.name).filter(n => !n.startsWith('data:'))", "args": []},
+    )
     body = browser.do("POST", "/execute/sync", {"script": "return document.body.innerText", "args": []})
     errors = [entry for entry in browser.do("POST", "/se/log", {"type": "browser"}) if entry["level"] in ("SEVERE", "ERROR")]
     screenshot = tmp_path / "report.png"
@@ -95,7 +103,14 @@ def test_report_html_is_self_contained_and_renders_every_plot(tmp_path, browser,
     assert "midtrain run, resumable; step 40 of 40; newest checkpoint step 20" in body
     assert "grad_norm" in body and "Resolved recipe" in body and "name: mid-killed" in body
     assert screenshot.stat().st_size > 10_000
-    panels = browser.do("POST", "/execute/sync", {"script": "return [...document.querySelectorAll('section')].map(s => [s.querySelector('h2').innerText, [...s.querySelectorAll('img')].map(i => i.alt)])", "args": []})
+    panels = browser.do(
+        "POST",
+        "/execute/sync",
+        {
+            "script": "return [...document.querySelectorAll('section')].map(s => [s.querySelector('h2').innerText, [...s.querySelectorAll('img')].map(i => i.alt)])",
+            "args": [],
+        },
+    )
     assert [title for title, _ in panels][:2] == ["Reward and held-out evaluation", "Loss and optimizer"]  # headline first
     assert sorted(alt for _, alts in panels for alt in alts) == plots
 
@@ -107,7 +122,9 @@ def test_report_compare_shows_both_runs_in_one_page(tmp_path, browser, composer)
     assert result.returncode == 0, result.stderr
     page = tmp_path / "runs" / "compare-first-second" / "report.html"
     browser.do("POST", "/url", {"url": page.as_uri()})
-    images = browser.do("POST", "/execute/sync", {"script": "return [...document.images].map(i => [i.alt, i.complete, i.naturalWidth])", "args": []})
+    images = browser.do(
+        "POST", "/execute/sync", {"script": "return [...document.images].map(i => [i.alt, i.complete, i.naturalWidth])", "args": []}
+    )
     body = browser.do("POST", "/execute/sync", {"script": "return document.body.innerText", "args": []})
     assert len(images) == 7 and all(complete and width > 600 for _, complete, width in images)
     assert "first" in body and "second" in body and "Reward and held-out evaluation" in body

@@ -21,10 +21,33 @@ TEMPERATURE = 0.7  # not 1: engine and learner must both score the tempered dist
 
 
 def start(run_dir, checkpoint, *extra):
-    args = [*COMPOSER, "train", "rl", str(RECIPES / "smoke-rl.yaml"), "--set", f"model.checkpoint={checkpoint}",
-            "--set", f"run.dir={run_dir}", "--set", f"sync.store={run_dir}/weights", "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
-            "--set", f"rl.prompts_per_step={PROMPTS}", "--set", "rl.group_size=4", "--set", "train.global_batch_size=8",
-            "--set", "rl.kl_coeff=0.05", "--set", f"rollout.sampling.temperature={TEMPERATURE}", *extra]
+    args = [
+        *COMPOSER,
+        "train",
+        "rl",
+        str(RECIPES / "smoke-rl.yaml"),
+        "--set",
+        f"model.checkpoint={checkpoint}",
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        f"sync.store={run_dir}/weights",
+        "--set",
+        f"train.steps={STEPS}",
+        "--set",
+        "train.checkpoint_every=2",
+        "--set",
+        f"rl.prompts_per_step={PROMPTS}",
+        "--set",
+        "rl.group_size=4",
+        "--set",
+        "train.global_batch_size=8",
+        "--set",
+        "rl.kl_coeff=0.05",
+        "--set",
+        f"rollout.sampling.temperature={TEMPERATURE}",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
@@ -44,8 +67,9 @@ def killed_and_resumed(tmp_path_factory):
     run = root / "runs" / "smoke-rl"
     # The first run rolls out on a fleet of two vLLM servers, so the kill catches groups in flight on both
     # (without held-out evaluation, which would keep one server busy; the resumed run evaluates).
-    first = start(root / "runs", checkpoint, "--set", "rollout.engine=server", "--set", "rollout.engines_per_host=2",
-                  "--set", "rl.eval=null")
+    first = start(
+        root / "runs", checkpoint, "--set", "rollout.engine=server", "--set", "rollout.engines_per_host=2", "--set", "rl.eval=null"
+    )
     deadline = time.monotonic() + 600
     while len(metrics(run)) < 3:  # step 3 is trained but no checkpoint covers it yet
         assert first.poll() is None, first.stdout.read()[-3000:]
@@ -77,7 +101,10 @@ def test_fleet_servers_share_the_work_and_die_with_the_driver(killed_and_resumed
 
 def test_no_trajectory_lost_or_duplicated(killed_and_resumed):
     run = killed_and_resumed.run
-    stages = {stage: sorted(p.stem for p in (run / "trajectories" / stage).glob("*.traj")) for stage in ("ready", "trained", "consumed", "dropped")}
+    stages = {
+        stage: sorted(p.stem for p in (run / "trajectories" / stage).glob("*.traj"))
+        for stage in ("ready", "trained", "consumed", "dropped")
+    }
     every = [g for groups in stages.values() for g in groups]
     assert len(every) == len(set(every))  # each group is in exactly one stage
     indices = sorted(int(g[1:]) for g in every)
@@ -128,8 +155,20 @@ def test_a_learner_that_cannot_start_here_is_refused_before_the_run_starts(compo
 def test_resume_refuses_a_recipe_that_changes_what_the_run_depends_on(killed_and_resumed, composer):
     run = killed_and_resumed.run
     saved = (run / "recipe.yaml").read_text()
-    result = composer("train", "rl", str(RECIPES / "smoke-rl.yaml"), "--resume", "--set", f"run.dir={run.parent}",
-                      "--set", "model.checkpoint=unused", "--set", "rl.group_size=2", "--set", "rollout.engine=server")
+    result = composer(
+        "train",
+        "rl",
+        str(RECIPES / "smoke-rl.yaml"),
+        "--resume",
+        "--set",
+        f"run.dir={run.parent}",
+        "--set",
+        "model.checkpoint=unused",
+        "--set",
+        "rl.group_size=2",
+        "--set",
+        "rollout.engine=server",
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "rl.group_size: 4 -> 2" in result.stderr and "rollout.engine" not in result.stderr  # engines may change
     assert f"rollout.sampling.temperature: {TEMPERATURE} -> 1.0" in result.stderr  # stored groups were sampled at 0.7
@@ -154,8 +193,9 @@ def test_replay_trains_the_recorded_groups_again_without_engines(killed_and_resu
         assert abs(mine["loss"] - theirs["loss"]) < 1e-6 and abs(mine["kl_ref"] - theirs["kl_ref"]) < 1e-6
     assert not (run.parent / "replay" / "rollout_metrics.jsonl").exists()  # no engine ran
     assert tree_state(run) == before  # nothing read from the recorded run was moved, and no policy went to its store
-    again = composer("train", "rl", str(run / "recipe.yaml"), "--replay", str(run), "--set", "run.name=replay2",
-                     "--set", f"train.steps={STEPS + 1}")
+    again = composer(
+        "train", "rl", str(run / "recipe.yaml"), "--replay", str(run), "--set", "run.name=replay2", "--set", f"train.steps={STEPS + 1}"
+    )
     assert again.returncode == 2 and "recorded 5 learner steps" in again.stderr and "Traceback" not in again.stderr
 
 
@@ -163,8 +203,19 @@ def test_replay_with_context_parallelism_repeats_the_recorded_losses(killed_and_
     """The learner at cp=2 x dp=2 on 4 ranks (each sequence split over a pair of ranks, ring attention, router replay
     of each rank's share) trains RUN's groups to the per-step losses of RUN's 2 data-parallel ranks."""
     run = killed_and_resumed.run
-    result = composer("train", "rl", str(run / "recipe.yaml"), "--replay", str(run), "--set", "run.name=replay-cp2",
-                      "--set", "parallelism.cp=2", "--set", "cluster.procs_per_host=4")
+    result = composer(
+        "train",
+        "rl",
+        str(run / "recipe.yaml"),
+        "--replay",
+        str(run),
+        "--set",
+        "run.name=replay-cp2",
+        "--set",
+        "parallelism.cp=2",
+        "--set",
+        "cluster.procs_per_host=4",
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     replayed, recorded = metrics(run.parent / "replay-cp2"), metrics(run)
     assert len(replayed) == len(recorded) == STEPS
@@ -196,8 +247,15 @@ def test_runs_shows_the_killed_run_resumable_and_the_resumed_one_finished(killed
 
 
 def test_a_failed_run_says_why_and_is_listed_failed(tmp_path, composer):
-    result = composer("train", "rl", str(RECIPES / "smoke-rl.yaml"), "--set", f"run.dir={tmp_path}",
-                      "--set", f"model.checkpoint={tmp_path / 'no-such-checkpoint'}")
+    result = composer(
+        "train",
+        "rl",
+        str(RECIPES / "smoke-rl.yaml"),
+        "--set",
+        f"run.dir={tmp_path}",
+        "--set",
+        f"model.checkpoint={tmp_path / 'no-such-checkpoint'}",
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
     status = run_status(tmp_path / "smoke-rl")
     assert status.status == "failed" and "no-such-checkpoint" in status.reason

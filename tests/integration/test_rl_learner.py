@@ -29,8 +29,17 @@ def group(index: int, version: int, size: int, layers: int, top_k: int, experts:
         generated = np.arange(12) >= 6
         routes = np.argsort(rng.random((11, layers, experts)), axis=-1)[..., :top_k]  # top_k distinct experts a token
         segment = Segment(tokens, generated, np.where(generated, -1.5, 0.0), routes)
-        trajectories.append(Trajectory(f"{group_id(index)}-{i}", group_id(index), "smoke/1", version, float(i % 2), [segment],
-                                       {"summaries": 0, "summary_tokens": []}))
+        trajectories.append(
+            Trajectory(
+                f"{group_id(index)}-{i}",
+                group_id(index),
+                "smoke/1",
+                version,
+                float(i % 2),
+                [segment],
+                {"summaries": 0, "summary_tokens": []},
+            )
+        )
     return trajectories
 
 
@@ -40,8 +49,15 @@ def test_a_step_whose_rollouts_outlast_the_collective_timeout_is_trained(tmp_pat
     from composer.sync.pusher import push_version
     from composer.trainer.checkpoint_init import init_hf_checkpoint
 
-    overrides = [f"run.dir={tmp_path / 'runs'}", "train.steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
-                 "train.micro_batch_size=1", "train.global_batch_size=2", "rl.eval=null"]
+    overrides = [
+        f"run.dir={tmp_path / 'runs'}",
+        "train.steps=1",
+        "rl.prompts_per_step=2",
+        "rl.group_size=2",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        "rl.eval=null",
+    ]
     model = load_recipe(RECIPES / "smoke-rl.yaml", overrides).model
     checkpoint = init_hf_checkpoint(model, tmp_path / "init", tokenizer_bytes=2**18)
     recipe = load_recipe(RECIPES / "smoke-rl.yaml", [*overrides, f"model.checkpoint={checkpoint}"])

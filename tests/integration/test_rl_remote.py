@@ -21,9 +21,22 @@ def test_a_remote_rollout_host_serves_every_policy_and_dies_with_the_driver(sshd
     port, key, known_hosts, _ = sshd
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)
     remote = tmp_path / "remote"
-    remote_host = ["--set", "rollout.engine=server", "--set", "rollout.hosts=[127.0.0.1]", "--set", f"rollout.remote_dir={remote}",
-                   "--set", "cluster.ssh.user=root", "--set", f"cluster.ssh.port={port}", "--set", f"cluster.ssh.key_file={key}",
-                   "--set", f"cluster.ssh.known_hosts={known_hosts}"]
+    remote_host = [
+        "--set",
+        "rollout.engine=server",
+        "--set",
+        "rollout.hosts=[127.0.0.1]",
+        "--set",
+        f"rollout.remote_dir={remote}",
+        "--set",
+        "cluster.ssh.user=root",
+        "--set",
+        f"cluster.ssh.port={port}",
+        "--set",
+        f"cluster.ssh.key_file={key}",
+        "--set",
+        f"cluster.ssh.known_hosts={known_hosts}",
+    ]
     run = tmp_path / "runs" / "smoke-rl"
     first = start(tmp_path / "runs", checkpoint, *remote_host)
     deadline = time.monotonic() + 600
@@ -59,8 +72,24 @@ def test_an_unreachable_rollout_host_is_one_clear_error(sshd, tmp_path, composer
     _, key, known_hosts, _ = sshd
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)
     closed = free_port()
-    result = composer("train", "rl", str(RECIPES / "smoke-rl.yaml"), "--set", f"run.dir={tmp_path}", "--set", f"model.checkpoint={checkpoint}",
-                      "--set", "rollout.engine=server", "--set", "rollout.hosts=[127.0.0.1]", "--set", f"cluster.ssh.port={closed}",
-                      "--set", f"cluster.ssh.key_file={key}", "--set", f"cluster.ssh.known_hosts={known_hosts}")
+    result = composer(
+        "train",
+        "rl",
+        str(RECIPES / "smoke-rl.yaml"),
+        "--set",
+        f"run.dir={tmp_path}",
+        "--set",
+        f"model.checkpoint={checkpoint}",
+        "--set",
+        "rollout.engine=server",
+        "--set",
+        "rollout.hosts=[127.0.0.1]",
+        "--set",
+        f"cluster.ssh.port={closed}",
+        "--set",
+        f"cluster.ssh.key_file={key}",
+        "--set",
+        f"cluster.ssh.known_hosts={known_hosts}",
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"@127.0.0.1:{closed}: cannot connect" in result.stderr

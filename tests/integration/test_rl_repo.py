@@ -21,8 +21,19 @@ def test_rl_on_repository_tasks_runs_end_to_end(tmp_path, composer):
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     checkpoint = init_hf_checkpoint(load_recipe(recipe).model, tmp_path / "init", tokenizer_bytes=2**20)
     run = tmp_path / "runs" / "smoke-repo-rl"
-    result = composer("train", "rl", str(recipe), "--set", f"model.checkpoint={checkpoint}", "--set", f"run.dir={run.parent}",
-                      "--set", f"sync.store={run}/weights", *cache, timeout=900)
+    result = composer(
+        "train",
+        "rl",
+        str(recipe),
+        "--set",
+        f"model.checkpoint={checkpoint}",
+        "--set",
+        f"run.dir={run.parent}",
+        "--set",
+        f"sync.store={run}/weights",
+        *cache,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "loss" in s] == [1, 2]

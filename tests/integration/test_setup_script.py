@@ -14,8 +14,9 @@ import pytest
 
 from tests.conftest import REPO, SSHD, not_installed
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("apt-get"),
-                                reason="scripts/setup.sh installs Debian packages only as root, with apt-get")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("apt-get"), reason="scripts/setup.sh installs Debian packages only as root, with apt-get"
+)
 
 TOOLS = ("dirname", "cat", "sha256sum", "cut", "id", "rm", "apt-get")
 """What setup.sh runs besides pip and the Debian packages' programs."""
@@ -38,8 +39,10 @@ def machine(tmp_path) -> dict[str, Path]:
     for d in ("sources.list.d", "state/lists/partial", "cache/archives/partial"):
         (apt / d).mkdir(parents=True)
     (apt / "status").touch()
-    (apt / "apt.conf").write_text(f'Dir::Etc::sourcelist "/dev/null"; Dir::Etc::sourceparts "{apt}/sources.list.d";\n'
-                                  f'Dir::State "{apt}/state"; Dir::State::status "{apt}/status"; Dir::Cache "{apt}/cache";\n')
+    (apt / "apt.conf").write_text(
+        f'Dir::Etc::sourcelist "/dev/null"; Dir::Etc::sourceparts "{apt}/sources.list.d";\n'
+        f'Dir::State "{apt}/state"; Dir::State::status "{apt}/status"; Dir::Cache "{apt}/cache";\n'
+    )
     return {"venv": venv, "bin": bin_dir, "apt_config": apt / "apt.conf"}
 
 
@@ -54,12 +57,16 @@ def test_a_failed_install_is_tried_again_on_every_run_and_named_by_the_tests_tha
     record = machine["venv"] / ".composer-system-missing"
     for _ in range(2):  # the second run, like the first, finds pip's stamp current
         done = setup(machine)
-        assert ("setup: openssh-server not installed (apt-get install failed: E: Unable to locate package openssh-server); "
-                "skipped until it is: the SSH tests") in done.stderr
+        assert (
+            "setup: openssh-server not installed (apt-get install failed: E: Unable to locate package openssh-server); "
+            "skipped until it is: the SSH tests"
+        ) in done.stderr
         assert "chromium chromium-driver not installed" in done.stderr and "slurm-wlm munge not installed" in done.stderr
         reason = not_installed("openssh-server", record)
-        assert reason == ("scripts/setup.sh could not install openssh-server (apt-get install failed: "
-                          "E: Unable to locate package openssh-server); its next run tries again")
+        assert reason == (
+            "scripts/setup.sh could not install openssh-server (apt-get install failed: "
+            "E: Unable to locate package openssh-server); its next run tries again"
+        )
     assert "scripts/setup.sh could not install slurm-wlm munge" in not_installed("slurm-wlm munge", record)
 
 
@@ -70,5 +77,8 @@ def test_a_package_installed_since_leaves_the_record(machine):
     (machine["bin"] / "sshd").symlink_to(SSHD)  # as if installed in between
     done = setup(machine)
     assert "openssh-server" not in done.stderr and "slurm-wlm munge not installed" in done.stderr
-    assert not_installed("openssh-server", record) == "openssh-server not installed (apt-get install openssh-server; scripts/setup.sh does as root)"
+    assert (
+        not_installed("openssh-server", record)
+        == "openssh-server not installed (apt-get install openssh-server; scripts/setup.sh does as root)"
+    )
     assert "could not install slurm-wlm munge" in not_installed("slurm-wlm munge", record)

@@ -35,8 +35,7 @@ def s3_emulator(tmp_path_factory):
     """moto's S3 emulator in server mode on loopback, with one bucket; yields its endpoint URL."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
     saved = {k: os.environ.get(k) for k in CREDENTIALS}
     os.environ.update(CREDENTIALS)
     endpoint = f"http://127.0.0.1:{port}"
@@ -89,8 +88,10 @@ def test_push_pull_verify_gc_and_relay_through_s3(s3_emulator, tmp_path):
         assert report.deleted_versions == ["v00000001", "v00000002"] and report.deleted_chunks > 0
         assert not _client(s3_emulator).list_multipart_uploads(Bucket=BUCKET, Prefix="runs/a/").get("Uploads")
         assert len(verify(s3).versions) == 2  # what gc kept is whole
-    with Store.open(str(tmp_path / "cluster")) as cluster, \
-            Store.open(f"s3://{BUCKET}/runs/b", create=True, endpoint=s3_emulator) as other:  # ...and into S3
+    with (
+        Store.open(str(tmp_path / "cluster")) as cluster,
+        Store.open(f"s3://{BUCKET}/runs/b", create=True, endpoint=s3_emulator) as other,
+    ):  # ...and into S3
         relay(cluster, other)
         pull(other, tmp_path / "recv-b")
     assert checkpoint_files(tmp_path / "recv-b" / "current") == checkpoint_files(checkpoints[3])
@@ -123,11 +124,17 @@ def test_push_killed_in_a_multipart_upload_resumes_it(s3_emulator, tmp_path):
     checkpoint = tmp_path / "ck"
     checkpoint.mkdir()
     rng = np.random.default_rng(0)
-    write_safetensors(checkpoint / "model.safetensors", {  # 48 MiB of bf16 noise: a first chunk of ~33 MB
-        f"layer{i}.weight": ("BF16", to_bf16(rng.standard_normal((1024, 2048)).astype(np.float32))) for i in range(12)})
+    write_safetensors(
+        checkpoint / "model.safetensors",
+        {  # 48 MiB of bf16 noise: a first chunk of ~33 MB
+            f"layer{i}.weight": ("BF16", to_bf16(rng.standard_normal((1024, 2048)).astype(np.float32))) for i in range(12)
+        },
+    )
     store, client = f"s3://{BUCKET}/killed", _client(s3_emulator)
-    proc = subprocess.Popen([sys.executable, "-c", PUSH_SCRIPT, str(checkpoint), store, s3_emulator, str(tmp_path / "c1")],
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PUSH_SCRIPT, str(checkpoint), store, s3_emulator, str(tmp_path / "c1")],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     upload, before = None, []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None and len(before) < 2:
@@ -147,8 +154,7 @@ def test_push_killed_in_a_multipart_upload_resumes_it(s3_emulator, tmp_path):
     counter = lambda params, **kw: sent.append((params["Key"], params["PartNumber"]))  # noqa: E731
     session.events.register("provide-client-params.s3.UploadPart", counter)
     try:
-        push_version(checkpoint, sync_section(store, endpoint=s3_emulator, codec={"chunk_mb": 32, "threads": 1}),
-                     cache_dir=tmp_path / "c2")
+        push_version(checkpoint, sync_section(store, endpoint=s3_emulator, codec={"chunk_mb": 32, "threads": 1}), cache_dir=tmp_path / "c2")
     finally:
         session.events.unregister("provide-client-params.s3.UploadPart", counter)
     size = client.head_object(Bucket=BUCKET, Key=upload["Key"])["ContentLength"]
@@ -166,8 +172,9 @@ def test_a_damaged_object_is_refused_with_one_message(s3_emulator, tmp_path):
     store = f"s3://{BUCKET}/damaged"
     push_version(run.save(), sync_section(store, endpoint=s3_emulator), cache_dir=tmp_path / "cache")
     client = _client(s3_emulator)
-    chunk = next(o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="damaged/chunks/")["Contents"]
-                 if not o["Key"].endswith("/"))
+    chunk = next(
+        o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="damaged/chunks/")["Contents"] if not o["Key"].endswith("/")
+    )
     data = bytearray(client.get_object(Bucket=BUCKET, Key=chunk)["Body"].read())
     data[len(data) // 2] ^= 0x10
     client.put_object(Bucket=BUCKET, Key=chunk, Body=bytes(data))
@@ -180,7 +187,10 @@ def test_a_damaged_object_is_refused_with_one_message(s3_emulator, tmp_path):
 
 def test_a_missing_bucket_and_a_misplaced_endpoint_are_clear_errors(s3_emulator, tmp_path):
     with pytest.raises(UserError, match="bucket 'no-such-bucket' does not exist"):
-        push_version(TrainingRun(tmp_path / "train").save(),
-                     sync_section("s3://no-such-bucket/x", endpoint=s3_emulator), cache_dir=tmp_path / "cache")
+        push_version(
+            TrainingRun(tmp_path / "train").save(),
+            sync_section("s3://no-such-bucket/x", endpoint=s3_emulator),
+            cache_dir=tmp_path / "cache",
+        )
     result = run_cli("sync", "status", "--store", str(tmp_path), "--endpoint", s3_emulator)
     assert result.returncode != 0 and "sync.endpoint is only for s3:// stores" in result.stderr

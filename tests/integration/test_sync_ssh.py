@@ -20,6 +20,7 @@ from tests.helpers.sync_testing import TrainingRun, checkpoint_files, run_cli, s
 
 pytestmark = pytest.mark.ssh
 
+
 def _ssh(sshd, **kw) -> SSHSection:
     _, key, known_hosts, _ = sshd
     return SSHSection(key_file=str(key), known_hosts=str(known_hosts), **kw)
@@ -80,8 +81,7 @@ def test_cli_over_ssh(sshd, tmp_path):
     assert pushed.returncode == 0, pushed.stderr
     status = run_cli("sync", "status", "--store", url, *auth)
     assert status.returncode == 0 and "v00000001" in status.stdout
-    pulled = run_cli("sync", "pull", "--store", url, "--to", str(tmp_path / "recv"),
-                     "--relay-store", str(tmp_path / "relay"), *auth)
+    pulled = run_cli("sync", "pull", "--store", url, "--to", str(tmp_path / "recv"), "--relay-store", str(tmp_path / "relay"), *auth)
     assert pulled.returncode == 0, pulled.stderr
     assert checkpoint_files(tmp_path / "recv" / "current") == checkpoint_files(run.root / "step0000")
     assert (tmp_path / "relay" / "manifests" / "v00000001.json").is_file()

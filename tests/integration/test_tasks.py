@@ -61,7 +61,7 @@ def test_extract_code_from_fences_or_raw_text():
 def test_all_humaneval_canonical_solutions_score_one(sandbox, humaneval):
     assert len(humaneval) == 164
     # The canonical solution is a body that continues the prompt, as a completion model writes it.
-    solutions = [t.reference[len(t.continues):] for t in humaneval]
+    solutions = [t.reference[len(t.continues) :] for t in humaneval]
     results = grade_all(sandbox, [(t.program(s), t.tests) for t, s in zip(humaneval, solutions)])
     failed = {t.id: (r.status, r.detail, r.stderr_tail[-300:]) for t, r in zip(humaneval, results) if r.reward != 1.0}
     assert failed == {}
@@ -73,7 +73,7 @@ def test_humaneval_whole_function_in_a_fence_scores_one(sandbox, humaneval):
     sample = random.Random(0).sample(humaneval, 16)
     answers = []
     for t in sample:
-        function = t.reference[t.reference.index(f"def {t.entry_point}("):]
+        function = t.reference[t.reference.index(f"def {t.entry_point}(") :]
         answers.append(f"Here it is:\n```python\n{function}```\n")
     results = grade_all(sandbox, [(t.program(a), t.tests) for t, a in zip(sample, answers)])
     assert [r.reward for r in results] == [1.0] * len(sample)
@@ -124,8 +124,10 @@ def test_codeio_tests_are_deterministic_and_hide_expected_outputs(sandbox, codei
     first, again = codeio.task(0, sandbox), codeio.task(0, sandbox)
     assert first.tests == again.tests
     # A program that returns its inputs and every string in its process's memory: no expected output is there.
-    snoop = ("```python\nimport gc, sys\ndef main_solution(**kwargs):\n"
-             "    return repr(kwargs) + repr(sys.argv) + repr([o for o in gc.get_objects() if isinstance(o, (dict, list, tuple))])[:1000000]\n```")
+    snoop = (
+        "```python\nimport gc, sys\ndef main_solution(**kwargs):\n"
+        "    return repr(kwargs) + repr(sys.argv) + repr([o for o in gc.get_objects() if isinstance(o, (dict, list, tuple))])[:1000000]\n```"
+    )
     result = sandbox.run(first.program(snoop), first.tests)
     seen = " ".join(case.output or "" for case in result.cases)
     assert next(iter(json.loads(first.tests.inputs[0]))) in seen and result.reward == 0.0
@@ -173,9 +175,17 @@ def test_smoke_task_rewards_steps_toward_the_answer(sandbox):
     assert f"Return {k}." in task.prompt and task.prompt.endswith("return")
     near = (k + 1) if k < 9 else (k - 1)
     far = k + 50
-    answers = {str(k): 1.0, f" {k}  trailing words are ignored": 1.0, str(near): 0.75, str(far): 0.5,
-               "'text'": 0.25, "": 0.0, "undefined_name": 0.0, "3+": 0.0,
-               "False": 0.5 + 0.25 * (k <= 2) + 0.25 * (k == 0)}  # bools are ints: a step toward numbers
+    answers = {
+        str(k): 1.0,
+        f" {k}  trailing words are ignored": 1.0,
+        str(near): 0.75,
+        str(far): 0.5,
+        "'text'": 0.25,
+        "": 0.0,
+        "undefined_name": 0.0,
+        "3+": 0.0,
+        "False": 0.5 + 0.25 * (k <= 2) + 0.25 * (k == 0),
+    }  # bools are ints: a step toward numbers
     results = grade_all(sandbox, [(task.program(a), task.tests) for a in answers])
     assert {a: r.reward for a, r in zip(answers, results)} == answers
 

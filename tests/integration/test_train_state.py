@@ -17,8 +17,14 @@ def run(tmp_path_factory):
     """Train 3 steps, checkpoint, train 3 more; then a fresh model and optimizer resume from the checkpoint."""
     ckpt = tmp_path_factory.mktemp("train_state") / "ckpt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "tests.helpers.workers.train_state", str(ckpt)],
-                            cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.workers.train_state", str(ckpt)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return ckpt, json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from composer.recipes.errors import UserError
 from composer.recipes.env_schema import ProjectSettings, RepoTaskSettings, SandboxSection
+from composer.recipes.errors import UserError
 from composer.rollout.sandbox.runs import Sandbox
-from composer.rollout.tasks.repository.projects import environment_dir, resolve_project
 from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
+from composer.rollout.tasks.repository.projects import environment_dir, resolve_project
 from composer.rollout.tasks.repository.task_set import load_tasks, open_workspace, repo_tests
 from tests.conftest import REPO
 from tests.helpers.user_project import FIXES, make_project
@@ -152,18 +152,39 @@ OUTSIDE = ("change_dropped",)
 in a multi task's file is left out of grading (and flagged)."""
 CHEATS = {
     "edit the failing tests": ("sed -i -E 's/^( +)assert .*/\\1pass/' tests/test_stats.py tests/test_text.py", ("tests_modified",)),
-    "a conftest that skips everything": (appended("tests/conftest.py", (
-        "import pytest\n\n\ndef pytest_collection_modifyitems(items):\n"
-        "    for item in items:\n        item.add_marker(pytest.mark.skip)\n")), ("tests_modified",)),
+    "a conftest that skips everything": (
+        appended(
+            "tests/conftest.py",
+            (
+                "import pytest\n\n\ndef pytest_collection_modifyitems(items):\n"
+                "    for item in items:\n        item.add_marker(pytest.mark.skip)\n"
+            ),
+        ),
+        ("tests_modified",),
+    ),
     "a pytest.ini with addopts": ("printf '[pytest]\\naddopts = -k nothing\\n' > pytest.ini", ("tests_modified",)),
     "os._exit(0) in the task's file": ("sed -i '1i import os; os._exit(0)' SCOPED", ("early_exit", *OUTSIDE)),
-    "a forged report": (appended("SCOPED", (
-        "import os\nwith open('../report/report.jsonl', 'a') as forged:\n"
-        "    forged.write('{\"nonce\": \"guess\", \"end\": true, \"tampered\": []}\\n')\nos._exit(0)\n")), ("forbidden_code", *OUTSIDE)),
-    "patching pytest's reports from the task's file": (appended("SCOPED", (
-        "import _pytest.reports\n_make = _pytest.reports.TestReport.from_item_and_call\n\n\n"
-        "def _passed(item, call):\n    report = _make(item, call)\n    report.outcome = 'passed'\n    return report\n\n\n"
-        "_pytest.reports.TestReport.from_item_and_call = staticmethod(_passed)\n")), ("forbidden_code", *OUTSIDE)),
+    "a forged report": (
+        appended(
+            "SCOPED",
+            (
+                "import os\nwith open('../report/report.jsonl', 'a') as forged:\n"
+                '    forged.write(\'{"nonce": "guess", "end": true, "tampered": []}\\n\')\nos._exit(0)\n'
+            ),
+        ),
+        ("forbidden_code", *OUTSIDE),
+    ),
+    "patching pytest's reports from the task's file": (
+        appended(
+            "SCOPED",
+            (
+                "import _pytest.reports\n_make = _pytest.reports.TestReport.from_item_and_call\n\n\n"
+                "def _passed(item, call):\n    report = _make(item, call)\n    report.outcome = 'passed'\n    return report\n\n\n"
+                "_pytest.reports.TestReport.from_item_and_call = staticmethod(_passed)\n"
+            ),
+        ),
+        ("forbidden_code", *OUTSIDE),
+    ),
 }
 
 
@@ -188,13 +209,23 @@ def test_grading_cheats_earn_nothing_on_history_and_multi_tasks(project, history
 
 def build_recipe(tmp_path: Path, project: dict, kinds: list[str], cache: Path | None = None) -> Path:
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "extends": str(REPO / "recipes" / "smoke-rl.yaml"),
-        "rollout": {"harness": "tools", "max_turns": 2},
-        "env": {"sandbox": SANDBOX.model_dump(include={"cpu_seconds", "wall_seconds", "memory_mb"}),
-                "tasks": [{"name": "repo", "repo": {"projects": [project], "kinds": kinds, "num_tasks": 1,
-                                                    "cache_dir": str(cache or tmp_path / "cache")}}]},
-    }))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "extends": str(REPO / "recipes" / "smoke-rl.yaml"),
+                "rollout": {"harness": "tools", "max_turns": 2},
+                "env": {
+                    "sandbox": SANDBOX.model_dump(include={"cpu_seconds", "wall_seconds", "memory_mb"}),
+                    "tasks": [
+                        {
+                            "name": "repo",
+                            "repo": {"projects": [project], "kinds": kinds, "num_tasks": 1, "cache_dir": str(cache or tmp_path / "cache")},
+                        }
+                    ],
+                },
+            }
+        )
+    )
     return recipe
 
 

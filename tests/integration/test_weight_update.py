@@ -23,9 +23,11 @@ SEQS = [[5, 17, 99, 3, 250, 41, 7, 8], [300, 2, 2, 9, 64, 128, 77, 1, 400, 33]]
 LONG_PROMPT = [(7 * i + 3) % 500 for i in range(160)]  # spans full KV blocks, so it is prefix-cached
 ROLLOUT = RolloutSection(max_context=256, kv_cache_gib=0.0625, dtype="float32", sampling=SamplingSection(max_tokens=8))
 # v1 changes a few values in three tensors, each feeding a different kind of fused vLLM layer.
-EDITED = ["model.embed_tokens.weight",  # tied with lm_head
-          "model.layers.0.self_attn.k_proj.weight",  # one third of a fused qkv
-          "model.layers.1.mlp.experts.3.down_proj.weight"]  # one expert of a fused, CPU-prepacked expert layer
+EDITED = [
+    "model.embed_tokens.weight",  # tied with lm_head
+    "model.layers.0.self_attn.k_proj.weight",  # one third of a fused qkv
+    "model.layers.1.mlp.experts.3.down_proj.weight",
+]  # one expert of a fused, CPU-prepacked expert layer
 
 
 def _edit(src: Path, dst: Path) -> Path:

@@ -18,7 +18,7 @@ from composer.rollout.tasks.repository.workspace import RepoTests, RepoWorkspace
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="write caps are sized tmpfs mounts, made as root")
 
 CAPS = SandboxSection(max_write_mb=16, max_inodes=300, workspace_max_write_mb=24, workspace_max_inodes=400, max_file_mb=4)
-FILL_BYTES = '''
+FILL_BYTES = """
 import os
 written = 0
 try:
@@ -28,7 +28,7 @@ try:
         written += 4
 except OSError as e:
     print("refused after", written, "MB:", os.strerror(e.errno))
-'''
+"""
 FILL_FILES = "i=0; while dd if=/dev/zero of=big$i bs=1M count=3 status=none 2>&1; do i=$((i+1)); done; echo stopped after $i"
 """3 MB files (max_file_mb is 4) until refused."""
 FILL_INODES = "i=0; while touch f$i 2>/dev/null; do i=$((i+1)); done; echo refused after $i files"
@@ -75,8 +75,18 @@ def test_a_workspace_holds_at_most_its_cap(sandbox, tmp_path):
     shutil.copytree(base, tmp_path / "episode")
     for path in [tmp_path / "episode", *(tmp_path / "episode").rglob("*")]:
         os.chmod(path, 0o777 if path.is_dir() else 0o666)
-    tests = RepoTests(package="pkg", test_files=(), fail_to_pass=(), pass_to_pass=(), pytest_args=(), layer=layer,
-                      episode_base=tmp_path / "episode", grading_base=base, hidden=(), timeout_s=30)
+    tests = RepoTests(
+        package="pkg",
+        test_files=(),
+        fail_to_pass=(),
+        pass_to_pass=(),
+        pytest_args=(),
+        layer=layer,
+        episode_base=tmp_path / "episode",
+        grading_base=base,
+        hidden=(),
+        timeout_s=30,
+    )
     free = host_bytes_free(tmp_path)
     with RepoWorkspace(tests, sandbox, tmp_path / "workspaces") as ws:
         big = ws.shell(f"cd pkg && {FILL_FILES}", 30)

@@ -26,7 +26,9 @@ def test_validate_all_shipped(composer):
 
 
 def test_validate_reports_every_file_and_exits_2(composer, write_recipe):
-    bad = write_recipe("run: {name: x}\nmodel: {num_layers: 2}\noptim: {lr: 1}\ntrain: {steps: 1, global_batch_size: 1}\nextra_section: 1\n")
+    bad = write_recipe(
+        "run: {name: x}\nmodel: {num_layers: 2}\noptim: {lr: 1}\ntrain: {steps: 1, global_batch_size: 1}\nextra_section: 1\n"
+    )
     result = composer("recipe", "validate", SHIPPED[0], str(bad))
     assert result.returncode == 2
     assert "✓" in result.stdout and "✗" in result.stdout

@@ -61,9 +61,23 @@ def test_an_error_after_the_run_still_reaches_the_terminal(tmp_path):
 def write_steps(path, steps, **extra):
     with MetricsWriter(path) as metrics:
         for step in steps:
-            metrics.write(step, loss=0.1, grad_norm=1.0, reward_mean=0.25 * step, pass_rate=0.1, staleness_mean=0.5,
-                          staleness_max=1, trained_tokens_per_s=2000.0, sync_ratio=40.0, sync_seconds=0.3,
-                          wait_seconds=1.0, dropped_stale=0, is_clip_fraction=0.0, groups="g0000000", **extra)
+            metrics.write(
+                step,
+                loss=0.1,
+                grad_norm=1.0,
+                reward_mean=0.25 * step,
+                pass_rate=0.1,
+                staleness_mean=0.5,
+                staleness_max=1,
+                trained_tokens_per_s=2000.0,
+                sync_ratio=40.0,
+                sync_seconds=0.3,
+                wait_seconds=1.0,
+                dropped_stale=0,
+                is_clip_fraction=0.0,
+                groups="g0000000",
+                **extra,
+            )
 
 
 def test_plain_lines_off_a_terminal_say_step_eta_and_figures_without_control_codes(tmp_path, monkeypatch):
@@ -72,8 +86,17 @@ def test_plain_lines_off_a_terminal_say_step_eta_and_figures_without_control_cod
     view = RLConsole(Console(file=out, width=200), "smoke-rl", steps=4, metrics=metrics, verbose=False)
     with view:
         view.note("starting embedded engines")
-        view.group("g0000000", {"engine": 0, "host": "localhost", "policy_version": 0, "reward_mean": 0.5,
-                                "generated_tokens_per_s": 100.0, "group_seconds": 2.0})
+        view.group(
+            "g0000000",
+            {
+                "engine": 0,
+                "host": "localhost",
+                "policy_version": 0,
+                "reward_mean": 0.5,
+                "generated_tokens_per_s": 100.0,
+                "group_seconds": 2.0,
+            },
+        )
         write_steps(metrics, [1])
         view.poll()
         write_steps(metrics, [2, 3])
@@ -96,8 +119,17 @@ def test_live_view_on_a_terminal_and_group_lines_with_verbose(tmp_path):
     out = io.StringIO()
     view = RLConsole(Console(file=out, width=120, force_terminal=True), "smoke-rl", steps=10, metrics=metrics, verbose=True)
     with view:
-        view.group("g0000003", {"engine": 1, "host": "localhost", "policy_version": 3, "reward_mean": 0.5,
-                                "generated_tokens_per_s": 100.0, "group_seconds": 2.0})
+        view.group(
+            "g0000003",
+            {
+                "engine": 1,
+                "host": "localhost",
+                "policy_version": 3,
+                "reward_mean": 0.5,
+                "generated_tokens_per_s": 100.0,
+                "group_seconds": 2.0,
+            },
+        )
         write_steps(metrics, [4], eval_pass_at_1=0.4)
         print("a library's line")  # stays on stdout (the log, in a run), never shown above the view
         text = Console(width=120, file=io.StringIO(), record=True)
@@ -112,7 +144,11 @@ def test_live_view_on_a_terminal_and_group_lines_with_verbose(tmp_path):
 def test_alarms_name_what_needs_a_look():
     assert alarms({"loss": 1.0, "grad_norm": 1.0}) == []
     assert alarms({"loss": "nan", "grad_norm": 1.0, "dropped_stale": 2, "is_clip_fraction": 0.5, "alarm_ratio_error": 1}) == [
-        "loss or grad norm not finite", "2 stale group(s) dropped", "importance-sampling clip fraction 0.50", "ratio_error"]
+        "loss or grad norm not finite",
+        "2 stale group(s) dropped",
+        "importance-sampling clip fraction 0.50",
+        "ratio_error",
+    ]
 
 
 def test_tensorboard_gets_every_numeric_value_of_a_record(tmp_path):
@@ -154,5 +190,5 @@ def test_the_view_follows_a_metrics_file_the_resuming_learner_replaced(tmp_path)
         f.write('{"step": 3, "loss"')  # being written
     assert tail.new_records() == [] and not tail.restarted
     with metrics.open("a") as f:
-        f.write(': 0.1}\n')
+        f.write(": 0.1}\n")
     assert [r["step"] for r in tail.new_records()] == [3]

@@ -14,8 +14,8 @@ from composer.data.prepare import prepare_data
 from composer.recipes.errors import UserError
 from composer.recipes.schema import DataSection
 from composer.runtime.prepared_data import PreparedData
-from tests.helpers.data_helpers import train_tokenizer, write_jsonl
 from composer.trainer.datasets import build_gpt_datasets
+from tests.helpers.data_helpers import train_tokenizer, write_jsonl
 
 SEQ = 32
 

@@ -32,13 +32,29 @@ def prepare(tmp_path: Path, data: dict, vocab_size: int = 4096, checkpoint: str 
     return prepare_data(recipe.data, model_checkpoint=checkpoint, model_vocab_size=recipe.model.vocab_size)
 
 
-OFF = {"redact_secrets": False, "redact_pii": False, "exact_dedup": False, "near_dedup": False, "licenses": None,
-       "max_line_length": 100_000, "max_mean_line_length": 100_000, "min_alphanumeric_fraction": 0, "drop_generated": False}
+OFF = {
+    "redact_secrets": False,
+    "redact_pii": False,
+    "exact_dedup": False,
+    "near_dedup": False,
+    "licenses": None,
+    "max_line_length": 100_000,
+    "max_mean_line_length": 100_000,
+    "min_alphanumeric_fraction": 0,
+    "drop_generated": False,
+}
 
 
 def data_section(tmp_path: Path, tokenizer_dir: Path, sources: list[dict], **extra) -> dict:
-    return {"tokenizer": str(tokenizer_dir), "cache_dir": str(tmp_path / "cache"), "num_workers": 2, "tasks": 2,
-            "cleaning": OFF, "sources": sources, **extra}
+    return {
+        "tokenizer": str(tokenizer_dir),
+        "cache_dir": str(tmp_path / "cache"),
+        "num_workers": 2,
+        "tasks": 2,
+        "cleaning": OFF,
+        "sources": sources,
+        **extra,
+    }
 
 
 def documents(prefix: Path) -> list[np.ndarray]:
@@ -54,10 +70,17 @@ def cache_entries(cache_dir: Path) -> list[str]:
 def test_documents_are_tokenized_in_file_order_and_each_ends_with_eod(tmp_path, tokenizer_dir):
     (tmp_path / "empty.py").write_text("")  # empty files hold no document
     docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": "def f():\n    return 1\n"}, "", {"text": "x = [1, 2]\n", "id": 7}])
-    prepared = prepare(tmp_path, data_section(tmp_path, tokenizer_dir, [
-        {"name": "json-lib", "paths": ["{stdlib}/json/*.py", str(tmp_path / "empty.py")], "weight": 3},
-        {"name": "snippets", "paths": [str(docs)], "format": "jsonl"},
-    ]))
+    prepared = prepare(
+        tmp_path,
+        data_section(
+            tmp_path,
+            tokenizer_dir,
+            [
+                {"name": "json-lib", "paths": ["{stdlib}/json/*.py", str(tmp_path / "empty.py")], "weight": 3},
+                {"name": "snippets", "paths": [str(docs)], "format": "jsonl"},
+            ],
+        ),
+    )
 
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     eod = tokenizer.token_to_id(EOS)
@@ -83,7 +106,12 @@ def test_text_that_is_not_utf8_is_kept_with_replacement_characters_and_counted(t
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     assert prepared.sources[0].summary["not_utf8"] == 1
     assert [tokenizer.decode(d[:-1].tolist()) for d in documents(prepared.sources[0].prefix)] == ["caf\ufffd = 1\n", "café = 2\n"]
-    assert prepare(tmp_path, data_section(tmp_path, tokenizer_dir, [{"name": "mixed", "paths": [str(tmp_path / "*.txt")]}])).sources[0].summary["not_utf8"] == 1
+    assert (
+        prepare(tmp_path, data_section(tmp_path, tokenizer_dir, [{"name": "mixed", "paths": [str(tmp_path / "*.txt")]}]))
+        .sources[0]
+        .summary["not_utf8"]
+        == 1
+    )
 
 
 def test_stdlib_placeholder_means_the_standard_library_without_installed_packages():
@@ -171,7 +199,9 @@ def test_bad_inputs_are_user_errors(tmp_path, tokenizer_dir):
 
 
 def test_cli_prepares_then_reports_a_cache_hit_and_shows_errors_without_traceback(tmp_path, tokenizer_dir):
-    recipe = write_recipe(tmp_path / "recipe.yaml", data_section(tmp_path, tokenizer_dir, [{"name": "json-lib", "paths": ["{stdlib}/json/*.py"]}]))
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml", data_section(tmp_path, tokenizer_dir, [{"name": "json-lib", "paths": ["{stdlib}/json/*.py"]}])
+    )
     first = run_composer("data", "prepare", str(recipe))
     assert first.returncode == 0, first.stderr
     assert "json-lib" in first.stdout and "built" in first.stdout and "nothing to do" not in first.stdout

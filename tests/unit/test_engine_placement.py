@@ -46,13 +46,19 @@ def rollout(text: str) -> str:
     return MINIMAL + RL + f"rollout: {{max_context: 200, sampling: {{max_tokens: 64}}, {text}}}\n"
 
 
-@pytest.mark.parametrize("text, path, fragment", [
-    ("parallelism: {tp: 3}", "rollout.parallelism.tp", "3 does not divide model.num_attention_heads=4"),
-    ("engine: server, parallelism: {dp: 3, enable_expert_parallel: true}", "rollout.parallelism",
-     "model.num_experts=4 is not divisible by the expert-parallel size tp x dp = 1 x 3 = 3"),
-    ("parallelism: {dp: 2}", "rollout.parallelism.dp", "needs rollout.engine: server"),
-    ("kv_cache_gib: 0.00001", "rollout.kv_cache_gib", "cannot hold one rollout.max_context=200 tokens"),
-])
+@pytest.mark.parametrize(
+    "text, path, fragment",
+    [
+        ("parallelism: {tp: 3}", "rollout.parallelism.tp", "3 does not divide model.num_attention_heads=4"),
+        (
+            "engine: server, parallelism: {dp: 3, enable_expert_parallel: true}",
+            "rollout.parallelism",
+            "model.num_experts=4 is not divisible by the expert-parallel size tp x dp = 1 x 3 = 3",
+        ),
+        ("parallelism: {dp: 2}", "rollout.parallelism.dp", "needs rollout.engine: server"),
+        ("kv_cache_gib: 0.00001", "rollout.kv_cache_gib", "cannot hold one rollout.max_context=200 tokens"),
+    ],
+)
 def test_engine_splits_vllm_cannot_make_are_named(write_recipe, text, path, fragment):
     problems = problems_of(write_recipe(rollout(text)))
     assert fragment in problems[path], problems
@@ -61,32 +67,69 @@ def test_engine_splits_vllm_cannot_make_are_named(write_recipe, text, path, frag
 GPUS = "engine: server, devices: {kind: gpu, per_host: 8, memory_gib: 80}"
 
 
-@pytest.mark.parametrize("text, overrides, path, fragment", [
-    (GPUS + ", parallelism: {tp: 4}, engines_per_host: 3, hosts: [infer-0]", [], "rollout.parallelism",
-     "= 4 devices per engine x rollout.engines_per_host=3 = 12, but each rollout host (rollout.devices.per_host=8) has 8 GPUs"),
-    (GPUS + ", parallelism: {tp: 4}, engines_per_host: 2", [], "rollout.parallelism",
-     "+ 2 for the learner's ranks (cluster.procs_per_host; rollout.share_learner_devices is off) = 10"),
-    (GPUS + ", parallelism: {tp: 4}, hosts: [a, b, c]", ["rollout.parallelism.pp=4"], "rollout.hosts",
-     "3 hosts do not split into engines of 2 hosts each"),
-    (GPUS + ", parallelism: {tp: 8, pp: 2}, hosts: [localhost, b]", [], "rollout.hosts",
-     "an engine over several hosts runs on hosts reached over SSH, whose ranks meet the first at its name"),
-    ("engine: server, devices: {kind: cpu, per_host: 4, memory_gib: 16}, parallelism: {tp: 2, enable_expert_parallel: true}, hosts: [c]", [],
-     "rollout.parallelism.enable_expert_parallel", "its CPU fused-MoE kernel crashes (SIGSEGV)"),
-    ("engine: server, devices: {kind: cpu, per_host: 4, memory_gib: 16}, parallelism: {dp: 2}, hosts: [c]", [],
-     "rollout.parallelism.dp", "its CPU communicator has no all_gatherv"),
-    ("engine: server, devices: {kind: cpu, per_host: 4, memory_gib: 16}, enforce_eager: false, hosts: [c]", [],
-     "rollout.enforce_eager", "asks for CUDA graphs, which CPU hosts do not have"),
-    ("engine: server, devices: {kind: cpu, per_host: 4, memory_gib: 0.5}, engines_per_host: 4, kv_cache_gib: 0.25, hosts: [c]", [],
-     "rollout", "4 engine rank(s) on each rollout host (rollout.devices.per_host=4) x (0.00 GiB of weights + rollout.kv_cache_gib=0.25)"),
-])
+@pytest.mark.parametrize(
+    "text, overrides, path, fragment",
+    [
+        (
+            GPUS + ", parallelism: {tp: 4}, engines_per_host: 3, hosts: [infer-0]",
+            [],
+            "rollout.parallelism",
+            "= 4 devices per engine x rollout.engines_per_host=3 = 12, but each rollout host (rollout.devices.per_host=8) has 8 GPUs",
+        ),
+        (
+            GPUS + ", parallelism: {tp: 4}, engines_per_host: 2",
+            [],
+            "rollout.parallelism",
+            "+ 2 for the learner's ranks (cluster.procs_per_host; rollout.share_learner_devices is off) = 10",
+        ),
+        (
+            GPUS + ", parallelism: {tp: 4}, hosts: [a, b, c]",
+            ["rollout.parallelism.pp=4"],
+            "rollout.hosts",
+            "3 hosts do not split into engines of 2 hosts each",
+        ),
+        (
+            GPUS + ", parallelism: {tp: 8, pp: 2}, hosts: [localhost, b]",
+            [],
+            "rollout.hosts",
+            "an engine over several hosts runs on hosts reached over SSH, whose ranks meet the first at its name",
+        ),
+        (
+            "engine: server, devices: {kind: cpu, per_host: 4, memory_gib: 16}, parallelism: {tp: 2, enable_expert_parallel: true}, hosts: [c]",
+            [],
+            "rollout.parallelism.enable_expert_parallel",
+            "its CPU fused-MoE kernel crashes (SIGSEGV)",
+        ),
+        (
+            "engine: server, devices: {kind: cpu, per_host: 4, memory_gib: 16}, parallelism: {dp: 2}, hosts: [c]",
+            [],
+            "rollout.parallelism.dp",
+            "its CPU communicator has no all_gatherv",
+        ),
+        (
+            "engine: server, devices: {kind: cpu, per_host: 4, memory_gib: 16}, enforce_eager: false, hosts: [c]",
+            [],
+            "rollout.enforce_eager",
+            "asks for CUDA graphs, which CPU hosts do not have",
+        ),
+        (
+            "engine: server, devices: {kind: cpu, per_host: 4, memory_gib: 0.5}, engines_per_host: 4, kv_cache_gib: 0.25, hosts: [c]",
+            [],
+            "rollout",
+            "4 engine rank(s) on each rollout host (rollout.devices.per_host=4) x (0.00 GiB of weights + rollout.kv_cache_gib=0.25)",
+        ),
+    ],
+)
 def test_engines_that_do_not_fit_the_declared_hosts_are_named(write_recipe, text, overrides, path, fragment):
     problems = fit_problems_of(write_recipe(rollout(text)), overrides)
     assert fragment in problems[path], problems
 
 
 def test_a_model_that_cannot_fit_names_the_keys_to_change():
-    problems = fit_problems_of(RECIPES / "kimi-k2-rl.yaml", ["rollout.dtype=bfloat16", "rollout.parallelism.dp=1",
-                                                             "rollout.parallelism.enable_expert_parallel=false"])
+    problems = fit_problems_of(
+        RECIPES / "kimi-k2-rl.yaml",
+        ["rollout.dtype=bfloat16", "rollout.parallelism.dp=1", "rollout.parallelism.enable_expert_parallel=false"],
+    )
     message = problems["rollout"]
     assert "the model does not fit: 239.0 GiB of weights per GPU" in message
     for key in ("rollout.dtype=bfloat16", "rollout.kv_cache_gib=100", "rollout.devices.memory_gib=140", "raise rollout.parallelism"):
@@ -101,8 +144,11 @@ def test_gpu_host_engines_get_their_own_gpus_after_the_learners():
     recipe = recipe_with("rollout.parallelism.tp=2", "rollout.engines_per_host=3", "rollout.share_learner_devices=false")
     placement = place_host("localhost", HostDevices("gpu", tuple(range(8)), 80.0), recipe)
     assert placement.learner == ((0,), (1,)) and not placement.learner_shares
-    assert [e.env() for e in placement.engines] == [{"CUDA_VISIBLE_DEVICES": "2,3"}, {"CUDA_VISIBLE_DEVICES": "4,5"},
-                                                    {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    assert [e.env() for e in placement.engines] == [
+        {"CUDA_VISIBLE_DEVICES": "2,3"},
+        {"CUDA_VISIBLE_DEVICES": "4,5"},
+        {"CUDA_VISIBLE_DEVICES": "6,7"},
+    ]
     assert placement.learner_env() == {}  # rank i computes on cuda:i already
 
 
@@ -139,9 +185,24 @@ def test_a_learner_rank_binds_itself_to_its_planned_cores():
 
 
 def test_dry_run_prints_each_hosts_learner_and_engine_devices(tmp_path):
-    result = run_composer("train", "rl", str(RECIPES / "smoke-rl.yaml"), "--dry-run", "--set", f"run.dir={tmp_path}",
-                          "--set", "model.checkpoint=unused", "--set", "rollout.engine=server", "--set", "cluster.procs_per_host=1",
-                          "--set", "rollout.share_learner_devices=false", "--set", "parallelism.ep=1")
+    result = run_composer(
+        "train",
+        "rl",
+        str(RECIPES / "smoke-rl.yaml"),
+        "--dry-run",
+        "--set",
+        f"run.dir={tmp_path}",
+        "--set",
+        "model.checkpoint=unused",
+        "--set",
+        "rollout.engine=server",
+        "--set",
+        "cluster.procs_per_host=1",
+        "--set",
+        "rollout.share_learner_devices=false",
+        "--set",
+        "parallelism.ep=1",
+    )
     assert result.returncode == 0, result.stderr
     out = flat(result.stdout)
     assert "localhost 2 cores 0-1" in out and "0:0 0 0:1" in out  # learner rank 0 on core 0, the engine's rank on core 1
@@ -152,8 +213,19 @@ def test_dry_run_prints_each_hosts_learner_and_engine_devices(tmp_path):
 
 def test_engines_that_do_not_fit_this_machine_are_refused_before_anything_starts(tmp_path):
     """The same check as --dry-run's, with this machine's devices found."""
-    result = run_composer("train", "rl", str(RECIPES / "smoke-rl.yaml"), "--set", f"run.dir={tmp_path}", "--set", "model.checkpoint=unused",
-                          "--set", "rollout.engine=server", "--set", "rollout.parallelism.tp=4")
+    result = run_composer(
+        "train",
+        "rl",
+        str(RECIPES / "smoke-rl.yaml"),
+        "--set",
+        f"run.dir={tmp_path}",
+        "--set",
+        "model.checkpoint=unused",
+        "--set",
+        "rollout.engine=server",
+        "--set",
+        "rollout.parallelism.tp=4",
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "tp x pp x dp = 4 x 1 x 1 = 4 devices per engine, but rollout host localhost has 2 CPU cores" in result.stderr
     assert not (tmp_path / "smoke-rl").exists()
@@ -162,10 +234,19 @@ def test_engines_that_do_not_fit_this_machine_are_refused_before_anything_starts
 def test_tensor_and_pipeline_groups_over_hosts_use_vllms_multi_node_executor():
     from composer.rl.rollout_hosts import rollout_plan
 
-    recipe = load_recipe(RECIPES / "kimi-k2-rl.yaml", ["rollout.parallelism.pp=2", "rollout.parallelism.dp=1",
-                                                       "rollout.parallelism.enable_expert_parallel=false", "rollout.devices.memory_gib=192"])
+    recipe = load_recipe(
+        RECIPES / "kimi-k2-rl.yaml",
+        [
+            "rollout.parallelism.pp=2",
+            "rollout.parallelism.dp=1",
+            "rollout.parallelism.enable_expert_parallel=false",
+            "rollout.devices.memory_gib=192",
+        ],
+    )
     plan = rollout_plan(recipe)
     assert len(plan) == 8 and all(len(commands) == 1 for _, _, commands in plan)  # 4 engines of 2 hosts each
     head, worker = plan[2][2][0], plan[3][2][0]
     assert "--port '<port>'" in head and "--nnodes 2 --node-rank 0 --master-addr infer-02 --master-port '<port on infer-02>'" in head
-    assert "--port" not in worker and worker.endswith("--nnodes 2 --node-rank 1 --master-addr infer-02 --master-port '<port on infer-02>' --headless")
+    assert "--port" not in worker and worker.endswith(
+        "--nnodes 2 --node-rank 1 --master-addr infer-02 --master-port '<port on infer-02>' --headless"
+    )

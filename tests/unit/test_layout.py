@@ -8,11 +8,15 @@ from pathlib import Path
 from tests.conftest import REPO
 
 LAYER = {"cli": 5, "rl": 4, "trainer": 3, "data": 3, "rollout": 3, "sync": 3, "cluster": 2, "runtime": 1, "recipes": 0}
-APART = {("trainer", "rollout"), ("rollout", "trainer"), ("sync", "trainer"), ("sync", "rollout"), ("trainer", "sync"),
-         ("rollout", "sync")}
+APART = {("trainer", "rollout"), ("rollout", "trainer"), ("sync", "trainer"), ("sync", "rollout"), ("trainer", "sync"), ("rollout", "sync")}
 
-ROLLOUT_BELOW = {"agent": {"tasks", "sandbox", "engines"}, "sandbox_host": {"tasks", "sandbox"}, "tasks": {"sandbox"},
-                 "sandbox": set(), "engines": set()}
+ROLLOUT_BELOW = {
+    "agent": {"tasks", "sandbox", "engines"},
+    "sandbox_host": {"tasks", "sandbox"},
+    "tasks": {"sandbox"},
+    "sandbox": set(),
+    "engines": set(),
+}
 """Inside rollout, what each room may import: the agent over tasks (the repository room included) over the sandbox;
 the sandbox hosts' server program (`rollout.sandbox_host`) above the tasks and the sandbox it serves; the engines
 apart (only the agent, which drives them, imports them)."""
@@ -67,7 +71,7 @@ def test_no_circle_of_imports():
         state[node] = "open"
         for target in sorted(graph[node]):
             if state.get(target) == "open":
-                circles.append(" -> ".join(stack[stack.index(target):] + [target]))
+                circles.append(" -> ".join(stack[stack.index(target) :] + [target]))
             elif target not in state:
                 visit(target, stack + [target])
         state[node] = "done"

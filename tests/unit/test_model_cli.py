@@ -21,7 +21,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def composer(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-c", "from composer.cli.main import main; main()", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", "from composer.cli.main import main; main()", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +127,24 @@ def test_model_info_of_a_config_alone(tmp_path):
     model = load_recipe(REPO / "recipes/kimi-k2-rl.yaml", []).model
     config = hf_config_from_model_section(model, torch.bfloat16)
     # as in Kimi-K2's own config.json: YaRN RoPE scaling in the older rope_scaling key, block fp8 weights
-    yarn = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    yarn = {
+        "type": "yarn",
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    published = {**config, "model_type": "kimi_k2", "rope_parameters": None, "rope_scaling": yarn, "rope_theta": 50000.0, "quantization_config": fp8}
+    published = {
+        **config,
+        "model_type": "kimi_k2",
+        "rope_parameters": None,
+        "rope_scaling": yarn,
+        "rope_theta": 50000.0,
+        "quantization_config": fp8,
+    }
     (tmp_path / "config.json").write_text(json.dumps(published))
     result = composer("model", "info", str(tmp_path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr

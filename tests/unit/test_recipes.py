@@ -84,13 +84,16 @@ def test_wrong_type_names_path(write_recipe):
     assert list(problems) == ["train.steps"] and "integer" in problems["train.steps"]
 
 
-@pytest.mark.parametrize("edit, path", [
-    (("steps: 10", "steps: true"), "train.steps"),
-    (("lr: 0.001", "lr: false"), "optim.lr"),
-    (("lr: 0.001", "lr: 0.001, min_lr: true"), "optim.min_lr"),
-    (("cluster: {procs_per_host: 2}", "cluster: {procs_per_host: 2}\nparallelism: {dp: true}"), "parallelism.dp"),
-    (("train: {", "data: {sources: [{name: c, paths: [x]}], seq_length: 8, split: [true, 2, 0]}\ntrain: {"), "data.split"),
-])
+@pytest.mark.parametrize(
+    "edit, path",
+    [
+        (("steps: 10", "steps: true"), "train.steps"),
+        (("lr: 0.001", "lr: false"), "optim.lr"),
+        (("lr: 0.001", "lr: 0.001, min_lr: true"), "optim.min_lr"),
+        (("cluster: {procs_per_host: 2}", "cluster: {procs_per_host: 2}\nparallelism: {dp: true}"), "parallelism.dp"),
+        (("train: {", "data: {sources: [{name: c, paths: [x]}], seq_length: 8, split: [true, 2, 0]}\ntrain: {"), "data.split"),
+    ],
+)
 def test_booleans_are_not_numbers(write_recipe, edit, path):
     """pydantic alone takes `true` as 1 for a number; a recipe that says so has a slip in it."""
     problems = problems_of(write_recipe(MINIMAL.replace(*edit)))
@@ -187,7 +190,9 @@ def test_router_replay_needs_moe(write_recipe):
 
 def test_rollout_settings_that_need_each_other(write_recipe):
     rl = "env: {tasks: [{name: smoke}]}\nrl: {router_replay: r3}\n"
-    problems = problems_of(write_recipe(MINIMAL + rl + "rollout: {max_context: 200, sampling: {max_tokens: 64}, harness: tools, engines_per_host: 2}\n"))
+    problems = problems_of(
+        write_recipe(MINIMAL + rl + "rollout: {max_context: 200, sampling: {max_tokens: 64}, harness: tools, engines_per_host: 2}\n")
+    )
     assert "max_turns > 1" in problems["rollout.harness"]
     repo = "env: {tasks: [{name: repo}]}\nrl: {router_replay: r3}\nrollout: {max_context: 200, sampling: {max_tokens: 64}}\n"
     assert "set rollout.harness: tools" in problems_of(write_recipe(MINIMAL + repo))["rollout.harness"]
@@ -282,7 +287,9 @@ def test_refuse_unhonoured_keys(write_recipe):
     recipe = load_recipe(write_recipe(MINIMAL), ["parallelism.ep=2"])
     refuse_unhonoured(recipe, "train midtrain", {"parallelism.pp": "no pipeline schedule yet"})
     bad = load_recipe(write_recipe(MINIMAL), ["model.num_shared_experts=1"])
-    with pytest.raises(UserError, match=r"model.num_shared_experts: train midtrain does not support 1 here \(no shared experts\); leave it at 0"):
+    with pytest.raises(
+        UserError, match=r"model.num_shared_experts: train midtrain does not support 1 here \(no shared experts\); leave it at 0"
+    ):
         refuse_unhonoured(bad, "train midtrain", {"model.num_shared_experts": "no shared experts"})
 
 
@@ -293,6 +300,16 @@ def test_held_out_and_num_tasks_are_checked_against_the_set_size_known_at_valida
     problems = _task_count_problems([TaskSet(name="repo", repo=RepoTaskSettings(num_tasks=100), held_out=100000)])
     assert [p.path for p in problems] == ["env.tasks.0.held_out"] and "100" in str(problems[0])
     assert [p.path for p in _task_count_problems([TaskSet(name="smoke", limit=50, held_out=50)])] == ["env.tasks.0.held_out"]
-    assert [p.path for p in _task_count_problems([TaskSet(name="repo", repo=RepoTaskSettings(num_tasks=100), limit=200)])] == ["env.tasks.0.limit"]
-    assert _task_count_problems([TaskSet(name="smoke", limit=50, held_out=10), TaskSet(name="humaneval", held_out=20),
-                                 TaskSet(name="repo", repo=RepoTaskSettings(num_tasks=100), held_out=10)]) == []
+    assert [p.path for p in _task_count_problems([TaskSet(name="repo", repo=RepoTaskSettings(num_tasks=100), limit=200)])] == [
+        "env.tasks.0.limit"
+    ]
+    assert (
+        _task_count_problems(
+            [
+                TaskSet(name="smoke", limit=50, held_out=10),
+                TaskSet(name="humaneval", held_out=20),
+                TaskSet(name="repo", repo=RepoTaskSettings(num_tasks=100), held_out=10),
+            ]
+        )
+        == []
+    )

@@ -32,12 +32,16 @@ def test_planted_secrets_recall_per_kind(tmp_path):
 
 
 def test_redaction_keeps_the_code_around_a_value(tmp_path):
-    text = ('import os\nDB_PASSWORD = "Xk93hdP0qLm2"  # prod\nsmtp_password: s3cr3t-Smtp9\n'
-            'BROKER = "amqp://guest:r4bb1tPw@rabbitmq:5672/"\nplaceholder_password = "password"\npassword = os.environ["PW"]\n')
+    text = (
+        'import os\nDB_PASSWORD = "Xk93hdP0qLm2"  # prod\nsmtp_password: s3cr3t-Smtp9\n'
+        'BROKER = "amqp://guest:r4bb1tPw@rabbitmq:5672/"\nplaceholder_password = "password"\npassword = os.environ["PW"]\n'
+    )
     out, found = redactor(tmp_path).redact(text)
-    assert out == ('import os\nDB_PASSWORD = "<REDACTED_ASSIGNED_SECRET>"  # prod\nsmtp_password: <REDACTED_ASSIGNED_SECRET>\n'
-                   'BROKER = "amqp://guest:<REDACTED_URL_PASSWORD>@rabbitmq:5672/"\nplaceholder_password = "password"\n'
-                   'password = os.environ["PW"]\n')
+    assert out == (
+        'import os\nDB_PASSWORD = "<REDACTED_ASSIGNED_SECRET>"  # prod\nsmtp_password: <REDACTED_ASSIGNED_SECRET>\n'
+        'BROKER = "amqp://guest:<REDACTED_URL_PASSWORD>@rabbitmq:5672/"\nplaceholder_password = "password"\n'
+        'password = os.environ["PW"]\n'
+    )
     assert found == [("assigned_secret", 2), ("assigned_secret", 3), ("url_password", 4)]
 
 

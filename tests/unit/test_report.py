@@ -48,7 +48,17 @@ def test_every_numeric_series_is_plotted_and_summarised(tmp_path):
         assert pixels[..., :3].std() > 0.05  # something was drawn on the white canvas
 
     by_name = {s.name: s for s in report.series}
-    assert set(by_name) == {"loss", "lr", "grad_norm", "tokens_per_s", "moe_load_imbalance", "moe_aux_loss", "eval_loss", "reward_mean", "episode_turns"}
+    assert set(by_name) == {
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "moe_load_imbalance",
+        "moe_aux_loss",
+        "eval_loss",
+        "reward_mean",
+        "episode_turns",
+    }
     loss = by_name["loss"]
     assert (len(loss.values), loss.first, loss.last, loss.min, loss.max) == (40, 5.0, 1.1, 1.1, 5.0)
     eval_loss = by_name["eval_loss"]
@@ -98,8 +108,14 @@ def test_plots_are_grouped_into_panels_headline_first(tmp_path):
     write_run(tmp_path)
     with MetricsWriter(tmp_path / "eval_metrics.jsonl") as evals:
         for step in (0, 20, 40):
-            evals.write(step, **{"eval_smoke_greedy_pass@1": step / 80, "eval_smoke_greedy_pass@1_low": step / 100,
-                                 "eval_smoke_greedy_pass@1_high": step / 60})
+            evals.write(
+                step,
+                **{
+                    "eval_smoke_greedy_pass@1": step / 80,
+                    "eval_smoke_greedy_pass@1_low": step / 100,
+                    "eval_smoke_greedy_pass@1_high": step / 60,
+                },
+            )
     page = render_report(tmp_path).html.read_text()
     titles = [title for title, _ in PANELS] + [OTHER_PANEL]
     shown = [t for t in titles if f"<h2>{t}</h2>" in page]

@@ -7,8 +7,8 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from composer.recipes.errors import UserError
 from composer.recipes.env_schema import EnvSection, TaskSet
+from composer.recipes.errors import UserError
 from composer.recipes.schema import RLEvalSection
 from composer.rl.evaluation import bootstrap_interval, held_out_sets, pass_at_k
 from composer.rollout.agent.environment import CodingEnvironment
@@ -114,12 +114,18 @@ def test_the_learning_benchmark_exits_non_zero_when_learning_is_not_shown(tmp_pa
     for version, solved in (("v000000", 0), ("v000002", after)):
         tasks = {f"rgym/sum/{i}": {"greedy": bool(solved), "samples": 0, "correct": 0} for i in range(20)}
         (run / "eval" / f"{version}.json").write_text(json.dumps(tasks))
-    (run / "eval_metrics.jsonl").write_text("".join(json.dumps({"step": step, "time": 100.0 * (step + 1), "eval_seconds": 10.0}) + "\n"
-                                                    for step in (0, 2)))
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "reward_mean": 0.5, "response_tokens_mean": 40.0,
-                                                           "uniform_group_fraction": 0.0}) + "\n" for step in (1, 2)))
-    done = subprocess.run([sys.executable, "benchmarks/rl_learning.py", "--report", str(run)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    (run / "eval_metrics.jsonl").write_text(
+        "".join(json.dumps({"step": step, "time": 100.0 * (step + 1), "eval_seconds": 10.0}) + "\n" for step in (0, 2))
+    )
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": step, "reward_mean": 0.5, "response_tokens_mean": 40.0, "uniform_group_fraction": 0.0}) + "\n"
+            for step in (1, 2)
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "benchmarks/rl_learning.py", "--report", str(run)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == exit_code, done.stdout + done.stderr
     assert ("LEARNED" if after else "NOT shown") in done.stdout
 
@@ -139,6 +145,12 @@ def test_batches_skip_what_the_log_holds_and_keep_task_numbers(tmp_path):
     resumed = GradedLog(tmp_path / "graded.jsonl")  # what a rerun finds
     assert set(resumed.episodes) == {e.key for e in done}
     batches = episode_batches(sets, samples=4, log=resumed, batch_tasks=4)
-    assert [(b.mode, [n for n, _ in b.numbered]) for b in batches] == [("greedy", [1, 3, 4]), ("sampled", [0]), ("sampled", [1]),
-                                                                         ("sampled", [2]), ("sampled", [3]), ("sampled", [4])]
+    assert [(b.mode, [n for n, _ in b.numbered]) for b in batches] == [
+        ("greedy", [1, 3, 4]),
+        ("sampled", [0]),
+        ("sampled", [1]),
+        ("sampled", [2]),
+        ("sampled", [3]),
+        ("sampled", [4]),
+    ]
     resumed.close()

@@ -55,7 +55,9 @@ def test_sequence_level_weights_share_one_ratio():
 def test_loss_of_a_segmented_episode_is_the_sum_of_its_segments():
     lp, rollout, adv, mask = batch(b=1, t=12)
     whole, _ = policy_gradient_loss(lp, rollout, adv, mask, RLSection(), normaliser=7.0)
-    parts = [policy_gradient_loss(lp[:, s], rollout[:, s], adv, mask[:, s], RLSection(), normaliser=7.0)[0] for s in (slice(0, 5), slice(5, 12))]
+    parts = [
+        policy_gradient_loss(lp[:, s], rollout[:, s], adv, mask[:, s], RLSection(), normaliser=7.0)[0] for s in (slice(0, 5), slice(5, 12))
+    ]
     assert torch.allclose(whole, sum(parts))
 
 
@@ -63,7 +65,9 @@ def test_kl_penalty_pulls_towards_reference():
     lp, _, adv, mask = batch()
     lp = lp.clone().requires_grad_(True)
     ref = lp.detach() - 0.5
-    loss, stats = policy_gradient_loss(lp, lp.detach(), torch.zeros_like(adv), mask, RLSection(kl_coeff=1.0), normaliser=1.0, ref_logprobs=ref)
+    loss, stats = policy_gradient_loss(
+        lp, lp.detach(), torch.zeros_like(adv), mask, RLSection(kl_coeff=1.0), normaliser=1.0, ref_logprobs=ref
+    )
     loss.backward()
     assert stats.finalize()["kl_ref"] > 0
     assert (lp.grad[mask] > 0).all()  # gradient descent lowers logprobs towards the (lower) reference
@@ -206,10 +210,10 @@ def test_the_learner_scores_tokens_at_the_sampling_temperature(tmp_path):
     from and reports), so on-policy tokens get ratio 1; the untempered ones would be off by far more than noise."""
     from composer.recipes.loader import load_recipe
     from composer.recipes.schema import ParallelismSection
-    from tests.conftest import RECIPES
     from composer.trainer.distributed import init_distributed, shutdown_distributed
     from composer.trainer.logprobs import token_logprobs
     from composer.trainer.model import build_model, forward_logits
+    from tests.conftest import RECIPES
 
     moe = load_recipe(RECIPES / "smoke-rl.yaml").model
     dense = moe.model_copy(update=dict(family="llama", num_experts=0, moe_top_k=0, moe_ffn_hidden_size=0, ffn_hidden_size=64, num_layers=1))

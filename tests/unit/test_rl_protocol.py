@@ -29,8 +29,12 @@ PROMPTS = 2
 
 def group(index: int, version: int, size: int = 2) -> list[Trajectory]:
     segment = Segment(np.arange(6), np.arange(6) >= 3, np.where(np.arange(6) >= 3, -0.5, 0.0))
-    return [Trajectory(f"{group_id(index)}-{i}", group_id(index), "smoke/1", version, float(i), [segment],
-                       {"summaries": 0, "summary_tokens": []}) for i in range(size)]
+    return [
+        Trajectory(
+            f"{group_id(index)}-{i}", group_id(index), "smoke/1", version, float(i), [segment], {"summaries": 0, "summary_tokens": []}
+        )
+        for i in range(size)
+    ]
 
 
 @pytest.fixture

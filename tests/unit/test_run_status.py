@@ -55,8 +55,11 @@ def runs_dir(tmp_path):
 def test_status_comes_from_the_files(runs_dir):
     by_name = {p.name: run_status(p) for p in find_runs(runs_dir)}
     assert {name: (s.kind, s.status) for name, s in by_name.items()} == {
-        "mid-done": ("midtrain", "finished"), "mid-killed": ("midtrain", "resumable"), "rl-failed": ("rl", "failed"),
-        "rl-done": ("rl", "finished"), "rl-steps-done-no-policy": ("rl", "resumable"),
+        "mid-done": ("midtrain", "finished"),
+        "mid-killed": ("midtrain", "resumable"),
+        "rl-failed": ("rl", "failed"),
+        "rl-done": ("rl", "finished"),
+        "rl-steps-done-no-policy": ("rl", "resumable"),
     }
     killed = by_name["mid-killed"]
     assert (killed.steps_done, killed.steps, killed.checkpoint_step) == (7, 10, 4)
@@ -67,10 +70,20 @@ def test_status_comes_from_the_files(runs_dir):
 
 def test_a_live_process_holding_the_run_makes_it_running(runs_dir):
     root = runs_dir / "mid-killed"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from composer.runtime.run_dir import RunDir; "
-                               "run = RunDir(Path(sys.argv[1])); run.prepare(run.recipe_path.read_text(), resume=True); "
-                               "print('held', flush=True); sys.stdin.read()", str(root)],
-                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from composer.runtime.run_dir import RunDir; "
+            "run = RunDir(Path(sys.argv[1])); run.prepare(run.recipe_path.read_text(), resume=True); "
+            "print('held', flush=True); sys.stdin.read()",
+            str(root),
+        ],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         status = run_status(root)
@@ -86,8 +99,11 @@ def test_a_live_process_holding_the_run_makes_it_running(runs_dir):
 def test_runs_command_lists_and_shows(runs_dir, composer):
     result = composer("runs", str(runs_dir))
     assert result.returncode == 0, result.stderr
-    rows = {line.split("│")[1].strip().rsplit("/", 1)[-1]: [c.strip() for c in line.split("│")[2:]]
-            for line in result.stdout.splitlines() if line.startswith("│")}
+    rows = {
+        line.split("│")[1].strip().rsplit("/", 1)[-1]: [c.strip() for c in line.split("│")[2:]]
+        for line in result.stdout.splitlines()
+        if line.startswith("│")
+    }
     assert rows["mid-killed"][:3] == ["midtrain", "resumable", "7/10"]
     assert rows["rl-failed"][:3] == ["rl", "failed", "2/5"] and "reward 0.2" in rows["rl-failed"][3]
     shown = composer("runs", "show", str(runs_dir / "rl-failed"))
@@ -115,8 +131,9 @@ def test_runs_piped_to_a_file_keep_every_name_whole(tmp_path):
         job, run = name.split("/")
         make_run(parent / job, run, "smoke-midtrain.yaml", 10, 10, checkpoints=[10], export=True)
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    result = subprocess.run([sys.executable, "-m", "composer.cli", "runs", str(parent)], capture_output=True, text=True, env=env,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "composer.cli", "runs", str(parent)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert all(name in result.stdout for name in names), result.stdout
     assert "…" not in result.stdout

@@ -65,14 +65,24 @@ def test_what_a_rank_forks_dies_with_the_rank():
     import sys
     import time
 
-    rank = subprocess.Popen([sys.executable, "-c", (
-        "import os, time\n"
-        "from composer.runtime.processes import die_with_parent\n"
-        "die_with_parent(forks_too=True)\n"
-        "child = os.fork()\n"
-        "if child == 0:\n"
-        "    time.sleep(60); os._exit(0)\n"
-        "print(child, flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    rank = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import os, time\n"
+                "from composer.runtime.processes import die_with_parent\n"
+                "die_with_parent(forks_too=True)\n"
+                "child = os.fork()\n"
+                "if child == 0:\n"
+                "    time.sleep(60); os._exit(0)\n"
+                "print(child, flush=True); time.sleep(60)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     child = int(rank.stdout.readline())
     rank.kill()
     rank.wait()

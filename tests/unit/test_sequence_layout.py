@@ -51,7 +51,7 @@ def test_every_token_sits_on_exactly_one_rank_and_comes_back(packed, cp):
         assert local.shape == layout.shape == positions.shape
         assert torch.equal(local[source >= 0], stream[source[source >= 0]])
         assert bool((local[source < 0] == -1).all())
-        for offset, n, row in zip(layout.offsets, lengths, range(len(lengths))):
+        for offset, n, _row in zip(layout.offsets, lengths, range(len(lengths))):
             mine = (source >= offset) & (source < offset + n)
             assert torch.equal(positions[mine], source[mine] - offset)  # positions restart per sequence
         seen += source[source >= 0].tolist()

@@ -17,8 +17,7 @@ def pushed(tmp_path_factory):
     run.save()
     for step in range(3):
         ck = run.root / f"step{step:04d}"
-        result = run_cli("sync", "push", str(ck), "--store", str(store), "--anchor-every", "2",
-                         "--cache", str(root / "cache"))
+        result = run_cli("sync", "push", str(ck), "--store", str(store), "--anchor-every", "2", "--cache", str(root / "cache"))
         assert result.returncode == 0, result.stderr
         if step < 2:
             run.next_checkpoint()
@@ -46,17 +45,20 @@ def test_pull_and_verify(pushed, tmp_path):
     assert verified.returncode == 0 and "3 version(s)" in verified.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["push", "/no/such/dir", "--store", "{tmp}/s"], "no such checkpoint directory"),
-    (["push", "{tmp}", "--store", "{tmp}/s"], "no *.safetensors files"),
-    (["pull", "--store", "{tmp}/nothing", "--to", "{tmp}/r"], "no sync store at"),
-    (["status"], "pass --store"),
-    (["verify", "--store", "{store}", "--version", "v99"], "no version v99"),
-    (["pull", "--store", "{store}", "--to", "{tmp}/r", "--version", "v00000042"], "no version v00000042"),
-    (["status", "--store", "ftp://host/x"], "unsupported scheme"),
-    (["status", "--store", "ssh://host-without-path"], "expected ssh://"),
-    (["push", "{tmp}", "--store", "{tmp}/s", "--set", "sync.anchor_every=2"], "--set needs --recipe"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["push", "/no/such/dir", "--store", "{tmp}/s"], "no such checkpoint directory"),
+        (["push", "{tmp}", "--store", "{tmp}/s"], "no *.safetensors files"),
+        (["pull", "--store", "{tmp}/nothing", "--to", "{tmp}/r"], "no sync store at"),
+        (["status"], "pass --store"),
+        (["verify", "--store", "{store}", "--version", "v99"], "no version v99"),
+        (["pull", "--store", "{store}", "--to", "{tmp}/r", "--version", "v00000042"], "no version v00000042"),
+        (["status", "--store", "ftp://host/x"], "unsupported scheme"),
+        (["status", "--store", "ssh://host-without-path"], "expected ssh://"),
+        (["push", "{tmp}", "--store", "{tmp}/s", "--set", "sync.anchor_every=2"], "--set needs --recipe"),
+    ],
+)
 def test_user_errors_exit_2_without_traceback(pushed, tmp_path, args, message, monkeypatch, capsys):
     # main() in this process (the same path the `composer` script takes; the subprocess tests cover startup)
     from composer.cli.main import main
@@ -100,7 +102,18 @@ def test_push_with_a_recipe_uses_its_sync_section(tmp_path):
     run = TrainingRun(tmp_path / "train")
     run.save()
     store = tmp_path / "from-recipe"
-    result = run_cli("sync", "push", str(run.root / "step0000"), "--recipe", str(recipes / "smoke-rl.yaml"),
-                     "--set", f"sync.store={store}", "--set", "sync.codec.chunk_mb=1", "--cache", str(tmp_path / "c"))
+    result = run_cli(
+        "sync",
+        "push",
+        str(run.root / "step0000"),
+        "--recipe",
+        str(recipes / "smoke-rl.yaml"),
+        "--set",
+        f"sync.store={store}",
+        "--set",
+        "sync.codec.chunk_mb=1",
+        "--cache",
+        str(tmp_path / "c"),
+    )
     assert result.returncode == 0, result.stderr
     assert (store / "manifests" / "v00000001.json").is_file()

@@ -20,8 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def _roundtrip(new: np.ndarray, old: np.ndarray | None):
     encoded = encode_piece(new, old, zstandard.ZstdCompressor(write_checksum=True))
     out = np.zeros_like(new) if old is None else old.copy()
-    apply_piece(encoded.encoding, encoded.payload, encoded.changed, encoded.gap_width, out,
-                zstandard.ZstdDecompressor(), "test")
+    apply_piece(encoded.encoding, encoded.payload, encoded.changed, encoded.gap_width, out, zstandard.ZstdDecompressor(), "test")
     return encoded, out
 
 
@@ -73,8 +72,8 @@ def test_every_dtype_roundtrips_bit_exactly_through_torch_written_files(tmp_path
         "fp8_e5m2": torch.randn(4096, generator=g).to(torch.float8_e5m2),
         "int8": torch.randint(-128, 127, (999,), generator=g, dtype=torch.int8),
         "int16": torch.randint(-30000, 30000, (999,), generator=g, dtype=torch.int16),
-        "int32": torch.randint(-2**31, 2**31 - 1, (999,), generator=g, dtype=torch.int32),
-        "int64": torch.randint(-2**62, 2**62, (999,), generator=g, dtype=torch.int64),
+        "int32": torch.randint(-(2**31), 2**31 - 1, (999,), generator=g, dtype=torch.int32),
+        "int64": torch.randint(-(2**62), 2**62, (999,), generator=g, dtype=torch.int64),
         "uint8": torch.randint(0, 255, (7, 11), generator=g, dtype=torch.uint8),
         "bool": torch.rand(1001, generator=g) < 0.5,
         "scalar": torch.tensor(3.5),
@@ -113,8 +112,7 @@ def test_every_dtype_roundtrips_bit_exactly_through_torch_written_files(tmp_path
 def test_anchor_delta_chain_and_incremental_pull(tmp_path):
     run = TrainingRun(tmp_path / "train")
     section = sync_section(tmp_path / "store", anchor_every=3)
-    infos = [push_version(run.save() if i == 0 else run.next_checkpoint(), section, cache_dir=tmp_path / "cache")
-             for i in range(5)]
+    infos = [push_version(run.save() if i == 0 else run.next_checkpoint(), section, cache_dir=tmp_path / "cache") for i in range(5)]
     assert [i.is_anchor for i in infos] == [True, False, False, True, False]
     assert [i.parent for i in infos] == [None, "v00000001", "v00000002", "v00000003", "v00000004"]
     assert infos[4].anchor == "v00000004"
@@ -143,8 +141,7 @@ def test_tensors_added_removed_and_reshaped_between_versions(tmp_path):
     for step, spec in enumerate(shapes):
         ck = tmp_path / f"ck{step}"
         ck.mkdir()
-        write_safetensors(ck / "m.safetensors",
-                          {n: ("F32", np.full(shape, step, np.float32)) for n, shape in spec.items()})
+        write_safetensors(ck / "m.safetensors", {n: ("F32", np.full(shape, step, np.float32)) for n, shape in spec.items()})
         push_version(ck, sync_section(store), cache_dir=tmp_path / "cache")
         with Store.open(str(store)) as s:
             pull(s, tmp_path / "recv")
@@ -165,8 +162,10 @@ def test_apply_version_yields_only_changed_tensors_and_refuses_a_wrong_base(tmp_
 
     def arrays(directory):
         with Checkpoint(directory) as ck:
-            return {name: ck.read(info, 0, info.numel, np.empty(info.numel, info.uint)).copy().reshape(info.shape)
-                    for name, info in ck.tensors.items()}
+            return {
+                name: ck.read(info, 0, info.numel, np.empty(info.numel, info.uint)).copy().reshape(info.shape)
+                for name, info in ck.tensors.items()
+            }
 
     v1, v2 = arrays(run.root / "step0000"), arrays(run.root / "step0001")
     with Store.open(section.store) as store:
@@ -215,8 +214,9 @@ def test_block_scaled_fp8_checkpoints_sync_bit_exactly_as_small_deltas(tmp_path)
             assert checkpoint_files(tmp_path / "recv" / "current") == checkpoint_files(ck)
 
 
-@pytest.mark.parametrize("dtype,density", [("bfloat16", 0.01), ("bfloat16", 0.2), ("float32", 0.7),
-                                           ("float8_e4m3fn", 0.02), ("bfloat16", 0.0)])
+@pytest.mark.parametrize(
+    "dtype,density", [("bfloat16", 0.01), ("bfloat16", 0.2), ("float32", 0.7), ("float8_e4m3fn", 0.02), ("bfloat16", 0.0)]
+)
 def test_device_encoder_writes_the_bytes_of_the_host_encoder(dtype, density):
     """The torch path (on the GPU where there is one; here on CPU tensors) chooses and encodes pieces exactly as
     the numpy path does, anchors included."""

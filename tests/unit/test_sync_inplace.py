@@ -87,14 +87,17 @@ def test_update_killed_while_patching_is_rebuilt_from_the_anchor(tmp_path):
     for seq in range(2):  # all new bits, so every piece is rewritten and the kill lands mid-patch
         directory = tmp_path / f"ck{seq}"
         directory.mkdir()
-        write_safetensors(directory / "model.safetensors", {
-            f"layer{i}.weight": ("BF16", to_bf16(rng.standard_normal((1024, 1024)).astype(np.float32))) for i in range(12)})
+        write_safetensors(
+            directory / "model.safetensors",
+            {f"layer{i}.weight": ("BF16", to_bf16(rng.standard_normal((1024, 1024)).astype(np.float32))) for i in range(12)},
+        )
         push_version(directory, section, cache_dir=tmp_path / "cache")
         if seq == 0:
             with Store.open(str(store_dir)) as store:
                 pull(store, receiver)
-    proc = subprocess.Popen([sys.executable, "-c", UPDATE_SCRIPT, str(store_dir), str(receiver)],
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", UPDATE_SCRIPT, str(store_dir), str(receiver)], env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None and not (receiver / ".patching").exists():
         time.sleep(0.001)

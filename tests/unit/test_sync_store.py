@@ -126,8 +126,7 @@ push_version(sys.argv[1], SyncSection(store=sys.argv[2], codec={"chunk_mb": 1, "
 def _big_checkpoint(directory: Path, seed: int) -> Path:
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True)
-    tensors = {f"layer{i}.weight": ("BF16", to_bf16(rng.standard_normal((1024, 1024)).astype(np.float32)))
-               for i in range(12)}
+    tensors = {f"layer{i}.weight": ("BF16", to_bf16(rng.standard_normal((1024, 1024)).astype(np.float32))) for i in range(12)}
     write_safetensors(directory / "model.safetensors", tensors)
     return directory
 
@@ -136,8 +135,10 @@ def _big_checkpoint(directory: Path, seed: int) -> Path:
 def test_push_killed_midway_publishes_nothing_and_a_rerun_skips_existing_chunks(tmp_path, kill_after_chunks):
     checkpoint = _big_checkpoint(tmp_path / "ck", seed=1)
     store_dir = tmp_path / "store"
-    proc = subprocess.Popen([sys.executable, "-c", PUSH_SCRIPT, str(checkpoint), str(store_dir), str(tmp_path / "c1")],
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PUSH_SCRIPT, str(checkpoint), str(store_dir), str(tmp_path / "c1")],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     chunk_dir = store_dir / CHUNKS
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
@@ -151,8 +152,7 @@ def test_push_killed_midway_publishes_nothing_and_a_rerun_skips_existing_chunks(
     before = {e.name: (e.inode(), e.stat().st_mtime_ns) for e in os.scandir(chunk_dir) if not e.name.startswith(".")}
     assert len(before) >= kill_after_chunks
 
-    info = push_version(checkpoint, sync_section(store_dir, codec={"chunk_mb": 1, "threads": 1}),
-                        cache_dir=tmp_path / "c2")
+    info = push_version(checkpoint, sync_section(store_dir, codec={"chunk_mb": 1, "threads": 1}), cache_dir=tmp_path / "c2")
     assert info.id == "v00000001"
     assert info.chunks_skipped >= len(before)
     after = {e.name: (e.inode(), e.stat().st_mtime_ns) for e in os.scandir(chunk_dir) if e.name in before}
@@ -191,9 +191,15 @@ def test_concurrent_pusher_processes_never_share_a_version(tmp_path):
     store_dir = tmp_path / "store"
     push_version(run.save(), sync_section(store_dir), cache_dir=tmp_path / "cache0")
     checkpoints = [run.next_checkpoint() for _ in range(3)]
-    procs = [subprocess.Popen([sys.executable, "-c", PUSH_SCRIPT, str(ck), str(store_dir), str(tmp_path / f"c{i}")],
-                              env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
-             for i, ck in enumerate(checkpoints)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PUSH_SCRIPT, str(ck), str(store_dir), str(tmp_path / f"c{i}")],
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, ck in enumerate(checkpoints)
+    ]
     results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
     for code, err in results:
         assert code == 0 or "published by another pusher" in err, err
@@ -273,8 +279,7 @@ def test_pull_killed_midway_leaves_the_previous_version_current(tmp_path):
     with Store.open(str(store_dir)) as store:
         pull(store, receiver)
     push_version(_big_checkpoint(tmp_path / "ck1", seed=4), section, cache_dir=tmp_path / "cache")  # all new bits
-    proc = subprocess.Popen([sys.executable, "-c", PULL_SCRIPT, str(store_dir), str(receiver)],
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen([sys.executable, "-c", PULL_SCRIPT, str(store_dir), str(receiver)], env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None and not list((receiver / "versions").glob(".tmp-*")):
         time.sleep(0.002)

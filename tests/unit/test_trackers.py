@@ -8,8 +8,9 @@ import pytest
 from composer.runtime.progress import Trackers
 from composer.runtime.run_dir import MetricsWriter, read_metrics
 
-RECORDS = [{"loss": 4.0 / step, "reward_mean": step / 10, "sync_ratio": 20.0 + step, "groups": "g1,g2", "alarm": False}
-           for step in range(1, 7)]
+RECORDS = [
+    {"loss": 4.0 / step, "reward_mean": step / 10, "sync_ratio": 20.0 + step, "groups": "g1,g2", "alarm": False} for step in range(1, 7)
+]
 
 
 def log_steps(run, steps):
@@ -39,8 +40,8 @@ def wandb_records(path):
         if block - pos % block < 7:  # a block's tail too short for a record header is padding
             pos += block - pos % block
             continue
-        length, kind = int.from_bytes(data[pos + 4: pos + 6], "little"), data[pos + 6]
-        piece, pos = data[pos + 7: pos + 7 + length], pos + 7 + length
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        piece, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 1:
             yield piece
         elif kind in (2, 3):

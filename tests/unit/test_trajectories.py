@@ -15,7 +15,9 @@ def make_trajectory(i: int, tokens: int = 50, layers: int = 3, top_k: int = 8, e
     logprobs = np.where(mask, -rng.random(tokens), 0.0)
     routes = rng.integers(0, experts, (tokens - 1, layers, top_k))
     seg = Segment(ids, mask, logprobs, routes)
-    return Trajectory(id=f"g0-{i}", group_id="g0", task_id="smoke/3", policy_version=7, reward=0.5 * i, segments=[seg, seg], info={"finish": "stop"})
+    return Trajectory(
+        id=f"g0-{i}", group_id="g0", task_id="smoke/3", policy_version=7, reward=0.5 * i, segments=[seg, seg], info={"finish": "stop"}
+    )
 
 
 def test_round_trip_is_exact_and_routes_are_narrow():

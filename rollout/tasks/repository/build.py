@@ -80,9 +80,14 @@ SURVEY_VERSION = 1
 def set_key(settings: RepoTaskSettings, specs: dict[str, ProjectSpec] | None = None) -> str:
     """The cache key of a task set: what decides its candidates and verdicts (not how many are wanted)."""
     specs = specs or resolve_projects(settings)
-    decided = {"projects": {name: f"{spec.digest}/{spec.tests_key}" for name, spec in specs.items()}, "kinds": list(settings.kinds),
-               "seed": settings.seed, "max_test_seconds": settings.max_test_seconds, "include": settings.include,
-               "engine": ENGINE_VERSION}
+    decided = {
+        "projects": {name: f"{spec.digest}/{spec.tests_key}" for name, spec in specs.items()},
+        "kinds": list(settings.kinds),
+        "seed": settings.seed,
+        "max_test_seconds": settings.max_test_seconds,
+        "include": settings.include,
+        "engine": ENGINE_VERSION,
+    }
     if "history" in settings.kinds:
         decided["history_commits"] = settings.history_commits
     if "multi" in settings.kinds:
@@ -124,8 +129,7 @@ class BuildReport:
     """Surveys and validations run on each sandbox host."""
 
 
-RULES = ("Do not change the tests or the pytest configuration: they are restored before grading, and a change to them "
-         "counts as tampering.")
+RULES = "Do not change the tests or the pytest configuration: they are restored before grading, and a change to them counts as tampering."
 
 
 def _shown(ids: list[str]) -> str:
@@ -139,19 +143,30 @@ def _prompt(c: Candidate, version: str, fail_to_pass: list[str]) -> str:
     run = f"python -m pytest {tests}"
     if c.kind == "feature":
         (m,) = c.mutations
-        return (f"{where} The function `{m.function}` in `{c.edits[0].path}` has no implementation yet: its signature and "
-                f"docstring say what it must do. Implement it so that the tests in `{tests}` pass (run them with `{run}`). {RULES}")
+        return (
+            f"{where} The function `{m.function}` in `{c.edits[0].path}` has no implementation yet: its signature and "
+            f"docstring say what it must do. Implement it so that the tests in `{tests}` pass (run them with `{run}`). {RULES}"
+        )
     if c.kind == "history":
-        return (f"{where} Resolve this issue:\n\n{c.statement}\n\nThese tests fail until it is resolved:\n{_shown(fail_to_pass)}\n"
-                f"Change the project's code (run the tests with `{run}`). {RULES}")
+        return (
+            f"{where} Resolve this issue:\n\n{c.statement}\n\nThese tests fail until it is resolved:\n{_shown(fail_to_pass)}\n"
+            f"Change the project's code (run the tests with `{run}`). {RULES}"
+        )
     several = " (there is more than one bug, in different functions)" if c.kind == "multi" else ""
-    return (f"{where} These tests of `{tests}` fail:\n{_shown(fail_to_pass)}\nFind the bug{'s' if several else ''} in the "
-            f"library code{several} and fix {'them' if several else 'it'} (run the tests with `{run}`). {RULES}")
+    return (
+        f"{where} These tests of `{tests}` fail:\n{_shown(fail_to_pass)}\nFind the bug{'s' if several else ''} in the "
+        f"library code{several} and fix {'them' if several else 'it'} (run the tests with `{run}`). {RULES}"
+    )
 
 
-def build_repo_tasks(settings: RepoTaskSettings, sandbox: SandboxSection, sandbox_root: Path, workers: int,
-                     on_progress: Callable[[BuildReport], None] = lambda report: None,
-                     ssh: SSHSection | None = None) -> BuildReport:
+def build_repo_tasks(
+    settings: RepoTaskSettings,
+    sandbox: SandboxSection,
+    sandbox_root: Path,
+    workers: int,
+    on_progress: Callable[[BuildReport], None] = lambda report: None,
+    ssh: SSHSection | None = None,
+) -> BuildReport:
     """Build (or finish building) the task set: at least `num_tasks` validated tasks, or every candidate tried; the
     surveys and validations spread over `workers` processes here (when localhost is among the sandbox's hosts) and
     the sandbox's remote hosts (reached with `ssh`)."""
@@ -182,8 +197,7 @@ class _Build:
     test file surveyed once per base, candidates validated in worker processes; every verdict recorded as it comes
     (a killed build resumes from them)."""
 
-    def __init__(self, settings: RepoTaskSettings, sandbox: SandboxSection, sandbox_root: Path,
-                 on_progress: Callable[[BuildReport], None]):
+    def __init__(self, settings: RepoTaskSettings, sandbox: SandboxSection, sandbox_root: Path, on_progress: Callable[[BuildReport], None]):
         self.started = time.monotonic()
         self.settings, self.sandbox_root, self.on_progress = settings, sandbox_root, on_progress
         self.config = sandbox.model_dump()
@@ -191,8 +205,9 @@ class _Build:
         self.specs = resolve_projects(settings)
         self.bases = {name: _bases_of(self.cache_dir, spec) for name, spec in self.specs.items()}
         sandbox_root.mkdir(parents=True, exist_ok=True)
-        self.setups = {name: _setup_of(spec, project_environment(self.cache_dir, spec, sandbox, sandbox_root))
-                       for name, spec in self.specs.items()}
+        self.setups = {
+            name: _setup_of(spec, project_environment(self.cache_dir, spec, sandbox, sandbox_root)) for name, spec in self.specs.items()
+        }
         self.directory = set_dir(settings, self.specs)
         (self.directory / "verdicts").mkdir(parents=True, exist_ok=True)
         (self.directory / "layers").mkdir(exist_ok=True)
@@ -222,7 +237,9 @@ class _Build:
 
     def survey_of(self, c: Candidate, test_file: str) -> dict | None:
         key = (c.project, c.base, test_file)
-        if key not in self.surveys and (found := _read_json(_survey_path(self.bases_of(c), self.specs[c.project], test_file), "cpu_seconds")):
+        if key not in self.surveys and (
+            found := _read_json(_survey_path(self.bases_of(c), self.specs[c.project], test_file), "cpu_seconds")
+        ):
             self.surveys[key] = found
         return self.surveys.get(key)
 
@@ -270,8 +287,9 @@ class _Build:
                 key = (c.project, c.base, test_file)
                 if key not in self.waiting:
                     self.waiting[key] = []
-                    future = pool.submit("survey", self.bases_of(c), self.setups[c.project], test_file,
-                                         max(60.0, 3 * self.settings.max_test_seconds))
+                    future = pool.submit(
+                        "survey", self.bases_of(c), self.setups[c.project], test_file, max(60.0, 3 * self.settings.max_test_seconds)
+                    )
                     self.in_flight[future] = ("survey", key)
                 self.waiting[key].append(c)
             return
@@ -283,8 +301,15 @@ class _Build:
         else:
             expected = [i for s in surveys for i in s["passing"]]
             changed = changed_files(self.bases_of(c) / "grading", c)
-            future = pool.submit("validate", self.bases_of(c), self.setups[c.project], changed, c.test_files, expected,
-                                 10 + 3 * sum(s["wall_seconds"] for s in surveys))
+            future = pool.submit(
+                "validate",
+                self.bases_of(c),
+                self.setups[c.project],
+                changed,
+                c.test_files,
+                expected,
+                10 + 3 * sum(s["wall_seconds"] for s in surveys),
+            )
             self.in_flight[future] = ("validate", c)
 
     def take(self, pool: Runners, kind: str, item, result: dict) -> None:
@@ -336,9 +361,11 @@ class _Build:
             mine = [s for (project, base, _), s in self.surveys.items() if project == name and not base]
             if mine and not any(s["complete"] and s["passing"] for s in mine):
                 worst = mine[0]
-                raise UserError(f"env.tasks: project {name}: its tests fail on the original ({len(mine)} test file(s) "
-                                f"surveyed at {spec.version}, none passes; e.g. {worst['test_file']}: {worst['status']}, "
-                                f"{worst['detail'].strip().splitlines()[-1] if worst['detail'].strip() else 'no test passed'})")
+                raise UserError(
+                    f"env.tasks: project {name}: its tests fail on the original ({len(mine)} test file(s) "
+                    f"surveyed at {spec.version}, none passes; e.g. {worst['test_file']}: {worst['status']}, "
+                    f"{worst['detail'].strip().splitlines()[-1] if worst['detail'].strip() else 'no test passed'})"
+                )
 
 
 def _write_layer(layer: Path, files: dict[str, str]) -> None:
@@ -369,20 +396,45 @@ def _write_index(build: _Build) -> None:
             continue
         spec = build.specs[c.project]
         seconds = sum(json.loads(_survey_path(build.bases_of(c), spec, t).read_text())["cpu_seconds"] for t in c.test_files)
-        tasks.append({"id": c.id, "project": c.project, "version": spec.version, "kind": c.kind, "operator": c.operator,
-                      "path": c.edits[0].path, "paths": [e.path for e in c.edits], "function": c.function,
-                      "scope": [[e.path, [m.function for m in e.mutations]] for e in c.edits],
-                      "description": c.description, "test_file": c.test_files[0], "test_files": list(c.test_files),
-                      "base": c.base, "fail_to_pass": v["fail_to_pass"], "pass_to_pass": v["pass_to_pass"],
-                      "test_seconds": seconds, "layer": f"layers/{_file_name(c.id)}",
-                      "prompt": _prompt(c, spec.version, v["fail_to_pass"])})
-    projects = {name: {"package": spec.package, "source": spec.source, "pytest_args": list(spec.pytest_args),
-                       "ready_made": spec.settings is None, "digest": spec.digest,
-                       "environment": str(environment_dir(build.cache_dir, spec)) if spec.settings is not None else None}
-                for name, spec in build.specs.items()}
-    atomic_write_text(build.directory / "tasks.json", json.dumps({"key": build.directory.name, "projects": projects,
-                                                                  "versions": {n: s.version for n, s in build.specs.items()},
-                                                                  "tasks": tasks}))
+        tasks.append(
+            {
+                "id": c.id,
+                "project": c.project,
+                "version": spec.version,
+                "kind": c.kind,
+                "operator": c.operator,
+                "path": c.edits[0].path,
+                "paths": [e.path for e in c.edits],
+                "function": c.function,
+                "scope": [[e.path, [m.function for m in e.mutations]] for e in c.edits],
+                "description": c.description,
+                "test_file": c.test_files[0],
+                "test_files": list(c.test_files),
+                "base": c.base,
+                "fail_to_pass": v["fail_to_pass"],
+                "pass_to_pass": v["pass_to_pass"],
+                "test_seconds": seconds,
+                "layer": f"layers/{_file_name(c.id)}",
+                "prompt": _prompt(c, spec.version, v["fail_to_pass"]),
+            }
+        )
+    projects = {
+        name: {
+            "package": spec.package,
+            "source": spec.source,
+            "pytest_args": list(spec.pytest_args),
+            "ready_made": spec.settings is None,
+            "digest": spec.digest,
+            "environment": str(environment_dir(build.cache_dir, spec)) if spec.settings is not None else None,
+        }
+        for name, spec in build.specs.items()
+    }
+    atomic_write_text(
+        build.directory / "tasks.json",
+        json.dumps(
+            {"key": build.directory.name, "projects": projects, "versions": {n: s.version for n, s in build.specs.items()}, "tasks": tasks}
+        ),
+    )
 
 
 def _clean_stale_views(sandbox_root: Path) -> None:

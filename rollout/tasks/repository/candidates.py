@@ -159,8 +159,15 @@ def _history_stream(spec: ProjectSpec, settings: RepoTaskSettings) -> Iterator[C
         if len(paths) != len(commit.sources):
             continue
         edits = tuple(Edit(path, text=parent_text(spec, commit, path)) for path in paths)
-        yield Candidate(f"repo/{spec.name}/history/{commit.commit[:12]}", spec.name, "history", edits, commit.test_files,
-                        base=commit.commit, statement=commit.message)
+        yield Candidate(
+            f"repo/{spec.name}/history/{commit.commit[:12]}",
+            spec.name,
+            "history",
+            edits,
+            commit.test_files,
+            base=commit.commit,
+            statement=commit.message,
+        )
 
 
 def candidates(settings: RepoTaskSettings, bases: dict[str, Path], specs: dict[str, ProjectSpec] | None = None) -> Iterator[Candidate]:

@@ -26,8 +26,19 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 # Names pytest or Python load on their own from a directory: never taken from an episode.
-PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "setup.py",
-                             "sitecustomize.py", "usercustomize.py", "__main__.py"})
+PROTECTED_NAMES = frozenset(
+    {
+        "conftest.py",
+        "pytest.ini",
+        "pyproject.toml",
+        "setup.cfg",
+        "tox.ini",
+        "setup.py",
+        "sitecustomize.py",
+        "usercustomize.py",
+        "__main__.py",
+    }
+)
 # Top-level modules an episode could shadow for the test run (beyond the standard library's).
 SHADOWED = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "hypothesis", "_hypothesis_pytestplugin"})
 COMPILED_SUFFIXES = frozenset({".pyc", ".pyo", ".so", ".pyd", ".dylib"})
@@ -87,8 +98,13 @@ def is_compiled(relative: str) -> bool:
     return "__pycache__" in path.parts or path.suffix in COMPILED_SUFFIXES or ".cpython-" in path.name
 
 
-def keep_change(changed: dict[str, bytes | None | _NotAFile], task_files: dict[str, bytes | None], grading_base: Path,
-                package: str, scope: tuple[Scope, ...]) -> KeptChange:
+def keep_change(
+    changed: dict[str, bytes | None | _NotAFile],
+    task_files: dict[str, bytes | None],
+    grading_base: Path,
+    package: str,
+    scope: tuple[Scope, ...],
+) -> KeptChange:
     """The part of an episode's `changed` files (path -> new bytes, None when gone) that grading takes, on top of the
     task's own files `task_files` over the trusted `grading_base`."""
     files = dict(task_files)
@@ -127,8 +143,7 @@ def keep_change(changed: dict[str, bytes | None | _NotAFile], task_files: dict[s
             if content is None or base_text is None:
                 dropped.append(f"{path}: deleted (graded as the task left it)")
                 continue
-            text, notes, hits = splice(base_text.decode(errors="replace"), content.decode(errors="replace"),
-                                       entry.functions, original_text)
+            text, notes, hits = splice(base_text.decode(errors="replace"), content.decode(errors="replace"), entry.functions, original_text)
             files[path] = text.encode()
         elif content is None and path not in by_path:
             dropped.append(f"{path}: deleted (graded as the task left it)")
@@ -169,12 +184,14 @@ Definition = ast.FunctionDef | ast.AsyncFunctionDef
 
 def definitions(tree: ast.Module) -> Iterator[tuple[str, Definition, ast.stmt]]:
     """Module- and class-level functions: (qualified name, node, the module-level statement holding it)."""
+
     def walk(body: list[ast.stmt], prefix: str, top: ast.stmt | None):
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 yield prefix + node.name, node, top or node
             elif isinstance(node, ast.ClassDef):
                 yield from walk(node.body, f"{prefix}{node.name}.", top or node)
+
     yield from walk(tree.body, "", None)
 
 
@@ -183,7 +200,7 @@ def _first_line(node: ast.stmt) -> int:
 
 
 def _segment(lines: list[str], node: ast.stmt) -> list[str]:
-    return lines[_first_line(node) - 1: node.end_lineno]
+    return lines[_first_line(node) - 1 : node.end_lineno]
 
 
 def _bound_names(tree: ast.Module) -> set[str]:
@@ -287,11 +304,14 @@ def splice(trusted: str, episode: str, functions: tuple[str, ...], original: str
         block = [line for node in added for line in [*_segment(episode_lines, node), "\n", "\n"]]
         replacements.append((at, at - 1, block))
     for start, end, new in sorted(replacements, key=lambda r: (r[0], r[1]), reverse=True):
-        lines[start - 1: end] = new
+        lines[start - 1 : end] = new
     spliced = "".join(lines)
     if _outside(mine, taken, added if taken else []) != _outside(theirs, taken, []):
         kept = ", ".join(sorted(taken)) or "nothing"
-        notes.append(f"changes outside {', '.join(functions)} dropped (kept: {kept}" + (" and what it adds at module level)" if taken and added else ")"))
+        notes.append(
+            f"changes outside {', '.join(functions)} dropped (kept: {kept}"
+            + (" and what it adds at module level)" if taken and added else ")")
+        )
     if not taken:
         return trusted, notes, set()
     kept_nodes = [mine_defs[n][0] for n in sorted(taken)] + added
@@ -326,56 +346,254 @@ def whole_file_uses(content: bytes, original: str) -> set[str]:
 # --- the policy on the kept change ------------------------------------------------------------------
 
 RUNNER, IMPORTS, FRAMES, MEMORY, PROCESSES, BUILTINS, ANSWERS, FILES = (
-    "the test runner", "the import system", "frames and tracing", "the interpreter's objects",
-    "processes and descriptors", "builtins", "answers that match anything", "files")
+    "the test runner",
+    "the import system",
+    "frames and tracing",
+    "the interpreter's objects",
+    "processes and descriptors",
+    "builtins",
+    "answers that match anything",
+    "files",
+)
 # Modules a fix has no business importing, by what they reach.
 FORBIDDEN_MODULES = {
     RUNNER: ("pytest", "_pytest", "pluggy", "py", "unittest", "doctest", "hypothesis", "_hypothesis_pytestplugin"),
-    IMPORTS: ("importlib", "imp", "zipimport", "pkgutil", "runpy", "site", "sitecustomize", "usercustomize", "marshal",
-              "py_compile", "compileall", "dis", "code", "codeop"),
-    FRAMES: ("inspect", "traceback", "linecache", "tokenize", "faulthandler", "trace", "tracemalloc", "bdb", "pdb",
-             "cProfile", "profile", "sys.monitoring"),
+    IMPORTS: (
+        "importlib",
+        "imp",
+        "zipimport",
+        "pkgutil",
+        "runpy",
+        "site",
+        "sitecustomize",
+        "usercustomize",
+        "marshal",
+        "py_compile",
+        "compileall",
+        "dis",
+        "code",
+        "codeop",
+    ),
+    FRAMES: (
+        "inspect",
+        "traceback",
+        "linecache",
+        "tokenize",
+        "faulthandler",
+        "trace",
+        "tracemalloc",
+        "bdb",
+        "pdb",
+        "cProfile",
+        "profile",
+        "sys.monitoring",
+    ),
     MEMORY: ("gc", "ctypes", "_ctypes", "cffi", "weakref"),
-    PROCESSES: ("sys.exit", "posix", "nt", "subprocess", "multiprocessing", "concurrent", "threading", "_thread", "signal", "pty",
-                "fcntl", "mmap", "resource", "socket", "select", "selectors", "asyncio", "atexit", "_posixsubprocess"),
+    PROCESSES: (
+        "sys.exit",
+        "posix",
+        "nt",
+        "subprocess",
+        "multiprocessing",
+        "concurrent",
+        "threading",
+        "_thread",
+        "signal",
+        "pty",
+        "fcntl",
+        "mmap",
+        "resource",
+        "socket",
+        "select",
+        "selectors",
+        "asyncio",
+        "atexit",
+        "_posixsubprocess",
+    ),
     BUILTINS: ("builtins", "__builtin__"),
     FILES: ("shutil", "tempfile", "pathlib", "glob", "fileinput", "codecs"),
 }
 # Of these modules, what a fix may use.
-ALLOWED_MEMBERS = {"os": {"path", "sep", "linesep", "fspath", "PathLike", "cpu_count", "name", "curdir", "pardir", "extsep"},
-                   "io": {"StringIO", "BytesIO"}, "os.path": None}
+ALLOWED_MEMBERS = {
+    "os": {"path", "sep", "linesep", "fspath", "PathLike", "cpu_count", "name", "curdir", "pardir", "extsep"},
+    "io": {"StringIO", "BytesIO"},
+    "os.path": None,
+}
 # Attribute names that reach the machinery whatever object they are read from (a module another module imported,
 # a frame, a function): names no library code uses for anything else. (Other members of os, sys and the modules
 # above are refused where a name resolves to them through the imports.)
 FORBIDDEN_ATTRIBUTES = {
-    IMPORTS: ("modules", "meta_path", "path_hooks", "path_importer_cache", "pycache_prefix", "dont_write_bytecode",
-              "__loader__", "__spec__", "__import__", "__cached__"),
-    FRAMES: ("settrace", "setprofile", "gettrace", "getprofile", "_getframe", "_current_frames", "_current_exceptions",
-             "call_tracing", "monitoring", "addaudithook", "excepthook", "displayhook", "breakpointhook", "unraisablehook",
-             "f_back", "f_globals", "f_locals", "f_code", "f_builtins", "f_trace", "f_lineno", "f_lasti", "tb_frame",
-             "tb_next", "gi_frame", "cr_frame", "ag_frame", "__traceback__", "currentframe", "getouterframes",
-             "getframeinfo", "getsource", "getsourcelines", "last_traceback", "setswitchinterval"),
-    MEMORY: ("get_objects", "get_referrers", "get_referents", "__globals__", "__code__", "__closure__", "__subclasses__",
-             "__bases__", "__base__", "__mro__", "__self__", "__func__", "__defaults__", "__kwdefaults__", "__wrapped__",
-             "__reduce__", "__reduce_ex__", "__getattribute__", "__init_subclass__", "__set_name__", "CodeType",
-             "FunctionType", "FrameType", "TracebackType", "ModuleType", "MethodType"),
-    PROCESSES: ("forkpty", "register_at_fork", "dup2", "_exit", "fdopen", "killpg", "setsid", "execve", "execvpe",
-                "posix_spawn", "posix_spawnp", "environ", "environb", "putenv", "unsetenv", "mkfifo", "openpty"),
+    IMPORTS: (
+        "modules",
+        "meta_path",
+        "path_hooks",
+        "path_importer_cache",
+        "pycache_prefix",
+        "dont_write_bytecode",
+        "__loader__",
+        "__spec__",
+        "__import__",
+        "__cached__",
+    ),
+    FRAMES: (
+        "settrace",
+        "setprofile",
+        "gettrace",
+        "getprofile",
+        "_getframe",
+        "_current_frames",
+        "_current_exceptions",
+        "call_tracing",
+        "monitoring",
+        "addaudithook",
+        "excepthook",
+        "displayhook",
+        "breakpointhook",
+        "unraisablehook",
+        "f_back",
+        "f_globals",
+        "f_locals",
+        "f_code",
+        "f_builtins",
+        "f_trace",
+        "f_lineno",
+        "f_lasti",
+        "tb_frame",
+        "tb_next",
+        "gi_frame",
+        "cr_frame",
+        "ag_frame",
+        "__traceback__",
+        "currentframe",
+        "getouterframes",
+        "getframeinfo",
+        "getsource",
+        "getsourcelines",
+        "last_traceback",
+        "setswitchinterval",
+    ),
+    MEMORY: (
+        "get_objects",
+        "get_referrers",
+        "get_referents",
+        "__globals__",
+        "__code__",
+        "__closure__",
+        "__subclasses__",
+        "__bases__",
+        "__base__",
+        "__mro__",
+        "__self__",
+        "__func__",
+        "__defaults__",
+        "__kwdefaults__",
+        "__wrapped__",
+        "__reduce__",
+        "__reduce_ex__",
+        "__getattribute__",
+        "__init_subclass__",
+        "__set_name__",
+        "CodeType",
+        "FunctionType",
+        "FrameType",
+        "TracebackType",
+        "ModuleType",
+        "MethodType",
+    ),
+    PROCESSES: (
+        "forkpty",
+        "register_at_fork",
+        "dup2",
+        "_exit",
+        "fdopen",
+        "killpg",
+        "setsid",
+        "execve",
+        "execvpe",
+        "posix_spawn",
+        "posix_spawnp",
+        "environ",
+        "environb",
+        "putenv",
+        "unsetenv",
+        "mkfifo",
+        "openpty",
+    ),
     BUILTINS: ("__builtins__",),
 }
 # Builtins a fix has no business calling (or naming).
-FORBIDDEN_BUILTINS = {"eval": BUILTINS, "exec": BUILTINS, "compile": BUILTINS, "__import__": IMPORTS, "breakpoint": FRAMES,
-                      "globals": BUILTINS, "vars": BUILTINS, "open": FILES, "input": FILES, "exit": PROCESSES,
-                      "quit": PROCESSES, "__builtins__": BUILTINS, "__loader__": IMPORTS, "__spec__": IMPORTS}
+FORBIDDEN_BUILTINS = {
+    "eval": BUILTINS,
+    "exec": BUILTINS,
+    "compile": BUILTINS,
+    "__import__": IMPORTS,
+    "breakpoint": FRAMES,
+    "globals": BUILTINS,
+    "vars": BUILTINS,
+    "open": FILES,
+    "input": FILES,
+    "exit": PROCESSES,
+    "quit": PROCESSES,
+    "__builtins__": BUILTINS,
+    "__loader__": IMPORTS,
+    "__spec__": IMPORTS,
+}
 # Methods a class made by a fix must not define: with them a returned object can compare equal to anything.
-MATCH_ANYTHING = frozenset({"__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__len__",
-                            "__contains__", "__instancecheck__", "__subclasscheck__", "__getattr__", "__getattribute__"})
+MATCH_ANYTHING = frozenset(
+    {
+        "__eq__",
+        "__ne__",
+        "__lt__",
+        "__le__",
+        "__gt__",
+        "__ge__",
+        "__hash__",
+        "__bool__",
+        "__len__",
+        "__contains__",
+        "__instancecheck__",
+        "__subclasscheck__",
+        "__getattr__",
+        "__getattribute__",
+    }
+)
 # Special attributes whose assignment rebinds what an object or function is.
-REBINDING = frozenset({"__class__", "__dict__", "__code__", "__globals__", "__defaults__", "__kwdefaults__", "__closure__",
-                       "__builtins__", "__bases__", "__call__", "__setattr__", "__delattr__", "__import__"})
+REBINDING = frozenset(
+    {
+        "__class__",
+        "__dict__",
+        "__code__",
+        "__globals__",
+        "__defaults__",
+        "__kwdefaults__",
+        "__closure__",
+        "__builtins__",
+        "__bases__",
+        "__call__",
+        "__setattr__",
+        "__delattr__",
+        "__import__",
+    }
+)
 # Modules reached as an attribute of another (`networkx.utils.backends.os`).
-MODULES_AS_ATTRIBUTES = frozenset({"os", "gc", "inspect", "importlib", "builtins", "ctypes", "subprocess", "_pytest",
-                                   "pytest", "pluggy", "atexit", "threading", "linecache", "signal"})
+MODULES_AS_ATTRIBUTES = frozenset(
+    {
+        "os",
+        "gc",
+        "inspect",
+        "importlib",
+        "builtins",
+        "ctypes",
+        "subprocess",
+        "_pytest",
+        "pytest",
+        "pluggy",
+        "atexit",
+        "threading",
+        "linecache",
+        "signal",
+    }
+)
 FORBIDDEN_PREFIXES = ("/proc", "/dev/fd", "/dev/std", "PYTEST_")
 
 _MODULE_CATEGORY = {name: category for category, names in FORBIDDEN_MODULES.items() for name in names}
@@ -456,7 +674,7 @@ def forbidden_uses(nodes: list[ast.AST], imports: dict[str, str]) -> set[str]:
                 root = dotted.split(".")[0] if dotted else None
                 if root in table and id(inner) not in consumed:
                     consumed.update(id(n) for n in ast.walk(inner))
-                    full = table[root] + dotted[len(root):]
+                    full = table[root] + dotted[len(root) :]
                     if category := _module_category(full):
                         hit(category, full)
                         continue

@@ -32,25 +32,66 @@ class Mutation:
         return (before + self.text.encode() + after).decode()
 
 
-_COMPARE_SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
-                  ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
-_BINOP_SWAPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
-                ast.Mod: ast.FloorDiv, ast.LShift: ast.RShift, ast.RShift: ast.LShift, ast.BitAnd: ast.BitOr,
-                ast.BitOr: ast.BitAnd}
-_SYMBOLS = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=", ast.Is: "is",
-            ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in", ast.Add: "+", ast.Sub: "-", ast.Mult: "*",
-            ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.LShift: "<<", ast.RShift: ">>", ast.BitAnd: "&",
-            ast.BitOr: "|", ast.And: "and", ast.Or: "or"}
+_COMPARE_SWAPS = {
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+}
+_BINOP_SWAPS = {
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.Div,
+    ast.Div: ast.Mult,
+    ast.FloorDiv: ast.Mult,
+    ast.Mod: ast.FloorDiv,
+    ast.LShift: ast.RShift,
+    ast.RShift: ast.LShift,
+    ast.BitAnd: ast.BitOr,
+    ast.BitOr: ast.BitAnd,
+}
+_SYMBOLS = {
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.Is: "is",
+    ast.IsNot: "is not",
+    ast.In: "in",
+    ast.NotIn: "not in",
+    ast.Add: "+",
+    ast.Sub: "-",
+    ast.Mult: "*",
+    ast.Div: "/",
+    ast.FloorDiv: "//",
+    ast.Mod: "%",
+    ast.LShift: "<<",
+    ast.RShift: ">>",
+    ast.BitAnd: "&",
+    ast.BitOr: "|",
+    ast.And: "and",
+    ast.Or: "or",
+}
 
 
 def _functions(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     """Module- and class-level functions with their qualified names."""
+
     def walk(body: list[ast.stmt], prefix: str):
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 yield prefix + node.name, node
             elif isinstance(node, ast.ClassDef):
                 yield from walk(node.body, f"{prefix}{node.name}.")
+
     yield from walk(tree.body, "")
 
 
@@ -62,8 +103,16 @@ def _docstring_node(function: ast.FunctionDef | ast.AsyncFunctionDef) -> ast.stm
 
 
 def _expression(node: ast.expr, replacement: ast.expr, kind: str, operator: str, function: str, what: str) -> Mutation:
-    return Mutation(kind, operator, function, node.lineno, f"{operator}: {what} in {function} (line {node.lineno})",
-                    (node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset), ast.unparse(replacement))
+    return Mutation(
+        kind,
+        operator,
+        function,
+        node.lineno,
+        f"{operator}: {what} in {function} (line {node.lineno})",
+        (node.lineno, node.col_offset),
+        (node.end_lineno, node.end_col_offset),
+        ast.unparse(replacement),
+    )
 
 
 def _plus(node: ast.expr, delta: int) -> ast.expr:
@@ -81,39 +130,80 @@ def _bug_sites(function_name: str, function: ast.FunctionDef | ast.AsyncFunction
             for i, op in enumerate(node.ops):
                 if type(op) in _COMPARE_SWAPS:
                     new = _COMPARE_SWAPS[type(op)]()
-                    yield _expression(node, ast.Compare(node.left, [*node.ops[:i], new, *node.ops[i + 1:]], node.comparators),
-                                      "bug", "compare", function_name, f"`{_SYMBOLS[type(op)]}` -> `{_SYMBOLS[type(new)]}`")
+                    yield _expression(
+                        node,
+                        ast.Compare(node.left, [*node.ops[:i], new, *node.ops[i + 1 :]], node.comparators),
+                        "bug",
+                        "compare",
+                        function_name,
+                        f"`{_SYMBOLS[type(op)]}` -> `{_SYMBOLS[type(new)]}`",
+                    )
             for operand in (node.left, *node.comparators):
                 if isinstance(operand, ast.Constant) and type(operand.value) is int:
                     for delta in (1, -1):
-                        yield _expression(operand, ast.Constant(operand.value + delta), "bug", "boundary", function_name,
-                                          f"`{operand.value}` -> `{operand.value + delta}` in a comparison")
+                        yield _expression(
+                            operand,
+                            ast.Constant(operand.value + delta),
+                            "bug",
+                            "boundary",
+                            function_name,
+                            f"`{operand.value}` -> `{operand.value + delta}` in a comparison",
+                        )
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "range" and node.args:
             bound = node.args[-1] if len(node.args) <= 2 else node.args[1]
             for delta in (1, -1):
-                yield _expression(bound, _plus(bound, delta), "bug", "boundary", function_name,
-                                  f"range bound `{ast.unparse(bound)}` {'+' if delta > 0 else '-'} 1")
+                yield _expression(
+                    bound,
+                    _plus(bound, delta),
+                    "bug",
+                    "boundary",
+                    function_name,
+                    f"range bound `{ast.unparse(bound)}` {'+' if delta > 0 else '-'} 1",
+                )
         elif isinstance(node, ast.Slice):
             for bound in (node.lower, node.upper):
                 if bound is not None:
-                    yield _expression(bound, _plus(bound, 1), "bug", "boundary", function_name,
-                                      f"slice bound `{ast.unparse(bound)}` + 1")
+                    yield _expression(bound, _plus(bound, 1), "bug", "boundary", function_name, f"slice bound `{ast.unparse(bound)}` + 1")
         elif isinstance(node, ast.BinOp) and type(node.op) in _BINOP_SWAPS:
             new = _BINOP_SWAPS[type(node.op)]()
-            yield _expression(node, ast.BinOp(node.left, new, node.right), "bug", "operator", function_name,
-                              f"`{_SYMBOLS[type(node.op)]}` -> `{_SYMBOLS[type(new)]}`")
+            yield _expression(
+                node,
+                ast.BinOp(node.left, new, node.right),
+                "bug",
+                "operator",
+                function_name,
+                f"`{_SYMBOLS[type(node.op)]}` -> `{_SYMBOLS[type(new)]}`",
+            )
         elif isinstance(node, ast.BoolOp):
             new = ast.Or() if isinstance(node.op, ast.And) else ast.And()
-            yield _expression(node, ast.BoolOp(new, node.values), "bug", "operator", function_name,
-                              f"`{_SYMBOLS[type(node.op)]}` -> `{_SYMBOLS[type(new)]}`")
+            yield _expression(
+                node,
+                ast.BoolOp(new, node.values),
+                "bug",
+                "operator",
+                function_name,
+                f"`{_SYMBOLS[type(node.op)]}` -> `{_SYMBOLS[type(new)]}`",
+            )
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
             yield _expression(node, node.operand, "bug", "negate", function_name, "`not` removed")
         elif isinstance(node, (ast.If, ast.While)) and not isinstance(node.test, (ast.UnaryOp, ast.Compare)):
-            yield _expression(node.test, ast.UnaryOp(ast.Not(), node.test), "bug", "negate", function_name,
-                              f"condition `{ast.unparse(node.test)[:60]}` negated")
+            yield _expression(
+                node.test,
+                ast.UnaryOp(ast.Not(), node.test),
+                "bug",
+                "negate",
+                function_name,
+                f"condition `{ast.unparse(node.test)[:60]}` negated",
+            )
         elif isinstance(node, ast.Return) and isinstance(node.value, ast.Constant) and type(node.value.value) is bool:
-            yield _expression(node.value, ast.Constant(not node.value.value), "bug", "constant", function_name,
-                              f"`return {node.value.value}` -> `return {not node.value.value}`")
+            yield _expression(
+                node.value,
+                ast.Constant(not node.value.value),
+                "bug",
+                "constant",
+                function_name,
+                f"`return {node.value.value}` -> `return {not node.value.value}`",
+            )
         for block in (getattr(node, "body", None), getattr(node, "orelse", None)):
             if isinstance(block, list):
                 yield from _branch_removals(function_name, block, lines)
@@ -122,7 +212,7 @@ def _bug_sites(function_name: str, function: ast.FunctionDef | ast.AsyncFunction
 def _own_lines(node: ast.stmt, lines: list[str]) -> bool:
     """The statement starts its first line and ends its last (nothing else shares them)."""
     first, last = lines[node.lineno - 1], lines[node.end_lineno - 1]
-    return not first[: node.col_offset].strip() and not last[node.end_col_offset:].split("#")[0].strip()
+    return not first[: node.col_offset].strip() and not last[node.end_col_offset :].split("#")[0].strip()
 
 
 def _branch_removals(function_name: str, block: list[ast.stmt], lines: list[str]) -> Iterator[Mutation]:
@@ -130,17 +220,31 @@ def _branch_removals(function_name: str, block: list[ast.stmt], lines: list[str]
         if not isinstance(statement, ast.If) or len(block) < 2 or not _own_lines(statement, lines):
             continue
         if not statement.orelse:
-            yield Mutation("bug", "branch", function_name, statement.lineno,
-                           f"branch: `if {ast.unparse(statement.test)[:60]}:` removed in {function_name} (line {statement.lineno})",
-                           (statement.lineno, 0), (statement.end_lineno + 1, 0), "")
+            yield Mutation(
+                "bug",
+                "branch",
+                function_name,
+                statement.lineno,
+                f"branch: `if {ast.unparse(statement.test)[:60]}:` removed in {function_name} (line {statement.lineno})",
+                (statement.lineno, 0),
+                (statement.end_lineno + 1, 0),
+                "",
+            )
         elif not (len(statement.orelse) == 1 and isinstance(statement.orelse[0], ast.If)):
             else_line = statement.body[-1].end_lineno + 1
             while else_line < statement.orelse[0].lineno and lines[else_line - 1].strip() != "else:":
                 else_line += 1
             if lines[else_line - 1].strip() == "else:" and _own_lines(statement.orelse[-1], lines):
-                yield Mutation("bug", "branch", function_name, else_line,
-                               f"branch: the `else` of `if {ast.unparse(statement.test)[:60]}:` removed in {function_name} (line {else_line})",
-                               (else_line, 0), (statement.orelse[-1].end_lineno + 1, 0), "")
+                yield Mutation(
+                    "bug",
+                    "branch",
+                    function_name,
+                    else_line,
+                    f"branch: the `else` of `if {ast.unparse(statement.test)[:60]}:` removed in {function_name} (line {else_line})",
+                    (else_line, 0),
+                    (statement.orelse[-1].end_lineno + 1, 0),
+                    "",
+                )
 
 
 def _feature_site(function_name: str, function: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> Mutation | None:
@@ -151,9 +255,16 @@ def _feature_site(function_name: str, function: ast.FunctionDef | ast.AsyncFunct
     if lines[first.lineno - 1][: first.col_offset].strip() or not _own_lines(function.body[-1], lines):
         return None
     indent = " " * first.col_offset
-    return Mutation("feature", "body", function_name, function.lineno,
-                    f"body: {function_name} (line {function.lineno}) left with its signature and docstring only",
-                    (first.lineno, 0), (function.end_lineno + 1, 0), f"{indent}raise NotImplementedError\n")
+    return Mutation(
+        "feature",
+        "body",
+        function_name,
+        function.lineno,
+        f"body: {function_name} (line {function.lineno}) left with its signature and docstring only",
+        (first.lineno, 0),
+        (function.end_lineno + 1, 0),
+        f"{indent}raise NotImplementedError\n",
+    )
 
 
 def mutations(source: str, kind: str, named_in: str) -> list[Mutation]:

@@ -38,8 +38,7 @@ from composer.runtime.run_dir import atomic_write_text
 ENVIRONMENT_VERSION = 1
 """Bump when how an environment is made changes: part of every environment's digest."""
 SKIPPED_NAMES = (".git", "__pycache__", "*.pyc", ".venv", ".tox", ".pytest_cache", "*.egg-info")
-NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/ssl", "/etc/ca-certificates",
-                 "/usr/share/ca-certificates")
+NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/ssl", "/etc/ca-certificates", "/usr/share/ca-certificates")
 """What a sandboxed install needs to reach a package index by name over TLS."""
 
 
@@ -140,8 +139,7 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str]) -> ProjectSp
     if isinstance(entry, str):
         project = PROJECTS[entry]
         version = ready_made_version(entry)
-        return ProjectSpec(entry, entry, version, version, project.pytest_args, project.skip_files_with,
-                           hidden=installed_copies(entry))
+        return ProjectSpec(entry, entry, version, version, project.pytest_args, project.skip_files_with, hidden=installed_copies(entry))
     where = f"env.tasks: project {entry.name}"
     path = Path(entry.path).expanduser().resolve()
     if not path.is_dir():
@@ -152,8 +150,10 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str]) -> ProjectSp
     if not git and entry.commit is not None:
         raise UserError(f"{where}: `commit: {entry.commit}` but {path} is not a git checkout")
     if not git and "history" in kinds:
-        raise UserError(f"{where}: history tasks come from a git log, and {path} is not a git checkout "
-                        "(drop `history` from kinds, or point `path` at a checkout)")
+        raise UserError(
+            f"{where}: history tasks come from a git log, and {path} is not a git checkout "
+            "(drop `history` from kinds, or point `path` at a checkout)"
+        )
     if git:
         commit = _git(path, "rev-parse", "--verify", "--quiet", f"{entry.commit}^{{commit}}").strip()
         files = commit
@@ -174,10 +174,24 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str]) -> ProjectSp
     args = list(entry.pytest_args)
     if entry.exclude_markers:
         args += ["-m", " and ".join(f"not {m}" for m in entry.exclude_markers)]
-    digest = hashlib.sha256(json.dumps({"files": files, "install": entry.install, "python": _python_identity(entry),
-                                        "environment": ENVIRONMENT_VERSION}, sort_keys=True).encode()).hexdigest()[:16]
-    return ProjectSpec(entry.name, entry.package, version, digest, tuple(args), (), tuple(entry.test_paths),
-                       checkout=path if git else None, commit=commit, settings=entry)
+    digest = hashlib.sha256(
+        json.dumps(
+            {"files": files, "install": entry.install, "python": _python_identity(entry), "environment": ENVIRONMENT_VERSION},
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()[:16]
+    return ProjectSpec(
+        entry.name,
+        entry.package,
+        version,
+        digest,
+        tuple(args),
+        (),
+        tuple(entry.test_paths),
+        checkout=path if git else None,
+        commit=commit,
+        settings=entry,
+    )
 
 
 def resolve_projects(settings: RepoTaskSettings) -> dict[str, ProjectSpec]:
@@ -342,41 +356,58 @@ def _make_environment(cache_dir: Path, spec: ProjectSpec, sandbox: SandboxSectio
     made = subprocess.run([python, "-m", "venv", str(venv)], capture_output=True, text=True)
     if made.returncode != 0:
         raise UserError(f"env.tasks: project {spec.name}: {python} -m venv failed: {made.stderr.strip()[-300:]}")
-    prefixes = subprocess.run([str(venv / "bin" / "python"), "-c", "import sys; print(sys.base_prefix)"],
-                              capture_output=True, text=True, check=True).stdout.split()
+    prefixes = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sys; print(sys.base_prefix)"], capture_output=True, text=True, check=True
+    ).stdout.split()
     _chmod_tree(venv, 0o666, 0o777)  # the install runs as a sandbox uid
     for script in (venv / "bin").iterdir():
         if not script.is_symlink():
             os.chmod(script, 0o777)
     variables, pip_paths = _pip_configuration()
     read_only = tuple(p for p in dict.fromkeys([*prefixes, *pip_paths, *NETWORK_FILES]) if os.path.exists(p))
-    installing = RunEnvironment(path=(str(venv / "bin"),), read_only=read_only, writable=(str(venv),),
-                                variables=tuple(sorted(variables.items())))
-    limits = sandbox.model_copy(update={"network": True, "memory_mb": max(sandbox.memory_mb, 4096), "max_processes": 512,
-                                        "max_file_mb": 1024, "max_write_mb": 8192, "max_inodes": 1 << 20,
-                                        "max_output_kb": 1024, "infra_retries": 0})
+    installing = RunEnvironment(
+        path=(str(venv / "bin"),), read_only=read_only, writable=(str(venv),), variables=tuple(sorted(variables.items()))
+    )
+    limits = sandbox.model_copy(
+        update={
+            "network": True,
+            "memory_mb": max(sandbox.memory_mb, 4096),
+            "max_processes": 512,
+            "max_file_mb": 1024,
+            "max_write_mb": 8192,
+            "max_inodes": 1 << 20,
+            "max_output_kb": 1024,
+            "infra_retries": 0,
+        }
+    )
     installer = Sandbox(limits, root=sandbox_root)
     log_path = cache_dir / "logs" / f"{spec.name}-{spec.digest}-install.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="install-", dir=sandbox_root) as work:
         bases = project_bases(cache_dir, spec)
         shutil.copytree(bases / "episode", work, symlinks=True, dirs_exist_ok=True)
-        own = "; ".join([
-            entry.install,
-            # The project's own distribution goes: episodes import their workspace's copy.
-            "status=$?; [ $status -ne 0 ] && exit $status",
-            "python - <<'EOF'\n" + _REMOVE_OWN.replace("PACKAGE", entry.package) + "EOF",
-        ])
+        own = "; ".join(
+            [
+                entry.install,
+                # The project's own distribution goes: episodes import their workspace's copy.
+                "status=$?; [ $status -ne 0 ] && exit $status",
+                "python - <<'EOF'\n" + _REMOVE_OWN.replace("PACKAGE", entry.package) + "EOF",
+            ]
+        )
         result = installer.run_command(own, Path(work), timeout_s=entry.install_seconds, environment=installing)
         log_path.write_text(f"$ {entry.install}\n{result.output}\n[{result.status}, exit {result.exit_code}]\n")
         if result.status != "ok" or result.exit_code != 0:
-            raise UserError(f"env.tasks: project {spec.name}: its install command failed ({result.status}, exit "
-                            f"{result.exit_code}); the install log: {log_path}")
+            raise UserError(
+                f"env.tasks: project {spec.name}: its install command failed ({result.status}, exit "
+                f"{result.exit_code}); the install log: {log_path}"
+            )
         check = installer.run_command(_CHECK.replace("IMPORT", spec.import_name), Path(work), timeout_s=120, environment=installing)
     if check.exit_code != 0:
         log_path.write_text(log_path.read_text() + f"\n$ (the environment's check)\n{check.output}\n")
-        raise UserError(f"env.tasks: project {spec.name}: {check.output.strip().splitlines()[-1] if check.output.strip() else 'its environment check failed'}"
-                        f"; the install log: {log_path}")
+        raise UserError(
+            f"env.tasks: project {spec.name}: {check.output.strip().splitlines()[-1] if check.output.strip() else 'its environment check failed'}"
+            f"; the install log: {log_path}"
+        )
     frozen = [line for line in check.output.splitlines() if line and not line.startswith("#")]
     for directory, _, files in os.walk(venv):
         os.chown(directory, 0, 0) if os.geteuid() == 0 else None
@@ -387,12 +418,14 @@ def _make_environment(cache_dir: Path, spec: ProjectSpec, sandbox: SandboxSectio
                 os.chown(path, 0, 0) if os.geteuid() == 0 else None
                 os.chmod(path, (path.stat().st_mode & 0o755) | 0o444)
     os.chmod(root, 0o755)
-    atomic_write_text(root / "manifest.json", json.dumps({"digest": spec.digest, "python": python, "prefixes": prefixes,
-                                                          "install": entry.install, "frozen": frozen}, indent=1))
+    atomic_write_text(
+        root / "manifest.json",
+        json.dumps({"digest": spec.digest, "python": python, "prefixes": prefixes, "install": entry.install, "frozen": frozen}, indent=1),
+    )
     return load_environment(root)
 
 
-_REMOVE_OWN = '''import json, os, subprocess, sys, sysconfig
+_REMOVE_OWN = """import json, os, subprocess, sys, sysconfig
 site = sysconfig.get_paths()["purelib"]
 mine = []
 for info in os.listdir(site):
@@ -406,10 +439,10 @@ for info in os.listdir(site):
         mine.append(info.split("-")[0])
 if mine:
     sys.exit(subprocess.call([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *mine]))
-'''
+"""
 """Run after the install in its work directory: uninstall the distributions installed from that directory."""
 
-_CHECK = '''cd /tmp && env -u PYTHONPATH python - <<'EOF'
+_CHECK = """cd /tmp && env -u PYTHONPATH python - <<'EOF'
 import importlib.util, subprocess, sys
 if importlib.util.find_spec("IMPORT") is not None:
     sys.exit(f"the environment still holds an installed copy of IMPORT ({importlib.util.find_spec('IMPORT').origin}): "
@@ -417,5 +450,5 @@ if importlib.util.find_spec("IMPORT") is not None:
 if importlib.util.find_spec("pytest") is None:
     sys.exit("the environment has no pytest: the install command must install it (e.g. `pip install . pytest`)")
 sys.exit(subprocess.call([sys.executable, "-m", "pip", "freeze", "--all"]))
-EOF'''
+EOF"""
 """The environment holds pytest and no copy of the project; its frozen requirements on stdout."""

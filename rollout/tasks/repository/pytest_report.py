@@ -62,14 +62,40 @@ def _watched():
     import _pytest.runner
     import pluggy
 
-    pairs = [(_pytest.runner, n) for n in ("runtestprotocol", "call_and_report", "call_runtest_hook", "check_interactive_exception",
-                                           "pytest_runtest_protocol", "pytest_runtest_call", "pytest_runtest_makereport")]
-    pairs += [(_pytest.python, "pytest_pyfunc_call"), (_pytest.main, "pytest_runtestloop"),
-              (_pytest.assertion.rewrite, "rewrite_asserts"), (_pytest.assertion.rewrite, "_read_pyc"),
-              (os, "write"), (os, "fstat"), (json, "dumps"), (gc, "get_objects"), (sys, "settrace")]
-    classes = [_pytest.reports.BaseReport, _pytest.reports.TestReport, _pytest.reports.CollectReport,
-               _pytest.runner.CallInfo, _pytest.python.Function, pluggy.HookCaller, pluggy.HookImpl,
-               pluggy.PluginManager, _pytest.assertion.rewrite.AssertionRewritingHook]
+    pairs = [
+        (_pytest.runner, n)
+        for n in (
+            "runtestprotocol",
+            "call_and_report",
+            "call_runtest_hook",
+            "check_interactive_exception",
+            "pytest_runtest_protocol",
+            "pytest_runtest_call",
+            "pytest_runtest_makereport",
+        )
+    ]
+    pairs += [
+        (_pytest.python, "pytest_pyfunc_call"),
+        (_pytest.main, "pytest_runtestloop"),
+        (_pytest.assertion.rewrite, "rewrite_asserts"),
+        (_pytest.assertion.rewrite, "_read_pyc"),
+        (os, "write"),
+        (os, "fstat"),
+        (json, "dumps"),
+        (gc, "get_objects"),
+        (sys, "settrace"),
+    ]
+    classes = [
+        _pytest.reports.BaseReport,
+        _pytest.reports.TestReport,
+        _pytest.reports.CollectReport,
+        _pytest.runner.CallInfo,
+        _pytest.python.Function,
+        pluggy.HookCaller,
+        pluggy.HookImpl,
+        pluggy.PluginManager,
+        _pytest.assertion.rewrite.AssertionRewritingHook,
+    ]
     return pairs, classes
 
 
@@ -85,7 +111,7 @@ def _sender(fd: int, key: bytes):
         chain[0] = mac
         data = mac + b" " + body + b"\n"
         while data:
-            data = data[write(fd, data):]
+            data = data[write(fd, data) :]
 
     return send
 
@@ -136,7 +162,6 @@ def report_plugin(fd: int, send, root: str):
                 if impl.plugin is plugin:
                     impls.append((name, impl, impl.function))
 
-
     def trusted_plugin(plugin) -> bool:
         """pytest's own plugins (its modules, its classes' instances, this one) and the repository's conftest
         modules (conftest files are never taken from an episode)."""
@@ -146,8 +171,7 @@ def report_plugin(fd: int, send, root: str):
             path = getattr(plugin, "__file__", None)
             if plugin.__name__.startswith(("_pytest.", "pytest")):
                 return True
-            return (isinstance(path, str) and os.path.basename(path) == "conftest.py"
-                    and os.path.realpath(path).startswith(root + os.sep))
+            return isinstance(path, str) and os.path.basename(path) == "conftest.py" and os.path.realpath(path).startswith(root + os.sep)
         return type_(plugin).__module__.startswith(("_pytest.", "pluggy."))
 
     def pytest_runtest_logreport(report) -> None:
@@ -187,10 +211,21 @@ def report_plugin(fd: int, send, root: str):
         if plugin_manager[0] is not None:
             callers = {name: c for name, c in vars_(plugin_manager[0].hook).items() if hasattr(c, "get_hookimpls")}
             attached = {name: {id(i) for i in c.get_hookimpls()} for name, c in callers.items()}
-            changed += sorted({f"the implementations of {name}" for name, impl, function in impls
-                               if impl.function is not function or id(impl) not in attached.get(name, ())})
-            changed += sorted({f"an implementation of {name} from no registered plugin" for name, c in callers.items()
-                               for impl in c.get_hookimpls() if id(impl.plugin) not in plugins})
+            changed += sorted(
+                {
+                    f"the implementations of {name}"
+                    for name, impl, function in impls
+                    if impl.function is not function or id(impl) not in attached.get(name, ())
+                }
+            )
+            changed += sorted(
+                {
+                    f"an implementation of {name} from no registered plugin"
+                    for name, c in callers.items()
+                    for impl in c.get_hookimpls()
+                    if id(impl.plugin) not in plugins
+                }
+            )
         return changed
 
     def end(exitstatus: int, session: bool) -> None:
@@ -210,8 +245,7 @@ def report_plugin(fd: int, send, root: str):
 
     sys.addaudithook(audit)
     namespace = type("ReportPlugin", (), {})()
-    for hook in (pytest_plugin_registered, pytest_runtest_logreport, pytest_runtest_logfinish, pytest_collectreport,
-                 pytest_sessionfinish):
+    for hook in (pytest_plugin_registered, pytest_runtest_logreport, pytest_runtest_logfinish, pytest_collectreport, pytest_sessionfinish):
         setattr(namespace, hook.__name__, hook)
     return namespace, end
 

@@ -102,8 +102,9 @@ class RemoteRepoWorkspace(Workspace):
         if env_tree is not None:
             self._trees.append(env_tree)
             environment = env_tree.digest
-        trees = ShippedTrees(project=Path(tests.package).name, ready_made=bool(tests.hidden), grading=grading[0],
-                             environment=environment, prefixes=prefixes)
+        trees = ShippedTrees(
+            project=Path(tests.package).name, ready_made=bool(tests.hidden), grading=grading[0], environment=environment, prefixes=prefixes
+        )
         self._task = ShippedTask(tests=tests.plan, trees=trees, layer=layer[0], reward=reward)
         self._journal: list[tuple[str, dict]] = []
         self._host: RemoteSandboxHost | None = None
@@ -143,7 +144,6 @@ class RemoteRepoWorkspace(Workspace):
         if self._host is not None:
             self.fleet.open_workspaces[self._host.name] -= 1
             self._host, self._number = None, 0
-
 
     def _message(self, operation: str, arguments: dict) -> dict:
         return {"op": Op.WS, "workspace": self._number, "name": operation, "arguments": arguments}
@@ -229,13 +229,22 @@ def _ship(fleet: SandboxFleet, host: RemoteSandboxHost, tree: _Tree) -> None:
         if _ask(host, {"op": Op.HAVE, "digest": tree.digest}, OPEN_SECONDS):
             return
         data = tree.archive.read_bytes()
-        chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+        chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
         for index, chunk in enumerate(chunks[:-1]):
-            if not host.send({"op": Op.PUT, "id": 0, "digest": tree.digest, "first": index == 0,
-                              "data": base64.b64encode(chunk).decode()}):
+            if not host.send({"op": Op.PUT, "id": 0, "digest": tree.digest, "first": index == 0, "data": base64.b64encode(chunk).decode()}):
                 raise _HostLost(f"{host.where}: the connection was lost while shipping")
-        _ask(host, {"op": Op.PUT, "digest": tree.digest, "first": len(chunks) == 1, "last": True,
-                    "relocate_from": tree.relocate_from, "data": base64.b64encode(chunks[-1]).decode()}, SHIP_SECONDS)
+        _ask(
+            host,
+            {
+                "op": Op.PUT,
+                "digest": tree.digest,
+                "first": len(chunks) == 1,
+                "last": True,
+                "relocate_from": tree.relocate_from,
+                "data": base64.b64encode(chunks[-1]).decode(),
+            },
+            SHIP_SECONDS,
+        )
         fleet.shipped_bytes[host.name] += len(data)
 
 
@@ -247,8 +256,16 @@ def _environment_tree(environment: RunEnvironment | None) -> tuple[_Tree | None,
     return _Tree(*pack(venv), relocate_from=str(venv)), tuple(environment.read_only[1:])
 
 
-def remote_test_run(fleet: SandboxFleet, host_name: str, project: str, grading_base: Path, environment: RunEnvironment | None,
-                    pytest_args: tuple[str, ...], ready_made: bool, source: str):
+def remote_test_run(
+    fleet: SandboxFleet,
+    host_name: str,
+    project: str,
+    grading_base: Path,
+    environment: RunEnvironment | None,
+    pytest_args: tuple[str, ...],
+    ready_made: bool,
+    source: str,
+):
     """A build's guarded test run (`rollout.tasks.repository.surveys.TestRun`) on a remote host: the grading base and the
     environment shipped there first (once), the report back as data; a lost host's run is an infrastructure failure."""
     host = fleet.provider.by_name[host_name]
@@ -256,10 +273,21 @@ def remote_test_run(fleet: SandboxFleet, host_name: str, project: str, grading_b
     def run(changes: dict[str, str], test_files: tuple[str, ...], timeout_s: float) -> TestReport:
         grading = _Tree(*pack(grading_base))
         env_tree, prefixes = _environment_tree(environment)
-        trees = ShippedTrees(project=project, ready_made=ready_made, grading=grading.digest,
-                             environment=env_tree.digest if env_tree else "", prefixes=prefixes)
-        job = ShippedTests(trees=trees, source=source, changes=tuple(sorted(changes.items())), test_files=test_files,
-                           pytest_args=pytest_args, timeout_s=timeout_s)
+        trees = ShippedTrees(
+            project=project,
+            ready_made=ready_made,
+            grading=grading.digest,
+            environment=env_tree.digest if env_tree else "",
+            prefixes=prefixes,
+        )
+        job = ShippedTests(
+            trees=trees,
+            source=source,
+            changes=tuple(sorted(changes.items())),
+            test_files=test_files,
+            pytest_args=pytest_args,
+            timeout_s=timeout_s,
+        )
         try:
             for tree in (grading, env_tree):
                 if tree is not None:
@@ -267,6 +295,7 @@ def remote_test_run(fleet: SandboxFleet, host_name: str, project: str, grading_b
             return _ask(host, {"op": Op.TESTS, "job": to_wire(job, WIRE_TYPES)}, 2 * timeout_s + 1800.0)
         except _HostLost as e:
             return TestReport({}, False, (), f"the sandbox host was lost: {e}", "", "infra", 0.0, 0.0, infra_failure=True)
+
     return run
 
 

@@ -230,15 +230,28 @@ class WorkspaceService:
         environment = self._environment(job.trees)
         if job.source:
             environment = dataclasses.replace(environment or RunEnvironment(), pythonpath=(f"repo/{job.source}",))
-        return run_tests_guarded(self.sandbox, self.store.path(job.trees.grading) / "tree", {p: t.encode() for p, t in job.changes},
-                                 job.test_files, job.pytest_args, job.timeout_s, self._hidden(job.trees),
-                                 self.sandbox.root / f"views-server-{os.getpid()}", environment)
+        return run_tests_guarded(
+            self.sandbox,
+            self.store.path(job.trees.grading) / "tree",
+            {p: t.encode() for p, t in job.changes},
+            job.test_files,
+            job.pytest_args,
+            job.timeout_s,
+            self._hidden(job.trees),
+            self.sandbox.root / f"views-server-{os.getpid()}",
+            environment,
+        )
 
     def open(self, task: ShippedTask) -> int:
         environment = self._environment(task.trees, task.layer)
         tests = RepoTests.of_plan(
-            task.tests, layer=self.store.path(task.layer) / "tree", episode_base=self.store.episode_base(task.trees.grading),
-            grading_base=self.store.path(task.trees.grading) / "tree", hidden=self._hidden(task.trees), environment=environment)
+            task.tests,
+            layer=self.store.path(task.layer) / "tree",
+            episode_base=self.store.episode_base(task.trees.grading),
+            grading_base=self.store.path(task.trees.grading) / "tree",
+            hidden=self._hidden(task.trees),
+            environment=environment,
+        )
         workspace = RepoWorkspace(tests, self.sandbox, self.sandbox.root / "workspaces", task.reward)
         with self._lock:
             number = next(self._numbers)

@@ -62,9 +62,20 @@ class TestSetup:
         return self.environment is None and bool(self.hidden)
 
     def grading_environment(self) -> RunEnvironment | None:
-        tests = RepoTests(package="", test_files=(), fail_to_pass=(), pass_to_pass=(), pytest_args=(), layer=Path(),
-                          episode_base=Path(), grading_base=Path(), hidden=(), timeout_s=0, environment=self.environment,
-                          source=self.source)
+        tests = RepoTests(
+            package="",
+            test_files=(),
+            fail_to_pass=(),
+            pass_to_pass=(),
+            pytest_args=(),
+            layer=Path(),
+            episode_base=Path(),
+            grading_base=Path(),
+            hidden=(),
+            timeout_s=0,
+            environment=self.environment,
+            source=self.source,
+        )
         return tests.run_environment("repo")
 
 
@@ -76,8 +87,16 @@ def _local_run(config: dict, sandbox_root: str, bases: str, setup: TestSetup) ->
     sandbox = worker_sandbox(config, sandbox_root)
     grading = Path(bases) / "grading"
     return lambda changes, test_files, timeout_s: run_tests_guarded(
-        sandbox, grading, {p: t.encode() for p, t in changes.items()}, test_files, setup.pytest_args, timeout_s,
-        setup.hidden, grading_area(sandbox), setup.grading_environment())
+        sandbox,
+        grading,
+        {p: t.encode() for p, t in changes.items()},
+        test_files,
+        setup.pytest_args,
+        timeout_s,
+        setup.hidden,
+        grading_area(sandbox),
+        setup.grading_environment(),
+    )
 
 
 def survey_with(run: TestRun, test_file: str, timeout_s: float) -> dict:
@@ -90,10 +109,16 @@ def survey_with(run: TestRun, test_file: str, timeout_s: float) -> dict:
             break
     passing = sorted(set.intersection(*({i for i, o in r.outcomes.items() if o == "passed"} for r in runs)))
     complete = all(r.complete and not r.flags for r in runs)
-    return {"test_file": test_file, "complete": complete, "passing": passing if complete else [],
-            "wall_seconds": max(r.wall_seconds for r in runs), "cpu_seconds": max(r.cpu_seconds for r in runs),
-            "status": runs[-1].status,
-            "infra_failure": any(r.infra_failure for r in runs), "detail": runs[-1].detail or runs[-1].output[-500:]}
+    return {
+        "test_file": test_file,
+        "complete": complete,
+        "passing": passing if complete else [],
+        "wall_seconds": max(r.wall_seconds for r in runs),
+        "cpu_seconds": max(r.cpu_seconds for r in runs),
+        "status": runs[-1].status,
+        "infra_failure": any(r.infra_failure for r in runs),
+        "detail": runs[-1].detail or runs[-1].output[-500:],
+    }
 
 
 def changed_files(grading: Path, candidate: Candidate) -> dict[str, str] | None:
@@ -108,8 +133,7 @@ def changed_files(grading: Path, candidate: Candidate) -> dict[str, str] | None:
     return changed
 
 
-def validate_with(run: TestRun, changed: dict[str, str] | None, test_files: tuple[str, ...], expected: list[str],
-                  timeout_s: float) -> dict:
+def validate_with(run: TestRun, changed: dict[str, str] | None, test_files: tuple[str, ...], expected: list[str], timeout_s: float) -> dict:
     """The changed files alone: which expected tests fail now."""
     if changed is None:
         return {"verdict": "rejected", "reason": "the change does not parse or changes nothing"}
@@ -124,8 +148,13 @@ def validate_with(run: TestRun, changed: dict[str, str] | None, test_files: tupl
     pass_to_pass = [i for i in expected if report.outcomes.get(i) == "passed"]
     if not fail_to_pass:
         return {"verdict": "rejected", "reason": "no test fails"}
-    return {"verdict": "validated", "fail_to_pass": fail_to_pass, "pass_to_pass": pass_to_pass,
-            "changed_files": changed, "wall_seconds": report.wall_seconds}
+    return {
+        "verdict": "validated",
+        "fail_to_pass": fail_to_pass,
+        "pass_to_pass": pass_to_pass,
+        "changed_files": changed,
+        "wall_seconds": report.wall_seconds,
+    }
 
 
 def survey(config: dict, sandbox_root: str, bases: str, setup: TestSetup, test_file: str, timeout_s: float) -> dict:
@@ -133,8 +162,16 @@ def survey(config: dict, sandbox_root: str, bases: str, setup: TestSetup, test_f
     return survey_with(_local_run(config, sandbox_root, bases, setup), test_file, timeout_s)
 
 
-def validate(config: dict, sandbox_root: str, bases: str, setup: TestSetup, changed: dict[str, str] | None,
-             test_files: tuple[str, ...], expected: list[str], timeout_s: float) -> dict:
+def validate(
+    config: dict,
+    sandbox_root: str,
+    bases: str,
+    setup: TestSetup,
+    changed: dict[str, str] | None,
+    test_files: tuple[str, ...],
+    expected: list[str],
+    timeout_s: float,
+) -> dict:
     """`validate_with` in a worker process of this machine."""
     return validate_with(_local_run(config, sandbox_root, bases, setup), changed, test_files, expected, timeout_s)
 
@@ -171,8 +208,9 @@ class Runners:
             if slot == LOCALHOST:
                 job = survey if kind == "survey" else validate
                 return self.processes.submit(job, self.config, str(self.sandbox_root), str(bases), setup, *args).result()
-            run = remote_test_run(self.fleet, slot, setup.project, bases / "grading", setup.environment, setup.pytest_args,
-                                  setup.ready_made, setup.source)
+            run = remote_test_run(
+                self.fleet, slot, setup.project, bases / "grading", setup.environment, setup.pytest_args, setup.ready_made, setup.source
+            )
             return survey_with(run, *args) if kind == "survey" else validate_with(run, *args)
         finally:
             self.slots.put(slot)

@@ -52,8 +52,10 @@ def repo_tests(record: dict, settings: RepoTaskSettings) -> RepoTests:
     """A built task's tests, as its workspaces run and grade them."""
     setup = record["setup"]
     if "scope" not in record:
-        raise UserError(f"env.tasks: task {record['id']} was built by an older composer (its index names no scope); "
-                        "rebuild the tasks with `composer env build RECIPE`")
+        raise UserError(
+            f"env.tasks: task {record['id']} was built by an older composer (its index names no scope); "
+            "rebuild the tasks with `composer env build RECIPE`"
+        )
     cache_dir = Path(settings.cache_dir).resolve()
     key = record["base"][:16] if record["base"] else record["version"] if setup["ready_made"] else setup["digest"]
     bases = cache_dir / "projects" / f"{record['project']}-{key}"
@@ -61,17 +63,27 @@ def repo_tests(record: dict, settings: RepoTaskSettings) -> RepoTests:
     if setup["environment"] is not None:
         built = load_environment(Path(setup["environment"]))
         if built is None:
-            raise UserError(f"env.tasks: the environment of project {record['project']} ({setup['environment']}) is gone; "
-                            "rebuild it with `composer env build RECIPE`")
+            raise UserError(
+                f"env.tasks: the environment of project {record['project']} ({setup['environment']}) is gone; "
+                "rebuild it with `composer env build RECIPE`"
+            )
         environment = built.run_environment()
     return RepoTests(
-        package=setup["package"], test_files=tuple(record["test_files"]), fail_to_pass=tuple(record["fail_to_pass"]),
-        pass_to_pass=tuple(record["pass_to_pass"]), pytest_args=tuple(setup["pytest_args"]),
-        layer=set_dir(settings) / record["layer"], episode_base=bases / "episode", grading_base=bases / "grading",
+        package=setup["package"],
+        test_files=tuple(record["test_files"]),
+        fail_to_pass=tuple(record["fail_to_pass"]),
+        pass_to_pass=tuple(record["pass_to_pass"]),
+        pytest_args=tuple(setup["pytest_args"]),
+        layer=set_dir(settings) / record["layer"],
+        episode_base=bases / "episode",
+        grading_base=bases / "grading",
         hidden=installed_copies(record["project"]) if setup["ready_made"] else (),
-        timeout_s=max(60.0, 4 * record["test_seconds"]), pass_to_pass_policy=settings.pass_to_pass,
-        environment=environment, source=setup["source"],
-        scope=tuple(Scope(path, tuple(functions)) for path, functions in record["scope"]))
+        timeout_s=max(60.0, 4 * record["test_seconds"]),
+        pass_to_pass_policy=settings.pass_to_pass,
+        environment=environment,
+        source=setup["source"],
+        scope=tuple(Scope(path, tuple(functions)) for path, functions in record["scope"]),
+    )
 
 
 # --- checking a built set -------------------------------------------------------------------------
@@ -92,14 +104,27 @@ class RepoCheckReport:
 def check_task(config: dict, sandbox_root: str, tests: RepoTests, paths: list[str]) -> tuple[bool, bool, str]:
     """(original passes, changed fails as recorded, why not) for one built task."""
     sandbox = worker_sandbox(config, sandbox_root)
-    run = lambda changes: run_tests_guarded(sandbox, tests.grading_base, changes, tests.test_files, tests.pytest_args,
-                                            tests.timeout_s, tests.hidden, grading_area(sandbox), tests.run_environment("repo"))
+    run = lambda changes: run_tests_guarded(
+        sandbox,
+        tests.grading_base,
+        changes,
+        tests.test_files,
+        tests.pytest_args,
+        tests.timeout_s,
+        tests.hidden,
+        grading_area(sandbox),
+        tests.run_environment("repo"),
+    )
     expected = (*tests.fail_to_pass, *tests.pass_to_pass)
     original = run({})
     original_ok = original.complete and not original.flags and all(original.outcomes.get(i) == "passed" for i in expected)
     changed = run({path: (tests.layer / path).read_bytes() for path in paths})
-    changed_ok = (changed.complete and not changed.flags and all(changed.outcomes.get(i) != "passed" for i in tests.fail_to_pass)
-                  and all(changed.outcomes.get(i) == "passed" for i in tests.pass_to_pass))
+    changed_ok = (
+        changed.complete
+        and not changed.flags
+        and all(changed.outcomes.get(i) != "passed" for i in tests.fail_to_pass)
+        and all(changed.outcomes.get(i) == "passed" for i in tests.pass_to_pass)
+    )
     why = []
     if not original_ok:
         why.append(f"original: {original.detail or [i for i in expected if original.outcomes.get(i) != 'passed'][:3]}")
@@ -108,8 +133,14 @@ def check_task(config: dict, sandbox_root: str, tests: RepoTests, paths: list[st
     return original_ok, changed_ok, "; ".join(why)
 
 
-def check_repo_tasks(settings: RepoTaskSettings, sandbox: SandboxSection, sandbox_root: Path, max_tasks: int | None,
-                     workers: int, on_task: Callable[[], None] = lambda: None) -> RepoCheckReport:
+def check_repo_tasks(
+    settings: RepoTaskSettings,
+    sandbox: SandboxSection,
+    sandbox_root: Path,
+    max_tasks: int | None,
+    workers: int,
+    on_task: Callable[[], None] = lambda: None,
+) -> RepoCheckReport:
     records = load_tasks(settings)[:max_tasks]
     report = RepoCheckReport()
     config = sandbox.model_dump()

@@ -86,8 +86,9 @@ class RepoTests(RepoTestPlan):
         """The environment of a command run whose project root is `root` (relative to the work directory)."""
         if self.environment is None and not self.source:
             return None
-        return dataclasses.replace(self.environment or RunEnvironment(),
-                                   pythonpath=(str(PurePosixPath(root) / self.source),) if self.source else ())
+        return dataclasses.replace(
+            self.environment or RunEnvironment(), pythonpath=(str(PurePosixPath(root) / self.source),) if self.source else ()
+        )
 
 
 def _is_whiteout(st: os.stat_result) -> bool:
@@ -197,15 +198,22 @@ def sentinel_tests(test_file: str, source: str, rng: random.Random) -> tuple[str
         values = rng.sample(range(2, 99), 3)
         smallest = min(values) if outcome == "passed" else max(values)
         # The assertion that decides is not the last statement: a tracer that jumps over asserts can reach it.
-        blocks.append(f"def {name}():\n    values = {values!r}\n    assert sorted(values)[0] == {smallest}\n"
-                      f"    assert len(values) == 3\n")
+        blocks.append(f"def {name}():\n    values = {values!r}\n    assert sorted(values)[0] == {smallest}\n    assert len(values) == 3\n")
         expected[f"{test_file}::{name}"] = outcome
     return "\n\n" + "\n\n".join(blocks), expected
 
 
-def run_tests_guarded(sandbox: Sandbox, grading_base: Path, changes: dict[str, bytes | None],
-                      test_files: tuple[str, ...], pytest_args: tuple[str, ...], timeout_s: float,
-                      hidden: tuple[str, ...], area: Path, environment: RunEnvironment | None = None) -> TestReport:
+def run_tests_guarded(
+    sandbox: Sandbox,
+    grading_base: Path,
+    changes: dict[str, bytes | None],
+    test_files: tuple[str, ...],
+    pytest_args: tuple[str, ...],
+    timeout_s: float,
+    hidden: tuple[str, ...],
+    area: Path,
+    environment: RunEnvironment | None = None,
+) -> TestReport:
     """Run pytest on `test_files` (with sentinel tests) in the sandbox over a fresh read-only view of
     `grading_base` with `changes` (trusted tests and configuration: the caller passes only changes it grades), and
     read the trusted plugin's report from the run's channel; `environment`: the project's own. Used to validate
@@ -241,10 +249,32 @@ def run_tests_guarded(sandbox: Sandbox, grading_base: Path, changes: dict[str, b
         os.chmod(secret_dir / "key", 0o644)
         (config_dir / "pytest.ini").write_text("[pytest]\n")
         os.chmod(config_dir / "pytest.ini", 0o644)
-        command = " ".join(shlex.quote(a) for a in [
-            "python", "-s", "-P", "-B", "-c", _PYTEST_REPORT.read_text(), "repo", "secret/key", str(CHANNEL_FD),
-            "-c", "../config/pytest.ini", "--rootdir=.", "--confcutdir=.", "-p", "no:cacheprovider", "-q", "--tb=short",
-            "-W", "ignore::pytest.PytestUnknownMarkWarning", *pytest_args, *test_files])
+        command = " ".join(
+            shlex.quote(a)
+            for a in [
+                "python",
+                "-s",
+                "-P",
+                "-B",
+                "-c",
+                _PYTEST_REPORT.read_text(),
+                "repo",
+                "secret/key",
+                str(CHANNEL_FD),
+                "-c",
+                "../config/pytest.ini",
+                "--rootdir=.",
+                "--confcutdir=.",
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                "--tb=short",
+                "-W",
+                "ignore::pytest.PytestUnknownMarkWarning",
+                *pytest_args,
+                *test_files,
+            ]
+        )
         result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden, channel=True, environment=environment)
         return read_report(result, key, sentinels)
     finally:
@@ -310,8 +340,17 @@ def read_report(result: CommandResult, key: bytes, sentinels: dict[str, str]) ->
     # A report the program wrote into or whose reporting it patched proves nothing: every test counts as failed.
     trusted = end is not None and not end.get("tampered") and "forged_records" not in flags and not tripped
     outcomes = {i: o for i, o in outcomes.items() if i not in sentinels}
-    return TestReport(outcomes, trusted, tuple(sorted(flags)), detail, result.output, result.status,
-                      result.wall_seconds, result.cpu_seconds, result.infra_failure)
+    return TestReport(
+        outcomes,
+        trusted,
+        tuple(sorted(flags)),
+        detail,
+        result.output,
+        result.status,
+        result.wall_seconds,
+        result.cpu_seconds,
+        result.infra_failure,
+    )
 
 
 def _tripped_sentinels(outcomes: dict[str, str], sentinels: dict[str, str]) -> list[str]:
@@ -331,6 +370,7 @@ def score(report: TestReport, tests: RepoTests, reward: RewardMode) -> SandboxRe
     """Reward of a test run: the fraction of fail-to-pass tests passing (`reward` all_or_nothing: all of them),
     0 when any pass-to-pass test broke (`pass_to_pass` required) or counting them as tests too (`scored`). Every
     expected id must be reported passed: a missing test fails; a report without its end fails them all."""
+
     def passed(ids: tuple[str, ...]) -> int:
         return sum(report.complete and report.outcomes.get(i) == "passed" for i in ids)
 
@@ -344,9 +384,18 @@ def score(report: TestReport, tests: RepoTests, reward: RewardMode) -> SandboxRe
     detail = report.detail or (f"{len(missing)} expected test(s) not reported, e.g. {missing[0]}" if missing and report.complete else "")
     status = report.status if report.status != "ok" or report.complete else "crash"
     return SandboxResult(
-        reward=0.0 if report.infra_failure else value, passed=f2p + p2p, total=total, status=status, detail=detail,
-        stdout_tail=report.output, stderr_tail="", wall_seconds=report.wall_seconds, flags=report.flags,
-        flag_details=tuple(f"{f}: {report.detail}" for f in report.flags if report.detail), infra_failure=report.infra_failure)
+        reward=0.0 if report.infra_failure else value,
+        passed=f2p + p2p,
+        total=total,
+        status=status,
+        detail=detail,
+        stdout_tail=report.output,
+        stderr_tail="",
+        wall_seconds=report.wall_seconds,
+        flags=report.flags,
+        flag_details=tuple(f"{f}: {report.detail}" for f in report.flags if report.detail),
+        infra_failure=report.infra_failure,
+    )
 
 
 # --- an episode's view of a repository task ----------------------------------------------------
@@ -355,8 +404,7 @@ def score(report: TestReport, tests: RepoTests, reward: RewardMode) -> SandboxRe
 class RepoWorkspace(Workspace):
     """One episode's copy-on-write view of a repository task (see the module docstring)."""
 
-    def __init__(self, tests: RepoTests, sandbox: Sandbox, area: Path, reward: RewardMode = "fraction",
-                 overlay: bool | None = None):
+    def __init__(self, tests: RepoTests, sandbox: Sandbox, area: Path, reward: RewardMode = "fraction", overlay: bool | None = None):
         """A view in `area`: overlayfs where it works (`overlay` None), else (or with `overlay` False) a copy."""
         self.tests = tests
         self.sandbox = sandbox
@@ -391,16 +439,30 @@ class RepoWorkspace(Workspace):
         self._task_files = {relative: _read_entry(tests.layer, relative) for relative in _files_under(tests.layer, "")}
 
     def shell(self, command: str, timeout_s: float) -> CommandResult:
-        result = self.sandbox.run_command(command, self.root, timeout_s=timeout_s, hidden=self.tests.hidden,
-                                          environment=self.tests.run_environment("."))
+        result = self.sandbox.run_command(
+            command, self.root, timeout_s=timeout_s, hidden=self.tests.hidden, environment=self.tests.run_environment(".")
+        )
         if self._capped and is_full(self._dir):
             result = dataclasses.replace(result, flags=tuple(sorted({*result.flags, "write_limit"})))
         return result
 
     def run_tests(self) -> CommandResult:
-        command = " ".join(shlex.quote(a) for a in ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
-                                                      "-W", "ignore::pytest.PytestUnknownMarkWarning",
-                                                      *self.tests.pytest_args, *self.tests.test_files])
+        command = " ".join(
+            shlex.quote(a)
+            for a in [
+                "python",
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--tb=short",
+                "-W",
+                "ignore::pytest.PytestUnknownMarkWarning",
+                *self.tests.pytest_args,
+                *self.tests.test_files,
+            ]
+        )
         return self.shell(command, self.tests.timeout_s)
 
     def changed(self) -> dict[str, bytes | None | object]:
@@ -446,13 +508,23 @@ class RepoWorkspace(Workspace):
     def grade(self) -> SandboxResult:
         tests = self.tests
         kept = keep_change(self.changed(), self._task_files, tests.grading_base, tests.package, tests.scope)
-        report = run_tests_guarded(self.sandbox, tests.grading_base, kept.files, tests.test_files, tests.pytest_args,
-                                   tests.timeout_s, tests.hidden, self._area,
-                                   tests.run_environment("repo"))
+        report = run_tests_guarded(
+            self.sandbox,
+            tests.grading_base,
+            kept.files,
+            tests.test_files,
+            tests.pytest_args,
+            tests.timeout_s,
+            tests.hidden,
+            self._area,
+            tests.run_environment("repo"),
+        )
         result = score(report, tests, self.reward)
-        for flag, found, why in (("tests_modified", kept.protected, "ignored: graded with the trusted copies"),
-                                 ("change_dropped", kept.dropped, "not graded"),
-                                 ("forbidden_code", kept.forbidden, "in the graded change")):
+        for flag, found, why in (
+            ("tests_modified", kept.protected, "ignored: graded with the trusted copies"),
+            ("change_dropped", kept.dropped, "not graded"),
+            ("forbidden_code", kept.forbidden, "in the graded change"),
+        ):
             if found:
                 shown = "; ".join(found[:10]) + (f" and {len(found) - 10} more" if len(found) > 10 else "")
                 result = _with_flag(result, flag, f"{shown} ({why})")
@@ -475,6 +547,4 @@ class RepoWorkspace(Workspace):
 
 
 def _with_flag(result: SandboxResult, flag: str, detail: str) -> SandboxResult:
-    return dataclasses.replace(result, flags=tuple(sorted({*result.flags, flag})),
-                               flag_details=(*result.flag_details, f"{flag}: {detail}"))
-
+    return dataclasses.replace(result, flags=tuple(sorted({*result.flags, flag})), flag_details=(*result.flag_details, f"{flag}: {detail}"))

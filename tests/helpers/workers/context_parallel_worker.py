@@ -69,15 +69,26 @@ def run(m, p: ParallelismSection, checkpoint, sequences, packed: bool, routes):
     for param in model.parameters():
         param.data.copy_(param.main_grad)  # gathered below as an export gathers weights
     grads = {name: t.clone() for name, t in iter_hf_tensors(model, m)}
-    return {"logits": logits, "logprobs": logprobs.detach(), "loss": float(loss), "grads": grads,
-            "routes": [torch.from_numpy(r) for r in recorded], "rows": layout.shape}
+    return {
+        "logits": logits,
+        "logprobs": logprobs.detach(),
+        "loss": float(loss),
+        "grads": grads,
+        "routes": [torch.from_numpy(r) for r in recorded],
+        "rows": layout.shape,
+    }
 
 
 def full_logits(ddp, layout, sequences, replay) -> torch.Tensor:
     tokens = layout.local(stream_of(sequences))
     with torch.no_grad(), routing(ddp, replay):
-        logits = ddp(tokens, layout.position_ids, None if layout.packed else causal_mask(tokens.shape[1]),
-                     runtime_gather_output=True, packed_seq_params=layout.packed_seq_params())
+        logits = ddp(
+            tokens,
+            layout.position_ids,
+            None if layout.packed else causal_mask(tokens.shape[1]),
+            runtime_gather_output=True,
+            packed_seq_params=layout.packed_seq_params(),
+        )
     return layout.padded(layout.stream(logits))
 
 

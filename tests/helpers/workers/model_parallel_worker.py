@@ -67,7 +67,9 @@ def main() -> None:
         splits = MOE_SPLITS if m.is_moe else DENSE_SPLITS
         tokens = torch.randint(0, m.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
         results[m.family] = {
-            name: run_split(m.model_copy(update={"moe_token_dispatcher": dispatcher}), p, checkpoint, tokens, f"{out}/export-{m.family}-{name}")
+            name: run_split(
+                m.model_copy(update={"moe_token_dispatcher": dispatcher}), p, checkpoint, tokens, f"{out}/export-{m.family}-{name}"
+            )
             for name, (p, dispatcher) in splits.items()
         }
     if torch.distributed.get_rank() == 0:

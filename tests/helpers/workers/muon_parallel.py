@@ -98,7 +98,9 @@ def learner_sequences(step: int, vocab: int) -> list[LearnerSequence]:
     for i, length in enumerate((40, 33, 48, 25)):
         mask = np.arange(length) >= 8
         logprobs = np.where(mask, -generator.uniform(1.0, 3.0, length), 0.0).astype(np.float32)
-        out.append(LearnerSequence(generator.integers(0, vocab, length), mask, logprobs, advantage=(-1.0) ** i, routes=None, episode=str(i)))
+        out.append(
+            LearnerSequence(generator.integers(0, vocab, length), mask, logprobs, advantage=(-1.0) ** i, routes=None, episode=str(i))
+        )
     return out
 
 
@@ -108,9 +110,14 @@ def rl_learner_updates(m: ModelSection, checkpoint: Path, root: Path) -> dict:
     m = m.model_copy(update={"checkpoint": str(checkpoint)})
     out = {}
     for name in ("tp1", "ep2"):
-        learner = RLLearner(m, MUON_SPLITS[name], exact_muon(),
-                            TrainSection(steps=10, global_batch_size=4, micro_batch_size=2), RLSection(router_replay="off"),
-                            root / f"rl-checkpoints-{name}")
+        learner = RLLearner(
+            m,
+            MUON_SPLITS[name],
+            exact_muon(),
+            TrainSection(steps=10, global_batch_size=4, micro_batch_size=2),
+            RLSection(router_replay="off"),
+            root / f"rl-checkpoints-{name}",
+        )
         out[f"loss_{name}"] = [learner.train_step(learner_sequences(step, m.vocab_size))["loss"] for step in range(MUON_STEPS)]
         out[name] = hf_weights(learner.core.model, m)
     return out

@@ -30,8 +30,9 @@ def micro_batches(vocab: int) -> list[dict[str, torch.Tensor]]:
         tokens = torch.randint(0, vocab, (2, 33), generator=generator)
         mask = torch.ones(2, 32)
         mask[1, 20:] = 0  # a padded tail
-        batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
-                        "position_ids": torch.arange(32).expand(2, 32)})
+        batches.append(
+            {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask, "position_ids": torch.arange(32).expand(2, 32)}
+        )
     return batches
 
 

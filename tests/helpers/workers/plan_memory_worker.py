@@ -33,9 +33,11 @@ def held_bytes(core: TrainerCore) -> dict[str, int]:
     biases = [buffer for name, buffer in model.named_buffers() if name.endswith("expert_bias")]
     inner = getattr(core.optimizer.optimizer, "chained_optimizers", [core.optimizer.optimizer])
     state = [t for opt in inner for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
-    return {"parameters": tensor_bytes(list(model.parameters()) + biases),
-            "gradients": tensor_bytes(buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers),
-            "optimizer": tensor_bytes(state)}
+    return {
+        "parameters": tensor_bytes(list(model.parameters()) + biases),
+        "gradients": tensor_bytes(buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers),
+        "optimizer": tensor_bytes(state),
+    }
 
 
 def main() -> None:
@@ -55,16 +57,21 @@ def main() -> None:
     p, seq = recipe.parallelism, recipe.data.seq_length
     placement = None
     if p.pp == 1:  # the pipeline schedule takes the sample rows (as mid-training feeds it)
-        placement = BatchPlacement("causal", eod=0, cp_size=p.cp, cp_rank=parallel_state.get_context_parallel_rank(),
-                                   multiple=p.tp if p.sequence_parallel else 1)
+        placement = BatchPlacement(
+            "causal", eod=0, cp_size=p.cp, cp_rank=parallel_state.get_context_parallel_rank(), multiple=p.tp if p.sequence_parallel else 1
+        )
     micro = recipe.train.global_batch_size // (recipe.train.micro_batch_size * parallel_state.get_data_parallel_world_size())
     generator = torch.Generator().manual_seed(parallel_state.get_data_parallel_rank())
     for step in range(3):
         batches = []
         for _ in range(micro):
             tokens = torch.randint(1, recipe.model.vocab_size, (recipe.train.micro_batch_size, seq + 1), generator=generator)
-            batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(tokens.shape[0], seq),
-                     "position_ids": torch.arange(seq).expand(tokens.shape[0], seq)}
+            batch = {
+                "tokens": tokens[:, :-1],
+                "labels": tokens[:, 1:],
+                "loss_mask": torch.ones(tokens.shape[0], seq),
+                "position_ids": torch.arange(seq).expand(tokens.shape[0], seq),
+            }
             batches.append(placement(batch) if placement else batch)
         if step == 1:
             reset_peak_resident()

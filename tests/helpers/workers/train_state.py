@@ -22,7 +22,7 @@ def setup(recipe):
 
 def train(ddp, opt, steps, first):
     losses = []
-    for step in range(first, first + steps):
+    for _step in range(first, first + steps):
         tokens = torch.randint(0, 4096, (2, 33), generator=torch.Generator().manual_seed(0))  # one batch: the loss must fall
         opt.zero_grad()
         logits = forward_logits(ddp, tokens[:, :-1])
@@ -35,7 +35,10 @@ def train(ddp, opt, steps, first):
 
 def main() -> None:
     ckpt_dir = Path(sys.argv[1])
-    recipe = load_recipe(Path(__file__).parents[3] / "recipes/smoke-midtrain.yaml", ["cluster.procs_per_host=1", "parallelism.ep=1", "parallelism.distributed_optimizer=true", *sys.argv[2:]])
+    recipe = load_recipe(
+        Path(__file__).parents[3] / "recipes/smoke-midtrain.yaml",
+        ["cluster.procs_per_host=1", "parallelism.ep=1", "parallelism.distributed_optimizer=true", *sys.argv[2:]],
+    )
     layout = {k: getattr(recipe.parallelism, k) for k in ("tp", "pp", "ep", "etp", "cp")}
     init_distributed(recipe.parallelism, seed=0)
     model, ddp, opt = setup(recipe)
