@@ -1,4 +1,4 @@
-"""The layering DESIGN.md states, read from the code's own imports (every import, lazy ones included):
+"""The layering docs/architecture.md states, read from the code's own imports (every import, lazy ones included):
 `cli -> rl -> {trainer, data, rollout, sync} -> cluster -> runtime -> recipes`, trainer and rollout apart,
 and no two modules importing each other, directly or around a circle; inside rollout, the floors of its rooms."""
 
