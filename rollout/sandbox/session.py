@@ -93,6 +93,10 @@ class Zygote:
         if not ready:
             ours.close()
             raise InfraError("the sandbox fork server did not start")
+        error = json.loads(ready).get("error")
+        if error:
+            ours.close()
+            raise InfraError(error)
         ours.settimeout(10.0)
         self._sock = ours
 
