@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import tempfile
 import time
 from contextlib import contextmanager
@@ -40,6 +39,7 @@ from composer.rollout.sandbox.isolation import (
 )
 from composer.rollout.sandbox.results import AssertionTests, CommandResult, RewardMode, RunEnvironment, SandboxResult, Tests
 from composer.rollout.sandbox.session import InfraError, Session, command_result, sandbox_environment, zygote_for
+from composer.rollout.sandbox.trees import remove_tree
 
 log = logging.getLogger("composer.sandbox")
 
@@ -156,7 +156,7 @@ class Sandbox:
                 # namespace's processes die only as its init's exit reaches them.
                 kill_uid(lease.uid)
                 lease.release()
-            shutil.rmtree(run_dir, ignore_errors=True)
+            remove_tree(run_dir)
 
     def _command_once(
         self, command: str, workdir: Path, timeout_s: float, hidden: tuple[str, ...], channel: bool, environment: RunEnvironment

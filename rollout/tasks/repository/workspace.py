@@ -31,6 +31,7 @@ from typing import Literal
 
 from composer.rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult, reward_for
 from composer.rollout.sandbox.runs import CHANNEL_FD, Sandbox
+from composer.rollout.sandbox.trees import remove_tree, walk_files
 from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE, Scope, keep_change
 from composer.rollout.tasks.workspace import Workspace, is_full, mount_capped, mount_overlay, overlay_supported, unmount
 
@@ -170,7 +171,7 @@ def _apply_to_copy(root: Path, changes: dict[str, bytes | None]) -> None:
         if path.is_symlink() or path.is_file():
             path.unlink()
         elif path.is_dir():
-            shutil.rmtree(path)
+            remove_tree(path, ignore_errors=False)
         if content is None:
             continue
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -280,7 +281,7 @@ def run_tests_guarded(
     finally:
         if mounted:
             unmount(repo)
-        shutil.rmtree(work, ignore_errors=True)
+        remove_tree(work)
 
 
 def read_report(result: CommandResult, key: bytes, sentinels: dict[str, str]) -> TestReport:
@@ -469,35 +470,33 @@ class RepoWorkspace(Workspace):
         """Every path whose content differs from the task's state (the base with the task's changed file): new
         bytes, None (gone), or NOT_A_FILE (a symlink, a path through one, a FIFO...: never read, never graded)."""
         candidates = set(_files_under(self.tests.layer, ""))
+        # The episode's tree is walked iteratively and bounded (`walk_files`): a directory too deep or with too
+        # long a path is not entered and counts as not a regular file (dropped, named in change_dropped).
+        cut: list[str] = []
         if self.overlay:
             upper = self._dir / "upper"
-            for directory, dirs, files in os.walk(upper):
-                for name in [*files, *dirs]:
-                    path = Path(directory, name)
-                    relative = str(path.relative_to(upper))
-                    st = os.lstat(path)
-                    if _is_whiteout(st) or (stat.S_ISDIR(st.st_mode) and _is_opaque(path)):
-                        candidates.update(_files_under(self.tests.grading_base, relative))
-                    if not stat.S_ISDIR(st.st_mode):
-                        candidates.add(relative)
+            for relative, st in walk_files(upper, cut):
+                if _is_whiteout(st) or (stat.S_ISDIR(st.st_mode) and _is_opaque(upper / relative)):
+                    candidates.update(_files_under(self.tests.grading_base, relative))
+                if not stat.S_ISDIR(st.st_mode):
+                    candidates.add(relative)
         else:
             episode_base = self.tests.episode_base
             seen = set()
-            for directory, _, files in os.walk(self.root):
-                for name in files:
-                    path = Path(directory, name)
-                    relative = str(path.relative_to(self.root))
-                    seen.add(relative)
-                    try:
-                        mine, theirs = os.lstat(path), os.lstat(episode_base / relative)
-                        # Copies keep size and mtime; the task's own files are always compared by content.
-                        if (mine.st_size, mine.st_mtime_ns) == (theirs.st_size, theirs.st_mtime_ns) and relative not in candidates:
-                            continue
-                    except FileNotFoundError:
-                        pass
-                    candidates.add(relative)
+            for relative, mine in walk_files(self.root, cut):
+                if stat.S_ISDIR(mine.st_mode):
+                    continue
+                seen.add(relative)
+                try:
+                    theirs = os.lstat(episode_base / relative)
+                    # Copies keep size and mtime; the task's own files are always compared by content.
+                    if (mine.st_size, mine.st_mtime_ns) == (theirs.st_size, theirs.st_mtime_ns) and relative not in candidates:
+                        continue
+                except FileNotFoundError:
+                    pass
+                candidates.add(relative)
             candidates.update(p for p in _files_under(episode_base, "") if p not in seen)
-        changes = {}
+        changes: dict[str, bytes | None | object] = dict.fromkeys(cut, NOT_A_FILE)
         for relative in candidates:
             content = _read_entry(self.root, relative)
             task_state = self._task_files[relative] if relative in self._task_files else _read_entry(self.tests.grading_base, relative)
@@ -537,7 +536,7 @@ class RepoWorkspace(Workspace):
         if self._capped:
             unmount(self._dir)
             self._capped = False
-        shutil.rmtree(self._dir, ignore_errors=True)
+        remove_tree(self._dir)
 
     def __enter__(self) -> RepoWorkspace:
         return self
