@@ -30,6 +30,11 @@ log = logging.getLogger("composer.sandbox")
 _HERE = Path(__file__).resolve().parent
 # Reply bytes beyond this are not results any more.
 MAX_RESULT_BYTES = 64 << 20
+# One record on the reply pipe: at most this long (an output over 1 MB is refused anyway), and ended (newline)
+# within this many seconds of its first byte; else the run is stopped ("results": output_limit), so a record
+# without an end costs the host neither memory nor CPU (it is never re-scanned) until the wall-clock limit.
+MAX_RECORD_BYTES = 8 << 20
+MAX_RECORD_SECONDS = 10.0
 _GRACE_SECONDS = 1.0
 _ZYGOTE_START_SECONDS = 60.0
 
@@ -184,6 +189,7 @@ class Session:
         self.stdout, self.stderr = Tail(cap), Tail(cap)
         self._reply_bytes = 0
         self._pending = bytearray()
+        self._pending_since = 0.0
         self.channel = bytearray() if plan.get("channel_fd") is not None else None
         """A command's report channel: every byte it wrote there, in order."""
         self._replies: list[dict] = []
@@ -276,7 +282,9 @@ class Session:
                 (self.stdout if key.fd == self._out else self.stderr).add(chunk)
         if self.stdout.total + self.stderr.total > self.config.max_file_mb << 20:
             self.stop = "output"
-        elif self._reply_bytes > MAX_RESULT_BYTES:
+        elif self._reply_bytes > MAX_RESULT_BYTES or len(self._pending) > MAX_RECORD_BYTES:
+            self.stop = "results"
+        elif self._pending and time.monotonic() - self._pending_since > MAX_RECORD_SECONDS:
             self.stop = "results"
         elif self.setup_error:
             self.stop = "setup"
@@ -307,9 +315,15 @@ class Session:
                 break
 
     def _take_replies(self, chunk: bytes) -> None:
+        if not self._pending:
+            self._pending_since = time.monotonic()
+        if b"\n" not in chunk:
+            self._pending += chunk
+            return
         self._pending += chunk
         *lines, rest = self._pending.split(b"\n")
         self._pending = bytearray(rest)
+        self._pending_since = time.monotonic()
         for line in lines:
             try:
                 record = json.loads(line)

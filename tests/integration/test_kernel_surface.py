@@ -121,3 +121,26 @@ def test_the_filter_is_on_in_pytest_under_guarded_grading(sandbox, tmp_path):
     fix = {"toy/core.py": b"def double(x):\n    return x + x\n"}
     report = run_tests_guarded(sandbox, root, fix, ("toy/tests/test_core.py",), (), 60, (), tmp_path / "views")
     assert report.complete and set(report.outcomes.values()) == {"passed"} and len(report.outcomes) == 2, report.output
+
+
+FLOOD = """
+import os, time
+for fd in map(int, os.listdir("/proc/self/fd")):
+    if fd > 2:
+        try:
+            os.write(fd, b"x" * {first})
+            time.sleep({pause})
+            while True:
+                os.write(fd, b"x" * (1 << 20))
+        except OSError:
+            pass
+"""
+
+
+@pytest.mark.parametrize("first, pause", [(1 << 20, 0), (10, 30)], ids=["too-long", "too-slow"])
+def test_a_reply_record_that_never_ends_stops_the_run(sandbox, first, pause):
+    result = sandbox.run(FLOOD.format(first=first, pause=pause), ScriptRun())
+    assert "output_limit" in result.flags and result.status == "crash" and not result.infra_failure, result
+    assert result.wall_seconds < 25
+    honest = sandbox.run("print(sum(range(10)))\n", ScriptRun())
+    assert (honest.stdout_tail, honest.flags) == ("45\n", ())
