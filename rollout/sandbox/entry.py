@@ -258,6 +258,10 @@ def run(plan: dict, fds: dict, serve) -> None:
     status_fd = fds["status"]
     try:
         os.setsid()
+        # The run's cgroup (one memory limit and one CPU count for everything it starts), joined first.
+        for procs in plan.get("cgroup_procs", ()):
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
         for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
         _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
