@@ -144,3 +144,14 @@ def test_a_reply_record_that_never_ends_stops_the_run(sandbox, first, pause):
     assert result.wall_seconds < 25
     honest = sandbox.run("print(sum(range(10)))\n", ScriptRun())
     assert (honest.stdout_tail, honest.flags) == ("45\n", ())
+
+
+ESCAPES = "\x1b]0;owned\x07\x1b[2J\x1b[31mred\r\x08\x00\x9b\u202eevil"
+
+
+def test_what_a_run_prints_reaches_a_person_as_visible_escapes(sandbox, tmp_path):
+    script = sandbox.run(f"import sys\nprint({ESCAPES!r})\nprint({ESCAPES!r}, file=sys.stderr)\n", ScriptRun())
+    command = sandbox.run_command("printf '%b' '" + ESCAPES.encode("unicode_escape").decode() + "'", tmp_path)
+    for text in (script.stdout_tail, script.stderr_tail, command.output):
+        assert "\\x1b]0;owned\\x07\\x1b[2J\\x1b[31mred\\x0d\\x08\\x00" in text, text
+        assert not any(ord(c) < 32 and c not in "\n\t" or 0x7F <= ord(c) <= 0x9F or c == "\u202e" for c in text), text
