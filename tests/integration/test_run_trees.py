@@ -1,12 +1,18 @@
 """Trees an episode makes in its workspace that once broke the host side (#37, #44): a 1,200-deep tree and 22 nested
 255-character names (paths past PATH_MAX). Grading walks them iteratively and bounded: what is over the bounds is
 dropped and named (`change_dropped`), the host side raises nothing, an honest fix in the same workspace still gets
-1.0, and closing the workspace leaves nothing on the host."""
+1.0, and closing the workspace leaves nothing on the host. Shipping: what an environment or workspace must not carry
+(links out of its tree, hard links, devices, special files) is refused by the sender and by the unpack filter, and
+relocation never follows a symlink."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import shutil
+import stat
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -59,3 +65,90 @@ def test_a_deep_tree_in_a_workspace_is_dropped_and_an_honest_fix_still_passes(tm
         assert result.reward == 1.0 and not result.infra_failure, result.detail
         assert "change_dropped" in result.flags and f"toy/{name}/" in " ".join(result.flag_details), result.flag_details
     assert not ws.root.exists() and list((tmp_path / "workspaces").iterdir()) == []
+
+
+# --- shipping: no link out of a tree, no hard link, no device or special file ----------------------
+
+
+def ship(store, tree: Path, relocate_from: str | None = None):
+    from composer.rollout.tasks.repository.shipping import pack
+
+    pack.cache_clear()
+    digest, archive = pack(tree)
+    store.begin(digest)
+    store.chunk(digest, archive.read_bytes())
+    store.receive(digest, relocate_from)
+    return store.path(digest) / "tree"
+
+
+def raw_archive(tmp_path: Path, *members: tuple[tarfile.TarInfo, bytes]) -> tuple[str, bytes]:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for info, data in members:
+            archive.addfile(info, io.BytesIO(data) if data else None)
+    return hashlib.sha256(buffer.getvalue()).hexdigest(), buffer.getvalue()
+
+
+@pytest.mark.parametrize("planted", ["bin-to-outside", "link-to-etc", "link-climbing-out", "device", "fifo"])
+def test_an_environment_holding_what_must_not_cross_is_refused_by_the_sender(tmp_path, planted):
+    from composer.rollout.tasks.repository.shipping import ShippingError
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    env = tmp_path / "env"
+    (env / "lib").mkdir(parents=True)
+    if planted == "bin-to-outside":
+        (env / "bin").symlink_to(outside)
+    elif planted == "link-to-etc":
+        (env / "lib" / "etc").symlink_to("/etc")
+    elif planted == "link-climbing-out":
+        (env / "lib" / "up").symlink_to("../../../../..")
+    elif planted == "device":
+        os.mknod(env / "lib" / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    else:
+        os.mkfifo(env / "lib" / "fifo")
+    from composer.rollout.tasks.repository.shipping import pack
+
+    with pytest.raises(ShippingError):
+        pack(env)
+
+
+def test_hard_links_ship_as_files_and_relocation_never_follows_a_symlink(tmp_path):
+    from composer.rollout.tasks.repository.shipping import Store
+
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "tool").write_text(f"#!{env}/bin/python\n")
+    (env / "bin" / "python").symlink_to("/usr/bin/python3")  # a venv's interpreter link: allowed
+    (env / "lib").mkdir()
+    (env / "lib" / "a").write_text("shared")
+    os.link(env / "lib" / "a", env / "lib" / "b")
+    tree = ship(Store(tmp_path / "host"), env, relocate_from=str(env))
+    assert (tree / "lib" / "b").read_text() == "shared" and (tree / "lib" / "a").stat().st_ino != (tree / "lib" / "b").stat().st_ino
+    assert (tree / "bin" / "tool").read_text() == f"#!{tree}/bin/python\n"
+
+
+@pytest.mark.parametrize("kind", ["hard-link-to-host-file", "device", "symlink-climbing-out", "symlink-absolute"])
+def test_the_unpack_filter_refuses_what_a_sender_should_not_send(tmp_path, kind):
+    from composer.rollout.tasks.repository.shipping import Store
+
+    victim = tmp_path / "victim"
+    victim.write_text("host file")
+    os.chmod(victim, 0o600)
+    info = tarfile.TarInfo("x")
+    if kind == "hard-link-to-host-file":
+        info.type, info.linkname = tarfile.LNKTYPE, str(victim)
+    elif kind == "device":
+        info.type, info.devmajor, info.devminor = tarfile.CHRTYPE, 1, 3
+    elif kind == "symlink-climbing-out":
+        info.type, info.linkname = tarfile.SYMTYPE, "../../../../.."
+    else:
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc"
+    digest, data = raw_archive(tmp_path, (info, b""))
+    store = Store(tmp_path / "host")
+    store.begin(digest)
+    store.chunk(digest, data)
+    with pytest.raises(tarfile.FilterError):
+        store.receive(digest, None)
+    assert not store.have(digest) and [p for p in store.root.iterdir() if not p.name.startswith(".")] == []
+    assert victim.read_text() == "host file" and stat.S_IMODE(victim.stat().st_mode) == 0o600
