@@ -152,3 +152,56 @@ def test_the_unpack_filter_refuses_what_a_sender_should_not_send(tmp_path, kind)
         store.receive(digest, None)
     assert not store.have(digest) and [p for p in store.root.iterdir() if not p.name.startswith(".")] == []
     assert victim.read_text() == "host file" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+
+
+FILL_TEST = """
+def test_fills_the_grading_directory():
+    written = 0
+    try:
+        with open("/sandbox/big", "wb") as f:
+            for _ in range(100):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+                written += 1
+    except OSError:
+        pass
+    assert written < 100
+"""
+
+
+def test_grading_writes_go_to_a_capped_tmpfs_removed_after(tmp_path):
+    from composer.rollout.tasks.repository.workspace import run_tests_guarded
+
+    tests = toy(tmp_path)
+    (tests.grading_base / "toy" / "tests" / "test_fill.py").write_text(FILL_TEST)
+    os.chmod(tests.grading_base / "toy" / "tests" / "test_fill.py", 0o644)
+    sandbox = Sandbox(SandboxSection(cpu_seconds=60, wall_seconds=120, max_write_mb=16, max_inodes=500), root=tmp_path / "sandboxes")
+    free = shutil.disk_usage(tmp_path).free
+    report = run_tests_guarded(sandbox, tests.grading_base, {}, ("toy/tests/test_fill.py",), (), 60, (), tmp_path / "views")
+    assert report.complete and "write_limit" in report.flags, report.output
+    assert abs(shutil.disk_usage(tmp_path).free - free) < 8 << 20 and list((tmp_path / "views").iterdir()) == []
+
+
+def test_what_a_killed_process_left_mounted_is_reclaimed_by_the_next(tmp_path):
+    import subprocess
+
+    from composer.rollout.tasks.workspace import mount_capped, reclaim, unmount
+
+    area = tmp_path / "workspaces"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left, live = area / f"ws-{gone.pid}-abc", area / f"ws-{os.getppid()}-def"
+    for d in (left, live):
+        (d / "root").mkdir(parents=True)
+        mount_capped(d, 1 << 20, 100)
+        (d / "root").mkdir()
+        mount_capped(d / "root", 1 << 20, 100)
+    try:
+        reclaim(area)
+        mounts = Path("/proc/self/mountinfo").read_text()
+        assert not left.exists() and str(left) not in mounts
+        assert os.path.ismount(live) and os.path.ismount(live / "root")  # a live process's workspace is left alone
+    finally:
+        for target in (live / "root", live, left / "root", left):
+            if os.path.ismount(target):
+                unmount(target)

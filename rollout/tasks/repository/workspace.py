@@ -24,7 +24,6 @@ import secrets
 import shlex
 import shutil
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
@@ -33,7 +32,16 @@ from composer.rollout.sandbox.results import CommandResult, RewardMode, RunEnvir
 from composer.rollout.sandbox.runs import CHANNEL_FD, Sandbox
 from composer.rollout.sandbox.trees import remove_tree, walk_files
 from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE, Scope, keep_change
-from composer.rollout.tasks.workspace import Workspace, is_full, mount_capped, mount_overlay, overlay_supported, unmount
+from composer.rollout.tasks.workspace import (
+    Workspace,
+    is_full,
+    mount_capped,
+    mount_overlay,
+    overlay_supported,
+    owned_dir,
+    reclaim,
+    unmount,
+)
 
 PassToPass = Literal["required", "scored"]
 _PYTEST_REPORT = Path(__file__).with_name("pytest_report.py")
@@ -220,7 +228,8 @@ def run_tests_guarded(
     read the trusted plugin's report from the run's channel; `environment`: the project's own. Used to validate
     tasks (the changed file as the only change) and to grade episodes."""
     area.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="grade-", dir=area))
+    reclaim(area)
+    work = owned_dir("grade-", area)
     repo, secret_dir, config_dir, layer = work / "repo", work / "secret", work / "config", work / "layer"
     rng = random.Random(secrets.token_bytes(16))
     sentinels: dict[str, str] = {}
@@ -229,8 +238,13 @@ def run_tests_guarded(
         text, expected = sentinel_tests(test_file, (grading_base / test_file).read_text(errors="replace"), rng)
         with_sentinels[test_file] = (grading_base / test_file).read_bytes() + text.encode()
         sentinels.update(expected)
-    mounted = False
+    mounted = capped = False
     try:
+        if overlay_supported(area):
+            # What the run writes during grading (its work directory is `work`) goes to a tmpfs of the run's write
+            # cap, not to the host's disk; removed after.
+            mount_capped(work, sandbox.config.max_write_mb << 20, sandbox.config.max_inodes)
+            capped = True
         os.chmod(work, 0o755)
         repo.mkdir(mode=0o755)
         config_dir.mkdir(mode=0o755)
@@ -277,10 +291,14 @@ def run_tests_guarded(
             ]
         )
         result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden, channel=True, environment=environment)
+        if capped and is_full(work):
+            result = dataclasses.replace(result, flags=tuple(sorted({*result.flags, "write_limit"})))
         return read_report(result, key, sentinels)
     finally:
         if mounted:
             unmount(repo)
+        if capped:
+            unmount(work)
         remove_tree(work)
 
 
@@ -412,7 +430,8 @@ class RepoWorkspace(Workspace):
         self.reward = reward
         area.mkdir(parents=True, exist_ok=True)
         self._area = area
-        self._dir = Path(tempfile.mkdtemp(prefix="ws-", dir=area))
+        reclaim(area)
+        self._dir = owned_dir("ws-", area)
         self.root = self._dir / "root"
         self.overlay = overlay_supported(area) if overlay is None else overlay
         self._mounted = self._capped = False
