@@ -143,11 +143,13 @@ class TaskSet(Section):
 
 class SandboxSection(Section):
     cpu_seconds: int = Field(default=10, gt=0)
-    """CPU time limit per execution."""
+    """CPU time limit per execution: per process, and (as root, where the host has cgroups) for all its processes together."""
     wall_seconds: float = Field(default=20.0, gt=0)
     """Wall-clock limit per execution."""
     memory_mb: int = Field(default=1024, gt=0)
-    """Address-space limit."""
+    """Address-space limit per process; as root, where the host has cgroups, also the run's memory limit for
+    everything it holds (with max_write_mb and 16 MB of /dev/shm; a command also workspace_max_write_mb): memfds,
+    tmpfs and shared memory included, a hit flagged `memory_limit`."""
     max_processes: int = Field(default=64, gt=0)
     """Process-count limit."""
     max_file_mb: int = Field(default=16, gt=0)
@@ -208,6 +210,7 @@ class GuardsSection(Section):
             "timeout",
             "output_limit",
             "write_limit",
+            "memory_limit",
             "canary_passed",
             "tests_modified",
             "change_dropped",

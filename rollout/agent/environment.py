@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ from composer.recipes.schema import SSHSection
 from composer.rollout.sandbox.graders import case_tests, guarded_reward
 from composer.rollout.sandbox.hosts import SandboxFleet
 from composer.rollout.sandbox.results import CommandResult, SandboxResult, Statement
+from composer.rollout.sandbox.trees import remove_tree
 from composer.rollout.tasks.files import PathRefused, read_text, write_text
 from composer.rollout.tasks.functions import Task, defines
 from composer.rollout.tasks.pool import TaskPool
@@ -151,7 +151,7 @@ class FunctionWorkspace(Workspace):
         if self._capped:
             unmount(self.root)
             self._capped = False
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_tree(self.root)
 
 
 @dataclass

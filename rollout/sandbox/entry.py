@@ -1,7 +1,7 @@
 """Isolation of one sandboxed run, done in a fresh child of the fork server (`zygote`).
 
 The fork server forks a *holder* per run; the holder, still privileged and running no program code:
-  1. starts a new session and new namespaces: mount, PID and network as root (network only unless the
+  1. starts a new session and new namespaces: mount, PID, IPC and network as root (network only unless the
      recipe allows it); when not root, a user namespace carrying a network namespace where the kernel
      allows one;
   2. as root, gives the run a root of its own (an allow-list): an empty tmpfs into which it binds a
@@ -13,7 +13,8 @@ The fork server forks a *holder* per run; the holder, still privileged and runni
   3. forks the run's init (PID 1 of the new PID namespace), which mounts a `/proc` showing only the run
      and forks the harness process; when the init ends, the kernel kills everything left inside;
   4. the harness process: output pipes on fds 1 and 2, resource limits, no new privileges, the run's uid
-     and gid, every other descriptor closed, the clean environment; then the harness (`runner`),
+     and gid, a fresh empty session keyring, the seccomp filter (`syscall_filter`), every other descriptor
+     closed, the clean environment; then the harness (`runner`),
      or, for a command run (`Sandbox.run_command`), `bash -c command` with stdout and stderr on one pipe,
      umask 0 (a work directory outlives the run, and its next run has another uid) and, when asked for, the
      reply pipe at `channel_fd` (a report channel back to the caller).
@@ -29,10 +30,13 @@ import resource
 import signal
 import sys
 
+import syscall_filter
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWIPC = 0x08000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
@@ -50,6 +54,8 @@ SCRATCH = "/.scratch"
 FULL_MARGIN_BYTES = 64 << 10
 """Free space below which a capped run's tmpfs counts as full (writes are refused a page or a chunk short of it)."""
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
+KEYCTL_JOIN_SESSION_KEYRING = 1
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -155,7 +161,8 @@ def _build_root(plan: dict) -> None:
 def isolate(plan: dict) -> None:
     flags = 0
     if plan["mount_namespace"]:
-        flags |= CLONE_NEWNS | CLONE_NEWPID
+        # IPC: SysV segments and queues and POSIX message queues are the run's own and end with it.
+        flags |= CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC
     if plan["network_namespace"]:
         flags |= CLONE_NEWNET if plan["root"] else CLONE_NEWUSER | CLONE_NEWNET
     if flags:
@@ -178,6 +185,12 @@ def _drop_privileges(plan: dict) -> None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+    # A new, empty session keyring owned by the run's uid (else the fork server's, root's, is inherited);
+    # the filter then refuses every keyring call, so nothing can be added to it or to the uid's keyring.
+    if _libc.syscall(SYS_KEYCTL[os.uname().machine], KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"keyctl(JOIN_SESSION_KEYRING): {os.strerror(errno)}")
+    syscall_filter.load()
 
 
 def _report(status_fd: int, message: dict) -> None:
@@ -245,6 +258,10 @@ def run(plan: dict, fds: dict, serve) -> None:
     status_fd = fds["status"]
     try:
         os.setsid()
+        # The run's cgroup (one memory limit and one CPU count for everything it starts), joined first.
+        for procs in plan.get("cgroup_procs", ()):
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
         for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
         _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")

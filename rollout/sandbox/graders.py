@@ -57,6 +57,8 @@ FLAGS = {
     "timeout": "the program hit the CPU or wall-clock limit",
     "output_limit": "the program's output or result stream went past its limit",
     "write_limit": "the run or the workspace wrote up to its cap of bytes or files (later writes were refused)",
+    "memory_limit": "the run's memory of every kind (processes, memfds, tmpfs, shared memory) reached its cgroup limit: "
+    "the kernel killed a process",
     "host_timeout": "the run timed out because the host starved it, not because of the program (an infrastructure failure)",
     "canary_passed": "a canary task (tests contradicting its statement) scored above 0",
     "tests_modified": "a repository task's episode changed its tests, conftest.py, pytest configuration, sitecustomize "
@@ -491,7 +493,11 @@ def _verdict(
     passed = sum(c.ok for c in cases)
     memory = any(c.error and "MemoryError" in c.error for c in cases) or "MemoryError" in session.stderr.text()
     # SIGXCPU, or SIGKILL past the hard limit: the CPU limit ended it (not the program itself).
-    limit_kill = exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and session.cpu_seconds >= config.cpu_seconds)
+    limit_kill = (
+        session.stop == "cpu"
+        or exit_code == -signal.SIGXCPU
+        or (exit_code == -signal.SIGKILL and session.cpu_seconds >= config.cpu_seconds)
+    )
     infra = False
     if session.setup_error or stop == "setup":
         status, detail, infra = "infra", f"sandbox setup failed: {session.setup_error}", True
@@ -506,7 +512,7 @@ def _verdict(
         status, detail = "crash", f"output exceeded {config.max_file_mb} MB"
     elif stop == "results":
         status, detail = "crash", "result stream too large"
-    elif memory:
+    elif memory or session.memory_hit:
         status, detail = "memory", f"memory limit of {config.memory_mb} MB"
     elif script_status is not None:
         status, detail = (

@@ -5,8 +5,28 @@ Plain types only: every part of the sandbox (the grader, the hosts' server, the 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
+
+_INVISIBLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def visible(text: str) -> str:
+    """Text from a run made safe to show a person (console, logs, the report, flag details): every control character
+    but newline and tab (ESC, so ANSI/OSC sequences; BEL, CR, backspace, NUL, C1 bytes) and the bidirectional and
+    zero-width format characters written as visible escapes (`\\x1b`, `\\u202e`), nothing left to interpret. Applying it
+    twice changes nothing."""
+    return _INVISIBLE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+
+
+def _make_visible(result, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(result, name)
+        shown = tuple(map(visible, value)) if isinstance(value, tuple) else visible(value)
+        if shown != value:
+            object.__setattr__(result, name, shown)
+
 
 Status = Literal["ok", "timeout", "memory", "crash", "infra"]
 RewardMode = Literal["fraction", "all_or_nothing"]
@@ -114,6 +134,9 @@ class SandboxResult:
     infra_failure: bool = False
     """The sandbox or the host failed (after retries); the score says nothing about the program."""
 
+    def __post_init__(self) -> None:
+        _make_visible(self, ("detail", "stdout_tail", "stderr_tail", "flag_details"))
+
 
 @dataclass(frozen=True)
 class CommandResult:
@@ -134,6 +157,10 @@ class CommandResult:
     """CPU time of everything the command ran (steadier than wall time on a busy host)."""
     channel: bytes = field(default=b"", repr=False)
     """What the command wrote on its report channel (`Sandbox.run_command(channel=True)`), in order."""
+
+    def __post_init__(self) -> None:
+        # The observation a tool returns and what logs and reports show: control characters as visible escapes.
+        _make_visible(self, ("output",))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import tempfile
 import time
 from contextlib import contextmanager
@@ -25,6 +24,8 @@ from pathlib import Path
 
 from composer.recipes.env_schema import SandboxSection
 from composer.recipes.errors import UserError
+from composer.rollout.sandbox import cgroups
+from composer.rollout.sandbox.cgroups import RunCgroup
 from composer.rollout.sandbox.graders import grade_program
 from composer.rollout.sandbox.isolation import (
     COMMAND_TOOLS,
@@ -40,6 +41,7 @@ from composer.rollout.sandbox.isolation import (
 )
 from composer.rollout.sandbox.results import AssertionTests, CommandResult, RewardMode, RunEnvironment, SandboxResult, Tests
 from composer.rollout.sandbox.session import InfraError, Session, command_result, sandbox_environment, zygote_for
+from composer.rollout.sandbox.trees import remove_tree
 
 log = logging.getLogger("composer.sandbox")
 
@@ -95,6 +97,8 @@ class Sandbox:
         os.chmod(self.root, 0o711)
         self._zygote = zygote_for(self.root)
         self.isolation = isolation or detect_isolation(self.root)
+        if self.isolation.dedicated_uid:
+            cgroups.reclaim()
 
     def run(self, program: str, tests: Tests, reward: RewardMode = "fraction") -> SandboxResult:
         for attempt in range(self.config.infra_retries + 1):
@@ -143,26 +147,33 @@ class Sandbox:
         return result
 
     @contextmanager
-    def _run_slot(self, prefix: str):
+    def _run_slot(self, prefix: str, memory_mb: int):
         """A fresh run directory and, with dedicated uids, a uid no other run holds; at the end (after the run's
         session is killed) every process of the uid is killed, the uid released and the directory removed."""
         run_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=self.root))
         lease = UidLease(UID_LOCK_DIR) if self.isolation.dedicated_uid else None
+        group = None
         try:
-            yield run_dir, (lease.uid if lease else None)
+            if lease:
+                group = RunCgroup.create(run_dir.name, (memory_mb + _SHM_MB) << 20)
+            yield run_dir, (lease.uid if lease else None), group
         finally:
+            if group is not None:
+                group.remove()
             if lease:
                 # Before the uid serves another run: forks can outlive the process group, and a PID
                 # namespace's processes die only as its init's exit reaches them.
                 kill_uid(lease.uid)
                 lease.release()
-            shutil.rmtree(run_dir, ignore_errors=True)
+            remove_tree(run_dir)
 
     def _command_once(
         self, command: str, workdir: Path, timeout_s: float, hidden: tuple[str, ...], channel: bool, environment: RunEnvironment
     ) -> CommandResult:
-        with self._run_slot("cmd-") as (run_dir, uid):
-            return self._command_in(run_dir, uid, command, workdir, timeout_s, hidden, channel, environment)
+        c = self.config
+        # A command also writes its episode's workspace (a tmpfs charged to the run that wrote it).
+        with self._run_slot("cmd-", c.memory_mb + c.max_write_mb + c.workspace_max_write_mb) as (run_dir, uid, group):
+            return self._command_in(run_dir, uid, command, workdir, timeout_s, hidden, channel, environment, group)
 
     def _command_in(
         self,
@@ -174,6 +185,7 @@ class Sandbox:
         hidden: tuple[str, ...],
         channel: bool,
         environment: RunEnvironment,
+        group: RunCgroup | None = None,
     ) -> CommandResult:
         started = time.monotonic()
         session = None
@@ -206,7 +218,7 @@ class Sandbox:
             plan["command"] = command
             if channel:
                 plan["channel_fd"] = CHANNEL_FD
-            session = Session(config, self._zygote, plan)
+            session = Session(config, self._zygote, _joined(plan, group), group)
             session.wait_exit()
             return command_result(session, config, uid)
         except InfraError as e:
@@ -216,11 +228,11 @@ class Sandbox:
                 session.kill()
 
     def _run_once(self, program: str, tests: Tests, reward: RewardMode) -> SandboxResult:
-        with self._run_slot("run-") as (run_dir, uid):
+        with self._run_slot("run-", self.config.memory_mb + self.config.max_write_mb) as (run_dir, uid, group):
             started = time.monotonic()
             session = None
             try:
-                session = Session(self.config, self._zygote, self._plan(run_dir, uid, self.config))
+                session = Session(self.config, self._zygote, _joined(self._plan(run_dir, uid, self.config), group), group)
                 return grade_program(session, self.config, program, tests, reward, uid)
             except InfraError as e:
                 return SandboxResult(0.0, 0, 0, "infra", str(e), "", "", time.monotonic() - started, uid, infra_failure=True)
@@ -265,3 +277,14 @@ class Sandbox:
                 new_root=str(run_dir / "root"), work=str(work), tmp=str(tmp), **layout, write_cap=[c.max_write_mb << 20, c.max_inodes]
             )
         return plan
+
+
+_SHM_MB = 16
+"""The run's /dev/shm (a tmpfs of its own), counted in its memory limit."""
+
+
+def _joined(plan: dict, group: RunCgroup | None) -> dict:
+    """The plan with the run's cgroup to join (its holder writes its pid to each `procs` file first)."""
+    if group is not None:
+        plan["cgroup_procs"] = group.procs
+    return plan

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from composer.recipes.env_schema import SandboxSection
+from composer.rollout.sandbox.cgroups import RunCgroup
 from composer.rollout.sandbox.isolation import WORK_DIR, starved_seconds
 from composer.rollout.sandbox.results import CommandResult
 
@@ -30,6 +31,11 @@ log = logging.getLogger("composer.sandbox")
 _HERE = Path(__file__).resolve().parent
 # Reply bytes beyond this are not results any more.
 MAX_RESULT_BYTES = 64 << 20
+# One record on the reply pipe: at most this long (an output over 1 MB is refused anyway), and ended (newline)
+# within this many seconds of its first byte; else the run is stopped ("results": output_limit), so a record
+# without an end costs the host neither memory nor CPU (it is never re-scanned) until the wall-clock limit.
+MAX_RECORD_BYTES = 8 << 20
+MAX_RECORD_SECONDS = 10.0
 _GRACE_SECONDS = 1.0
 _ZYGOTE_START_SECONDS = 60.0
 
@@ -93,6 +99,10 @@ class Zygote:
         if not ready:
             ours.close()
             raise InfraError("the sandbox fork server did not start")
+        error = json.loads(ready).get("error")
+        if error:
+            ours.close()
+            raise InfraError(error)
         ours.settimeout(10.0)
         self._sock = ours
 
@@ -168,8 +178,11 @@ class Session:
     Every record on the reply pipe is checked against the request it should answer: anything else is
     flagged `forged_records` and never taken as an answer to a later request."""
 
-    def __init__(self, config: SandboxSection, zygote: Zygote, plan: dict):
+    def __init__(self, config: SandboxSection, zygote: Zygote, plan: dict, group: RunCgroup | None = None):
         self.config = config
+        self._group = group
+        self._cpu_checked = 0.0
+        self.memory_hit = False
         self.flags: dict[str, str] = {}
         self.stop = ""
         self.exit_code: int | None = None
@@ -180,6 +193,7 @@ class Session:
         self.stdout, self.stderr = Tail(cap), Tail(cap)
         self._reply_bytes = 0
         self._pending = bytearray()
+        self._pending_since = 0.0
         self.channel = bytearray() if plan.get("channel_fd") is not None else None
         """A command's report channel: every byte it wrote there, in order."""
         self._replies: list[dict] = []
@@ -270,9 +284,18 @@ class Session:
                 self._sel.unregister(key.fd)
             else:
                 (self.stdout if key.fd == self._out else self.stderr).add(chunk)
-        if self.stdout.total + self.stderr.total > self.config.max_file_mb << 20:
+        if self._group is not None and time.monotonic() - self._cpu_checked > 0.1:
+            # One CPU budget for every process of the run (RLIMIT_CPU alone is per process).
+            self._cpu_checked = time.monotonic()
+            if self._group.cpu_seconds() > self.config.cpu_seconds:
+                self.stop = "cpu"
+        if self.stop:
+            pass
+        elif self.stdout.total + self.stderr.total > self.config.max_file_mb << 20:
             self.stop = "output"
-        elif self._reply_bytes > MAX_RESULT_BYTES:
+        elif self._reply_bytes > MAX_RESULT_BYTES or len(self._pending) > MAX_RECORD_BYTES:
+            self.stop = "results"
+        elif self._pending and time.monotonic() - self._pending_since > MAX_RECORD_SECONDS:
             self.stop = "results"
         elif self.setup_error:
             self.stop = "setup"
@@ -303,9 +326,15 @@ class Session:
                 break
 
     def _take_replies(self, chunk: bytes) -> None:
+        if not self._pending:
+            self._pending_since = time.monotonic()
+        if b"\n" not in chunk:
+            self._pending += chunk
+            return
         self._pending += chunk
         *lines, rest = self._pending.split(b"\n")
         self._pending = bytearray(rest)
+        self._pending_since = time.monotonic()
         for line in lines:
             try:
                 record = json.loads(line)
@@ -374,6 +403,9 @@ class Session:
             self.live = False
             if self._capped and bye is not None:
                 self._wait_end()  # the holder's exit record says whether the run's files reached their cap
+        if self._group is not None and self._group.memory_hit():
+            self.memory_hit = True
+            self.flag("memory_limit", "the run's memory (processes, memfd, tmpfs, shared memory) reached its limit")
         # Drain what the program printed before it ended.
         end = time.monotonic() + 0.05
         for fd in (self._out, self._err):
@@ -409,10 +441,12 @@ def command_result(session: Session, config: SandboxSection, uid: int | None) ->
     output = session.stdout
     cut = output.total - len(output.data)
     text = (f"[output cut: the first {cut} of {output.total} bytes are not shown]\n" if cut else "") + output.text()
-    flags = [f for f in ("write_limit",) if f in session.flags]
+    flags = [f for f in ("write_limit", "memory_limit") if f in session.flags]
     # The CPU limit ended it (SIGXCPU, SIGKILL past the hard limit, or bash reporting either: 128 + signal).
-    cpu_kill = exit_code in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (
-        exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL) and session.cpu_seconds >= config.cpu_seconds
+    cpu_kill = (
+        stop == "cpu"
+        or exit_code in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
+        or (exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL) and session.cpu_seconds >= config.cpu_seconds)
     )
     if session.setup_error or stop == "setup":
         return CommandResult(None, "infra", f"sandbox setup failed: {session.setup_error}", wall, infra_failure=True)
@@ -426,6 +460,9 @@ def command_result(session: Session, config: SandboxSection, uid: int | None) ->
         status, exit_code = "timeout", None
         flags.append("timeout")
         text += f"\n[killed: the command used its CPU-time limit of {config.cpu_seconds} s]"
+    elif session.memory_hit:
+        status = "memory"
+        text += "\n[the command's memory reached its limit: a process was killed]"
     elif stop in ("output", "results"):
         status, exit_code = "crash", None
         flags.append("output_limit")

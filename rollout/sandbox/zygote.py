@@ -19,8 +19,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import entry  # noqa: E402
-import runner  # noqa: E402
+try:
+    # entry imports the seccomp filter: without libseccomp (or pyseccomp) the fork server refuses to start.
+    import entry
+    import runner
+
+    START_ERROR = None
+except (ImportError, RuntimeError, OSError) as e:
+    START_ERROR = f"the sandbox cannot load its seccomp filter ({type(e).__name__}: {e}); install libseccomp2 and pyseccomp"
 
 sys.path.pop(0)
 # Imported once here instead of in every run.
@@ -59,6 +65,9 @@ def _preload() -> None:
 
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
+    if START_ERROR is not None:
+        sock.send(json.dumps({"ready": False, "error": START_ERROR}).encode())
+        return
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     _preload()
     children: set[int] = set()

@@ -18,6 +18,7 @@ from functools import cache
 from pathlib import Path
 
 from composer.rollout.sandbox.results import CommandResult, SandboxResult
+from composer.rollout.sandbox.trees import remove_tree
 from composer.rollout.tasks.files import read_text, write_text
 
 log = logging.getLogger("composer.workspace")
@@ -114,3 +115,40 @@ def unmount(target: Path) -> None:
         if _libc.umount2(str(target).encode(), MNT_DETACH) != 0:
             code = ctypes.get_errno()
             raise OSError(code, f"unmount {target}: {os.strerror(code)}")
+
+
+def owned_dir(prefix: str, area: Path) -> Path:
+    """A fresh directory in `area` named after this process (`reclaim` tells a dead process's leftovers by it)."""
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=area))
+
+
+_reclaimed: set[Path] = set()
+
+
+def reclaim(area: Path, prefixes: tuple[str, ...] = ("ws-", "grade-")) -> None:
+    """What a killed process left in `area` (once per area and process): the mounts (tmpfs caps, overlay views) below
+    its directories detached, the directories removed. Only directories whose owner (the pid in their name) is gone:
+    another live process's workspaces are left alone."""
+    area = area.resolve()
+    if area in _reclaimed or not area.is_dir():
+        return
+    _reclaimed.add(area)
+
+    def dead(name: str) -> bool:
+        for prefix in prefixes:
+            owner = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
+            if owner.isdigit() and int(owner) != os.getpid() and not os.path.exists(f"/proc/{owner}"):
+                return True
+        return False
+
+    leftovers = [entry.name for entry in os.scandir(area) if entry.is_dir(follow_symlinks=False) and dead(entry.name)]
+    if not leftovers:
+        return
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4].encode().decode("unicode_escape") for line in f]
+    for name in leftovers:
+        top = str(area / name)
+        for point in sorted((p for p in points if p == top or p.startswith(top + "/")), key=len, reverse=True):
+            _libc.umount2(point.encode(), MNT_DETACH)
+        remove_tree(top)
+        log.info("workspace: reclaimed %s, left by a process that is gone", top)

@@ -26,11 +26,12 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.results import RunEnvironment
 from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.sandbox.trees import walk_files
 from composer.rollout.sandbox.wire import SANDBOX_TYPES, wire_types
 from composer.rollout.tasks.files import PathRefused
 from composer.rollout.tasks.repository.grading_policy import Scope
@@ -47,13 +48,23 @@ CHUNK_BYTES = 8 << 20
 @cache
 def pack(directory: Path) -> tuple[str, Path]:
     """(sha256, archive) of an immutable tree: sorted entries, no times or owners, modes kept; made once per process
-    (in the system's temporary directory, beside nothing else)."""
+    (in the system's temporary directory, beside nothing else). Walked without following a symlink
+    (`trees.walk_files`); a hard link goes as a file of its own, and a tree holding a device or special file or a
+    symlink that leaves it (`_link_refused`) is refused (`ShippingError`): nothing of the kind reaches a host."""
     buffer = io.BytesIO()
+    walked = sorted(relative for relative, _ in walk_files(directory, max_depth=256, max_path=3000, max_entries=2_000_000))
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
-        for path in [directory, *sorted(directory.rglob("*"))]:
-            info = archive.gettarinfo(str(path), arcname=str(path.relative_to(directory)) if path != directory else ".")
+        for relative in [".", *walked]:
+            path = directory / relative
+            info = archive.gettarinfo(str(path), arcname=relative)
             info.mtime = info.uid = info.gid = 0
             info.uname = info.gname = ""
+            if info.islnk():
+                info.type, info.linkname, info.size = tarfile.REGTYPE, "", path.lstat().st_size
+            if not (info.isreg() or info.isdir() or info.issym()):
+                raise ShippingError(f"{path}: a device or special file cannot be shipped")
+            if info.issym() and _link_refused(info):
+                raise ShippingError(f"{path}: a symlink that leaves its tree ({info.linkname}) cannot be shipped")
             if info.isreg():
                 with open(path, "rb") as f:
                     archive.addfile(info, f)
@@ -147,13 +158,30 @@ class Store:
         return target
 
 
+def _link_refused(member: tarfile.TarInfo) -> bool:
+    """A symlink that leaves its tree: a relative target climbing out of it, or an absolute one other than a virtual
+    environment's interpreter links (`bin/python*`, which name the host's interpreter at its own path)."""
+    if member.linkname.startswith("/"):
+        parts = PurePosixPath(member.name).parts
+        return not (len(parts) == 2 and parts[0] == "bin" and parts[1].startswith("python"))
+    return os.path.normpath(os.path.join(os.path.dirname(member.name), member.linkname)).startswith("..")
+
+
 def _keep_modes(member: tarfile.TarInfo, destination: str) -> tarfile.TarInfo:
-    """tarfile's `tar` filter (nothing outside the destination, no device files), with the permission bits kept:
-    a task's changed files and an episode base must stay writable by every uid."""
+    """tarfile's `tar` filter (nothing outside the destination), no hard link, device or special file, no symlink
+    leaving the tree (`_link_refused`), with the permission bits kept: a task's changed files and an episode base must
+    stay writable by every uid."""
+    if member.islnk() or not (member.isreg() or member.isdir() or member.issym()):
+        raise tarfile.SpecialFileError(member)
+    if member.issym() and _link_refused(member):
+        raise tarfile.LinkOutsideDestinationError(member, member.linkname)
     return tarfile.tar_filter(member, destination).replace(mode=member.mode & 0o777, deep=False)
 
 
 def _relocate(venv: Path, old: str, new: str) -> None:
+    """Never through a symlink: a `bin` that is one is left alone (and the archive refused it already)."""
+    if (venv / "bin").is_symlink() or not (venv / "bin").is_dir():
+        return
     for script in (venv / "bin").iterdir():
         if script.is_symlink() or not script.is_file():
             continue

@@ -24,15 +24,24 @@ import secrets
 import shlex
 import shutil
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from composer.rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult, reward_for
 from composer.rollout.sandbox.runs import CHANNEL_FD, Sandbox
+from composer.rollout.sandbox.trees import remove_tree, walk_files
 from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE, Scope, keep_change
-from composer.rollout.tasks.workspace import Workspace, is_full, mount_capped, mount_overlay, overlay_supported, unmount
+from composer.rollout.tasks.workspace import (
+    Workspace,
+    is_full,
+    mount_capped,
+    mount_overlay,
+    overlay_supported,
+    owned_dir,
+    reclaim,
+    unmount,
+)
 
 PassToPass = Literal["required", "scored"]
 _PYTEST_REPORT = Path(__file__).with_name("pytest_report.py")
@@ -170,7 +179,7 @@ def _apply_to_copy(root: Path, changes: dict[str, bytes | None]) -> None:
         if path.is_symlink() or path.is_file():
             path.unlink()
         elif path.is_dir():
-            shutil.rmtree(path)
+            remove_tree(path, ignore_errors=False)
         if content is None:
             continue
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -219,7 +228,8 @@ def run_tests_guarded(
     read the trusted plugin's report from the run's channel; `environment`: the project's own. Used to validate
     tasks (the changed file as the only change) and to grade episodes."""
     area.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="grade-", dir=area))
+    reclaim(area)
+    work = owned_dir("grade-", area)
     repo, secret_dir, config_dir, layer = work / "repo", work / "secret", work / "config", work / "layer"
     rng = random.Random(secrets.token_bytes(16))
     sentinels: dict[str, str] = {}
@@ -228,8 +238,13 @@ def run_tests_guarded(
         text, expected = sentinel_tests(test_file, (grading_base / test_file).read_text(errors="replace"), rng)
         with_sentinels[test_file] = (grading_base / test_file).read_bytes() + text.encode()
         sentinels.update(expected)
-    mounted = False
+    mounted = capped = False
     try:
+        if overlay_supported(area):
+            # What the run writes during grading (its work directory is `work`) goes to a tmpfs of the run's write
+            # cap, not to the host's disk; removed after.
+            mount_capped(work, sandbox.config.max_write_mb << 20, sandbox.config.max_inodes)
+            capped = True
         os.chmod(work, 0o755)
         repo.mkdir(mode=0o755)
         config_dir.mkdir(mode=0o755)
@@ -276,11 +291,15 @@ def run_tests_guarded(
             ]
         )
         result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden, channel=True, environment=environment)
+        if capped and is_full(work):
+            result = dataclasses.replace(result, flags=tuple(sorted({*result.flags, "write_limit"})))
         return read_report(result, key, sentinels)
     finally:
         if mounted:
             unmount(repo)
-        shutil.rmtree(work, ignore_errors=True)
+        if capped:
+            unmount(work)
+        remove_tree(work)
 
 
 def read_report(result: CommandResult, key: bytes, sentinels: dict[str, str]) -> TestReport:
@@ -411,7 +430,8 @@ class RepoWorkspace(Workspace):
         self.reward = reward
         area.mkdir(parents=True, exist_ok=True)
         self._area = area
-        self._dir = Path(tempfile.mkdtemp(prefix="ws-", dir=area))
+        reclaim(area)
+        self._dir = owned_dir("ws-", area)
         self.root = self._dir / "root"
         self.overlay = overlay_supported(area) if overlay is None else overlay
         self._mounted = self._capped = False
@@ -469,35 +489,33 @@ class RepoWorkspace(Workspace):
         """Every path whose content differs from the task's state (the base with the task's changed file): new
         bytes, None (gone), or NOT_A_FILE (a symlink, a path through one, a FIFO...: never read, never graded)."""
         candidates = set(_files_under(self.tests.layer, ""))
+        # The episode's tree is walked iteratively and bounded (`walk_files`): a directory too deep or with too
+        # long a path is not entered and counts as not a regular file (dropped, named in change_dropped).
+        cut: list[str] = []
         if self.overlay:
             upper = self._dir / "upper"
-            for directory, dirs, files in os.walk(upper):
-                for name in [*files, *dirs]:
-                    path = Path(directory, name)
-                    relative = str(path.relative_to(upper))
-                    st = os.lstat(path)
-                    if _is_whiteout(st) or (stat.S_ISDIR(st.st_mode) and _is_opaque(path)):
-                        candidates.update(_files_under(self.tests.grading_base, relative))
-                    if not stat.S_ISDIR(st.st_mode):
-                        candidates.add(relative)
+            for relative, st in walk_files(upper, cut):
+                if _is_whiteout(st) or (stat.S_ISDIR(st.st_mode) and _is_opaque(upper / relative)):
+                    candidates.update(_files_under(self.tests.grading_base, relative))
+                if not stat.S_ISDIR(st.st_mode):
+                    candidates.add(relative)
         else:
             episode_base = self.tests.episode_base
             seen = set()
-            for directory, _, files in os.walk(self.root):
-                for name in files:
-                    path = Path(directory, name)
-                    relative = str(path.relative_to(self.root))
-                    seen.add(relative)
-                    try:
-                        mine, theirs = os.lstat(path), os.lstat(episode_base / relative)
-                        # Copies keep size and mtime; the task's own files are always compared by content.
-                        if (mine.st_size, mine.st_mtime_ns) == (theirs.st_size, theirs.st_mtime_ns) and relative not in candidates:
-                            continue
-                    except FileNotFoundError:
-                        pass
-                    candidates.add(relative)
+            for relative, mine in walk_files(self.root, cut):
+                if stat.S_ISDIR(mine.st_mode):
+                    continue
+                seen.add(relative)
+                try:
+                    theirs = os.lstat(episode_base / relative)
+                    # Copies keep size and mtime; the task's own files are always compared by content.
+                    if (mine.st_size, mine.st_mtime_ns) == (theirs.st_size, theirs.st_mtime_ns) and relative not in candidates:
+                        continue
+                except FileNotFoundError:
+                    pass
+                candidates.add(relative)
             candidates.update(p for p in _files_under(episode_base, "") if p not in seen)
-        changes = {}
+        changes: dict[str, bytes | None | object] = dict.fromkeys(cut, NOT_A_FILE)
         for relative in candidates:
             content = _read_entry(self.root, relative)
             task_state = self._task_files[relative] if relative in self._task_files else _read_entry(self.tests.grading_base, relative)
@@ -537,7 +555,7 @@ class RepoWorkspace(Workspace):
         if self._capped:
             unmount(self._dir)
             self._capped = False
-        shutil.rmtree(self._dir, ignore_errors=True)
+        remove_tree(self._dir)
 
     def __enter__(self) -> RepoWorkspace:
         return self
