@@ -33,7 +33,7 @@ from composer.runtime.run_dir import atomic_write_text, publish_dir
 from composer.trainer.hf_checkpoint import INT4_PARTS, CheckpointLayout, read_stored_tensors
 from composer.trainer.hf_config import Quantization, check_matches_checkpoint, language_config, read_hf_config
 from composer.trainer.model import hf_config_from_model_section
-from composer.trainer.quantization import fp8_dequantize, fp8_quantize, int4_dequantize, int4_parts_shapes, int4_quantize
+from composer.trainer.quantization import fp8_dequantize, fp8_quantize, int4_dequantize, int4_parts_shapes, int4_quantize, is_power_of_two
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -328,6 +328,10 @@ class ShardReader:
         t = {part: self.raw(stored) for part, stored in parts.items()}
         q = self.layout.quantization
         if q.method == "fp8":
+            if q.scale_fmt == "ue8m0" and not bool(is_power_of_two(t["weight_scale_inv"]).all()):
+                raise UserError(
+                    f"{self.layout.root}: {parts['weight_scale_inv']}: quantization_config.scale_fmt ue8m0, but a scale is no power of two"
+                )
             return fp8_dequantize(t["weight"], t["weight_scale_inv"], q.block)
         shape = tuple(t["weight_shape"].tolist())
         if int4_parts_shapes(shape, q.group_size) != {part: tuple(t[part].shape) for part in INT4_PARTS}:
@@ -528,7 +532,7 @@ class _Encoder:
         base = self._stored(name).removesuffix(".weight")
         if self.quantize == "fp8":
             published = self.reader.raw(parts["weight_scale_inv"]) if parts else None
-            weight, scale = fp8_quantize(tensor, self.format.block, published)
+            weight, scale = fp8_quantize(tensor, self.format.block, published, power_of_two=self.format.scale_fmt == "ue8m0")
             return [(f"{base}.weight", weight), (f"{base}.weight_scale_inv", scale)]
         published = self.reader.raw(parts["weight_scale"]) if parts else None
         dtypes = {}

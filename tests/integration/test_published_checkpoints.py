@@ -22,13 +22,15 @@ from tests.helpers.tiktoken_checkpoint import write_tiktoken_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 KINDS = ("deepseek_v3", "kimi_k2", "kimi_k2_thinking", "kimi_k25")
-QUANTIZE = {"deepseek_v3": "fp8", "kimi_k2": "fp8", "kimi_k2_thinking": "int4", "kimi_k25": "int4"}
+"""The architectures' twins (parity tests); DeepSeek-V3.1 differs from V3 in its scales only (round trips)."""
+STORED = (*KINDS, "deepseek_v3_1")
+QUANTIZE = {"deepseek_v3": "fp8", "deepseek_v3_1": "fp8", "kimi_k2": "fp8", "kimi_k2_thinking": "int4", "kimi_k25": "int4"}
 
 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("twins")
-    out = {kind: make_twin(root / kind, kind) for kind in KINDS}
+    out = {kind: make_twin(root / kind, kind) for kind in STORED}
     write_tiktoken_tokenizer(out["kimi_k25"])  # Kimi's tokenizer is tiktoken code it ships
     return out
 
@@ -56,7 +58,7 @@ def test_published_configs_are_read_as_deepseek_v3_with_yarn_and_mtp(twins):
         assert m.yarn.factor == language["rope_scaling"]["factor"] and m.yarn.original_max_position_embeddings == 32, kind
         assert (m.yarn.beta_fast, m.yarn.beta_slow) == (language["rope_scaling"]["beta_fast"], language["rope_scaling"]["beta_slow"]), kind
         assert (m.yarn.mscale, m.yarn.mscale_all_dim) == (1.0, 1.0), kind
-        assert m.num_mtp_layers == (1 if kind == "deepseek_v3" else 0), kind
+        assert m.num_mtp_layers == (1 if kind.startswith("deepseek_v3") else 0), kind
         layout = CheckpointLayout.of(twin)
         assert layout.quantization.method == QUANTIZE[kind], kind
         assert layout.prefix == ("language_model." if kind == "kimi_k25" else ""), kind
@@ -142,6 +144,24 @@ def test_model_info_says_what_composer_trains_and_what_vllm_serves(twins):
     result = run_composer("model", "info", str(twins["deepseek_v3"]))
     out = " ".join(result.stdout.split())
     assert "stored: fp8 e4m3 blocks 128x128 (weight_scale_inv)" in out and "1 multi-token-prediction layer(s)" in out
+    result = run_composer("model", "info", str(twins["deepseek_v3_1"]))
+    out = " ".join(result.stdout.split())
+    assert result.returncode == 0, result.stderr
+    assert "stored: fp8 e4m3 blocks 128x128 (weight_scale_inv, ue8m0: powers of two)" in out and "training yes" in out
+
+
+def test_ue8m0_scales_are_powers_of_two_that_fit_and_a_published_one_is_kept():
+    """DeepSeek-V3.1's scale_fmt ue8m0: a fresh scale is amax / 448 rounded up to a power of two (no value clamped),
+    and the dequantized weight re-quantizes to the same bytes."""
+    from composer.trainer.quantization import fp8_dequantize, fp8_quantize, is_power_of_two
+
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 300).unsqueeze(1)
+    weight, scale = fp8_quantize(w, (128, 128), power_of_two=True)
+    plain = fp8_quantize(w, (128, 128))[1]
+    assert bool(is_power_of_two(scale).all()) and not bool(is_power_of_two(plain).all())
+    assert bool((scale >= plain).all()) and bool((scale < 2 * plain).all())
+    again = fp8_quantize(fp8_dequantize(weight, scale, (128, 128)), (128, 128), scale, power_of_two=True)
+    assert same_bits(again[0], weight) and same_bits(again[1], scale)
 
 
 # --- Megatron: parity, round trips, fixed point ----------------------------------------------------------------
@@ -221,7 +241,7 @@ def test_vllm_on_cpu_serves_the_dense_conversions_as_megatron_computes_them(twin
 
 
 @pytest.mark.engines
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", STORED)
 def test_import_export_round_trip_is_bit_exact(twins, megatron, tmp_path, kind):
     """Exported in the checkpoint's own quantized layout, every stored tensor (MTP layers, vision tower and
     projector included) and config.json come back bit for bit, shard by shard."""
@@ -262,6 +282,30 @@ def test_a_bf16_master_from_int4_requantizes_to_the_published_bytes(twins, megat
         for n in original
         if n != name and not n.startswith("language_model.model.layers.1.mlp.experts.2.down_proj") and not same_bits(original[n], moved[n])
     ] == []
+
+
+@pytest.mark.engines
+def test_a_bf16_master_from_ue8m0_requantizes_to_the_published_bytes(twins, megatron, tmp_path):
+    """DeepSeek-V3.1's fp8 weights in a bf16 Megatron model export to the published bytes; a weight moved past its
+    block's range gets a fresh scale, a power of two, in that block only."""
+    from composer.trainer.quantization import is_power_of_two
+    from composer.trainer.weights import export_hf
+
+    twin = twins["deepseek_v3_1"]
+    m, model = load(twin, dtype="bfloat16")
+    original = stored_tensors(twin)
+    down = model.decoder.layers[1].mlp.experts.local_experts[2].linear_fc2.weight  # HF experts.2.down_proj [192, 64]
+    with torch.no_grad():
+        down[150, 10] = down.abs().max() * 3  # row block 1
+    export_hf(model, m, tmp_path / "moved", quantize="fp8")
+    moved = stored_tensors(tmp_path / "moved")
+    name = "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"
+    assert (moved[name] != original[name]).nonzero().tolist() == [[1, 0]]
+    assert bool(is_power_of_two(moved[name]).all()) and moved[name][1, 0] > original[name][1, 0]
+    assert [
+        n for n in original if not n.startswith("model.layers.1.mlp.experts.2.down_proj") and not same_bits(original[n], moved[n])
+    ] == []
+    assert json.loads((tmp_path / "moved/config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
 
 
 @pytest.mark.engines
