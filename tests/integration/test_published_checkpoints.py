@@ -130,6 +130,69 @@ def test_a_bad_checkpoint_is_one_message_before_any_rank_starts(twins, tmp_path,
     assert expected in " ".join(result.stdout.split()), result.stdout
 
 
+def rewrite_tensor(checkpoint: Path, name: str, tensor: torch.Tensor) -> None:
+    from safetensors.torch import load_file, save_file
+
+    shard = checkpoint / json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = tensor
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+EXPERT = "model.layers.1.mlp.experts.3"
+SHAPES = {  # problem: (twin, expected message)
+    "embedding [4096, 64]": (
+        "kimi_k2",
+        "model.embed_tokens.weight is stored [4096, 64], but config.json's vocab_size 1024, hidden_size 192 make(s) it [1024, 192]",
+    ),
+    "fp8 expert 96 rows tall": (
+        "deepseek_v3",
+        f"{EXPERT}.gate_proj.weight is stored [96, 192], but config.json's moe_intermediate_size 64 make(s) it [64, 192]",
+    ),
+    "moe_intermediate_size 96 over 64-wide weights": (
+        "kimi_k2",
+        "model.layers.1.mlp.experts.0.down_proj.weight is stored [192, 64], but config.json's moe_intermediate_size 96 make(s) it "
+        "[192, 96] (and 95 more tensor(s) like it)",
+    ),
+    "INT4 weight_shape that contradicts its codes": (
+        "kimi_k2_thinking",
+        f"{EXPERT}.down_proj.weight_shape = [192, 96] contradicts its codes [192, 8] and scales [192, 2] (8 codes per int32, groups of 32)",
+    ),
+}
+
+
+LAUNCHES = [
+    pytest.param(["recipe", "validate"], id="validate"),
+    pytest.param(["train", "midtrain", "--dry-run"], id="dry-run", marks=pytest.mark.slow),
+    pytest.param(["train", "midtrain"], id="train", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("command", LAUNCHES)
+@pytest.mark.parametrize("problem", SHAPES)
+def test_a_stored_shape_the_model_does_not_have_is_refused_before_launch(twins, tmp_path, problem, command):
+    """From the headers (and an INT4 weight's 2-element weight_shape): a tensor whose shape is not the one the
+    checkpoint's config.json gives the model the recipe builds is refused by validate, --dry-run and train, in one
+    message naming the tensor and the config key, exit 2, before any rank starts."""
+    kind, expected = SHAPES[problem]
+    broken = shutil.copytree(twins[kind], tmp_path / "broken")
+    if problem == "embedding [4096, 64]":
+        rewrite_tensor(broken, "model.embed_tokens.weight", torch.zeros(4096, 64, dtype=torch.bfloat16))
+    elif problem == "fp8 expert 96 rows tall":  # its one 128 x 128 block row of scales still covers it
+        rewrite_tensor(broken, f"{EXPERT}.gate_proj.weight", torch.zeros(96, 192, dtype=torch.float8_e4m3fn))
+    elif problem == "moe_intermediate_size 96 over 64-wide weights":
+        config = json.loads((broken / "config.json").read_text())
+        config["moe_intermediate_size"] = 96
+        (broken / "config.json").write_text(json.dumps(config))
+    else:
+        rewrite_tensor(broken, f"{EXPERT}.down_proj.weight_shape", torch.tensor([192, 96], dtype=torch.int32))
+    result = run_composer(*command, str(recipe_for(broken, tmp_path)))
+    out = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and "Traceback" not in out, out[-2000:]
+    assert expected in out, out[-2000:]
+    assert not (tmp_path / "runs/twin").exists()
+
+
 def test_model_info_says_what_composer_trains_and_what_vllm_serves(twins):
     result = run_composer("model", "info", str(twins["kimi_k25"]))
     assert result.returncode == 0, result.stderr
