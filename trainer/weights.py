@@ -541,6 +541,26 @@ class _Encoder:
         stored = int4_quantize(tensor, self.format.group_size, published, **dtypes)
         return [(f"{base}.{part}", stored[part]) for part in INT4_PARTS]
 
+    def carried(self, m: ModelSection, dense: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """The source's carried tensors in the export's format: outside the language model (vision tower, projector)
+        and MTP layers in the source's own format as stored, bit for bit; MTP layers of an export in another format
+        (dense, or quantized another way) dequantized and encoded as the model's weights are, never a mix."""
+        if self.source is None:
+            return
+        mtp = set(self.source.mtp_names(m)) if m.mtp == "carry" else set()
+        as_stored = self.published or (self.source.quantization is None and self.quantize is None and self.dtype is None)
+        for stored in self.source.carried(m):
+            if as_stored or stored not in mtp:
+                yield stored, self.reader.raw(stored)
+        if as_stored:
+            return
+        # one weight per quantized group of parts (weight + weight_scale_inv, or weight_packed + weight_scale + weight_shape)
+        parts = re.compile(r"\.(weight_scale_inv|weight_packed|weight_scale|weight_shape)$")
+        names = sorted({parts.sub(".weight", stored).removeprefix(self.source.prefix) for stored in mtp})
+        for name in names:
+            tensor = self.reader.weight(name)  # a dequantized weight in the export's dense dtype, the others as stored
+            yield from self.encode(name, tensor.to(dense) if self.source.is_quantized(name) and not self.quantize else tensor)
+
     def _dense_dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype:
         if self.dtype is not None:
             return self.dtype
@@ -624,10 +644,10 @@ def _write_checkpoint(
                     for stored, part in encoder.encode(name, tensor):
                         writer.add(stored, part)
             if writing:
-                for stored in source.carried(m) if source else []:
-                    writer.add(stored, reader.raw(stored))
-                writer.finish()
                 dense = dtype or (torch.bfloat16 if quantize else written_dtype)
+                for stored, part in encoder.carried(m, dense):
+                    writer.add(stored, part)
+                writer.finish()
                 _write_config_and_files(tmp, m, dense, quantize, source, tokenizer_dir)
                 publish_dir(tmp, out)
     finally:

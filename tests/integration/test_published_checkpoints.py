@@ -8,6 +8,7 @@ before any rank starts.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from composer.recipes.errors import UserError
 from composer.trainer.hf_config import model_section_from_hf
 from tests.conftest import run_composer
-from tests.helpers.published_twins import make_twin, twin_config, write_reference
+from tests.helpers.published_twins import DEEPSEEK_V3, make_twin, twin_config, write_reference
 from tests.helpers.tiktoken_checkpoint import write_tiktoken_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,7 +194,7 @@ def test_a_stored_shape_the_model_does_not_have_is_refused_before_launch(twins, 
     assert not (tmp_path / "runs/twin").exists()
 
 
-def test_model_info_says_what_composer_trains_and_what_vllm_serves(twins):
+def test_model_info_says_what_composer_trains_and_what_vllm_serves(twins, tmp_path):
     result = run_composer("model", "info", str(twins["kimi_k25"]))
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())
@@ -207,6 +208,22 @@ def test_model_info_says_what_composer_trains_and_what_vllm_serves(twins):
     result = run_composer("model", "info", str(twins["deepseek_v3"]))
     out = " ".join(result.stdout.split())
     assert "stored: fp8 e4m3 blocks 128x128 (weight_scale_inv)" in out and "1 multi-token-prediction layer(s)" in out
+    # the size line counts the MTP layer as stored: every tensor of model.layers.3, scales left out
+    from composer.recipes.sizes import mtp_parameters, parameter_counts
+    from composer.trainer.hf_checkpoint import CheckpointLayout
+
+    layout, m = CheckpointLayout.of(twins["deepseek_v3"]), model_section_from_hf(twins["deepseek_v3"])
+    stored_mtp = sum(math.prod(layout.tensors[n].shape) for n in layout.mtp_names(m) if not n.endswith("_scale_inv"))
+    assert mtp_parameters(m) == stored_mtp
+    assert (
+        f"stored with 1 multi-token-prediction layer(s): {(parameter_counts(m)[0] + stored_mtp) / 1e6:.2f} M ({stored_mtp / 1e6:.2f} M more)"
+        in out
+    )
+    full = tmp_path / "deepseek-v3"
+    full.mkdir()
+    (full / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    out = " ".join(run_composer("model", "info", str(full)).stdout.split())
+    assert "671.03 B total, 37.55 B active per token; stored with 1 multi-token-prediction layer(s): 684.49 B (13.46 B more)" in out
     result = run_composer("model", "info", str(twins["deepseek_v3_1"]))
     out = " ".join(result.stdout.split())
     assert result.returncode == 0, result.stderr
@@ -385,6 +402,33 @@ def test_mtp_layers_dropped_and_dense_exports(twins, megatron, tmp_path):
     reference = stored_tensors(write_reference(twins["deepseek_v3"], tmp_path / "reference"))
     assert set(dense) == set(reference) and all(torch.equal(dense[n], reference[n].to(dense[n].dtype)) for n in dense)
     assert model_section_from_hf(tmp_path / "dense").num_mtp_layers == 0
+
+
+@pytest.mark.engines
+def test_a_dense_export_of_a_quantized_checkpoint_is_dense_throughout(twins, megatron, tmp_path):
+    """Mid-training's export (the model's dtype, no quantize) of DeepSeek-V3 with its MTP layer carried: no fp8
+    weight, no scale and no quantization_config anywhere; the MTP layer holds its dequantized values, and composer
+    reads the export back as the dense checkpoint it is."""
+    from composer.trainer.hf_checkpoint import CheckpointLayout
+    from composer.trainer.quantization import fp8_dequantize
+    from composer.trainer.weights import check_checkpoint, export_hf
+
+    m, model = load(twins["deepseek_v3"], dtype="bfloat16")
+    export_hf(model, m, tmp_path / "dense")
+    dense, config = stored_tensors(tmp_path / "dense"), json.loads((tmp_path / "dense/config.json").read_text())
+    assert "quantization_config" not in config and config["num_nextn_predict_layers"] == 1
+    assert not any("scale" in n for n in dense)
+    # bf16 throughout but the expert biases (fp32 in Megatron and as published)
+    assert {n for n, t in dense.items() if t.dtype != torch.bfloat16} == {n for n in dense if n.endswith("e_score_correction_bias")}
+    original = stored_tensors(twins["deepseek_v3"])
+    mtp = [n for n in original if n.startswith("model.layers.3.") and not n.endswith("_scale_inv")]
+    assert mtp and all(n in dense for n in mtp)
+    eh = "model.layers.3.eh_proj"
+    assert original[f"{eh}.weight"].dtype == torch.float8_e4m3fn
+    dequantized = fp8_dequantize(original[f"{eh}.weight"], original[f"{eh}.weight_scale_inv"], (128, 128))
+    assert torch.equal(dense[f"{eh}.weight"], dequantized.to(torch.bfloat16))
+    assert CheckpointLayout.of(tmp_path / "dense").quantization is None
+    check_checkpoint(model_section_from_hf(tmp_path / "dense", dtype="bfloat16"), tmp_path / "dense")
 
 
 @pytest.mark.engines
