@@ -216,7 +216,7 @@ class CheckpointLayout:
         """Weights whose stored shape (a quantized one's: its codes' rows and the columns its weight_shape says) is not
         the one config.json makes, one message per config key, naming the first tensor; an INT4 weight_shape that
         contradicts its codes; a weight stored without scales in a dtype that needs them."""
-        out, wrong = [], {}
+        out, wrong, unscaled = [], {}, []
         int4 = [n for n in names if "weight_packed" in self.parts(n)]
         declared = self._weight_shapes([self.parts(n)["weight_shape"] for n in int4])
         patterns = hf_shapes(m)
@@ -241,7 +241,7 @@ class CheckpointLayout:
                 stored = self.tensors[parts["weight"]]
                 shape = stored.shape
                 if len(parts) == 1 and stored.dtype not in ("F32", "BF16", "F16"):
-                    out.append(f"{parts['weight']}: stored as {stored.dtype} without scales; a weight stored as is is F32, BF16 or F16")
+                    unscaled.append(parts["weight"])
                     continue
             dims = next((dims for pattern, dims in patterns if pattern.match(name)), None)
             if dims is None or tuple(size for size, _ in dims) == tuple(shape):
@@ -249,6 +249,9 @@ class CheckpointLayout:
             keys = [f"{key_prefix}{key} {size}" for i, (size, key) in enumerate(dims) if i >= len(shape) or shape[i] != size]
             cause = ", ".join(keys) or f"{len(dims)} dimension(s)"
             wrong.setdefault(cause, []).append((name, shape, tuple(size for size, _ in dims)))
+        if unscaled:
+            dtypes = sorted({self.tensors[n].dtype for n in unscaled})
+            out.append(f"{_listed(unscaled)}: stored as {', '.join(dtypes)} without scales; a weight stored as is is F32, BF16 or F16")
         for cause, tensors in wrong.items():
             name, shape, want = tensors[0]
             more = f" (and {len(tensors) - 1} more tensor(s) like it)" if len(tensors) > 1 else ""

@@ -567,7 +567,8 @@ class _Encoder:
         if self.quantize is None:
             return tensor.dtype
         found = self.source.tensors.get(self._stored(name)) if self.source else None
-        return SAFETENSORS_DTYPES.get(found.dtype, torch.bfloat16) if found else torch.bfloat16
+        # a weight the source quantizes another way (fp8 -> int4 keeps attention dense) is written in bf16, not as fp8 codes
+        return SAFETENSORS_DTYPES[found.dtype] if found and found.dtype in ("F32", "BF16", "F16") else torch.bfloat16
 
 
 @torch.no_grad()

@@ -404,6 +404,22 @@ def test_mtp_layers_dropped_and_dense_exports(twins, megatron, tmp_path):
     assert model_section_from_hf(tmp_path / "dense").num_mtp_layers == 0
 
 
+def test_an_fp8_checkpoint_converted_to_int4_holds_no_fp8(twins, tmp_path):
+    """DeepSeek-V3 (block fp8, an MTP layer) as an INT4 policy: routed experts in INT4, MTP layer's included, everything
+    else bf16 (not the fp8 codes), no weight_scale_inv; composer reads it back as INT4."""
+    from composer.trainer.hf_checkpoint import CheckpointLayout
+    from composer.trainer.weights import check_checkpoint, convert_hf
+
+    out = convert_hf(model_section_from_hf(twins["deepseek_v3"]), tmp_path / "int4", quantize="int4")
+    converted = stored_tensors(out)
+    assert {t.dtype for t in converted.values()} == {torch.bfloat16, torch.float32, torch.int32}
+    assert not any(n.endswith("_scale_inv") for n in converted)
+    assert "model.layers.3.mlp.experts.0.down_proj.weight_packed" in converted
+    assert converted["model.layers.3.eh_proj.weight"].dtype == torch.bfloat16
+    assert CheckpointLayout.of(out).quantization.method == "int4"
+    check_checkpoint(model_section_from_hf(out), out)
+
+
 @pytest.mark.engines
 def test_a_dense_export_of_a_quantized_checkpoint_is_dense_throughout(twins, megatron, tmp_path):
     """Mid-training's export (the model's dtype, no quantize) of DeepSeek-V3 with its MTP layer carried: no fp8
