@@ -66,7 +66,7 @@ def info(
 ) -> None:
     """Architecture, size and stored format of an HF checkpoint, and whether composer can train it and vLLM serve it
     (and why not), without loading weights: check a download."""
-    from composer.recipes.sizes import parameter_counts
+    from composer.recipes.sizes import mtp_parameters, parameter_counts
     from composer.rollout.engines.vllm_engine import cpu_serving_problems
     from composer.trainer.hf_config import language_config, model_section_from_hf, parse_quantization, read_hf_config
 
@@ -75,6 +75,7 @@ def info(
     config = read_hf_config(checkpoint)
     language = language_config(config, checkpoint / "config.json")
     total, active = parameter_counts(m)
+    mtp = mtp_parameters(m)
     if m.family == "deepseek_v3":
         q = f"q_lora_rank {m.q_lora_rank}" if m.q_lora_rank else "full-rank queries"
         attention = (
@@ -126,8 +127,16 @@ def info(
         ("attention", attention),
         ("rope", rope),
         ("experts", experts),
-        ("parameters", f"{_billions(total)} total, {_billions(active)} active per token"),
-        ("weights", f"{_bytes(2 * total)} in bf16, {_bytes(total)} in fp8 (without scales); stored: {stored}"),
+        (
+            "parameters",
+            f"{_billions(total)} total, {_billions(active)} active per token"
+            + (
+                f"; stored with {m.num_mtp_layers} multi-token-prediction layer(s): {_billions(total + mtp)} ({_billions(mtp)} more)"
+                if mtp
+                else ""
+            ),
+        ),
+        ("weights", f"{_bytes(2 * (total + mtp))} in bf16, {_bytes(total + mtp)} in fp8 (without scales); stored: {stored}"),
         *(("carried", line) for line in carried),
         ("training", f"no: {cannot_train}" if cannot_train else "yes: composer's provider builds it"),
         (

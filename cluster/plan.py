@@ -140,11 +140,20 @@ def layer_activation_bytes(m: ModelSection, p: ParallelismSection, tokens: int, 
 
 
 def output_activation_bytes(m: ModelSection, p: ParallelismSection, tokens: int) -> int:
-    """The final norm, the output layer's input and the cross entropy's softmax over this rank's vocabulary (kept in
-    the logits' dtype: Megatron exponentiates in place)."""
+    """The final norm, the output layer's input and the cross entropy's softmax over this rank's vocabulary, in fp32
+    whatever the dtype: Megatron's `calculate_logits_max` takes an fp32 copy of the logits, exponentiates it in
+    place and keeps it for backward."""
     b = dtype_bytes(m.dtype)
     sp = tokens // p.tp if p.sequence_parallel else tokens
-    return sp * m.hidden_size * (4 + b) + sp * m.hidden_size * b + tokens * (m.vocab_size // p.tp) * b
+    return sp * m.hidden_size * (4 + b) + sp * m.hidden_size * b + tokens * (m.vocab_size // p.tp) * 4
+
+
+def output_transient_bytes(m: ModelSection, p: ParallelismSection, tokens: int) -> int:
+    """Beside the loss's fp32 softmax, for a moment: the output layer's weight gradient and, below fp32, the logits
+    in their own dtype (forward: the tensor the fp32 copy is made from; backward: the gradient cast back to it)."""
+    b = dtype_bytes(m.dtype)
+    vocab = m.vocab_size // p.tp
+    return vocab * m.hidden_size * b + (tokens * vocab * b if b < 4 else 0)
 
 
 def activation_bytes(m: ModelSection, p: ParallelismSection, tokens: int, recompute: bool, micro_batches: int, stage: int = 0) -> int:
@@ -160,7 +169,7 @@ def activation_bytes(m: ModelSection, p: ParallelismSection, tokens: int, recomp
     sp = tokens // p.tp if p.sequence_parallel else tokens
     last = stage == p.pp - 1
     output = output_activation_bytes(m, p, tokens) if last else 0
-    output_transient = m.vocab_size // p.tp * m.hidden_size * b if last else 0
+    output_transient = output_transient_bytes(m, p, tokens) if last else 0
     in_flight = min(p.pp - stage, micro_batches)
     if recompute:
         inputs = len(layers) * sp * m.hidden_size * b

@@ -93,6 +93,22 @@ def parameter_counts(m: ModelSection) -> tuple[int, int]:
     return common + moe_layers * m.num_experts * b.routed_expert, common + moe_layers * m.moe_top_k * b.routed_expert
 
 
+def mtp_parameters(m: ModelSection) -> int:
+    """Parameters of the stored multi-token-prediction layers (DeepSeek-V3's `model.layers.61`), carried, not
+    trained: each a decoder layer like the last one plus its own embedding and output head (stored, not shared),
+    the projection of [embedding; hidden] (2h -> h) and three norms (enorm, hnorm, the head's)."""
+    if not m.num_mtp_layers:
+        return 0
+    b = parameter_breakdown(m)
+    layer = b.attention_split + b.attention_whole + b.attention_norms + b.layer_norms
+    if m.is_moe:
+        layer += b.router + b.expert_bias + b.shared_experts + m.num_experts * b.routed_expert
+    else:
+        layer += b.dense_mlp
+    h = m.hidden_size
+    return m.num_mtp_layers * (layer + 2 * m.vocab_size * h + 2 * h * h + 3 * h)
+
+
 def routed_expert_parameters(m: ModelSection) -> int:
     """Parameters of all routed experts of all MoE layers (what expert parallelism shards)."""
     return len(m.moe_layers) * m.num_experts * parameter_breakdown(m).routed_expert

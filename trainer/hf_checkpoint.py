@@ -32,6 +32,8 @@ class StoredTensor:
     dtype: str
     """safetensors dtype: F32, BF16, F8_E4M3, I32, ..."""
     shape: tuple[int, ...]
+    offset: int = 0
+    """Where its bytes start in the file."""
 
 
 def _read_header(path: Path) -> dict[str, StoredTensor]:
@@ -50,7 +52,10 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
     end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
     if size < 8 + length + end:
         raise UserError(f"{path}: truncated ({size} bytes; its header describes {8 + length + end}): download it again")
-    return {name: StoredTensor(path, entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()}
+    return {
+        name: StoredTensor(path, entry["dtype"], tuple(entry["shape"]), 8 + length + entry["data_offsets"][0])
+        for name, entry in header.items()
+    }
 
 
 def read_stored_tensors(hf_dir: str | Path) -> dict[str, StoredTensor]:
@@ -78,6 +83,65 @@ def read_stored_tensors(hf_dir: str | Path) -> dict[str, StoredTensor]:
         if absent:
             raise UserError(f"{root / INDEX}: {_listed(absent)} not in the shard the index names")
     return tensors
+
+
+Dim = tuple[int, str]
+"""A dimension the model gives a weight, with the config.json key(s) it comes from."""
+
+
+def hf_shapes(m: ModelSection) -> list[tuple[re.Pattern, tuple[Dim, ...]]]:
+    """(HF name pattern, [rows, columns] or [size]) of every weight of architecture `m`, as its config.json keys
+    make them."""
+    h, vocab = (m.hidden_size, "hidden_size"), (m.vocab_size, "vocab_size")
+    heads = m.num_attention_heads
+    norm = (h,)
+    table: dict[str, tuple[Dim, ...]] = {
+        "model.embed_tokens.weight": (vocab, h),
+        "lm_head.weight": (vocab, h),
+        "model.norm.weight": norm,
+        r"model.layers.\d+.(input|post_attention)_layernorm.weight": norm,
+        r"model.layers.\d+.mlp.(gate|up)_proj.weight": ((m.ffn_hidden_size, "intermediate_size"), h),
+        r"model.layers.\d+.mlp.down_proj.weight": (h, (m.ffn_hidden_size, "intermediate_size")),
+    }
+    if m.is_moe:
+        expert = (m.moe_ffn_hidden_size, "moe_intermediate_size")
+        experts = (m.num_experts, "n_routed_experts" if m.family == "deepseek_v3" else "num_experts")
+        table |= {
+            r"model.layers.\d+.mlp.gate.weight": (experts, h),
+            r"model.layers.\d+.mlp.gate.e_score_correction_bias": (experts,),
+            r"model.layers.\d+.mlp.experts.\d+.(gate|up)_proj.weight": (expert, h),
+            r"model.layers.\d+.mlp.experts.\d+.down_proj.weight": (h, expert),
+        }
+        if m.num_shared_experts:
+            shared = (m.moe_ffn_hidden_size * m.num_shared_experts, "moe_intermediate_size x n_shared_experts")
+            table |= {
+                r"model.layers.\d+.mlp.shared_experts.(gate|up)_proj.weight": (shared, h),
+                r"model.layers.\d+.mlp.shared_experts.down_proj.weight": (h, shared),
+            }
+    a = r"model.layers.\d+.self_attn."
+    if m.family == "deepseek_v3":
+        q = (heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim)")
+        kv_lora = (m.kv_lora_rank, "kv_lora_rank")
+        table |= {
+            a + "kv_a_proj_with_mqa.weight": ((m.kv_lora_rank + m.qk_rope_head_dim, "kv_lora_rank + qk_rope_head_dim"), h),
+            a + "kv_a_layernorm.weight": (kv_lora,),
+            a + "kv_b_proj.weight": (
+                (heads * (m.qk_nope_head_dim + m.v_head_dim), "num_attention_heads x (qk_nope_head_dim + v_head_dim)"),
+                kv_lora,
+            ),
+            a + "o_proj.weight": (h, (heads * m.v_head_dim, "num_attention_heads x v_head_dim")),
+        }
+        if m.q_lora_rank:
+            q_lora = (m.q_lora_rank, "q_lora_rank")
+            table |= {a + "q_a_proj.weight": (q_lora, h), a + "q_a_layernorm.weight": (q_lora,), a + "q_b_proj.weight": (q, q_lora)}
+        else:
+            table[a + "q_proj.weight"] = (q, h)
+    else:
+        d = (m.head_dim, "head_dim")
+        q = (heads * m.head_dim, "num_attention_heads x head_dim")
+        kv = (m.num_kv_heads * m.head_dim, "num_key_value_heads x head_dim")
+        table |= {a + "q_proj.weight": (q, h), a + "(k|v)_proj.weight": (kv, h), a + "o_proj.weight": (h, q), a + "(q|k)_norm.weight": (d,)}
+    return [(re.compile(pattern.replace(".", r"\.") + "$"), dims) for pattern, dims in table.items()]
 
 
 def _listed(names) -> str:
@@ -129,21 +193,88 @@ class CheckpointLayout:
         """Missing and unexpected tensors, quantized parts of the wrong shape or dtype (`expected`: the language
         model's weight names)."""
         used = set(self.carried(m)) | set(self.mtp_names(m))
-        missing, shapes = [], []
+        missing, shapes, present = [], [], []
         for name in sorted(expected):
             parts = self.parts(name)
             if any(p not in self.tensors for p in parts.values()):
                 missing.append(self.stored(name))
                 continue
             used.update(parts.values())
-            shapes += self._part_problems(parts)
+            problems = self._part_problems(parts)
+            shapes += problems
+            if not problems:
+                present.append(name)
         # a tied checkpoint may still store lm_head; old ones store RoPE tables; neither is a weight of the model
         unused = {n for n in set(self.tensors) - used if not (n == self.stored("lm_head.weight") or n.endswith("rotary_emb.inv_freq"))}
         out = []
         for problem, names in (("lacks tensors the model needs", missing), ("has tensors the model would not use", unused)):
             if names:
                 out.append(f"{self.root}: checkpoint {problem}: {_listed(names)}")
-        return out + [f"{self.root}: {problem}" for problem in shapes]
+        return out + [f"{self.root}: {problem}" for problem in shapes + self._shape_problems(m, present)]
+
+    def _shape_problems(self, m: ModelSection, names: list[str]) -> list[str]:
+        """Weights whose stored shape (a quantized one's: its codes' rows and the columns its weight_shape says) is not
+        the one config.json makes, one message per config key, naming the first tensor; an INT4 weight_shape that
+        contradicts its codes; a weight stored without scales in a dtype that needs them."""
+        out, wrong, unscaled = [], {}, []
+        int4 = [n for n in names if "weight_packed" in self.parts(n)]
+        declared = self._weight_shapes([self.parts(n)["weight_shape"] for n in int4])
+        patterns = hf_shapes(m)
+        key_prefix = "text_config." if self.prefix else ""
+        for name in names:
+            parts = self.parts(name)
+            if "weight_packed" in parts:
+                packed, scale = self.tensors[parts["weight_packed"]], self.tensors[parts["weight_scale"]]
+                shape = declared[parts["weight_shape"]]
+                q = self.quantization
+                if len(shape) != 2 or (packed.shape[0], math.ceil(shape[1] / 8), shape[1] // q.group_size) != (
+                    shape[0],
+                    packed.shape[1],
+                    scale.shape[1],
+                ):
+                    out.append(
+                        f"{parts['weight_shape']} = {list(shape)} contradicts its codes {list(packed.shape)} and scales "
+                        f"{list(scale.shape)} (8 codes per int32, groups of {q.group_size})"
+                    )
+                    continue
+            else:
+                stored = self.tensors[parts["weight"]]
+                shape = stored.shape
+                if len(parts) == 1 and stored.dtype not in ("F32", "BF16", "F16"):
+                    unscaled.append(parts["weight"])
+                    continue
+            dims = next((dims for pattern, dims in patterns if pattern.match(name)), None)
+            if dims is None or tuple(size for size, _ in dims) == tuple(shape):
+                continue
+            keys = [f"{key_prefix}{key} {size}" for i, (size, key) in enumerate(dims) if i >= len(shape) or shape[i] != size]
+            cause = ", ".join(keys) or f"{len(dims)} dimension(s)"
+            wrong.setdefault(cause, []).append((name, shape, tuple(size for size, _ in dims)))
+        if unscaled:
+            dtypes = sorted({self.tensors[n].dtype for n in unscaled})
+            out.append(f"{_listed(unscaled)}: stored as {', '.join(dtypes)} without scales; a weight stored as is is F32, BF16 or F16")
+        for cause, tensors in wrong.items():
+            name, shape, want = tensors[0]
+            more = f" (and {len(tensors) - 1} more tensor(s) like it)" if len(tensors) > 1 else ""
+            out.append(f"{self.stored(name)} is stored {list(shape)}, but config.json's {cause} make(s) it {list(want)}{more}")
+        return out
+
+    def _weight_shapes(self, names: list[str]) -> dict[str, tuple[int, ...]]:
+        """The values of INT4 weight_shape vectors, read where each file's header says they are (a few bytes each)."""
+        out = {}
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.tensors[name].file, []).append(name)
+        for file, in_file in by_file.items():
+            with file.open("rb") as f:
+                for name in sorted(in_file, key=lambda n: self.tensors[n].offset):
+                    t = self.tensors[name]
+                    fmt = {"I32": "<2i", "I64": "<2q"}.get(t.dtype)
+                    if fmt is None or t.shape != (2,):
+                        out[name] = ()
+                        continue
+                    f.seek(t.offset)
+                    out[name] = struct.unpack(fmt, f.read(struct.calcsize(fmt)))
+        return out
 
     def _part_problems(self, parts: dict[str, str]) -> list[str]:
         if len(parts) == 1:

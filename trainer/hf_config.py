@@ -73,10 +73,13 @@ class Quantization:
     """fp8: rows x columns sharing one scale."""
     group_size: int = 32
     """int4: consecutive input channels sharing one scale."""
+    scale_fmt: Literal["float32", "ue8m0"] = "float32"
+    """fp8: `ue8m0` (DeepSeek-V3.1): every scale a power of two, stored as F32; fresh scales are rounded up to one."""
 
     def describe(self) -> str:
         if self.method == "fp8":
-            return f"fp8 e4m3 blocks {self.block[0]}x{self.block[1]} (weight_scale_inv)"
+            powers = ", ue8m0: powers of two" if self.scale_fmt == "ue8m0" else ""
+            return f"fp8 e4m3 blocks {self.block[0]}x{self.block[1]} (weight_scale_inv{powers})"
         return f"INT4 compressed-tensors pack-quantized, symmetric, group {self.group_size}"
 
 
@@ -112,14 +115,15 @@ def _fp8(qc: dict, key: str, where: Path) -> Quantization:
     refused = {
         "fmt": qc.get("fmt", "e4m3") != "e4m3",
         "activation_scheme": qc.get("activation_scheme", "dynamic") != "dynamic",
-        "scale_fmt": qc.get("scale_fmt") not in (None, "float32"),
+        "scale_fmt": qc.get("scale_fmt") not in (None, "float32", "ue8m0"),
     }
     bad = [f"{key}.{k} {qc.get(k)!r}" for k, is_bad in refused.items() if is_bad]
     if bad:
         raise UserError(
-            f"{where}: not supported for fp8 checkpoints: {', '.join(bad)} (supported: e4m3 weights, fp32 block scales, dynamic activations)"
+            f"{where}: not supported for fp8 checkpoints: {', '.join(bad)} (supported: e4m3 weights, fp32 block scales "
+            "(scale_fmt float32 or ue8m0), dynamic activations)"
         )
-    return Quantization("fp8", block=(block[0], block[1]))
+    return Quantization("fp8", block=(block[0], block[1]), scale_fmt=qc.get("scale_fmt") or "float32")
 
 
 def _int4(qc: dict, key: str, where: Path) -> Quantization:

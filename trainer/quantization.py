@@ -92,16 +92,31 @@ def _scales(
     return torch.where(fits, published.to(dtype), fresh)
 
 
+def power_of_two_above(scale: torch.Tensor) -> torch.Tensor:
+    """Each positive scale rounded up to a power of two (ue8m0: an 8-bit exponent, no mantissa), so the values its
+    block was sized for still fit; a power of two stays as it is."""
+    mantissa, exponent = torch.frexp(scale)  # scale = mantissa x 2**exponent, mantissa in [0.5, 1)
+    return torch.where(mantissa == 0.5, scale, torch.ldexp(torch.ones_like(scale), exponent))
+
+
+def is_power_of_two(scale: torch.Tensor) -> torch.Tensor:
+    mantissa, _ = torch.frexp(scale)
+    return (scale > 0) & (mantissa == 0.5)
+
+
 def fp8_quantize(
-    w: torch.Tensor, block: tuple[int, int], published_scale_inv: torch.Tensor | None = None
+    w: torch.Tensor, block: tuple[int, int], published_scale_inv: torch.Tensor | None = None, power_of_two: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, fp32 weight_scale_inv) of a 2-D weight."""
+    """(e4m3 weight, fp32 weight_scale_inv) of a 2-D weight; with `power_of_two` (scale_fmt ue8m0, DeepSeek-V3.1)
+    fresh scales are rounded up to powers of two, as DeepSeek's own quantizer does (a published one is one already)."""
     from compressed_tensors.quantization.lifecycle.forward import quantize
 
     w = w.float()
     low, high = _block_extremes(w, block)
     magnitude = torch.maximum(low.abs(), high.abs())
     scale = _scales(-magnitude, magnitude, _fp8_args(block), published_scale_inv, FP8_FIT, torch.float32)
+    if power_of_two:
+        scale = power_of_two_above(scale)
     return quantize(w, scale, None, args=_fp8_args(block), dtype=FP8_DTYPE), scale
 
 

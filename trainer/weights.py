@@ -33,7 +33,7 @@ from composer.runtime.run_dir import atomic_write_text, publish_dir
 from composer.trainer.hf_checkpoint import INT4_PARTS, CheckpointLayout, read_stored_tensors
 from composer.trainer.hf_config import Quantization, check_matches_checkpoint, language_config, read_hf_config
 from composer.trainer.model import hf_config_from_model_section
-from composer.trainer.quantization import fp8_dequantize, fp8_quantize, int4_dequantize, int4_parts_shapes, int4_quantize
+from composer.trainer.quantization import fp8_dequantize, fp8_quantize, int4_dequantize, int4_parts_shapes, int4_quantize, is_power_of_two
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -328,6 +328,10 @@ class ShardReader:
         t = {part: self.raw(stored) for part, stored in parts.items()}
         q = self.layout.quantization
         if q.method == "fp8":
+            if q.scale_fmt == "ue8m0" and not bool(is_power_of_two(t["weight_scale_inv"]).all()):
+                raise UserError(
+                    f"{self.layout.root}: {parts['weight_scale_inv']}: quantization_config.scale_fmt ue8m0, but a scale is no power of two"
+                )
             return fp8_dequantize(t["weight"], t["weight_scale_inv"], q.block)
         shape = tuple(t["weight_shape"].tolist())
         if int4_parts_shapes(shape, q.group_size) != {part: tuple(t[part].shape) for part in INT4_PARTS}:
@@ -528,7 +532,7 @@ class _Encoder:
         base = self._stored(name).removesuffix(".weight")
         if self.quantize == "fp8":
             published = self.reader.raw(parts["weight_scale_inv"]) if parts else None
-            weight, scale = fp8_quantize(tensor, self.format.block, published)
+            weight, scale = fp8_quantize(tensor, self.format.block, published, power_of_two=self.format.scale_fmt == "ue8m0")
             return [(f"{base}.weight", weight), (f"{base}.weight_scale_inv", scale)]
         published = self.reader.raw(parts["weight_scale"]) if parts else None
         dtypes = {}
@@ -537,13 +541,34 @@ class _Encoder:
         stored = int4_quantize(tensor, self.format.group_size, published, **dtypes)
         return [(f"{base}.{part}", stored[part]) for part in INT4_PARTS]
 
+    def carried(self, m: ModelSection, dense: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """The source's carried tensors in the export's format: outside the language model (vision tower, projector)
+        and MTP layers in the source's own format as stored, bit for bit; MTP layers of an export in another format
+        (dense, or quantized another way) dequantized and encoded as the model's weights are, never a mix."""
+        if self.source is None:
+            return
+        mtp = set(self.source.mtp_names(m)) if m.mtp == "carry" else set()
+        as_stored = self.published or (self.source.quantization is None and self.quantize is None and self.dtype is None)
+        for stored in self.source.carried(m):
+            if as_stored or stored not in mtp:
+                yield stored, self.reader.raw(stored)
+        if as_stored:
+            return
+        # one weight per quantized group of parts (weight + weight_scale_inv, or weight_packed + weight_scale + weight_shape)
+        parts = re.compile(r"\.(weight_scale_inv|weight_packed|weight_scale|weight_shape)$")
+        names = sorted({parts.sub(".weight", stored).removeprefix(self.source.prefix) for stored in mtp})
+        for name in names:
+            tensor = self.reader.weight(name)  # a dequantized weight in the export's dense dtype, the others as stored
+            yield from self.encode(name, tensor.to(dense) if self.source.is_quantized(name) and not self.quantize else tensor)
+
     def _dense_dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype:
         if self.dtype is not None:
             return self.dtype
         if self.quantize is None:
             return tensor.dtype
         found = self.source.tensors.get(self._stored(name)) if self.source else None
-        return SAFETENSORS_DTYPES.get(found.dtype, torch.bfloat16) if found else torch.bfloat16
+        # a weight the source quantizes another way (fp8 -> int4 keeps attention dense) is written in bf16, not as fp8 codes
+        return SAFETENSORS_DTYPES[found.dtype] if found and found.dtype in ("F32", "BF16", "F16") else torch.bfloat16
 
 
 @torch.no_grad()
@@ -620,10 +645,10 @@ def _write_checkpoint(
                     for stored, part in encoder.encode(name, tensor):
                         writer.add(stored, part)
             if writing:
-                for stored in source.carried(m) if source else []:
-                    writer.add(stored, reader.raw(stored))
-                writer.finish()
                 dense = dtype or (torch.bfloat16 if quantize else written_dtype)
+                for stored, part in encoder.carried(m, dense):
+                    writer.add(stored, part)
+                writer.finish()
                 _write_config_and_files(tmp, m, dense, quantize, source, tokenizer_dir)
                 publish_dir(tmp, out)
     finally:

