@@ -203,14 +203,15 @@ def prepare_sft_examples(recipe: Recipe, console=None) -> SftExamples:
     sft, model = recipe.sft, recipe.model
     if not model.checkpoint:
         raise UserError("train sft: model.checkpoint is required (its tokenizer renders the conversations)")
+    if not Path(model.checkpoint).is_dir():
+        raise UserError(f"model.checkpoint {model.checkpoint}: no such directory (SFT renders the conversations with its tokenizer here)")
     try:
         renderer = ConversationRenderer(model.checkpoint, sft.chat_template, model.trust_remote_code)
     except UserError:
         raise
     except Exception as e:  # transformers raises many kinds for a directory it cannot read
-        raise UserError(
-            f"model.checkpoint {model.checkpoint}: cannot read its tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from None
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"model.checkpoint {model.checkpoint}: cannot read its tokenizer ({reason})") from None
     conversations: list[tuple[list[int], list[bool]]] = []
     counts: dict[str, SourceCounts] = {}
     for source in sft.sources:

@@ -158,3 +158,53 @@ def test_samples_shift_labels_mask_the_padding_and_follow_a_seeded_order(tmp_pat
     sample = samples[0]
     assert sample["tokens"][: len(ids) - 1].tolist() == ids[:-1].tolist() and sample["labels"][: len(ids) - 1].tolist() == ids[1:].tolist()
     assert sample["loss_mask"][: len(ids) - 1].tolist() == mask[1:].astype(float).tolist() and not sample["loss_mask"][len(ids) - 1 :].any()
+
+
+def _cli_case(tmp_path: Path, tokenizer: Path, case: str) -> tuple[list[str], str]:
+    demos = write_demonstrations(tmp_path / "demos" / "d.jsonl", 3)
+    sets = [f"run.dir={tmp_path / 'runs'}", f"model.checkpoint={tokenizer}", f"sft.sources.0.paths=[{demos.parent}]"]
+    if case == "no assistant turn":
+        (demos.parent / "e.jsonl").write_text(json.dumps(_no_assistant()) + "\n")
+        expected = "e.jsonl:1: the conversation has no assistant turn (nothing to train on)"
+    elif case == "arguments not JSON":
+        (demos.parent / "e.jsonl").write_text(json.dumps(_arguments("{path: x}")) + "\n")
+        expected = "e.jsonl:1: the arguments of tool call 'read_file' are not JSON"
+    elif case == "longer than the context, refused":
+        sets += ["sft.max_length=64", "sft.overlong=refuse"]
+        expected = "d.jsonl:1: "
+    else:  # a checkpoint it cannot read
+        bad = tmp_path / "bad-checkpoint"
+        bad.mkdir()
+        (bad / "config.json").write_text("{not json")
+        sets[1] = f"model.checkpoint={bad}"
+        expected = "bad-checkpoint/config.json: invalid JSON"
+    return ["train", "sft", str(RECIPES / "smoke-sft.yaml"), *(a for s in sets for a in ("--set", s))], expected
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "no assistant turn",
+        pytest.param("arguments not JSON", marks=pytest.mark.slow),  # each a CLI start: the data checks cover them in-process
+        pytest.param("longer than the context, refused", marks=pytest.mark.slow),
+        "a checkpoint it cannot read",
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, tokenizer, composer, case):
+    args, expected = _cli_case(tmp_path, tokenizer, case)
+    result = composer(*args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and "Traceback" not in result.stderr, result.stderr
+    if "refused" in case:
+        assert "exceed sft.max_length=64 (sft.overlong: refuse" in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_checkpoint_that_is_missing_or_has_no_tokenizer_is_refused(tmp_path, tokenizer):
+    source = [{"name": "demos", "paths": [str(write_demonstrations(tmp_path / "d.jsonl", 3))]}]
+    with pytest.raises(UserError, match="nope: no such directory"):
+        prepare_sft_examples(sft_recipe(tmp_path, tmp_path / "nope", source))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="empty: cannot read its tokenizer"):
+        prepare_sft_examples(sft_recipe(tmp_path, tmp_path / "empty", source))
