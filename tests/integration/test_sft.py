@@ -106,3 +106,11 @@ def test_resume_that_would_change_the_conversations_is_refused(workspace, refere
         result.returncode == 2 and "--resume: the recipe changes what the run's checkpoints and data order depend on (sft" in result.stderr
     )
     assert "Traceback" not in result.stderr
+
+
+def test_the_real_scale_sft_recipe_passes_dry_run_and_writes_nothing(tmp_path):
+    result = run_composer("train", "sft", str(RECIPES / "qwen3-30b-a3b-sft.yaml"), "--dry-run", "--set", f"run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.replace("│", " ").split())
+    assert "launcher ssh, 2 host(s), world size 16" in out and "composer.trainer.sft" in out
+    assert not list(tmp_path.iterdir())
