@@ -393,12 +393,23 @@ class DataSection(Section):
 class SftSource(Section):
     name: str = Field(min_length=1)
     """Name of this source (in the preparation summary and error messages)."""
-    kind: Literal["chat", "trajectories"] = "chat"
+    kind: Literal["chat", "trajectories", "references"] = "chat"
     """`chat`: conversations in the chat JSONL convention, one per line (`{"messages": [...]}`: OpenAI chat messages
     with `tool_calls`, arguments a JSON string, or the Hugging Face form, arguments an object); `trajectories`: the
-    episodes of an earlier RL run (`paths` name its run directory or its `trajectories/`) whose reward is 1."""
-    paths: list[str] = Field(min_length=1)
-    """Files or directories (every `.jsonl`, `.jsonl.gz`, `.jsonl.zst` below it, in name order); glob patterns allowed."""
+    episodes of an earlier RL run (`paths` name its run directory or its `trajectories/`) whose reward is 1;
+    `references`: the reference solutions of the recipe's `env.tasks` function task sets, run as agent episodes in
+    the harness (write the solution, run the tests, finish), training tasks only (the held-out split RL and eval use)."""
+    paths: list[str] = Field(default_factory=list)
+    """Files or directories (every `.jsonl`, `.jsonl.gz`, `.jsonl.zst` below it, in name order); glob patterns allowed.
+    None for `references`."""
+
+    @model_validator(mode="after")
+    def _paths_for_files_only(self) -> SftSource:
+        if self.kind == "references" and self.paths:
+            raise ValueError("a references source takes its tasks from env.tasks; leave paths out")
+        if self.kind != "references" and not self.paths:
+            raise ValueError(f"a {self.kind} source needs paths")
+        return self
 
 
 class SftSection(Section):

@@ -41,6 +41,8 @@ class SourceCounts:
     assistant_tokens: int = 0
     cut: int = 0
     dropped: int = 0
+    skipped: int = 0
+    """Tasks without a reference that passes its own tests in the harness (references sources)."""
 
 
 def _files(source: SftSource, suffixes: tuple[str, ...]) -> list[Path]:
@@ -198,6 +200,65 @@ def _rewarded_episodes(source: SftSource, renderer: ConversationRenderer) -> Ite
                 yield where, segment.token_ids.tolist(), segment.loss_mask.tolist()
 
 
+def _reference_messages(env, task, toolbox) -> list[dict] | None:
+    """A function task's reference solution as the harness's episode (real tool outputs from a real workspace and
+    sandbox), or None when the reference does not pass its tests there."""
+    from composer.rollout.agent.environment import SOLUTION_FILE
+    from composer.rollout.agent.harness import ToolCall
+
+    steps = [("write_file", {"path": SOLUTION_FILE, "content": task.reference}), ("run_tests", {}), ("finish", {})]
+    messages = [{"role": "user", "content": env.task_prompt(task, tools=True)}]
+    workspace = env.open_workspace(task, tools=True)
+    try:
+        for name, arguments in steps:
+            output = toolbox.call(workspace, ToolCall(name, arguments))
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+                }
+            )
+            if name != "finish":
+                messages.append({"role": "tool", "name": name, "content": output.text})
+        passed = env.grade_workspace(workspace).reward == 1.0
+    finally:
+        workspace.close()
+    return messages if passed else None
+
+
+def _reference_episodes(
+    recipe: Recipe, renderer: ConversationRenderer, counts: SourceCounts
+) -> Iterator[tuple[str, list[int], list[bool]]]:
+    import tempfile
+
+    from composer.rollout.agent.environment import CodingEnvironment
+    from composer.rollout.agent.harness import ToolBox
+
+    env_section = recipe.env
+    repo_sets = [t.name for t in env_section.tasks if t.name == "repo"]
+    if repo_sets:
+        raise UserError(
+            "sft.sources: a references source renders function tasks only; a repository task's reference change as an "
+            "episode is not built yet (drop the repo set from env.tasks)"
+        )
+    with tempfile.TemporaryDirectory(prefix="composer-sft-") as scratch:
+        env = CodingEnvironment(env_section, seed=recipe.train.seed, sandbox_root=Path(scratch), ssh=recipe.cluster.ssh)
+        try:
+            toolbox = ToolBox(env_section.sandbox.wall_seconds)
+            for set_index, task_set in enumerate(env.pool.task_sets):
+                for index in env.pool.indices(set_index):  # never the held-out tasks
+                    task = env.pool.task(set_index, index)
+                    messages = _reference_messages(env, task, toolbox) if task is not None and task.reference else None
+                    if messages is None:
+                        counts.skipped += 1
+                        continue
+                    where = f"{task_set.name} task {task.id}"
+                    yield (where, *renderer.render(messages, where))
+        finally:
+            env.close()
+
+
 def prepare_sft_examples(recipe: Recipe, console=None) -> SftExamples:
     """Every source rendered, checked, cut or refused, and split into train and held-out (nothing is written)."""
     sft, model = recipe.sft, recipe.model
@@ -216,8 +277,11 @@ def prepare_sft_examples(recipe: Recipe, console=None) -> SftExamples:
     counts: dict[str, SourceCounts] = {}
     for source in sft.sources:
         c = counts[source.name] = SourceCounts()
-        read = _chat_conversations if source.kind == "chat" else _rewarded_episodes
-        for where, tokens, mask in read(source, renderer):
+        if source.kind == "references":
+            conversations_of = _reference_episodes(recipe, renderer, c)
+        else:
+            conversations_of = (_chat_conversations if source.kind == "chat" else _rewarded_episodes)(source, renderer)
+        for where, tokens, mask in conversations_of:
             if len(tokens) > sft.max_length:
                 if sft.overlong == "refuse":
                     raise UserError(
@@ -258,10 +322,12 @@ def prepare_sft_examples(recipe: Recipe, console=None) -> SftExamples:
         summary,
     )
     if console is not None:
+        source_kinds = {s.name: s.kind for s in sft.sources}
         for name, c in counts.items():
             console.print(
                 f"sft source {name}: {c.conversations} conversations, {c.tokens} tokens ({c.assistant_tokens} trained on); "
-                f"cut to sft.max_length={sft.max_length}: {c.cut}, dropped: {c.dropped}",
+                f"cut to sft.max_length={sft.max_length}: {c.cut}, dropped: {c.dropped}"
+                + (f", tasks skipped (no passing reference): {c.skipped}" if source_kinds[name] == "references" else ""),
                 highlight=False,
             )
         console.print(f"sft: {n - held} conversations for training, {held} held out", highlight=False)

@@ -34,7 +34,6 @@ MODULE = __spec__.name
 
 UNHONOURED = {
     "rollout": "an SFT run has no rollout engines (an RL recipe?)",
-    "env": "an SFT run has no environments; task sets reach SFT through their rendered references",
     "rl": "an SFT run has no RL objective (an RL recipe?)",
     "sync": "SFT exports an HF checkpoint at the end; it does not push weight versions",
     "data": "SFT trains on sft.sources; a corpus is mid-training's",
@@ -51,6 +50,11 @@ def check_sft_recipe(recipe: Recipe) -> None:
     refuse_unhonoured(recipe, "train sft", UNHONOURED)
     if recipe.sft is None:
         raise UserError("train sft: the recipe has no sft section; add sft.sources and sft.max_length")
+    references = any(s.kind == "references" for s in recipe.sft.sources)
+    if references and recipe.env is None:
+        raise UserError("sft.sources: a references source renders the tasks of env.tasks; the recipe has no env section")
+    if recipe.env is not None and not references:
+        raise UserError("env: train sft reads env only for an sft source of kind references; add one or drop env")
     if not recipe.model.checkpoint:
         raise UserError(
             "train sft: model.checkpoint is required (SFT starts from a trained model, whose tokenizer renders the conversations)"

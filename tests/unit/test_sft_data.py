@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ from composer.rl.sft_data import ConversationRenderer, prepare_sft_examples
 from composer.rl.trajectories import TrajectoryStore
 from composer.rollout.agent.harness import parse_tool_calls
 from composer.rollout.agent.trajectory import Segment, Trajectory
+from composer.rollout.tasks.functions import smoke_task
+from composer.rollout.tasks.pool import held_out_split
 from composer.runtime.sft_examples import SftExamples
 from composer.trainer.sft import ConversationSamples
 from tests.conftest import RECIPES
@@ -162,7 +165,12 @@ def test_samples_shift_labels_mask_the_padding_and_follow_a_seeded_order(tmp_pat
 
 def _cli_case(tmp_path: Path, tokenizer: Path, case: str) -> tuple[list[str], str]:
     demos = write_demonstrations(tmp_path / "demos" / "d.jsonl", 3)
-    sets = [f"run.dir={tmp_path / 'runs'}", f"model.checkpoint={tokenizer}", f"sft.sources.0.paths=[{demos.parent}]"]
+    sets = [
+        f"run.dir={tmp_path / 'runs'}",
+        f"model.checkpoint={tokenizer}",
+        f"sft.sources=[{{name: d, paths: [{demos.parent}]}}]",
+        "env=null",
+    ]
     if case == "no assistant turn":
         (demos.parent / "e.jsonl").write_text(json.dumps(_no_assistant()) + "\n")
         expected = "e.jsonl:1: the conversation has no assistant turn (nothing to train on)"
@@ -208,3 +216,23 @@ def test_a_checkpoint_that_is_missing_or_has_no_tokenizer_is_refused(tmp_path, t
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="empty: cannot read its tokenizer"):
         prepare_sft_examples(sft_recipe(tmp_path, tmp_path / "empty", source))
+
+
+def test_function_task_references_become_episodes_of_training_tasks_only(tmp_path, tokenizer):
+    recipe = load_recipe(
+        RECIPES / "smoke-sft.yaml",
+        [f"model.checkpoint={tokenizer}", "env.tasks.0.limit=12", "env.tasks.0.held_out=4", "sft.held_out=0.2"],
+    )
+    examples = prepare_sft_examples(recipe)
+    assert len(examples.train) + len(examples.valid) == 8 and examples.summary["sources"]["smoke-references"]["skipped"] == 0
+    renderer = ConversationRenderer(str(tokenizer), chat_template=False)
+    training, held_out = held_out_split(recipe.env.tasks[0], 12)
+    texts = [renderer.tok.decode(examples.train[i][0].tolist()) for i in range(len(examples.train))]
+    texts += [renderer.tok.decode(examples.valid[i][0].tolist()) for i in range(len(examples.valid))]
+    # the tasks demonstrated are the training split's, task for task (prompts repeat across tasks: compare as multisets)
+    shown = sorted(re.search(r"(Return .*?\.)\n\ndef answer", t).group(1) for t in texts)
+    assert shown == sorted(smoke_task(i).prompt.split("\n")[0] for i in training) and len(held_out) == 4
+    for text, (ids, mask) in zip(texts, [examples.train[i] for i in range(len(examples.train))]):
+        trained = renderer.tok.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if m])
+        assert [c.name for c in parse_tool_calls(trained)] == ["write_file", "run_tests", "finish"]
+        assert "tests passed (ok)" in text  # the real run_tests output of the reference
