@@ -115,3 +115,9 @@ def test_the_real_scale_sft_recipe_passes_dry_run_and_writes_nothing(tmp_path):
     out = " ".join(result.stdout.replace("│", " ").split())
     assert "launcher ssh, 2 host(s), world size 16" in out and "composer.trainer.sft" in out
     assert not list(tmp_path.iterdir())
+
+
+def test_the_smoke_sft_recipe_passes_dry_run_as_shipped(tmp_path):
+    result = run_composer("train", "sft", str(RECIPES / "smoke-sft.yaml"), "--dry-run", "--set", f"run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert "composer.trainer.sft" in result.stdout and not list(tmp_path.iterdir())
