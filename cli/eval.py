@@ -84,4 +84,11 @@ def eval_command(
                     "  per kind: " + ", ".join(f"{escape(k)} {v['greedy_pass@1']:.2f} of {v['tasks']}" for k, v in s["kinds"].items()),
                     highlight=False,
                 )
+            for kind, v in s["kinds"].items():
+                if v.get("tool_calls"):
+                    console.print(
+                        f"  {escape(kind)}: tool calls parsed {v['tool_calls_parsed']:.2f} of {v['tool_calls']}, "
+                        f"finish called in {v['finish_called']:.2f} of {v['tasks']} episodes, greedy pass@1 {v['greedy_pass@1']:.2f}",
+                        highlight=False,
+                    )
     console.print(f"[green]✓[/] {escape(str(outcome.out))}: results.json, report.html ({outcome.seconds:.0f} s)", highlight=False)

@@ -28,7 +28,7 @@ def export(
     recipe = load_recipe(run.recipe_path)
     from composer.cluster.launch import run_to_end
     from composer.cluster.launchers import build_launcher
-    from composer.trainer import midtrain
+    from composer.trainer import midtrain, sft
     from composer.trainer.checkpointing import Checkpointer
 
     latest = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints).latest()
@@ -37,5 +37,6 @@ def export(
     out = out or run.root / f"export-{latest.name}"
     if out.exists():
         raise UserError(f"{out}: already exists; export into a new directory")
-    run_to_end(build_launcher(recipe.cluster).start(midtrain.MODULE, ["export", str(run.root), str(out.absolute())], run, console))
+    module = sft.MODULE if recipe.sft else midtrain.MODULE
+    run_to_end(build_launcher(recipe.cluster).start(module, ["export", str(run.root), str(out.absolute())], run, console))
     console.print(f"[green]✓[/] {escape(str(out))} [dim](from {escape(latest.name)})[/]", highlight=False)

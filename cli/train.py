@@ -13,7 +13,7 @@ from composer.recipes.errors import UserError
 from composer.recipes.loader import load_recipe, recipe_to_yaml
 from composer.runtime.run_dir import RunDir
 
-app = typer.Typer(help="Train from a recipe: mid-training with Megatron-Core, RL with vLLM rollouts.", no_args_is_help=True)
+app = typer.Typer(help="Train from a recipe: mid-training and SFT with Megatron-Core, RL with vLLM rollouts.", no_args_is_help=True)
 console = Console(soft_wrap=True)
 
 SetOption = typer.Option([], "--set", "-s", help="Override a key: --set train.steps=10 (value parsed as YAML). Repeatable.")
@@ -88,6 +88,47 @@ def midtrain(
         prepared.for_training().write(run.root)
         run_to_end(launcher.start(midtrain.MODULE, args, run, console))
     console.print(f"[green]✓[/] run {escape(str(run.root))}: metrics.jsonl, tensorboard/, checkpoints/, export/", highlight=False)
+
+
+@app.command()
+def sft(
+    recipe_file: Path = typer.Argument(..., metavar="RECIPE", help="Recipe file with an sft section."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run from its newest checkpoint (same conversations, same order)."),
+    dry_run: bool = DryRunOption,
+    submit: bool = SubmitOption,
+    overrides: list[str] = SetOption,
+) -> None:
+    """Supervised fine-tuning on agent conversations in the harness's format: render, train, evaluate, export."""
+    recipe = load_recipe(recipe_file, overrides)
+    check_fits(recipe)
+    from composer.cluster.launch import run_to_end
+    from composer.cluster.launchers import build_launcher
+    from composer.trainer import sft as sft_loop
+
+    sft_loop.check_sft_recipe(recipe)
+    run = RunDir.of(recipe)
+    args = ["train", str(run.root), *(["--resume"] if resume else [])]
+    launcher = build_launcher(recipe.cluster)
+    if dry_run:
+        _dry_run("sft", recipe, launcher, sft_loop.MODULE, args, resume)
+        return
+    if resume:
+        sft_loop.check_resume(run, recipe)  # before the run's recipe.yaml is replaced
+    if submit:
+        _submit("sft", recipe, run, resume)
+        return
+    launcher.check_startable()
+    from composer.rl.sft_data import prepare_sft_examples
+    from composer.runtime.sft_examples import SftExamples
+
+    # a resumed run keeps the conversations it started with; a fresh one renders them all before writing anything
+    examples = None if resume and SftExamples.exists(run.root) else prepare_sft_examples(recipe, console)
+    run.prepare(recipe_to_yaml(recipe), resume)
+    with run.failures_recorded():
+        if examples is not None:
+            examples.write(run.root)
+        run_to_end(launcher.start(sft_loop.MODULE, args, run, console))
+    console.print(f"[green]✓[/] run {escape(str(run.root))}: metrics.jsonl, sft-examples/, checkpoints/, export/", highlight=False)
 
 
 @app.command()

@@ -278,7 +278,9 @@ def _micro_batches(recipe: Recipe, p: ParallelismSection) -> int:
 
 
 def _sequence_tokens(recipe: Recipe) -> int:
-    """Tokens of one training sequence: a mid-training sample, or (RL) the longest episode segment."""
+    """Tokens of one training sequence: a mid-training or SFT sample, or (RL) the longest episode segment."""
+    if recipe.sft:
+        return recipe.sft.max_length
     return recipe.data.seq_length if recipe.data else recipe.rollout.max_context
 
 

@@ -262,6 +262,8 @@ def _check_lengths(r: Recipe) -> list[Problem]:
     out, limit = [], r.model.max_position_embeddings
     if r.data and r.data.seq_length > limit:
         out.append(Problem("data.seq_length", f"{r.data.seq_length} exceeds model.max_position_embeddings={limit}"))
+    if r.sft and r.sft.max_length > limit:
+        out.append(Problem("sft.max_length", f"{r.sft.max_length} exceeds model.max_position_embeddings={limit}"))
     if r.rollout and r.rollout.max_context > limit:
         out.append(Problem("rollout.max_context", f"{r.rollout.max_context} exceeds model.max_position_embeddings={limit}"))
     if r.rollout and r.rollout.sampling.max_tokens >= r.rollout.max_context:
@@ -277,6 +279,13 @@ def _check_lengths(r: Recipe) -> list[Problem]:
                 "data.seq_length",
                 f"{r.data.seq_length} is not a multiple of 2*cp = {2 * r.parallelism.cp}: context "
                 f"parallelism splits each sample into 2*cp equal chunks",
+            )
+        )
+    if r.parallelism.cp > 1 and r.sft and r.sft.max_length % (2 * r.parallelism.cp):
+        out.append(
+            Problem(
+                "sft.max_length",
+                f"{r.sft.max_length} is not a multiple of 2*cp = {2 * r.parallelism.cp}: context parallelism splits each sample into 2*cp equal chunks",
             )
         )
     if r.optim.min_lr > r.optim.lr:
@@ -330,7 +339,9 @@ def _check_rl(r: Recipe) -> list[Problem]:
     out = []
     rl_parts = {"rollout": r.rollout, "env": r.env, "rl": r.rl}
     present = [k for k, v in rl_parts.items() if v is not None]
-    if present and len(present) < 3:
+    # an SFT recipe may hold env alone: its references source renders the tasks env describes
+    sft_references = r.sft is not None and present == ["env"] and any(s.kind == "references" for s in r.sft.sources)
+    if present and len(present) < 3 and not sft_references:
         missing = [k for k in rl_parts if k not in present]
         out.append(Problem(missing[0], f"an RL recipe needs rollout, env and rl together; missing: {', '.join(missing)}"))
     if r.rollout and r.rollout.engine == "embedded" and r.rollout.hosts != ["localhost"]:

@@ -390,6 +390,43 @@ class DataSection(Section):
         return self
 
 
+class SftSource(Section):
+    name: str = Field(min_length=1)
+    """Name of this source (in the preparation summary and error messages)."""
+    kind: Literal["chat", "trajectories", "references"] = "chat"
+    """`chat`: conversations in the chat JSONL convention, one per line (`{"messages": [...]}`: OpenAI chat messages
+    with `tool_calls`, arguments a JSON string, or the Hugging Face form, arguments an object); `trajectories`: the
+    episodes of an earlier RL run (`paths` name its run directory or its `trajectories/`) whose reward is 1;
+    `references`: the reference solutions of the recipe's `env.tasks` function task sets, run as agent episodes in
+    the harness (write the solution, run the tests, finish), training tasks only (the held-out split RL and eval use)."""
+    paths: list[str] = Field(default_factory=list)
+    """Files or directories (every `.jsonl`, `.jsonl.gz`, `.jsonl.zst` below it, in name order); glob patterns allowed.
+    None for `references`."""
+
+    @model_validator(mode="after")
+    def _paths_for_files_only(self) -> SftSource:
+        if self.kind == "references" and self.paths:
+            raise ValueError("a references source takes its tasks from env.tasks; leave paths out")
+        if self.kind != "references" and not self.paths:
+            raise ValueError(f"a {self.kind} source needs paths")
+        return self
+
+
+class SftSection(Section):
+    sources: list[SftSource] = Field(min_length=1)
+    """Where the demonstrations come from; every conversation is rendered in the agent harness's format."""
+    max_length: int = Field(gt=0)
+    """Tokens per training sequence: a conversation is one padded sequence of at most this length."""
+    overlong: Literal["cut", "refuse"] = "cut"
+    """A conversation longer than `max_length`: `cut` keeps its first `max_length` tokens (one whose first assistant
+    token lies beyond is dropped; both counted and printed), `refuse` stops before anything is written, naming it."""
+    held_out: float = Field(default=0.05, gt=0, lt=1)
+    """Share of the conversations (drawn by `train.seed`) kept out of training for the held-out loss."""
+    chat_template: bool = False
+    """Render in the tokenizer's chat template (as `rollout.chat_template: true` does), else the harness's plain format:
+    set it as the RL recipe that follows sets `rollout.chat_template`."""
+
+
 class MuonSection(Section):
     momentum: float = Field(default=0.95, ge=0, lt=1)
     """EMA coefficient of the momentum that Newton-Schulz orthogonalizes."""
@@ -725,6 +762,8 @@ class Recipe(Section):
     """Steps, batches, checkpoints, evaluation."""
     data: DataSection | None = None
     """Pre-training corpus (midtrain)."""
+    sft: SftSection | None = None
+    """Supervised fine-tuning demonstrations (sft)."""
     rollout: RolloutSection | None = None
     """Inference engines (RL)."""
     env: EnvSection | None = None

@@ -397,15 +397,15 @@ def _interval(values: list[float]) -> list[float]:
 def set_summary(s: EvalSet, greedy: list[GradedEpisode], sampled: list[list[GradedEpisode]], pass_k: list[int]) -> dict:
     """One set's figures for one checkpoint: the RL run's `eval_*` record and the tables `composer eval` shows."""
     episodes = greedy + [e for group in sampled for e in group]
-    kinds: dict[str, list[bool]] = {}
+    kinds: dict[str, list[GradedEpisode]] = {}
     for g in greedy:
-        kinds.setdefault(task_kind(g.task), []).append(g.passed)
+        kinds.setdefault(task_kind(g.task), []).append(g)
     counted = [g for g in greedy if not g.infra_failure]
     summary = {
         "tasks": len(s.tasks),
         "skipped": s.skipped,
         "record": set_record(s.name, greedy, sampled, pass_k) if greedy else {},
-        "kinds": {k: {"tasks": len(v), "greedy_pass@1": float(np.mean(v)), "interval": _interval(v)} for k, v in sorted(kinds.items())},
+        "kinds": {k: _kind_summary(v) for k, v in sorted(kinds.items())},
         "episodes": len(episodes),
         "infra_failures": sum(e.infra_failure for e in episodes),
         "greedy_pass@1_without_infra_failures": float(np.mean([g.passed for g in counted])) if counted else None,
@@ -423,6 +423,21 @@ def set_summary(s: EvalSet, greedy: list[GradedEpisode], sampled: list[list[Grad
         summary["compaction_error"] = float(np.mean(compactions))
         summary["compaction_error_interval"] = _interval(compactions)
     return summary
+
+
+def _kind_summary(greedy: list[GradedEpisode]) -> dict:
+    """Greedy pass@1 of one kind of task, and (tools harness) whether the policy speaks the harness's format: the share
+    of its tool calls that parse (None when it wrote none) and the share of episodes in which it called finish."""
+    solved = [g.passed for g in greedy]
+    calls = sum(g.tool_calls for g in greedy)
+    return {
+        "tasks": len(greedy),
+        "greedy_pass@1": float(np.mean(solved)),
+        "interval": _interval(solved),
+        "tool_calls": calls,
+        "tool_calls_parsed": (calls - sum(g.malformed_calls for g in greedy)) / calls if calls else None,
+        "finish_called": float(np.mean([g.end_reason == "finished" for g in greedy])),
+    }
 
 
 def difference(a: dict[str, dict], b: dict[str, dict]) -> dict:

@@ -131,6 +131,10 @@ class GradedEpisode:
     compaction_errors: list[float] = field(default_factory=list)
     """Per compaction of the context, the share of the facts still needed later that it dropped (tasks that know
     their facts: `Task.facts`)."""
+    tool_calls: int = 0
+    """Tool calls the policy wrote (tools harness), parsed or not."""
+    malformed_calls: int = 0
+    """Of those, the ones the harness could not parse or that its schemas refuse."""
 
     @property
     def key(self) -> tuple[str, str, str, int]:
@@ -155,6 +159,8 @@ class GradedEpisode:
             i.get("summaries", 0),
             list(i.get("summary_tokens", ())),
             list(i.get("compaction_errors", ())),
+            i.get("tool_calls", 0),
+            i.get("malformed_calls", 0),
         )
 
 

@@ -17,6 +17,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -342,13 +343,20 @@ def prepare_batches(recipe: Recipe, run: RunDir) -> MidtrainData:
     return MidtrainData(BatchSource(datasets.train, *batch), BatchSource(datasets.valid, *batch), prepared.tokenizer.directory)
 
 
-class Midtrainer:
-    """One rank of a mid-training run: the trainer core, the corpus batches and the expert-load counters."""
+BatchBuilder = Callable[[Recipe, RunDir], MidtrainData]
+"""A loop's data: the corpus of mid-training (`prepare_batches`), or SFT's conversations (`trainer.sft`)."""
 
-    def __init__(self, recipe: Recipe, run: RunDir, console: Console | None):
-        self.recipe, self.run_dir, self.console = recipe, run, console
+
+class Midtrainer:
+    """One rank of a mid-training (or SFT: `label`, `batches`) run: the trainer core, the batches and the expert-load
+    counters."""
+
+    def __init__(
+        self, recipe: Recipe, run: RunDir, console: Console | None, batches: BatchBuilder = prepare_batches, label: str = "midtrain"
+    ):
+        self.recipe, self.run_dir, self.console, self.label = recipe, run, console, label
         self.core = TrainerCore(recipe.model, recipe.parallelism, recipe.optim, recipe.train, run.checkpoints)
-        self.data = prepare_batches(recipe, run)
+        self.data = batches(recipe, run)
         self.expert_load = ExpertLoad(self.core.model, recipe.model.num_experts) if recipe.model.is_moe else None
 
     def resume(self) -> int:
@@ -367,7 +375,7 @@ class Midtrainer:
         eval_due, log_due, save_due = (Every(n, t.steps) for n in (t.eval_every, t.log_every, t.checkpoint_every))
         ddp = self.core.ddp
         try:
-            with MidtrainProgress(self.console, t.steps, first_step) as progress:
+            with MidtrainProgress(self.console, t.steps, first_step, self.label) as progress:
                 if first_step == 0:
                     self._log(metrics, board, 0, {"eval_loss": evaluate(ddp, self.data.valid, t.eval_batches)}, progress)
                 for step in range(first_step + 1, t.steps + 1):
@@ -400,11 +408,11 @@ class Midtrainer:
 class MidtrainProgress:
     """Rank 0's view of the run: a rich bar with ETA on a terminal, a plain line now and then elsewhere."""
 
-    def __init__(self, console: Console | None, total: int, done: int):
-        self.console, self.total, self.clock = console, total, StepClock(total, done)
+    def __init__(self, console: Console | None, total: int, done: int, label: str = "midtrain"):
+        self.console, self.total, self.clock, self.label = console, total, StepClock(total, done), label
         self.fields = {"loss": math.nan, "eval_loss": math.nan, "tokens_per_s": 0.0}
         self.bar = Progress(
-            TextColumn("[bold]midtrain"),
+            TextColumn(f"[bold]{label}"),
             BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]:.4f}  eval {task.fields[eval_loss]:.4f}  {task.fields[tokens_per_s]:.0f} tok/s"),
@@ -416,7 +424,7 @@ class MidtrainProgress:
             redirect_stdout=False,  # what libraries print stays in the rank's log
             redirect_stderr=False,
         )
-        self.task = self.bar.add_task("midtrain", total=total, completed=done, **self.fields)
+        self.task = self.bar.add_task(label, total=total, completed=done, **self.fields)
 
     def __enter__(self) -> MidtrainProgress:
         self.bar.start()
@@ -438,7 +446,7 @@ class MidtrainProgress:
         elif step > self.clock.start_step and self.clock.plain_due(step, now_anyway=evaluated):
             f = self.fields
             self.console.print(
-                f"midtrain step {step}/{self.total}  loss {f['loss']:.4f}  eval {f['eval_loss']:.4f}  "
+                f"{self.label} step {step}/{self.total}  loss {f['loss']:.4f}  eval {f['eval_loss']:.4f}  "
                 f"{f['tokens_per_s']:.0f} tok/s  eta {self.clock.eta_text(step)}",
                 highlight=False,
             )
@@ -447,10 +455,10 @@ class MidtrainProgress:
 # --- entry points ------------------------------------------------------------------------------
 
 
-def train(run: RunDir, resume: bool, terminal: TextIO | None) -> None:
+def train(run: RunDir, resume: bool, terminal: TextIO | None, batches: BatchBuilder = prepare_batches, label: str = "midtrain") -> None:
     recipe = load_recipe(run.recipe_path)
     console = Console(file=terminal, highlight=False) if terminal else None
-    trainer = Midtrainer(recipe, run, console)
+    trainer = Midtrainer(recipe, run, console, batches, label)
     first_step = trainer.resume() if resume else 0
     trainer.run(first_step)
     export_dir = run.root / "export"
@@ -460,11 +468,11 @@ def train(run: RunDir, resume: bool, terminal: TextIO | None) -> None:
         console.print(f"[green]✓[/] exported {export_dir}", highlight=False)
 
 
-def export(run: RunDir, out_dir: Path) -> None:
-    """Export the newest checkpoint of a run as an HF checkpoint."""
+def export(run: RunDir, out_dir: Path, tokenizer_dir: Path | str | None = None) -> None:
+    """Export the newest checkpoint of a run as an HF checkpoint (with the prepared corpus's tokenizer unless given)."""
     recipe = load_recipe(run.recipe_path)
-    tokenizer = PreparedData.read(run.root).tokenizer
-    if not export_checkpoint(recipe.model, recipe.parallelism, recipe.train, run.checkpoints, out_dir, tokenizer.directory):
+    tokenizer_dir = tokenizer_dir or PreparedData.read(run.root).tokenizer.directory
+    if not export_checkpoint(recipe.model, recipe.parallelism, recipe.train, run.checkpoints, out_dir, tokenizer_dir):
         raise UserError(f"{run.root}: no checkpoint to export yet")
 
 
@@ -472,15 +480,16 @@ def dist_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], train_run=train, export_run=export) -> int:
+    """A rank's entry point: mid-training's loop and export, or another loop's (`trainer.sft`)."""
     die_with_parent(forks_too=True)
     command, run = argv[0], RunDir(Path(argv[1]))
     terminal = redirect_rank_output(run, dist_rank())
     try:
         if command == "train":
-            train(run, resume="--resume" in argv[2:], terminal=terminal)
+            train_run(run, resume="--resume" in argv[2:], terminal=terminal)
         else:
-            export(run, Path(argv[2]))
+            export_run(run, Path(argv[2]))
     except UserError as e:
         record_rank_error(run, dist_rank(), str(e))
         return e.exit_code

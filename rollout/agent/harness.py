@@ -497,6 +497,8 @@ class TurnResult:
     finished: bool
     calls: int
     errors: int
+    malformed: int = 0
+    """Calls the harness could not parse or that its schemas refuse (among `calls`)."""
 
 
 def run_reply(
@@ -533,4 +535,5 @@ def run_reply(
         )
     share = max(budget_tokens // len(outputs) - message_overhead, 8)
     messages = [{"role": "tool", "name": name, "content": truncate(o.text, share, tok, o.more)} for name, o in outputs]
-    return TurnResult(messages, finished=finished, calls=len(calls), errors=errors)
+    malformed = sum(isinstance(c, CallError) for c in calls)
+    return TurnResult(messages, finished=finished, calls=len(calls), errors=errors, malformed=malformed)

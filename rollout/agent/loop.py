@@ -105,6 +105,7 @@ class _Episode:
     compaction_errors: list[float] = field(default_factory=list)
     tool_calls: int = 0
     tool_errors: int = 0
+    malformed_calls: int = 0
     done: bool = False
     end_reason: str = ""
     last_observation: list[int] = field(default_factory=list)
@@ -127,6 +128,7 @@ class _Outcome:
     finished: bool = False
     calls: int = 0
     errors: int = 0
+    malformed: int = 0
 
 
 class EpisodeRunner:
@@ -218,7 +220,7 @@ class EpisodeRunner:
             def use_tools() -> _Outcome:
                 turn = run_reply(reply, e.workspace, self.toolbox, self.tok, self._observation_cap, self._message_overhead)
                 closing, body = self.chat.after_reply(reply_ids, turn.messages)
-                return _Outcome(closing, body, finished=turn.finished, calls=turn.calls, errors=turn.errors)
+                return _Outcome(closing, body, finished=turn.finished, calls=turn.calls, errors=turn.errors, malformed=turn.malformed)
 
             return use_tools
 
@@ -234,6 +236,7 @@ class EpisodeRunner:
     def _after_turn(self, e: _Episode, outcome: _Outcome) -> None:
         e.tool_calls += outcome.calls
         e.tool_errors += outcome.errors
+        e.malformed_calls += outcome.malformed
         e.graded = outcome.result is not None
         if outcome.result is not None:
             e.result = outcome.result
@@ -343,6 +346,7 @@ class EpisodeRunner:
                 "compaction_errors": e.compaction_errors,
                 "tool_calls": e.tool_calls,
                 "tool_errors": e.tool_errors,
+                "malformed_calls": e.malformed_calls,
                 "tests_passed": result.passed if result else 0,
                 "tests_total": result.total if result else 0,
                 "sandbox_status": result.status if result else "none",

@@ -1,0 +1,123 @@
+"""`composer train sft` end to end: real torchrun ranks, real Megatron-Core, the shipped smoke recipe shortened.
+
+One uninterrupted run is the reference: held-out loss falls and it exports; a run killed with SIGKILL at a random
+step then resumed must reproduce its every metric (the same conversations in the same order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from composer.runtime.run_dir import read_metrics
+from tests.conftest import COMPOSER, RECIPES, REPO, run_composer
+from tests.helpers.sft_demos import write_demonstrations
+
+pytestmark = pytest.mark.engines
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sft")
+    result = run_composer("model", "init", str(root / "init"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    write_demonstrations(root / "demos" / "openai.jsonl", 30)
+    write_demonstrations(root / "demos" / "hf.jsonl", 30, openai=False, start=30)
+    return root
+
+
+def sft_args(root: Path, name: str, *extra: str) -> list[str]:
+    pairs = [
+        f"run.dir={root / 'runs'}",
+        f"run.name={name}",
+        f"model.checkpoint={root / 'init'}",
+        f"sft.sources=[{{name: demonstrations, paths: [{root / 'demos'}]}}]",
+        "env=null",
+        "sft.max_length=640",
+        f"train.steps={STEPS}",
+        "train.eval_every=6",
+        "train.eval_batches=1",
+        "train.checkpoint_every=4",
+        "optim.warmup_steps=2",
+        *extra,
+    ]
+    return ["train", "sft", str(RECIPES / "smoke-sft.yaml"), *(arg for pair in pairs for arg in ("--set", pair))]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return list(read_metrics(run_dir / "metrics.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def reference(workspace) -> Path:
+    result = run_composer(*sft_args(workspace, "reference"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sft source demonstrations: 60 conversations" in result.stdout and "54 conversations for training, 6 held out" in result.stdout
+    return workspace / "runs" / "reference"
+
+
+def test_held_out_loss_falls_and_the_run_exports(reference):
+    evals = [r["eval_loss"] for r in records(reference) if "eval_loss" in r]
+    assert len(evals) == 3 and evals[-1] < evals[0] - 0.5
+    assert [r["step"] for r in records(reference)] == list(range(STEPS + 1))
+    export = reference / "export"
+    assert json.loads((export / "config.json").read_text())["num_local_experts"] == 8
+    assert (export / "tokenizer.json").is_file() and list(export.glob("model-*.safetensors"))
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_the_same_conversations_and_losses(workspace, reference):
+    kill_after = random.randint(5, 10)
+    run_dir = workspace / "runs" / "killed"
+    process = subprocess.Popen(
+        [*COMPOSER, *sft_args(workspace, "killed")], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        while not (run_dir / "metrics.jsonl").exists() or max([r["step"] for r in records(run_dir)], default=-1) < kill_after:
+            assert process.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.05)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the whole tree: CLI, torchrun, ranks
+        process.wait()
+    killed_at = records(run_dir)[-1]["step"]
+    assert killed_at < STEPS
+    result = run_composer(*sft_args(workspace, "killed"), "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed, expected = records(run_dir), records(reference)
+    assert [r["step"] for r in resumed] == list(range(STEPS + 1)), f"killed at step {killed_at}"
+    for got, want in zip(resumed, expected):
+        for key in ("loss", "eval_loss", "lr", "grad_norm", "moe_aux_loss"):
+            assert (key in got) == (key in want)
+            if key in want:
+                assert abs(got[key] - want[key]) <= 1e-6, (got["step"], key, got[key], want[key], f"killed at step {killed_at}")
+
+
+def test_resume_that_would_change_the_conversations_is_refused(workspace, reference):
+    result = run_composer(*sft_args(workspace, "reference", "sft.held_out=0.2"), "--resume")
+    assert (
+        result.returncode == 2 and "--resume: the recipe changes what the run's checkpoints and data order depend on (sft" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_the_real_scale_sft_recipe_passes_dry_run_and_writes_nothing(tmp_path):
+    result = run_composer("train", "sft", str(RECIPES / "qwen3-30b-a3b-sft.yaml"), "--dry-run", "--set", f"run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.replace("│", " ").split())
+    assert "launcher ssh, 2 host(s), world size 16" in out and "composer.trainer.sft" in out
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_smoke_sft_recipe_passes_dry_run_as_shipped(tmp_path):
+    result = run_composer("train", "sft", str(RECIPES / "smoke-sft.yaml"), "--dry-run", "--set", f"run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert "composer.trainer.sft" in result.stdout and not list(tmp_path.iterdir())
