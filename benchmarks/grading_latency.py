@@ -5,8 +5,10 @@
 Builds (or reuses) a networkx task set, then grades an honest fix of each task (its original module written back
 through the shell, as an agent would) with each tree's `RepoWorkspace.grade`, in one worker process per tree (each
 imports its own tree's code and has its own sandbox), alternating between the two for every grade so both see the
-same load. Prints p50/p95 seconds per grade for each, their ratio, and, for this tree, how much of a grade is
-`keep_change` (taking the task's change and checking it). Without --baseline only this tree is timed.
+same load. Prints the build's rejections by project and reason (a task whose original or change behaves otherwise
+across the grading boundary, or whose calls cannot cross it, is rejected) and the share of tasks that cross, p50/p95
+seconds per grade for each tree, their ratio, and, for this tree, how much of a grade is `keep_change` (taking the
+task's change and checking it). Without --baseline only this tree is timed.
 Needs root for the sandbox's own root and overlayfs views (as the CI runs).
 """
 
@@ -113,7 +115,12 @@ def main() -> None:
 
     cache_dir = str(Path(args.cache_dir).resolve())
     report = build_repo_tasks(settings(cache_dir, args.tasks), SandboxSection(), Path(tempfile.mkdtemp(prefix="grading-build-")), workers=2)
-    print(f"{report.validated} networkx tasks ({dict(report.by_project_kind)}); {args.repeats} honest grades of each per tree, alternating")
+    print(f"{report.validated} networkx tasks ({dict(report.by_project_kind)}) of {report.tried} candidates tried")
+    crossing = sum(n for reason, n in report.rejected.items() if "grading boundary" in reason)
+    print(f"  through the grading boundary: {report.validated} of {report.validated + crossing} tasks that pass in pytest's process")
+    for reason, count in report.rejected.most_common():
+        print(f"  rejected: {reason}: {count}")
+    print(f"{args.repeats} honest grades of each per tree, alternating")
     trees = {"this tree": REPO, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     workers = {name: start(tree, cache_dir, args.tasks) for name, tree in trees.items()}
     times: dict[str, list[float]] = {name: [] for name in trees}
