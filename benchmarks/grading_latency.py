@@ -1,10 +1,11 @@
 """Grading time per repository task: this tree's grader against another tree's (e.g. the commit before it), in one run.
 
+    git archive <commit> | tar -x -C /tmp/grader-old
     python benchmarks/grading_latency.py --baseline /tmp/grader-old [--tasks 6] [--repeats 5]
 
 Builds (or reuses) a networkx task set, then grades an honest fix of each task (its original module written back
 through the shell, as an agent would) with each tree's `RepoWorkspace.grade`, in one worker process per tree (each
-imports its own tree's code and has its own sandbox), alternating between the two for every grade so both see the
+imports its own tree's code, past the editable install's finder, and has its own sandbox), alternating between the two for every grade so both see the
 same load. Prints the build's rejections by project and reason (a task whose original or change behaves otherwise
 across the grading boundary, or whose calls cannot cross it, is rejected) and the share of tasks that cross, p50/p95
 seconds per grade for each tree, their ratio, and, for this tree, how much of a grade is `keep_change` (taking the
@@ -76,6 +77,16 @@ def worker(cache_dir: str, num_tasks: int) -> None:
         print(json.dumps({"seconds": seconds, "keep_change": kept, "reward": result.reward, "flags": list(result.flags)}), flush=True)
 
 
+def use_tree(tree: Path) -> None:
+    """Import `composer` from `tree`: the editable install's finder would map it to the installed checkout."""
+    import types
+
+    sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+    package = types.ModuleType("composer")
+    package.__path__ = [str(tree)]
+    sys.modules["composer"] = package
+
+
 def start(tree: Path, cache_dir: str, num_tasks: int) -> subprocess.Popen:
     process = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--worker", cache_dir, str(num_tasks)],
@@ -106,7 +117,7 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        sys.path.insert(0, os.getcwd())
+        use_tree(Path.cwd())
         worker(args.worker[0], int(args.worker[1]))
         return
     sys.path.insert(0, str(REPO))
