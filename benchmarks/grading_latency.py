@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -115,10 +116,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cache-dir", default=str(REPO / ".cache/composer/repo-tasks"))
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--set-dir", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
+    if args.worker or args.set_dir:
         use_tree(Path.cwd())
-        worker(args.worker[0], int(args.worker[1]))
+        if args.set_dir:
+            from composer.rollout.tasks.repository.build import set_dir
+
+            print(set_dir(settings(args.set_dir[0], int(args.set_dir[1]))))
+        else:
+            worker(args.worker[0], int(args.worker[1]))
         return
     sys.path.insert(0, str(REPO))
     from composer.recipes.env_schema import SandboxSection
@@ -133,6 +140,19 @@ def main() -> None:
         print(f"  rejected: {reason}: {count}")
     print(f"{args.repeats} honest grades of each per tree, alternating")
     trees = {"this tree": REPO, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
+    if args.baseline:
+        # The same tasks for both: the baseline's cache key may differ (its build engine's version).
+        from composer.rollout.tasks.repository.build import set_dir
+
+        theirs = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--set-dir", cache_dir, str(args.tasks)],
+            cwd=trees["baseline"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        if not Path(theirs).exists():
+            shutil.copytree(set_dir(settings(cache_dir, args.tasks)), theirs, symlinks=True)
     workers = {name: start(tree, cache_dir, args.tasks) for name, tree in trees.items()}
     times: dict[str, list[float]] = {name: [] for name in trees}
     kept: list[float] = []
