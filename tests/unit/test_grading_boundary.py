@@ -80,6 +80,7 @@ def test_a_call_crosses_with_mutations_callbacks_and_exceptions(tmp_path, monkey
         "    G.add_edge('a', 'b', w=weight('a', 'b', {}))\n"
         "    items.append(len(G))\n"
         "    return (x for x in sorted(G))\n\n\n"
+        "def total(values):\n    return sum(values)\n\n\n"
         "def fail(n):\n    raise NodeNotFound(f'no {n}')\n\n\n"
         "def odd():\n    class Anything:\n        def __eq__(self, other):\n            return True\n    return Anything()\n"
     )
@@ -102,6 +103,7 @@ def test_a_call_crosses_with_mutations_callbacks_and_exceptions(tmp_path, monkey
     G, items = nx.Graph(), [0]
     result = crossing.call("episode_mod", "grow", (G, items, lambda u, v, d: 2.5), {})
     assert list(result) == ["a", "b"] and items == [0, 2] and G["a"]["b"] == {"w": 2.5}
+    assert crossing.call("episode_mod", "total", ((n * n for n in range(4)),), {}) == 14  # a generator's values
     with pytest.raises(nx.NodeNotFound, match="no 7"):
         crossing.call("episode_mod", "fail", (7,), {})
     with pytest.raises(RuntimeError, match="cannot cross"):

@@ -11,7 +11,8 @@ What crosses is JSON with tags, decoded by each side into plain types and its ow
   None, bool, int, float, str, list   as JSON; {"$float": "nan" | "inf" | "-inf"}
   tuple, set, frozenset, dict, range  {"$tuple": [...]}, {"$set": [...]}, {"$frozenset": [...]}, {"$dict": [[k, v]...]},
                                       {"$range": [start, stop, step]}
-  an iterator (a generator's values)  {"$iter": [...]} (decoded as an iterator over them)
+  an iterator (a generator's values)  {"$iter": [...]} (decoded as an iterator over them; an argument's are taken
+                                      as the function would take them)
   a networkx graph                    {"$graph": [class, graph attributes, [[node, attributes]...],
                                       [[node, [[neighbour, edge attributes or {key: attributes}]...]]...],
                                       the predecessors' order of a directed graph or null]}
@@ -99,7 +100,8 @@ def encode(value, callbacks=None, depth=0):
     if callbacks is not None and kind.__name__ in ("function", "builtin_function_or_method", "method", "partial"):
         callbacks.append(value)
         return {"$callback": len(callbacks) - 1}
-    if callbacks is None and hasattr(value, "__next__") and hasattr(value, "__iter__"):
+    if hasattr(value, "__next__") and hasattr(value, "__iter__"):
+        # A generator's values (an argument is consumed as the function would consume it).
         items = []
         for item in value:
             items.append(encode(item, callbacks, depth + 1))
@@ -345,8 +347,8 @@ def serve(in_fd, out_fd):
                 *((str(i), request["args"][i], a) for i, a in enumerate(args)),
                 *((k, request["kwargs"][k], v) for k, v in kwargs.items()),
             ]:
-                if type(before) is dict and "$callback" in before:
-                    continue
+                if type(before) is dict and ("$callback" in before or "$iter" in before):
+                    continue  # a callback; an iterator the call consumed
                 after = encode(now)
                 if after != before:
                     changed[key] = after
