@@ -1,12 +1,15 @@
 """Grading time per repository task: this tree's grader against another tree's (e.g. the commit before it), in one run.
 
+    git archive <commit> | tar -x -C /tmp/grader-old
     python benchmarks/grading_latency.py --baseline /tmp/grader-old [--tasks 6] [--repeats 5]
 
 Builds (or reuses) a networkx task set, then grades an honest fix of each task (its original module written back
 through the shell, as an agent would) with each tree's `RepoWorkspace.grade`, in one worker process per tree (each
-imports its own tree's code and has its own sandbox), alternating between the two for every grade so both see the
-same load. Prints p50/p95 seconds per grade for each, their ratio, and, for this tree, how much of a grade is
-`keep_change` (taking the task's change and checking it). Without --baseline only this tree is timed.
+imports its own tree's code, past the editable install's finder, and has its own sandbox), alternating between the two for every grade so both see the
+same load. Prints the build's rejections by project and reason (a task whose original or change behaves otherwise
+across the grading boundary, or whose calls cannot cross it, is rejected) and the share of tasks that cross, p50/p95
+seconds per grade for each tree, their ratio, and, for this tree, how much of a grade is `keep_change` (taking the
+task's change and checking it). Without --baseline only this tree is timed.
 Needs root for the sandbox's own root and overlayfs views (as the CI runs).
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,6 +78,16 @@ def worker(cache_dir: str, num_tasks: int) -> None:
         print(json.dumps({"seconds": seconds, "keep_change": kept, "reward": result.reward, "flags": list(result.flags)}), flush=True)
 
 
+def use_tree(tree: Path) -> None:
+    """Import `composer` from `tree`: the editable install's finder would map it to the installed checkout."""
+    import types
+
+    sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+    package = types.ModuleType("composer")
+    package.__path__ = [str(tree)]
+    sys.modules["composer"] = package
+
+
 def start(tree: Path, cache_dir: str, num_tasks: int) -> subprocess.Popen:
     process = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--worker", cache_dir, str(num_tasks)],
@@ -102,10 +116,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cache-dir", default=str(REPO / ".cache/composer/repo-tasks"))
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--set-dir", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        sys.path.insert(0, os.getcwd())
-        worker(args.worker[0], int(args.worker[1]))
+    if args.worker or args.set_dir:
+        use_tree(Path.cwd())
+        if args.set_dir:
+            from composer.rollout.tasks.repository.build import set_dir
+
+            print(set_dir(settings(args.set_dir[0], int(args.set_dir[1]))))
+        else:
+            worker(args.worker[0], int(args.worker[1]))
         return
     sys.path.insert(0, str(REPO))
     from composer.recipes.env_schema import SandboxSection
@@ -113,8 +133,26 @@ def main() -> None:
 
     cache_dir = str(Path(args.cache_dir).resolve())
     report = build_repo_tasks(settings(cache_dir, args.tasks), SandboxSection(), Path(tempfile.mkdtemp(prefix="grading-build-")), workers=2)
-    print(f"{report.validated} networkx tasks ({dict(report.by_project_kind)}); {args.repeats} honest grades of each per tree, alternating")
+    print(f"{report.validated} networkx tasks ({dict(report.by_project_kind)}) of {report.tried} candidates tried")
+    crossing = sum(n for reason, n in report.rejected.items() if "grading boundary" in reason)
+    print(f"  through the grading boundary: {report.validated} of {report.validated + crossing} tasks that pass in pytest's process")
+    for reason, count in report.rejected.most_common():
+        print(f"  rejected: {reason}: {count}")
+    print(f"{args.repeats} honest grades of each per tree, alternating")
     trees = {"this tree": REPO, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
+    if args.baseline:
+        # The same tasks for both: the baseline's cache key may differ (its build engine's version).
+        from composer.rollout.tasks.repository.build import set_dir
+
+        theirs = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--set-dir", cache_dir, str(args.tasks)],
+            cwd=trees["baseline"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        if not Path(theirs).exists():
+            shutil.copytree(set_dir(settings(cache_dir, args.tasks)), theirs, symlinks=True)
     workers = {name: start(tree, cache_dir, args.tasks) for name, tree in trees.items()}
     times: dict[str, list[float]] = {name: [] for name in trees}
     kept: list[float] = []

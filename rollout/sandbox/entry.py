@@ -17,13 +17,15 @@ The fork server forks a *holder* per run; the holder, still privileged and runni
      closed, the clean environment; then the harness (`runner`),
      or, for a command run (`Sandbox.run_command`), `bash -c command` with stdout and stderr on one pipe,
      umask 0 (a work directory outlives the run, and its next run has another uid) and, when asked for, the
-     reply pipe at `channel_fd` (a report channel back to the caller).
+     reply pipe at `channel_fd` (a report channel back to the caller) and the command pipe at `call_fd` (the
+     caller's answers to what the command asks on its channel).
 The holder reports on the status pipe (which no process of the run can reach): {"setup_error"} when a
 step fails (an infrastructure failure, not the program's), else {"exit": code} once the init has ended, with
 "write_limit" when the run's capped tmpfs was left full (no room or no inode: the run wrote until refused).
 """
 
 import ctypes
+import fcntl
 import json
 import os
 import resource
@@ -209,11 +211,19 @@ def _start_harness(plan: dict, fds: dict, serve) -> None:
         os.dup2(fds["stdout"], 1)
         os.dup2(fds["stdout"] if command is not None else fds["stderr"], 2)
         channel = plan.get("channel_fd") if command is not None else None
+        calls = plan.get("call_fd") if channel is not None else None
+        # A copy out of the way of the descriptors about to be placed.
+        call_end = fcntl.fcntl(fds["cmd"], fcntl.F_DUPFD, 10) if calls is not None else None
         if channel is not None:
             # The reply pipe, unused by commands, at a known descriptor: what the command reports to the caller.
             if fds["status"] == channel:
-                fds["status"] = os.dup(channel)
+                fds["status"] = fcntl.fcntl(channel, fcntl.F_DUPFD, 10)
             os.dup2(fds["reply"], channel)
+        if calls is not None:
+            # The command pipe, unused by commands, at a known descriptor: what the caller answers the channel with.
+            if fds["status"] == calls:
+                fds["status"] = fcntl.fcntl(calls, fcntl.F_DUPFD, 10)
+            os.dup2(call_end, calls)
         _limit(plan)
         _drop_privileges(plan)
         os.chdir(plan["cwd"])
@@ -223,6 +233,8 @@ def _start_harness(plan: dict, fds: dict, serve) -> None:
         keep = {0, 1, 2, fds["status"]} if command is not None else {0, 1, 2, fds["cmd"], fds["reply"]}
         if channel is not None:
             keep.add(channel)
+        if calls is not None:
+            keep.add(calls)
         for fd in map(int, os.listdir("/proc/self/fd")):
             if fd not in keep:
                 try:

@@ -18,6 +18,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -50,6 +51,8 @@ _PROTECTED = Path(__file__).resolve().parents[1]
 
 # A command's report channel (`run_command(channel=True)`).
 CHANNEL_FD = 3
+# Where a command run reads the caller's answers (`run_command(calls=...)`, `serving`).
+CALL_FD = 4
 
 _PROBE = ("def probe():\n    return 1\n", AssertionTests(entry_point="probe", setup="", cases=("assert candidate() == 1",)))
 
@@ -120,6 +123,7 @@ class Sandbox:
         hidden: tuple[str, ...] = (),
         channel: bool = False,
         environment: RunEnvironment | None = None,
+        calls: Callable[[bytes], bytes | None] | None = None,
     ) -> CommandResult:
         """`bash -c command` isolated like `run`, with the host directory `workdir` as the writable work
         directory (at /sandbox under a root of its own, also HOME and first on PYTHONPATH), everything it
@@ -128,14 +132,15 @@ class Sandbox:
         call only when they are world-writable. `timeout_s` (default: wall_seconds) bounds its wall time and,
         when longer, its CPU time. With `channel`, descriptor 3 of the command is a pipe to the caller: what
         the command writes there comes back, in order, as `CommandResult.channel` (a report that no file of
-        the run holds). `environment` adds a project's environment (PATH, binds, sys.path). Without root the
+        the run holds); with `calls` too, a channel line starting with `CALL_PREFIX` is a question instead: its
+        answer, `calls(rest of the line)`, is written as one line to the command's descriptor CALL_FD. `environment` adds a project's environment (PATH, binds, sys.path). Without root the
         command runs as this user in `workdir` and `hidden` is not enforced (logged once)."""
         workdir = Path(workdir).resolve()
         if not workdir.is_dir():
             raise FileNotFoundError(f"sandbox work directory {workdir} does not exist")
         for attempt in range(self.config.infra_retries + 1):
             result = self._command_once(
-                command, workdir, timeout_s or self.config.wall_seconds, hidden, channel, environment or RunEnvironment()
+                command, workdir, timeout_s or self.config.wall_seconds, hidden, channel, environment or RunEnvironment(), calls
             )
             if not result.infra_failure:
                 return result
@@ -168,14 +173,53 @@ class Sandbox:
             remove_tree(run_dir)
 
     def _command_once(
-        self, command: str, workdir: Path, timeout_s: float, hidden: tuple[str, ...], channel: bool, environment: RunEnvironment
+        self,
+        command: str,
+        workdir: Path,
+        timeout_s: float,
+        hidden: tuple[str, ...],
+        channel: bool,
+        environment: RunEnvironment,
+        calls: Callable[[bytes], bytes | None] | None = None,
     ) -> CommandResult:
         c = self.config
         # A command also writes its episode's workspace (a tmpfs charged to the run that wrote it).
         with self._run_slot("cmd-", c.memory_mb + c.max_write_mb + c.workspace_max_write_mb) as (run_dir, uid, group):
-            return self._command_in(run_dir, uid, command, workdir, timeout_s, hidden, channel, environment, group)
+            started = time.monotonic()
+            session = None
+            try:
+                config, plan = self._command_plan(run_dir, uid, command, workdir, timeout_s, hidden, channel, environment)
+                if calls is not None:
+                    plan["call_fd"] = CALL_FD
+                session = Session(config, self._zygote, _joined(plan, group), group)
+                session.on_call = calls
+                session.wait_exit()
+                return command_result(session, config, uid)
+            except InfraError as e:
+                return CommandResult(None, "infra", str(e), time.monotonic() - started, infra_failure=True)
+            finally:
+                if session is not None:
+                    session.kill()
 
-    def _command_in(
+    @contextmanager
+    def serving(
+        self, command: str, workdir: Path, timeout_s: float, hidden: tuple[str, ...] = (), environment: RunEnvironment | None = None
+    ) -> Iterator[Session]:
+        """`command` isolated like `run_command`, left running as a server: `Session.exchange` sends it a line on
+        descriptor CALL_FD and returns the line it answers on CHANNEL_FD. Killed, with everything it started, on
+        leaving. InfraError when it cannot start."""
+        workdir = Path(workdir).resolve()
+        c = self.config
+        with self._run_slot("srv-", c.memory_mb + c.max_write_mb) as (run_dir, uid, group):
+            config, plan = self._command_plan(run_dir, uid, command, workdir, timeout_s, hidden, True, environment or RunEnvironment())
+            plan["call_fd"] = CALL_FD
+            session = Session(config, self._zygote, _joined(plan, group), group)
+            try:
+                yield session
+            finally:
+                session.kill()
+
+    def _command_plan(
         self,
         run_dir: Path,
         uid: int | None,
@@ -185,47 +229,36 @@ class Sandbox:
         hidden: tuple[str, ...],
         channel: bool,
         environment: RunEnvironment,
-        group: RunCgroup | None = None,
-    ) -> CommandResult:
-        started = time.monotonic()
-        session = None
+    ) -> tuple[SandboxSection, dict]:
         config = self.config.model_copy(
             update={"wall_seconds": timeout_s, "cpu_seconds": max(self.config.cpu_seconds, math.ceil(timeout_s))}
         )
-        try:
-            plan = self._plan(run_dir, uid, config)
-            own_root = "new_root" in plan
-            if own_root:
-                plan["work"] = str(workdir)
-                extra = [*COMMAND_TOOLS, *environment.read_only]
-                plan["read_only"] = plan["read_only"] + [p for p in extra if not inside(p, plan["read_only"])]
-                plan["writable_binds"] = list(environment.writable)
-                plan["hidden"] = sorted({*plan["hidden"], *(h for h in hidden if inside(h, plan["read_only"]))})
-                empty = run_dir / "empty"
-                empty.touch(mode=0o444)
-                plan["empty_file"] = str(empty)
-                os.chmod(workdir, 0o777)
-            else:
-                if hidden:
-                    _warn_once(
-                        "sandbox: without a root of its own a command can read what this user can read, "
-                        "including paths meant to be hidden (the installed copy of a task's project)"
-                    )
-                plan.update(cwd=str(workdir), writable=[str(workdir), plan["writable"][1]], env=sandbox_environment(str(workdir)))
-            plan["env"]["PYTHONPATH"] = ":".join([*(os.path.join(plan["cwd"], p) for p in environment.pythonpath), plan["cwd"]])
-            plan["env"]["PATH"] = ":".join([*environment.path, plan["env"]["PATH"]])
-            plan["env"].update(environment.variables)
-            plan["command"] = command
-            if channel:
-                plan["channel_fd"] = CHANNEL_FD
-            session = Session(config, self._zygote, _joined(plan, group), group)
-            session.wait_exit()
-            return command_result(session, config, uid)
-        except InfraError as e:
-            return CommandResult(None, "infra", str(e), time.monotonic() - started, infra_failure=True)
-        finally:
-            if session is not None:
-                session.kill()
+        plan = self._plan(run_dir, uid, config)
+        own_root = "new_root" in plan
+        if own_root:
+            plan["work"] = str(workdir)
+            extra = [*COMMAND_TOOLS, *environment.read_only]
+            plan["read_only"] = plan["read_only"] + [p for p in extra if not inside(p, plan["read_only"])]
+            plan["writable_binds"] = list(environment.writable)
+            plan["hidden"] = sorted({*plan["hidden"], *(h for h in hidden if inside(h, plan["read_only"]))})
+            empty = run_dir / "empty"
+            empty.touch(mode=0o444)
+            plan["empty_file"] = str(empty)
+            os.chmod(workdir, 0o777)
+        else:
+            if hidden:
+                _warn_once(
+                    "sandbox: without a root of its own a command can read what this user can read, "
+                    "including paths meant to be hidden (the installed copy of a task's project)"
+                )
+            plan.update(cwd=str(workdir), writable=[str(workdir), plan["writable"][1]], env=sandbox_environment(str(workdir)))
+        plan["env"]["PYTHONPATH"] = ":".join([*(os.path.join(plan["cwd"], p) for p in environment.pythonpath), plan["cwd"]])
+        plan["env"]["PATH"] = ":".join([*environment.path, plan["env"]["PATH"]])
+        plan["env"].update(environment.variables)
+        plan["command"] = command
+        if channel:
+            plan["channel_fd"] = CHANNEL_FD
+        return config, plan
 
     def _run_once(self, program: str, tests: Tests, reward: RewardMode) -> SandboxResult:
         with self._run_slot("run-", self.config.memory_mb + self.config.max_write_mb) as (run_dir, uid, group):

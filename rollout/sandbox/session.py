@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from composer.recipes.env_schema import SandboxSection
@@ -36,6 +37,8 @@ MAX_RESULT_BYTES = 64 << 20
 # without an end costs the host neither memory nor CPU (it is never re-scanned) until the wall-clock limit.
 MAX_RECORD_BYTES = 8 << 20
 MAX_RECORD_SECONDS = 10.0
+# A command's channel line that asks the caller a question (`Session.on_call`).
+CALL_PREFIX = b"CALL "
 _GRACE_SECONDS = 1.0
 _ZYGOTE_START_SECONDS = 60.0
 
@@ -196,6 +199,9 @@ class Session:
         self._pending_since = 0.0
         self.channel = bytearray() if plan.get("channel_fd") is not None else None
         """A command's report channel: every byte it wrote there, in order."""
+        self.on_call: Callable[[bytes], bytes | None] | None = None
+        """Answers a command's questions on its channel (`_answer_calls`)."""
+        self._call_pending = bytearray()
         self._replies: list[dict] = []
         ends = [os.pipe() for _ in range(5)]  # cmd, reply, stdout, stderr, status
         (cmd_r, self._cmd), (self._reply, reply_w), (self._out, out_w), (self._err, err_w), (self._status, status_w) = ends
@@ -307,9 +313,42 @@ class Session:
         if not chunk:
             self._sel.unregister(self._reply)
             return
+        if self.on_call is not None:
+            chunk = self._answer_calls(chunk)
         self.channel += chunk
         if len(self.channel) > MAX_RESULT_BYTES:
             self.stop = "results"
+
+    def _answer_calls(self, chunk: bytes) -> bytes:
+        """Channel lines that start with CALL_PREFIX are questions to the caller (`on_call`), answered on the
+        command's `call_fd`; the rest of the channel is returned as it came."""
+        self._call_pending += chunk
+        kept = bytearray()
+        while b"\n" in self._call_pending:
+            line, _, rest = bytes(self._call_pending).partition(b"\n")
+            self._call_pending = bytearray(rest)
+            if line.startswith(CALL_PREFIX):
+                answer = self.on_call(line[len(CALL_PREFIX) :])
+                if answer is None or not self._send(answer + b"\n"):
+                    self.stop = self.stop or "results"
+                    break
+            else:
+                kept += line + b"\n"
+        if len(self._call_pending) > MAX_RESULT_BYTES:
+            self.stop = "results"
+        return bytes(kept)
+
+    def exchange(self, line: bytes) -> bytes | None:
+        """A command run that answers on its channel (`call_fd` in, `channel_fd` out): send one line, return the
+        next line it writes (None when it ended, was stopped, or its deadline passed first)."""
+        if not self.live or not self._send(line + b"\n"):
+            return None
+        while b"\n" not in self.channel:
+            if not self._pump():
+                return None
+        answer, _, rest = bytes(self.channel).partition(b"\n")
+        self.channel[:] = rest
+        return answer
 
     def _drain_channel(self) -> None:
         """What the command's processes wrote before they ended (anything a stray one writes later is not read)."""

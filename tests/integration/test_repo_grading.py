@@ -244,7 +244,7 @@ REFUSED = {
     "import subprocess": "processes and descriptors",
     "import threading": "processes and descriptors",
     "import sys; sys.exit(0)": "processes and descriptors",
-    "p = '/proc/self/fd/3'": "processes and descriptors",
+    "p = open('/proc/self/fd/3')": "files",
     "import builtins": "builtins",
     "x = __builtins__": "builtins",
     "eval('1')": "builtins",
@@ -261,6 +261,24 @@ REFUSED = {
     "class R(int):\n    __eq__ = lambda s, o: True": "answers that match anything",
     "x = 1\nx.__class__ = int": "builtins",
 }
+
+
+ORDINARY_WORDS = '''
+_error_fields = {"code": 0, "trace": 1, "signal": 2, "environ": 3, "modules": 4, "__eq__": 5}
+
+
+def fix(values):
+    """Reads no /proc/self/status, sets no trace, sends no signal, changes no environ: PYTEST_CURRENT_TEST."""
+    # the code path, the signal and the trace are words here
+    message = "code %s: see /proc/ or environ" % _error_fields["code"]
+    return sorted(values), message, {"select": "site"}
+'''
+
+
+def test_ordinary_strings_docstrings_and_comments_are_never_flagged():
+    tree = ast.parse(ORDINARY_WORDS)
+    assert forbidden_uses(tree.body, module_imports(tree)) == set()
+    assert splice(ORDINARY_WORDS, ORDINARY_WORDS, ("fix",), ORDINARY_WORDS.replace("sorted(values)", "values"))[2] == set()
 
 
 @pytest.mark.parametrize("code", list(REFUSED))

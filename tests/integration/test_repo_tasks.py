@@ -5,6 +5,7 @@ episodes that cannot reach the original, copy-on-write workspaces, and grading t
 The tasks come from networkx's shortest-path module `unweighted.py` and its test file (about a second of CPU); one
 slow test builds and checks sympy tasks (`ntheory/digits.py`)."""
 
+import ast
 import os
 import signal
 import subprocess
@@ -34,7 +35,8 @@ from composer.rollout.tasks.repository.task_set import (
 )
 from composer.rollout.tasks.repository.workspace import RepoWorkspace
 from tests.conftest import REPO
-from tests.helpers.repo_cheats import ANSWERS, CLASSES, in_function, payloads, pyc, written
+from tests.helpers.repo_cheats import ANSWERS, CLASSES, REACHING, compiled_at_run_time, in_function, payloads, pyc, written
+from tests.helpers.repo_cheats import _guarded as guarded
 
 AS_ROOT = os.geteuid() == 0
 MODULE = "networkx/algorithms/shortest_paths/unweighted.py"
@@ -438,22 +440,51 @@ def test_cheats_outside_the_tasks_function_never_run(built, cache, sandbox):
     assert all(p in detail for p in ["networkx/__init__.py", "networkx/utils/misc.py", "shortest_paths/dense.py", *forged])
 
 
-@pytest.mark.parametrize("kind", ["bug", "feature"])
-def test_cheats_inside_the_tasks_function_are_refused(built, cache, sandbox, kind):
-    """The same runner patches and neutralised tests, and the report rewriters, run by a decorator of the task's
-    function (code the grade keeps), the function answering from the calling test's source (bug) or with an
-    object equal to anything (feature): the kept change is refused, and the run does not believe its report."""
+@pytest.mark.parametrize("kind, stored", [("bug", False), ("feature", True)])
+def test_cheats_in_the_tasks_function_decide_nothing_across_the_boundary(built, cache, sandbox, kind, stored):
+    """Every mechanism (runner patches, report rewriters, neutralised tests, frames walked up to the trusted entry,
+    closure cells swapped, trace functions, pytest's reports patched, side effects from a thread, a signal, __del__
+    and a class body), run by a decorator of the task's function at import and again at each of its calls (as
+    source, or stored as data and compiled at run time), with the function answering from the calling test's
+    source (bug) or with an object equal to anything (feature) and the bug left in place: the function runs in the
+    episode's own process, where none of it reaches the grade. Reward 0, no infrastructure failure."""
     task = task_of(built, kind)
     tests = repo_tests(task, settings(cache))
-    answer = ANSWERS["an answer read from the caller's source line" if kind == "bug" else "an answer equal to anything"]
+    setup = [*cheats_for(tests).values(), *(guarded(code) for code in REACHING.values())]
+    if stored:
+        setup = [compiled_at_run_time("".join(setup))]
+    helpers, prefix = ANSWERS["an answer read from the caller's source line" if kind == "bug" else "an answer equal to anything"]
     with open_workspace(tests, sandbox) as ws:
-        episode = in_function((ws.root / MODULE).read_text(), task["function"], list(cheats_for(tests).values()), answer)
+        episode = in_function((ws.root / MODULE).read_text(), task["function"], setup, (helpers, "_prepare(None)\n" + prefix))
         assert ws.shell(written(MODULE, episode), 30).exit_code == 0
         result = ws.grade()
-    assert "forbidden_code" in result.flags and not result.infra_failure, (result.flags, result.detail)
-    assert set(result.flags) & {"harness_touched", "sentinel_tripped", "forged_records"}, result.flags
-    assert (result.reward, guarded_reward(result.reward, result.flags, DEFAULT_GUARDED, 0.0)) == (0.0, 0.0)
-    assert "change_dropped" not in result.flags  # all of it is the task's function and what it uses
+    assert (result.reward, result.infra_failure) == (0.0, False), (result.flags, result.detail, result.stdout_tail[-2000:])
+    assert result.status == "ok" and result.passed < result.total  # the trusted run completed, and its tests failed
+    assert "forbidden_code" not in result.flags and "change_dropped" not in result.flags
+
+
+def test_honest_work_with_ordinary_words_earns_full_reward(built, cache, sandbox):
+    """The original restored, with a module constant whose key is "code", a string naming trace, signal, environ
+    and /proc/, and a local import of the standard library in the function: full reward, no flag."""
+    task = task_of(built, "bug")
+    tests = repo_tests(task, settings(cache))
+    original = (tests.grading_base / MODULE).read_text()
+    tree = ast.parse(original)
+    target = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == task["function"].split(".")[-1])
+    lines = original.splitlines(keepends=True)
+    body = target.body[1] if ast.get_docstring(target) is not None else target.body[0]
+    indent = " " * body.col_offset
+    lines.insert(
+        body.lineno - 1,
+        f'{indent}"""No trace, signal, environ or /proc/ is read here."""\n'
+        f'{indent}import collections\n\n{indent}assert _error_fields["code"] == len(collections.deque())\n',
+    )
+    first = min([target.lineno, *(d.lineno for d in target.decorator_list)])
+    lines.insert(first - 1, '_error_fields = {"code": 0}\n\n\n')
+    with open_workspace(tests, sandbox) as ws:
+        assert ws.shell(written(MODULE, "".join(lines)), 30).exit_code == 0
+        result = ws.grade()
+    assert (result.reward, result.flags) == (1.0, ()), (result.detail, result.stdout_tail[-2000:])
 
 
 FEATURE_FIX = '''    if source not in G:

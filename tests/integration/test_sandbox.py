@@ -270,6 +270,25 @@ def test_a_command_reports_on_its_channel_in_order(sandbox, tmp_path):
     assert plain.exit_code == 1 and "Bad file descriptor" in plain.output and plain.channel == b""
 
 
+def test_a_command_asks_on_its_channel_and_a_server_answers_on_its_own(sandbox, tmp_path):
+    """With `calls`, a channel line starting with CALL is a question: its answer comes in on fd 4 (the rest of the
+    channel is the report as before). A server command (`serving`) answers each line sent on its fd 4 with a line
+    on its fd 3; the caller relays one to the other, and the two never share a process."""
+    (tmp_path / "server").mkdir()
+    (tmp_path / "client").mkdir()
+    server = "python -c 'import os, sys\nfor line in open(4, \"rb\"):\n    os.write(3, line.upper())'"
+    client = "echo report >&3; for w in ab cd; do echo CALL $w >&3; read answer <&4; echo $answer; done"
+    with sandbox.serving(server, tmp_path / "server", 30) as session:
+        asked = []
+
+        def answer(line: bytes) -> bytes | None:
+            asked.append(line)
+            return session.exchange(line)
+
+        result = sandbox.run_command(client, tmp_path / "client", channel=True, calls=answer)
+    assert (result.exit_code, result.output, result.channel, asked) == (0, "AB\nCD\n", b"report\n", [b"ab", b"cd"])
+
+
 def test_a_command_past_its_timeout_is_killed_with_its_children(sandbox, tmp_path):
     result = sandbox.run_command("sleep 4321.5 & setsid sleep 4321.5 & echo started; sleep 4321.5", tmp_path, timeout_s=1)
     assert (result.exit_code, result.status, result.flags) == (None, "timeout", ("timeout",))

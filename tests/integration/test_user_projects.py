@@ -22,6 +22,8 @@ from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
 from composer.rollout.tasks.repository.projects import environment_dir, resolve_project
 from composer.rollout.tasks.repository.task_set import load_tasks, open_workspace, repo_tests
 from tests.conftest import REPO
+from tests.helpers.repo_cheats import REACHING, compiled_at_run_time, in_function
+from tests.helpers.repo_cheats import _guarded as guarded
 from tests.helpers.user_project import FIXES, make_project
 
 SANDBOX = SandboxSection(cpu_seconds=60, wall_seconds=120, memory_mb=2048)
@@ -141,6 +143,34 @@ def test_multi_tasks_hold_several_bugs_in_different_functions(multi, sandbox):
             ws.shell(written(path, (tests.grading_base / path).read_text()), 30)
         fixed = ws.grade()
     assert (fixed.reward, fixed.flags) == (1.0, ())
+
+
+def test_multi_tasks_are_graded_across_the_boundary(multi, sandbox):
+    """Every mechanism that reaches for the grade (frames, closure cells, trace functions, pytest's reports, threads,
+    signals, __del__, payloads compiled at run time), run by the decorator of each of the task's functions and at
+    each call, with the bugs left in place: reward 0, no infrastructure failure. The originals back, each function
+    with a helper of its own, a local import of the standard library and a string naming trace, signal, environ and
+    /proc/: 1.0."""
+    chosen, _, (task,) = multi
+    tests = repo_tests(task, chosen)
+    setup = [compiled_at_run_time("".join(guarded(code) for code in REACHING.values()))]
+    honest_prefix = 'import statistics\n"""No trace, signal, environ or /proc/ here."""\nassert statistics.mean([1]) == 1\n'
+    with open_workspace(tests, sandbox) as ws:
+        for scope in tests.scope:
+            text = (ws.root / scope.path).read_text()
+            for function in scope.functions:
+                text = in_function(text, function, setup, ("", "_prepare(None)\n"))
+            ws.shell(written(scope.path, text), 30)
+        cheated = ws.grade()
+        for scope in tests.scope:
+            text = (tests.grading_base / scope.path).read_text()
+            for function in scope.functions:
+                text = in_function(text, function, [], ("", honest_prefix))  # a helper (a decorator) of its own too
+            ws.shell(written(scope.path, text), 30)
+        honest = ws.grade()
+    assert (cheated.reward, cheated.infra_failure, cheated.status) == (0.0, False, "ok"), (cheated.flags, cheated.detail)
+    assert "forbidden_code" not in cheated.flags
+    assert (honest.reward, honest.flags) == (1.0, ()), (honest.detail, honest.stdout_tail[-1500:])
 
 
 def appended(path: str, code: str) -> str:

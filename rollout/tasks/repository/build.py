@@ -54,6 +54,7 @@ from composer.recipes.errors import UserError
 from composer.recipes.schema import SSHSection
 from composer.rollout.sandbox.hosts import LOCALHOST, SandboxFleet
 from composer.rollout.tasks.repository.candidates import Candidate, candidates
+from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.projects import (
     ProjectSpec,
     _chmod_tree,
@@ -69,7 +70,7 @@ from composer.runtime.run_dir import atomic_write_text
 log = logging.getLogger("composer.repo_tasks")
 
 # Bump when candidates, validation or records change: it is part of every set's cache key.
-ENGINE_VERSION = 3
+ENGINE_VERSION = 4
 # Bump when a survey's record or the runner that makes it changes.
 SURVEY_VERSION = 1
 
@@ -121,6 +122,7 @@ class BuildReport:
     validated: int = 0
     tried: int = 0
     rejected: Counter = field(default_factory=Counter)
+    """Candidates rejected, by "project: reason"."""
     by_project_kind: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     resumed: int = 0
@@ -264,7 +266,7 @@ class _Build:
                 report.validated += 1
                 report.by_project_kind[(c.project, c.kind)] += 1
             else:
-                report.rejected[v["reason"]] += 1
+                report.rejected[f"{c.project}: {v['reason']}"] += 1
         report.seconds = time.monotonic() - self.started
         self.on_progress(report)
 
@@ -309,6 +311,8 @@ class _Build:
                 c.test_files,
                 expected,
                 10 + 3 * sum(s["wall_seconds"] for s in surveys),
+                self.specs[c.project].package,
+                tuple(Scope(e.path, tuple(m.function for m in e.mutations)) for e in c.edits),
             )
             self.in_flight[future] = ("validate", c)
 

@@ -594,7 +594,6 @@ MODULES_AS_ATTRIBUTES = frozenset(
         "signal",
     }
 )
-FORBIDDEN_PREFIXES = ("/proc", "/dev/fd", "/dev/std", "PYTEST_")
 
 _MODULE_CATEGORY = {name: category for category, names in FORBIDDEN_MODULES.items() for name in names}
 _ATTRIBUTE_CATEGORY = {name: category for category, names in FORBIDDEN_ATTRIBUTES.items() for name in names}
@@ -691,8 +690,6 @@ def forbidden_uses(nodes: list[ast.AST], imports: dict[str, str]) -> set[str]:
                     hit(category, table[inner.id])
             elif isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name):
                 _check_call(inner, hit)
-            elif isinstance(inner, ast.Constant) and isinstance(inner.value, str):
-                _check_text(inner.value, hit)
             elif isinstance(inner, ast.ClassDef):
                 defined = {n.name for n in inner.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
                 defined |= {t.id for n in inner.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
@@ -719,16 +716,10 @@ def _check_call(call: ast.Call, hit) -> None:
             hit(BUILTINS, f"{name} with a computed attribute name")
         elif name == "setattr" and attribute.value in MATCH_ANYTHING | REBINDING:
             hit(ANSWERS if attribute.value in MATCH_ANYTHING else BUILTINS, f"setattr {attribute.value}")
+        elif attribute.value in _ATTRIBUTE_CATEGORY:
+            # The attribute itself, reached by name: the same as `.name` (an ordinary string is never flagged).
+            hit(_ATTRIBUTE_CATEGORY[attribute.value], f"{name} {attribute.value!r}")
+        elif attribute.value in MODULES_AS_ATTRIBUTES:
+            hit(_MODULE_CATEGORY.get(attribute.value, PROCESSES), f"{name} {attribute.value!r}")
     elif name == "type" and len(call.args) == 3:
         hit(ANSWERS, "type() making a class at run time")
-
-
-def _check_text(text: str, hit) -> None:
-    if text in _ATTRIBUTE_CATEGORY:
-        hit(_ATTRIBUTE_CATEGORY[text], f"the name {text!r}")
-    elif text in _MODULE_CATEGORY:
-        hit(_MODULE_CATEGORY[text], f"the module name {text!r}")
-    elif text in MATCH_ANYTHING:
-        hit(ANSWERS, f"the name {text!r}")
-    elif text.startswith(FORBIDDEN_PREFIXES) or "/proc/" in text:
-        hit(PROCESSES if "PYTEST_" not in text else RUNNER, f"the path or variable {text[:40]!r}")

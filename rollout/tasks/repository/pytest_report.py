@@ -1,6 +1,6 @@
 """The trusted pytest entry of repository tasks: run pytest and stream every test's outcome to the grader.
 
-Run as `python -s -P -B -c <this file's text> ROOT KEY_FILE CHANNEL_FD PYTEST_ARGS...` (stdlib and pytest only;
+Run as `python -s -P -B -c <this file's text> ROOT KEY_FILE CHANNEL_FD [--crossing=CROSSING_PY:CALL_FD] PYTEST_ARGS...` (stdlib and pytest only;
 not -I, which would drop PYTHONHASHSEED, and tests' set orders with it) with CHANNEL_FD a pipe whose other end the
 grader reads while the run goes (`Sandbox.run_command(channel=True)`). Before any code of the repository runs it
 reads the run's key from KEY_FILE and deletes the file, moves the channel to a descriptor of its own choosing
@@ -116,7 +116,7 @@ def _sender(fd: int, key: bytes):
     return send
 
 
-def report_plugin(fd: int, send, root: str):
+def report_plugin(fd: int, send, root: str, crossing=None):
     """The reporting plugin and its `end`. Its hooks are closures over the sender and the run's state (the outcomes,
     what was seen tampered with, the watched objects): changing an attribute of the plugin changes nothing pytest
     calls, and their hook implementations are watched like the others'."""
@@ -232,7 +232,10 @@ def report_plugin(fd: int, send, root: str):
         """The end line, then the channel is closed: the grader counts nothing written after it."""
         if ended[0]:
             return
-        emit({"end": True, "exitstatus": int(exitstatus), "session": session, "tampered": sorted(set(tampered + changes()))})
+        record = {"end": True, "exitstatus": int(exitstatus), "session": session, "tampered": sorted(set(tampered + changes()))}
+        if crossing is not None:
+            record["refused"] = dict(crossing.refusals)
+        emit(record)
         ended[0] = True
         close(fd)
 
@@ -257,6 +260,18 @@ def main() -> None:
 
     fd = fcntl.fcntl(int(channel), fcntl.F_DUPFD_CLOEXEC, random.SystemRandom().randrange(64, 240))
     os.close(int(channel))
+    crossing = None
+    if args and args[0].startswith("--crossing="):
+        # The task's functions are proxies into the episode's process: their calls go out on the channel, the
+        # answers come in on the call descriptor given after the path.
+        path, _, calls = args.pop(0).partition("=")[2].rpartition(":")
+        crossing = type(sys)("_composer_crossing")
+        with open(path) as f:
+            exec(compile(f.read(), path, "exec"), crossing.__dict__)
+        answers = fcntl.fcntl(int(calls), fcntl.F_DUPFD_CLOEXEC, 240)
+        os.close(int(calls))
+        crossing.connect(fd, answers)
+        sys.modules["_composer_crossing"] = crossing
     with open(key_path, "rb") as f:
         send = _sender(fd, bytes.fromhex(f.read().decode().strip()))
     os.unlink(key_path)
@@ -272,7 +287,7 @@ def main() -> None:
 
     # pytest's cache of rewritten test modules and conftests is bytecode too: never read.
     _pytest.assertion.rewrite._read_pyc = lambda *args, **kwargs: None
-    plugin, end = report_plugin(fd, send, root)
+    plugin, end = report_plugin(fd, send, root, crossing)
     del send, fd
     try:
         code = int(pytest.main(args, plugins=[plugin]))

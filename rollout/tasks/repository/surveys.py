@@ -17,10 +17,12 @@ from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.hosts import LOCALHOST
 from composer.rollout.sandbox.results import RunEnvironment
 from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.repository.boundary import crosses
 from composer.rollout.tasks.repository.candidates import Candidate
+from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.mutations import changed_module
 from composer.rollout.tasks.repository.remote import remote_test_run
-from composer.rollout.tasks.repository.workspace import RepoTests, TestReport, run_tests_guarded
+from composer.rollout.tasks.repository.workspace import RepoTests, TestReport, run_tests_across, run_tests_guarded
 
 _worker_sandbox: Sandbox | None = None
 
@@ -99,6 +101,38 @@ def _local_run(config: dict, sandbox_root: str, bases: str, setup: TestSetup) ->
     )
 
 
+AcrossRun = Callable[[dict[str, str], dict[str, str], float], TestReport]
+"""A test run across the grading boundary (`workspace.run_tests_across`) of one candidate: its changed files (the
+grader's, with the task's functions as proxies), the episode's files over the original, the timeout."""
+
+
+def _local_across(
+    config: dict, sandbox_root: str, bases: str, setup: TestSetup, package: str, scope: tuple[Scope, ...], test_files: tuple[str, ...]
+) -> AcrossRun:
+    sandbox = worker_sandbox(config, sandbox_root)
+
+    def run(task: dict[str, str], episode: dict[str, str], timeout_s: float) -> TestReport:
+        tests = RepoTests(
+            package=package,
+            test_files=test_files,
+            fail_to_pass=(),
+            pass_to_pass=(),
+            pytest_args=setup.pytest_args,
+            timeout_s=timeout_s,
+            scope=scope,
+            source=setup.source,
+            layer=Path(),
+            episode_base=Path(),
+            grading_base=Path(bases) / "grading",
+            hidden=setup.hidden,
+            environment=setup.environment,
+        )
+        encoded = {p: t.encode() for p, t in task.items()}
+        return run_tests_across(sandbox, tests, encoded, {p: t.encode() for p, t in episode.items()}, grading_area(sandbox))
+
+    return run
+
+
 def survey_with(run: TestRun, test_file: str, timeout_s: float) -> dict:
     """Run a test file twice on the original; its expected tests passed both times."""
     runs = []
@@ -133,8 +167,21 @@ def changed_files(grading: Path, candidate: Candidate) -> dict[str, str] | None:
     return changed
 
 
-def validate_with(run: TestRun, changed: dict[str, str] | None, test_files: tuple[str, ...], expected: list[str], timeout_s: float) -> dict:
-    """The changed files alone: which expected tests fail now."""
+def _kind_of(refused: dict[str, int]) -> str:
+    """What kind of value could not cross, from the most frequent refusal ("argument: a networkx...View")."""
+    reason = sorted(refused, key=refused.get)[-1]
+    return reason.partition(": a ")[2].split(".")[-1][:60] or reason[:60]
+
+
+def validate_with(
+    run: TestRun,
+    changed: dict[str, str] | None,
+    test_files: tuple[str, ...],
+    expected: list[str],
+    timeout_s: float,
+    across: AcrossRun | None = None,
+) -> dict:
+    """The changed files alone: which expected tests fail now; with `across`, the same through the grading boundary."""
     if changed is None:
         return {"verdict": "rejected", "reason": "the change does not parse or changes nothing"}
     report = run(changed, test_files, timeout_s)
@@ -148,6 +195,19 @@ def validate_with(run: TestRun, changed: dict[str, str] | None, test_files: tupl
     pass_to_pass = [i for i in expected if report.outcomes.get(i) == "passed"]
     if not fail_to_pass:
         return {"verdict": "rejected", "reason": "no test fails"}
+    if across is not None:
+        # Graded across the boundary, the task must behave there as here: the original passes every expected test,
+        # the change fails its fail-to-pass tests and passes the others.
+        for episode, passing in (({}, expected), (changed, pass_to_pass)):
+            crossed = across(changed, episode, timeout_s)
+            if crossed.infra_failure:
+                return {"verdict": "infra", "reason": "sandbox failure"}
+            if crossed.refused:
+                reason = sorted(crossed.refused, key=crossed.refused.get)[-1].split(":")[0]
+                return {"verdict": "rejected", "reason": f"cannot cross the grading boundary ({reason}: {_kind_of(crossed.refused)})"}
+            outcomes = crossed.outcomes if crossed.complete else {}
+            if any(outcomes.get(i) != "passed" for i in passing) or any(outcomes.get(i) == "passed" for i in expected if i not in passing):
+                return {"verdict": "rejected", "reason": "behaves otherwise across the grading boundary"}
     return {
         "verdict": "validated",
         "fail_to_pass": fail_to_pass,
@@ -171,9 +231,12 @@ def validate(
     test_files: tuple[str, ...],
     expected: list[str],
     timeout_s: float,
+    package: str = "",
+    scope: tuple[Scope, ...] = (),
 ) -> dict:
-    """`validate_with` in a worker process of this machine."""
-    return validate_with(_local_run(config, sandbox_root, bases, setup), changed, test_files, expected, timeout_s)
+    """`validate_with` in a worker process of this machine (across the grading boundary when `scope` crosses it)."""
+    across = _local_across(config, sandbox_root, bases, setup, package, scope, test_files) if crosses(scope) else None
+    return validate_with(_local_run(config, sandbox_root, bases, setup), changed, test_files, expected, timeout_s, across)
 
 
 class Runners:
@@ -211,7 +274,8 @@ class Runners:
             run = remote_test_run(
                 self.fleet, slot, setup.project, bases / "grading", setup.environment, setup.pytest_args, setup.ready_made, setup.source
             )
-            return survey_with(run, *args) if kind == "survey" else validate_with(run, *args)
+            # A remote host validates in pytest's process only (the boundary's check runs on this machine's workers).
+            return survey_with(run, *args) if kind == "survey" else validate_with(run, *args[:4])
         finally:
             self.slots.put(slot)
 

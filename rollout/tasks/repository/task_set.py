@@ -14,12 +14,13 @@ from composer.recipes.errors import UserError
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.results import RewardMode
 from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.repository.boundary import crosses
 from composer.rollout.tasks.repository.build import set_dir
 from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.projects import load_environment, resolve_project
 from composer.rollout.tasks.repository.projects import project_bases as _bases_of
 from composer.rollout.tasks.repository.surveys import grading_area, worker_sandbox
-from composer.rollout.tasks.repository.workspace import RepoTests, RepoWorkspace, run_tests_guarded
+from composer.rollout.tasks.repository.workspace import RepoTests, RepoWorkspace, run_tests_across, run_tests_guarded
 
 
 def project_bases(cache_dir: Path, name: str) -> Path:
@@ -102,23 +103,28 @@ class RepoCheckReport:
 
 
 def check_task(config: dict, sandbox_root: str, tests: RepoTests, paths: list[str]) -> tuple[bool, bool, str]:
-    """(original passes, changed fails as recorded, why not) for one built task."""
+    """(original passes, changed fails as recorded, why not) for one built task; across the grading boundary where
+    the task is graded across it (the changed files are the grader's, the episode's process holds the version tried)."""
     sandbox = worker_sandbox(config, sandbox_root)
-    run = lambda changes: run_tests_guarded(
-        sandbox,
-        tests.grading_base,
-        changes,
-        tests.test_files,
-        tests.pytest_args,
-        tests.timeout_s,
-        tests.hidden,
-        grading_area(sandbox),
-        tests.run_environment("repo"),
-    )
+    task_files = {path: (tests.layer / path).read_bytes() for path in paths}
+    if crosses(tests.scope):
+        run = lambda changes: run_tests_across(sandbox, tests, task_files, changes, grading_area(sandbox))
+    else:
+        run = lambda changes: run_tests_guarded(
+            sandbox,
+            tests.grading_base,
+            changes,
+            tests.test_files,
+            tests.pytest_args,
+            tests.timeout_s,
+            tests.hidden,
+            grading_area(sandbox),
+            tests.run_environment("repo"),
+        )
     expected = (*tests.fail_to_pass, *tests.pass_to_pass)
     original = run({})
     original_ok = original.complete and not original.flags and all(original.outcomes.get(i) == "passed" for i in expected)
-    changed = run({path: (tests.layer / path).read_bytes() for path in paths})
+    changed = run(task_files)
     changed_ok = (
         changed.complete
         and not changed.flags

@@ -24,14 +24,18 @@ import secrets
 import shlex
 import shutil
 import stat
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from composer.rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult, reward_for
-from composer.rollout.sandbox.runs import CHANNEL_FD, Sandbox
+from composer.rollout.sandbox.runs import CALL_FD, CHANNEL_FD, Sandbox
+from composer.rollout.sandbox.session import InfraError
 from composer.rollout.sandbox.trees import remove_tree, walk_files
-from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE, Scope, keep_change
+from composer.rollout.tasks.repository.boundary import CROSSING_SOURCE, crosses, module_name, proxied
+from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE, Scope, is_protected, keep_change
 from composer.rollout.tasks.workspace import (
     Workspace,
     is_full,
@@ -159,6 +163,8 @@ class TestReport:
     wall_seconds: float
     cpu_seconds: float
     infra_failure: bool = False
+    refused: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Calls that could not cross the grading boundary, by reason (`crossing.refusals`)."""
 
 
 def _write_layer(layer: Path, changes: dict[str, bytes | None]) -> None:
@@ -185,6 +191,20 @@ def _apply_to_copy(root: Path, changes: dict[str, bytes | None]) -> None:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         path.write_bytes(content)
         os.chmod(path, 0o644)
+
+
+def _open_view(repo: Path, layer: Path, grading_base: Path, changes: dict[str, bytes | None]) -> bool:
+    """A fresh read-only view of `grading_base` with `changes` at `repo`: an overlay (True: to unmount) where the
+    area allows one, else a copy."""
+    repo.mkdir(mode=0o755)
+    if overlay_supported(repo.parent):
+        layer.mkdir(mode=0o755)
+        _write_layer(layer, changes)
+        mount_overlay(repo, [layer, grading_base])
+        return True
+    shutil.copytree(grading_base, repo, symlinks=True, dirs_exist_ok=True)
+    _apply_to_copy(repo, changes)
+    return False
 
 
 # Words sentinel tests are named with, besides the test file's own.
@@ -222,11 +242,12 @@ def run_tests_guarded(
     hidden: tuple[str, ...],
     area: Path,
     environment: RunEnvironment | None = None,
+    calls: Callable[[bytes], bytes | None] | None = None,
 ) -> TestReport:
     """Run pytest on `test_files` (with sentinel tests) in the sandbox over a fresh read-only view of
     `grading_base` with `changes` (trusted tests and configuration: the caller passes only changes it grades), and
-    read the trusted plugin's report from the run's channel; `environment`: the project's own. Used to validate
-    tasks (the changed file as the only change) and to grade episodes."""
+    read the trusted plugin's report from the run's channel; `environment`: the project's own; `calls`: the
+    answers to the proxies' calls (`run_tests_across`). Used to validate tasks and to grade episodes."""
     area.mkdir(parents=True, exist_ok=True)
     reclaim(area)
     work = owned_dir("grade-", area)
@@ -246,24 +267,21 @@ def run_tests_guarded(
             mount_capped(work, sandbox.config.max_write_mb << 20, sandbox.config.max_inodes)
             capped = True
         os.chmod(work, 0o755)
-        repo.mkdir(mode=0o755)
         config_dir.mkdir(mode=0o755)
         # The run deletes the key file once it has read it, before any code of the repository runs.
         secret_dir.mkdir()
         os.chmod(secret_dir, 0o733)
-        if overlay_supported(area):
-            layer.mkdir(mode=0o755)
-            _write_layer(layer, with_sentinels)
-            mount_overlay(repo, [layer, grading_base])
-            mounted = True
-        else:
-            shutil.copytree(grading_base, repo, symlinks=True, dirs_exist_ok=True)
-            _apply_to_copy(repo, with_sentinels)
+        mounted = _open_view(repo, layer, grading_base, with_sentinels)
         key = secrets.token_bytes(32)
         (secret_dir / "key").write_text(key.hex())
         os.chmod(secret_dir / "key", 0o644)
         (config_dir / "pytest.ini").write_text("[pytest]\n")
         os.chmod(config_dir / "pytest.ini", 0o644)
+        crossing = []
+        if calls is not None:
+            shutil.copyfile(CROSSING_SOURCE, config_dir / "crossing.py")
+            os.chmod(config_dir / "crossing.py", 0o644)
+            crossing = [f"--crossing=config/crossing.py:{CALL_FD}"]
         command = " ".join(
             shlex.quote(a)
             for a in [
@@ -276,6 +294,7 @@ def run_tests_guarded(
                 "repo",
                 "secret/key",
                 str(CHANNEL_FD),
+                *crossing,
                 "-c",
                 "../config/pytest.ini",
                 "--rootdir=.",
@@ -290,7 +309,7 @@ def run_tests_guarded(
                 *test_files,
             ]
         )
-        result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden, channel=True, environment=environment)
+        result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden, channel=True, environment=environment, calls=calls)
         if capped and is_full(work):
             result = dataclasses.replace(result, flags=tuple(sorted({*result.flags, "write_limit"})))
         return read_report(result, key, sentinels)
@@ -300,6 +319,69 @@ def run_tests_guarded(
         if capped:
             unmount(work)
         remove_tree(work)
+
+
+def _without_tests(grading_base: Path, package: str, test_files: tuple[str, ...]) -> dict[str, None]:
+    """Deletions that keep the tests out of the episode's process: the test files and their directories, every test
+    directory, test module and conftest.py of the package."""
+    gone: dict[str, None] = {}
+    for test_file in test_files:
+        parent = PurePosixPath(test_file).parent
+        gone[str(parent) if str(parent) not in (".", package) else test_file] = None
+    for directory, dirs, files in os.walk(grading_base / package):
+        here = Path(directory).relative_to(grading_base)
+        test_dirs = [d for d in dirs if d in ("tests", "testing")]
+        for name in [*test_dirs, *files]:
+            if name in test_dirs or is_protected(str(here / name)):
+                gone[str(here / name)] = None
+        dirs[:] = [d for d in dirs if d not in test_dirs]
+    return {path: None for path in gone if not any(str(parent) in gone for parent in PurePosixPath(path).parents)}
+
+
+def run_tests_across(
+    sandbox: Sandbox, tests: RepoTests, task_files: dict[str, bytes | None], episode: dict[str, bytes | None], area: Path
+) -> TestReport:
+    """The task's tests in the grader's process (`run_tests_guarded`) over the trusted package with the task's
+    functions as proxies (`boundary.proxied`); their calls answered by a sandboxed process of its own that holds the
+    package with `episode` (the kept change) and no tests (`crossing.serve`)."""
+    grader = dict(task_files)
+    for scope in tests.scope:
+        text = grader[scope.path] if scope.path in grader else (tests.grading_base / scope.path).read_bytes()
+        grader[scope.path] = proxied(text.decode(), scope.functions, module_name(scope.path, tests.source)).encode()
+    area.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="episode-", dir=area))
+    mounted = False
+    try:
+        os.chmod(work, 0o755)
+        changes = {**episode, **_without_tests(tests.grading_base, tests.package, tests.test_files)}
+        mounted = _open_view(work / "repo", work / "layer", tests.grading_base, changes)
+        root = str(PurePosixPath("repo") / tests.source) if tests.source else "repo"
+        command = shlex.join(["python", "-s", "-P", "-B", "-c", CROSSING_SOURCE.read_text(), root])
+        try:
+            with sandbox.serving(command, work, tests.timeout_s, tests.hidden, tests.run_environment("repo")) as server:
+
+                def answer(line: bytes) -> bytes:
+                    reply = server.exchange(line)
+                    return reply if reply is not None else b'{"raise":"RuntimeError","message":"the episode process ended"}'
+
+                return run_tests_guarded(
+                    sandbox,
+                    tests.grading_base,
+                    grader,
+                    tests.test_files,
+                    tests.pytest_args,
+                    tests.timeout_s,
+                    tests.hidden,
+                    area,
+                    tests.run_environment("repo"),
+                    calls=answer,
+                )
+        except InfraError as e:
+            return TestReport({}, False, (), str(e), "", "infra", 0.0, 0.0, infra_failure=True)
+    finally:
+        if mounted:
+            unmount(work / "repo")
+        remove_tree(work)  # the episode's process wrote here: at any depth, never following a link
 
 
 def read_report(result: CommandResult, key: bytes, sentinels: dict[str, str]) -> TestReport:
@@ -359,6 +441,7 @@ def read_report(result: CommandResult, key: bytes, sentinels: dict[str, str]) ->
     # A report the program wrote into or whose reporting it patched proves nothing: every test counts as failed.
     trusted = end is not None and not end.get("tampered") and "forged_records" not in flags and not tripped
     outcomes = {i: o for i, o in outcomes.items() if i not in sentinels}
+    refused = end.get("refused") if end is not None else None
     return TestReport(
         outcomes,
         trusted,
@@ -369,6 +452,7 @@ def read_report(result: CommandResult, key: bytes, sentinels: dict[str, str]) ->
         result.wall_seconds,
         result.cpu_seconds,
         result.infra_failure,
+        {str(k): int(v) for k, v in refused.items()} if isinstance(refused, dict) else {},
     )
 
 
@@ -526,22 +610,27 @@ class RepoWorkspace(Workspace):
     def grade(self) -> SandboxResult:
         tests = self.tests
         kept = keep_change(self.changed(), self._task_files, tests.grading_base, tests.package, tests.scope)
-        report = run_tests_guarded(
-            self.sandbox,
-            tests.grading_base,
-            kept.files,
-            tests.test_files,
-            tests.pytest_args,
-            tests.timeout_s,
-            tests.hidden,
-            self._area,
-            tests.run_environment("repo"),
-        )
+        across = crosses(tests.scope)
+        if across:
+            report = run_tests_across(self.sandbox, tests, self._task_files, kept.files, self._area)
+        else:
+            report = run_tests_guarded(
+                self.sandbox,
+                tests.grading_base,
+                kept.files,
+                tests.test_files,
+                tests.pytest_args,
+                tests.timeout_s,
+                tests.hidden,
+                self._area,
+                tests.run_environment("repo"),
+            )
         result = score(report, tests, self.reward)
         for flag, found, why in (
             ("tests_modified", kept.protected, "ignored: graded with the trusted copies"),
             ("change_dropped", kept.dropped, "not graded"),
-            ("forbidden_code", kept.forbidden, "in the graded change"),
+            # Across the boundary the change runs where it can decide nothing but its own answers.
+            ("forbidden_code", () if across else kept.forbidden, "in the graded change"),
         ):
             if found:
                 shown = "; ".join(found[:10]) + (f" and {len(found) - 10} more" if len(found) > 10 else "")

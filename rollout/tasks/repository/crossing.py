@@ -1,0 +1,367 @@
+"""Calls across the grading boundary of repository tasks: both sides of it, stdlib only, run as text.
+
+The grader's pytest imports the trusted package with the task's functions replaced by proxies (`boundary.proxied`)
+whose body is `crossing.call(module, name, args, kwargs)`: the arguments go, as data, one line on the run's channel
+(`CALL {json}`) that the host forwards to the episode's process, which runs `serve`: it calls its own version of the
+function and answers one line, the result, the arguments as they are after the call (their mutations) or the
+exception's type name and message. Arguments that are functions (a weight function) are called back: the episode's
+process asks for them by number, and the grader calls them on data and answers, before the call's own answer comes.
+
+What crosses is JSON with tags, decoded by each side into plain types and its own classes only:
+  None, bool, int, float, str, list   as JSON; {"$float": "nan" | "inf" | "-inf"}
+  tuple, set, frozenset, dict, range  {"$tuple": [...]}, {"$set": [...]}, {"$frozenset": [...]}, {"$dict": [[k, v]...]},
+                                      {"$range": [start, stop, step]}
+  an iterator (a generator's values)  {"$iter": [...]} (decoded as an iterator over them; an argument's are taken
+                                      as the function would take them)
+  a networkx graph                    {"$graph": [class, graph attributes, [[node, attributes]...],
+                                      [[node, [[neighbour, edge attributes or {key: attributes}]...]]...],
+                                      the predecessors' order of a directed graph or null]}
+  a function (grader to episode only) {"$callback": number}
+The graph classes are the decoding side's own (`Graph`, `DiGraph`, `MultiGraph`, `MultiDiGraph` of its networkx),
+filled in the neighbours' order as sent. Anything else cannot cross (`NotCrossable`); the grader never unpickles
+and never calls an object of the episode's.
+"""
+
+import json
+import math
+import os
+import sys
+import threading
+
+MAX_DEPTH = 200
+MAX_ITEMS = 1_000_000
+GRAPHS = ("Graph", "DiGraph", "MultiGraph", "MultiDiGraph")
+# Exceptions an answer may name, re-raised as the grader's own (besides the trusted package's own exceptions).
+BUILTIN_EXCEPTIONS = (
+    "ArithmeticError",
+    "AssertionError",
+    "AttributeError",
+    "IndexError",
+    "KeyError",
+    "LookupError",
+    "NotImplementedError",
+    "OverflowError",
+    "RecursionError",
+    "RuntimeError",
+    "StopIteration",
+    "TypeError",
+    "ValueError",
+    "ZeroDivisionError",
+)
+
+
+class NotCrossable(TypeError):
+    """A value that cannot cross the boundary as data."""
+
+
+def _graph_class(value):
+    kind = type(value)
+    if kind.__name__ in GRAPHS and kind.__module__.startswith("networkx.classes."):
+        return kind.__name__
+    return None
+
+
+def encode(value, callbacks=None, depth=0):
+    """`value` as tagged JSON; `callbacks` (a list) takes the functions among the arguments (grader side only)."""
+    if depth > MAX_DEPTH:
+        raise NotCrossable(f"nesting deeper than {MAX_DEPTH}")
+    kind = type(value)
+    if value is None or kind in (bool, int, str):
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if kind.__module__ == "numpy":
+        for base in (bool, int, float, str):
+            if isinstance(value, base) or (base is bool and kind.__name__ == "bool"):
+                return encode(base(value), callbacks, depth)
+        if kind.__name__.startswith(("int", "uint")):
+            return int(value)
+        if kind.__name__.startswith("float"):
+            return encode(float(value), callbacks, depth)
+    if kind is list:
+        return [encode(v, callbacks, depth + 1) for v in value]
+    if kind in (tuple, set, frozenset):
+        return {"$" + kind.__name__: [encode(v, callbacks, depth + 1) for v in value]}
+    if kind is dict:
+        return {"$dict": [[encode(k, callbacks, depth + 1), encode(v, callbacks, depth + 1)] for k, v in value.items()]}
+    if kind is range:
+        return {"$range": [value.start, value.stop, value.step]}
+    name = _graph_class(value)
+    if name is not None:
+        directed = "Di" in name
+        adjacency = [[encode(u, callbacks, depth + 1), encode_neighbours(nbrs, callbacks, depth)] for u, nbrs in value._adj.items()]
+        predecessors = (
+            [[encode(v, callbacks, depth + 1), [encode(u, callbacks, depth + 1) for u in preds]] for v, preds in value._pred.items()]
+            if directed
+            else None
+        )
+        nodes = [[encode(n, callbacks, depth + 1), encode(dict(a), callbacks, depth + 1)] for n, a in value._node.items()]
+        return {"$graph": [name, encode(dict(value.graph), callbacks, depth + 1), nodes, adjacency, predecessors]}
+    if callbacks is not None and kind.__name__ in ("function", "builtin_function_or_method", "method", "partial"):
+        callbacks.append(value)
+        return {"$callback": len(callbacks) - 1}
+    if hasattr(value, "__next__") and hasattr(value, "__iter__"):
+        # A generator's values (an argument is consumed as the function would consume it).
+        items = []
+        for item in value:
+            items.append(encode(item, callbacks, depth + 1))
+            if len(items) > MAX_ITEMS:
+                raise NotCrossable(f"an iterator of more than {MAX_ITEMS} values")
+        return {"$iter": items}
+    raise NotCrossable(f"a {kind.__module__}.{kind.__qualname__}")
+
+
+def encode_neighbours(neighbours, callbacks, depth):
+    return [[encode(v, callbacks, depth + 2), encode(dict(d), callbacks, depth + 2)] for v, d in neighbours.items()]
+
+
+def decode(node, make_callback=None, depth=0):
+    """The value `node` encodes, built of plain types and this side's own graph classes; ValueError on any other
+    shape."""
+    if depth > MAX_DEPTH:
+        raise ValueError("nesting too deep")
+    kind = type(node)
+    if node is None or kind in (bool, int, str, float):
+        if kind is float and not math.isfinite(node):
+            raise ValueError("a bare non-finite float")
+        return node
+    if kind is list:
+        return [decode(v, make_callback, depth + 1) for v in node]
+    if kind is not dict or len(node) != 1:
+        raise ValueError(f"not crossable data: {str(node)[:80]}")
+    ((tag, body),) = node.items()
+    if tag == "$float" and body in ("nan", "inf", "-inf"):
+        return float(body)
+    if tag == "$callback" and type(body) is int and make_callback is not None:
+        return make_callback(body)
+    if type(body) is not list:
+        raise ValueError(f"malformed {tag}")
+    if tag in ("$tuple", "$set", "$frozenset", "$iter"):
+        items = [decode(v, make_callback, depth + 1) for v in body]
+        return {"$tuple": tuple, "$set": set, "$frozenset": frozenset, "$iter": iter}[tag](items)
+    if tag == "$dict":
+        if not all(type(pair) is list and len(pair) == 2 for pair in body):
+            raise ValueError("malformed $dict")
+        return {decode(k, make_callback, depth + 1): decode(v, make_callback, depth + 1) for k, v in body}
+    if tag == "$range" and len(body) == 3 and all(type(v) is int for v in body):
+        return range(*body)
+    if tag == "$graph" and len(body) == 5 and body[0] in GRAPHS:
+        import networkx
+
+        graph = getattr(networkx, body[0])()
+        fill_graph(graph, body, make_callback, depth)
+        return graph
+    raise ValueError(f"not crossable data: {tag}")
+
+
+def fill_graph(graph, body, make_callback, depth):
+    """Fill an empty graph of this side's class from its data, in the order sent (neighbours' dicts shared between
+    the two directions of an edge, as networkx keeps them)."""
+    name, attributes, nodes, adjacency, predecessors = body
+    multi, directed = name.startswith("Multi"), "Di" in name
+    graph.graph.update(decode(attributes, make_callback, depth + 1))
+    for item in nodes:
+        node, data = decode(item[0], make_callback, depth + 1), decode(item[1], make_callback, depth + 1)
+        if type(data) is not dict:
+            raise ValueError("malformed node attributes")
+        graph._node[node] = graph.node_attr_dict_factory()
+        graph._node[node].update(data)
+        graph._adj[node] = graph.adjlist_inner_dict_factory()
+        if directed:
+            graph._pred[node] = graph.adjlist_inner_dict_factory()
+    for u_data, neighbours in adjacency:
+        u = decode(u_data, make_callback, depth + 1)
+        for v_data, d in neighbours:
+            v = decode(v_data, make_callback, depth + 1)
+            value = decode(d, make_callback, depth + 1)
+            if u not in graph._node or v not in graph._node or type(value) is not dict:
+                raise ValueError("malformed adjacency")
+            if not directed and u in graph._adj.get(v, {}):
+                graph._adj[u][v] = graph._adj[v][u]
+                continue
+            if multi:
+                keys = graph.edge_key_dict_factory()
+                for key, data in value.items():
+                    keys[key] = graph.edge_attr_dict_factory()
+                    keys[key].update(data)
+                graph._adj[u][v] = keys
+            else:
+                graph._adj[u][v] = graph.edge_attr_dict_factory()
+                graph._adj[u][v].update(value)
+    if directed:
+        for v_data, preds in predecessors or ():
+            v = decode(v_data, make_callback, depth + 1)
+            for u_data in preds:
+                u = decode(u_data, make_callback, depth + 1)
+                graph._pred[v][u] = graph._adj[u][v]
+
+
+def apply_mutation(target, after, make_callback=None):
+    """Make the grader's argument `target` what the episode's call left its copy as (lists, dicts, sets and graphs
+    are changed in place; nothing else can be)."""
+    value = decode(after, make_callback)
+    kind = type(target)
+    if _graph_class(target) is not None and type(after) is dict and "$graph" in after and after["$graph"][0] == kind.__name__:
+        target.clear()
+        fill_graph(target, after["$graph"], make_callback, 0)
+    elif kind is list and type(value) is list:
+        target[:] = value
+    elif kind in (dict, set) and type(value) is kind:
+        target.clear()
+        target.update(value)
+    else:
+        raise RuntimeError(f"the call changed an argument of type {kind.__name__} into {type(value).__name__}")
+
+
+# --- the grader's side --------------------------------------------------------------------------
+
+_link = {}
+_lock = threading.RLock()
+refusals = {}
+"""Why calls could not cross, and how often (the grader's report carries it: a task whose reference needs one is
+rejected at build)."""
+
+
+def connect(out_fd, in_fd):
+    """The grader's ends: lines out on the run's channel, answers in on its call descriptor."""
+    _link["out"], _link["in"] = out_fd, os.fdopen(in_fd, "rb", buffering=1 << 16)
+
+
+def _exchange(message):
+    data = b"CALL " + json.dumps(message, allow_nan=False, separators=(",", ":")).encode() + b"\n"
+    while data:
+        data = data[os.write(_link["out"], data) :]
+    line = _link["in"].readline()
+    if not line.endswith(b"\n"):
+        raise RuntimeError("the episode's process ended")
+    answer = json.loads(line)
+    if type(answer) is not dict:
+        raise ValueError("a malformed answer")
+    return answer
+
+
+def _refused(reason):
+    refusals[reason] = refusals.get(reason, 0) + 1
+    return RuntimeError(f"cannot cross the grading boundary: {reason}")
+
+
+def _exception(module, name, message):
+    """The grader's own exception class named `name`: a builtin one of the allow-list, or an exception class of the
+    trusted package (its top-level namespace, the task's module); RuntimeError otherwise."""
+    if name in BUILTIN_EXCEPTIONS:
+        return getattr(__import__("builtins"), name)(message)
+    for where in (sys.modules.get(module.split(".")[0]), sys.modules.get(module)):
+        found = getattr(where, name, None) if where is not None else None
+        if isinstance(found, type) and issubclass(found, Exception):
+            try:
+                return found(message)
+            except Exception:
+                break
+    return RuntimeError(f"{name}: {message}")
+
+
+def call(module, qualname, args, kwargs):
+    """The episode's `module.qualname(*args, **kwargs)`, run in its process; the arguments' mutations applied here."""
+    with _lock:
+        callbacks = []
+        try:
+            sent_args = [encode(a, callbacks) for a in args]
+            sent_kwargs = {k: encode(v, callbacks) for k, v in kwargs.items()}
+        except NotCrossable as e:
+            raise _refused(f"argument: {e}") from None
+        answer = _exchange({"call": [module, qualname], "args": sent_args, "kwargs": sent_kwargs})
+        while "callback" in answer:
+            number = answer["callback"]
+            if type(number) is not int or not 0 <= number < len(callbacks):
+                raise ValueError("a callback that was not passed")
+            try:
+                result = callbacks[number](*decode(answer.get("args")), **decode(answer.get("kwargs")))
+                reply = {"return": encode(result)}
+            except NotCrossable as e:
+                raise _refused(f"callback result: {e}") from None
+            except Exception as e:
+                reply = {"raise": type(e).__name__, "message": str(e)[:2000]}
+            answer = _exchange(reply)
+        if "refused" in answer:
+            raise _refused(str(answer["refused"])[:200])
+        if "raise" in answer:
+            raise _exception(module, str(answer["raise"]), str(answer.get("message", "")))
+        if "return" not in answer:
+            raise ValueError("a malformed answer")
+        changed = answer.get("changed", {})
+        for key, after in changed.items() if type(changed) is dict else ():
+            target = args[int(key)] if key.isdigit() and int(key) < len(args) else kwargs.get(key)
+            apply_mutation(target, after)
+        return decode(answer["return"])
+
+
+# --- the episode's side -------------------------------------------------------------------------
+
+
+def serve(in_fd, out_fd):
+    """Answer calls until the grader is gone: one line in, one line out (callbacks asked before the answer)."""
+    import importlib
+
+    reader = os.fdopen(in_fd, "rb", buffering=1 << 16)
+
+    def send(message):
+        data = json.dumps(message, allow_nan=False, separators=(",", ":")).encode() + b"\n"
+        while data:
+            data = data[os.write(out_fd, data) :]
+
+    def receive():
+        line = reader.readline()
+        if not line:
+            os._exit(0)
+        return json.loads(line)
+
+    def make_callback(number):
+        def callback(*args, **kwargs):
+            send({"callback": number, "args": encode(list(args)), "kwargs": encode(kwargs)})
+            answer = receive()
+            if "raise" in answer:
+                raise RuntimeError(f"{answer['raise']}: {answer.get('message', '')}")
+            return decode(answer["return"])
+
+        return callback
+
+    while True:
+        request = receive()
+        try:
+            module, qualname = request["call"]
+            function = importlib.import_module(module)
+            for part in qualname.split("."):
+                function = getattr(function, part)
+            while hasattr(function, "__wrapped__"):
+                function = function.__wrapped__
+            args = [decode(a, make_callback) for a in request["args"]]
+            kwargs = {k: decode(v, make_callback) for k, v in request["kwargs"].items()}
+        except Exception as e:
+            send({"raise": type(e).__name__, "message": str(e)[:2000]})
+            continue
+        try:
+            result = function(*args, **kwargs)
+            answer = {"return": encode(result)}
+            changed = {}
+            for key, before, now in [
+                *((str(i), request["args"][i], a) for i, a in enumerate(args)),
+                *((k, request["kwargs"][k], v) for k, v in kwargs.items()),
+            ]:
+                if type(before) is dict and ("$callback" in before or "$iter" in before):
+                    continue  # a callback; an iterator the call consumed
+                after = encode(now)
+                if after != before:
+                    changed[key] = after
+            answer["changed"] = changed
+        except NotCrossable as e:
+            answer = {"refused": f"result: {e}"}
+        except BaseException as e:
+            answer = {"raise": type(e).__name__, "message": str(e)[:2000]}
+        send(answer)
+
+
+if __name__ == "__main__":
+    # python -c <this file> SOURCE_ROOT: the episode's process (descriptors 4 in, 3 out).
+    sys.path.insert(0, os.path.realpath(sys.argv[1]))
+    del sys.argv[1:]
+    serve(4, 3)

@@ -1,0 +1,111 @@
+"""The grading boundary's two sides without a sandbox: what crosses (data only, decoded into this side's own types),
+the grader's proxies, and a call answered by the episode's side over a pair of pipes."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import threading
+
+import networkx as nx
+import pytest
+
+from composer.rollout.tasks.repository import crossing
+from composer.rollout.tasks.repository.boundary import module_name, proxied
+
+
+def crossed(value):
+    """`value` encoded, sent as JSON text and decoded, as it reaches the other side."""
+    return crossing.decode(json.loads(json.dumps(crossing.encode(value))))
+
+
+@pytest.mark.parametrize("cls", [nx.Graph, nx.DiGraph, nx.MultiGraph, nx.MultiDiGraph])
+def test_graphs_cross_with_their_data_and_neighbour_order(cls):
+    G = cls(name="g")
+    G.add_node("z", colour="red")
+    G.add_edge(2, 3, weight=1.5)
+    G.add_edge(1, 3)
+    G.add_edge((0, 1), 2, label={"a": [1, 2]})
+    H = crossed(G)
+    assert type(H) is cls and H.graph == {"name": "g"}
+    assert list(H.nodes(data=True)) == list(G.nodes(data=True))
+    assert [list(H.adj[n]) for n in H] == [list(G.adj[n]) for n in G]  # order kept: 3's neighbours are [2, 1]
+    assert list(H.edges(data=True)) == list(G.edges(data=True))
+    if G.is_directed():
+        assert [list(H.pred[n]) for n in H] == [list(G.pred[n]) for n in G]
+    # One attribute dict per edge, shared by its two directions as networkx keeps it.
+    if not G.is_directed() and not G.is_multigraph():
+        H[2][3]["weight"] = 7
+        assert H[3][2]["weight"] == 7
+
+
+def test_plain_values_cross_and_objects_do_not():
+    value = {"a": (1, 2.5, float("inf")), 3: {frozenset({1}), None}, "r": range(2, 9, 3), "l": [True, "x"]}
+    assert crossed(value) == value
+
+    class Anything:
+        def __eq__(self, other):
+            return True
+
+    for bad in (Anything(), [Anything()], {1: object()}, nx.Graph().nodes, type):
+        with pytest.raises(crossing.NotCrossable):
+            crossing.encode(bad)
+    with pytest.raises(ValueError):
+        crossing.decode({"$pickle": "gASV"})
+    with pytest.raises(ValueError):
+        crossing.decode({"$graph": ["Evil", {}, [], [], None]})
+
+
+def test_the_proxy_keeps_signature_and_decorators_and_sends_every_argument():
+    source = (
+        "import functools\n\n\n@functools.lru_cache\ndef f(a, /, b, *rest, c=1, **more):\n    '''doc'''\n    return a\n\n\n"
+        "class K:\n    def m(self, x):\n        return x\n"
+    )
+    text = proxied(source, ("f", "K.m"), "pkg.mod")
+    tree = ast.parse(text)
+    f, k = tree.body[1], tree.body[2]
+    assert [ast.unparse(d) for d in f.decorator_list] == ["functools.lru_cache"]
+    assert ast.unparse(f.body[0]) == ("return __import__('_composer_crossing').call('pkg.mod', 'f', (a, b, *rest), {'c': c, **more})")
+    assert ast.unparse(k.body[0].body[0]) == "return __import__('_composer_crossing').call('pkg.mod', 'K.m', (self, x), {})"
+    assert module_name("src/tally/stats.py", "src") == "tally.stats" and module_name("networkx/__init__.py", "") == "networkx"
+
+
+def test_a_call_crosses_with_mutations_callbacks_and_exceptions(tmp_path, monkeypatch):
+    """The grader's `call` against `serve` over pipes: the episode's function runs on copies; what it returns, how it
+    changed its arguments and the exceptions it raised come back as the grader's own values and types."""
+    (tmp_path / "episode_mod.py").write_text(
+        "import networkx as nx\nfrom networkx import NodeNotFound\n\n\n"
+        "def grow(G, items, weight):\n"
+        "    G.add_edge('a', 'b', w=weight('a', 'b', {}))\n"
+        "    items.append(len(G))\n"
+        "    return (x for x in sorted(G))\n\n\n"
+        "def total(values):\n    return sum(values)\n\n\n"
+        "def fail(n):\n    raise NodeNotFound(f'no {n}')\n\n\n"
+        "def odd():\n    class Anything:\n        def __eq__(self, other):\n            return True\n    return Anything()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    asked, ask = os.pipe()  # the grader's channel
+    heard, hear = os.pipe()  # the episode's call descriptor
+    answered, answer = os.pipe()  # the episode's channel, read by the grader
+
+    def host():
+        """What the sandbox's session does with the grader's channel: CALL lines forwarded to the episode."""
+        with os.fdopen(asked, "rb") as lines:
+            for line in lines:
+                assert line.startswith(b"CALL ")
+                os.write(hear, line[5:])
+        os.close(hear)
+
+    threading.Thread(target=host, daemon=True).start()
+    threading.Thread(target=crossing.serve, args=(heard, answer), daemon=True).start()
+    crossing.connect(ask, answered)
+    G, items = nx.Graph(), [0]
+    result = crossing.call("episode_mod", "grow", (G, items, lambda u, v, d: 2.5), {})
+    assert list(result) == ["a", "b"] and items == [0, 2] and G["a"]["b"] == {"w": 2.5}
+    assert crossing.call("episode_mod", "total", ((n * n for n in range(4)),), {}) == 14  # a generator's values
+    with pytest.raises(nx.NodeNotFound, match="no 7"):
+        crossing.call("episode_mod", "fail", (7,), {})
+    with pytest.raises(RuntimeError, match="cannot cross"):
+        crossing.call("episode_mod", "odd", (), {})
+    assert any(reason.startswith("result") for reason in crossing.refusals)
