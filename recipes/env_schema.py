@@ -25,7 +25,7 @@ class ProjectSettings(Section):
     """The commit of a git checkout (required there; a branch or tag is resolved once and pinned by its hash)."""
     package: str
     """The importable package, relative to the project root: `mylib`, or `src/mylib` (its parent goes on sys.path)."""
-    install: str = "pip install ."
+    install: str = "pip install . pytest"
     """Shell command run in the sandbox, in a copy of the project at `commit`, with the project's fresh virtual
     environment first on PATH and the machine's package index (pip's configuration): it installs the dependencies
     and pytest; the project's own distribution is then removed from the environment (episodes import their copy)."""

@@ -19,7 +19,7 @@ from composer.recipes.env_schema import ProjectSettings, RepoTaskSettings, Sandb
 from composer.recipes.errors import UserError
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
-from composer.rollout.tasks.repository.projects import environment_dir, resolve_project
+from composer.rollout.tasks.repository.projects import environment_dir, project_environment, resolve_project
 from composer.rollout.tasks.repository.task_set import load_tasks, open_workspace, repo_tests
 from tests.conftest import REPO
 from tests.helpers.user_project import FIXES, make_project
@@ -104,6 +104,21 @@ def test_the_environment_is_made_once_per_digest(project, history, cache, sandbo
     assert resolve_project(ProjectSettings(**tally(repo, install="pip install pytest iniconfig")), []).digest != spec.digest
     if os.geteuid() == 0:
         assert all(os.stat(p).st_uid == 0 for p in [environment / "venv", *(environment / "venv").rglob("*.py")][:200])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("install", [None, "pip install -e . pytest", "pip install .[test]"])
+def test_a_setuptools_project_installs_as_users_install_it(tmp_path, sandbox_root, install):
+    # a flat layout: setuptools leaves `tally.egg-info` in the project's root, first on pip's path; the project's
+    # own copy must still be found and removed
+    repo = tmp_path / "flat"
+    make_project(repo, source_dir=".")
+    entry = {k: v for k, v in tally(repo, package="tally").items() if k != "install"} | ({"install": install} if install else {})
+    spec = resolve_project(ProjectSettings(**entry), ["bug"])
+    environment = project_environment(tmp_path, spec, SANDBOX, sandbox_root)
+    assert any(line.startswith("pytest==") for line in environment.frozen)  # the default install provides pytest
+    assert not any(line.lower().startswith("tally") for line in environment.frozen)  # grading uses the episode's copy
+    assert not list(environment.venv.rglob("tally*")) and not list(environment.venv.rglob("__editable__*tally*"))
 
 
 def written(path: str, text: str) -> str:

@@ -438,7 +438,10 @@ for info in os.listdir(site):
     if url.startswith("file://") and os.path.realpath(url[7:]) == os.path.realpath(os.getcwd()):
         mine.append(info.split("-")[0])
 if mine:
-    sys.exit(subprocess.call([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *mine]))
+    # Run from outside the project: its directory is first on pip's path, and the metadata a build backend leaves
+    # there (setuptools' `<name>.egg-info`) would be the copy pip finds ("Not uninstalling ... outside environment").
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    sys.exit(subprocess.call([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *mine], cwd="/", env=clean))
 """
 """Run after the install in its work directory: uninstall the distributions installed from that directory."""
 
