@@ -137,10 +137,10 @@ def build(
     from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
 
     recipe = load_recipe(file, overrides)
-    sets = [ts for ts in (recipe.env.tasks if recipe.env else []) if ts.name == "repo"]
+    sets = [(i, ts) for i, ts in enumerate(recipe.env.tasks if recipe.env else []) if ts.name == "repo"]
     if not sets:
         raise UserError(f"{file}: env.tasks has no `repo` task set to build")
-    for ts in sets:
+    for index, ts in sets:
         settings = ts.repo
         with Progress(console=console, transient=True) as progress:
             bar = progress.add_task("validated repo tasks", total=settings.num_tasks)
@@ -152,7 +152,10 @@ def build(
                     description=f"validated repo tasks ({report.tried} tried, {sum(report.rejected.values())} rejected)",
                 )
 
-            report = build_repo_tasks(settings, recipe.env.sandbox, DEFAULT_ROOT, workers, on_progress=show, ssh=recipe.cluster.ssh)
+            try:
+                report = build_repo_tasks(settings, recipe.env.sandbox, DEFAULT_ROOT, workers, on_progress=show, ssh=recipe.cluster.ssh)
+            except UserError as error:  # a project's key, with the task set's index only this loop knows
+                raise UserError(str(error).replace("env.tasks[]", f"env.tasks[{index}]", 1)) from None
         table = Table(title="repository tasks")
         for column in ("project", "kind", "tasks"):
             table.add_column(column, justify="left" if column != "tasks" else "right")

@@ -268,6 +268,18 @@ def test_tests_that_fail_on_the_original_are_one_clear_error(project, history, c
     assert not (set_dir(settings(repo, cache, ["bug"], 1, pytest_args=["-p", "no_such_plugin_composer"])) / "tasks.json").exists()
 
 
+def test_a_commit_that_does_not_exist_and_a_tree_without_tests_are_one_line(project, tmp_path, composer):
+    repo, _ = project
+    recipe = build_recipe(tmp_path, tally(repo, commit="no-such-commit"), ["bug"])
+    error = one_line_error(composer("env", "build", str(recipe)))
+    assert f"env.tasks[0].repo.projects[0].commit: project tally: no-such-commit is not a commit of {repo}" in error
+    untested = build_recipe(tmp_path, tally(repo, test_paths=["src"]), ["bug", "history"])
+    error = one_line_error(composer("env", "build", str(untested)))
+    assert "env.tasks[0].repo.projects[0].test_paths: project tally: no test file (test_*.py) under src at " in error
+    assert "bug tasks are graded by the tests of the pinned files" in error
+    assert resolve_project(ProjectSettings(**tally(repo, test_paths=["src"])), ["history"]).name == "tally"
+
+
 def test_history_of_a_directory_that_is_not_a_checkout_is_refused(project, tmp_path, composer):
     repo, _ = project
     plain = tmp_path / "plain"
