@@ -134,7 +134,7 @@ def build(
     """Build the recipe's repository task sets: seeded changes of real projects, each validated against the project's
     own tests (the original passes, the change fails). Cached; an interrupted build resumes where it stopped."""
     from composer.rollout.sandbox.isolation import DEFAULT_ROOT
-    from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
+    from composer.rollout.tasks.repository.build import build_counts, build_repo_tasks, set_dir
 
     recipe = load_recipe(file, overrides)
     sets = [(i, ts) for i, ts in enumerate(recipe.env.tasks if recipe.env else []) if ts.name == "repo"]
@@ -157,18 +157,20 @@ def build(
             except UserError as error:  # a project's key, with the task set's index only this loop knows
                 raise UserError(str(error).replace("env.tasks[]", f"env.tasks[{index}]", 1)) from None
         table = Table(title="repository tasks")
-        for column in ("project", "kind", "tasks"):
-            table.add_column(column, justify="left" if column != "tasks" else "right")
-        for (project, kind), count in sorted(report.by_project_kind.items()):
-            table.add_row(project, kind, str(count))
+        for column in ("project", "kind", "tried", "validated", "rejected"):
+            table.add_column(column, justify="left" if column in ("project", "kind") else "right")
+        counts = build_counts(report)
+        for row in counts:
+            table.add_row(row["project"], row["kind"], str(row["tried"]), str(row["validated"]), str(sum(row["rejected"].values())))
         console.print(table)
         console.print(
             f"{report.validated} validated of {report.tried} candidates tried ({report.resumed} verdicts from the "
             f"cache) in {report.seconds:.0f} s; the set: {set_dir(settings)}",
             highlight=False,
         )
-        for reason, count in report.rejected.most_common():
-            console.print(f"[dim]  rejected: {escape(reason)}: {count}[/]", highlight=False)
+        for row in counts:
+            for reason, count in row["rejected"].items():
+                console.print(f"[dim]  rejected ({escape(row['project'])} {row['kind']}): {escape(reason)}: {count}[/]", highlight=False)
         if set(report.host_runs) - {"localhost"}:
             runs = ", ".join(f"{host} {count}" for host, count in sorted(report.host_runs.items()))
             console.print(f"surveys and validations by sandbox host: {escape(runs)}", highlight=False)

@@ -87,6 +87,24 @@ def test_history_tasks_are_the_commits_that_fixed_a_bug_with_a_test(project, his
         assert fix["message"] in task["prompt"] and fix["test_id"] in task["prompt"]
 
 
+def test_the_set_index_counts_candidates_per_kind_and_reason(project, history, multi):
+    for chosen, report, _ in (history, multi):
+        index = json.loads((set_dir(chosen) / "tasks.json").read_text())
+        (row,) = index["build"]
+        assert (row["project"], row["kind"]) == ("tally", chosen.kinds[0])
+        assert row["validated"] == report.validated and row["tried"] == report.tried
+        assert sum(row["rejected"].values()) == report.tried - report.validated
+        assert row["rejected"] == {r: n for (_, _, r), n in report.rejected_by_project_kind.items()}
+
+
+def test_env_build_prints_candidates_validated_and_rejected_per_kind(project, history, cache, tmp_path, composer):
+    repo, _ = project
+    done = composer("env", "build", str(build_recipe(tmp_path, tally(repo), ["history"], cache)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = " ".join(done.stdout.split())
+    assert "project ┃ kind ┃ tried ┃ validated ┃ rejected" in out and "tally │ history │ 1 │ 1 │ 0" in out, out
+
+
 def test_the_environment_is_made_once_per_digest(project, history, cache, sandbox_root):
     repo, _ = project
     chosen, _, _ = history
