@@ -179,3 +179,30 @@ def build(
                 f"only {report.validated} of num_tasks {settings.num_tasks} candidates validated: every candidate "
                 "was tried; widen `projects`, `kinds` or `include`"
             )
+
+
+@app.command()
+def show(
+    file: Path = typer.Argument(..., help="Recipe file whose `env.tasks` has a built `repo` task set."),
+    overrides: list[str] = typer.Option([], "--set", "-s", help="Override a key (value parsed as YAML). Repeatable."),
+) -> None:
+    """List the built repository tasks of the recipe, by project and kind, with where each comes from: the commit of
+    a history task, the function and seeded change of the others."""
+    from composer.rollout.tasks.repository.task_set import load_tasks
+
+    recipe = load_recipe(file, overrides)
+    sets = [(i, ts) for i, ts in enumerate(recipe.env.tasks if recipe.env else []) if ts.name == "repo"]
+    if not sets:
+        raise UserError(f"{file}: env.tasks has no `repo` task set to show")
+    for index, ts in sets:
+        tasks = sorted(load_tasks(ts.repo), key=lambda t: (t["project"], t["kind"]))
+        table = Table(title=f"env.tasks[{index}]: {len(tasks)} repository task(s)")
+        for column in ("project", "kind", "id", "origin", "fail-to-pass"):
+            table.add_column(column, justify="right" if column == "fail-to-pass" else "left")
+        for t in tasks:
+            if t["kind"] == "history":
+                origin = f"commit {t['base'][:12]}"
+            else:
+                origin = f"{t['path']}: {t['function']}: {t['description']}"
+            table.add_row(t["project"], t["kind"], escape(t["id"]), escape(origin), str(len(t["fail_to_pass"])))
+        console.print(table)

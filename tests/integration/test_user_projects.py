@@ -103,6 +103,10 @@ def test_env_build_prints_candidates_validated_and_rejected_per_kind(project, hi
     assert done.returncode == 0, done.stderr[-2000:]
     out = " ".join(done.stdout.split())
     assert "project ┃ kind ┃ tried ┃ validated ┃ rejected" in out and "tally │ history │ 1 │ 1 │ 0" in out, out
+    shown = composer("env", "show", str(build_recipe(tmp_path, tally(repo), ["history"], cache)))
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    (task,) = load_tasks(settings(repo, cache, ["history"], 1))
+    assert "tally" in shown.stdout and "history" in shown.stdout and f"commit {task['base'][:12]}" in shown.stdout, shown.stdout
 
 
 def test_the_environment_is_made_once_per_digest(project, history, cache, sandbox_root):
