@@ -134,13 +134,13 @@ def build(
     """Build the recipe's repository task sets: seeded changes of real projects, each validated against the project's
     own tests (the original passes, the change fails). Cached; an interrupted build resumes where it stopped."""
     from composer.rollout.sandbox.isolation import DEFAULT_ROOT
-    from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
+    from composer.rollout.tasks.repository.build import build_counts, build_repo_tasks, set_dir
 
     recipe = load_recipe(file, overrides)
-    sets = [ts for ts in (recipe.env.tasks if recipe.env else []) if ts.name == "repo"]
+    sets = [(i, ts) for i, ts in enumerate(recipe.env.tasks if recipe.env else []) if ts.name == "repo"]
     if not sets:
         raise UserError(f"{file}: env.tasks has no `repo` task set to build")
-    for ts in sets:
+    for index, ts in sets:
         settings = ts.repo
         with Progress(console=console, transient=True) as progress:
             bar = progress.add_task("validated repo tasks", total=settings.num_tasks)
@@ -152,20 +152,25 @@ def build(
                     description=f"validated repo tasks ({report.tried} tried, {sum(report.rejected.values())} rejected)",
                 )
 
-            report = build_repo_tasks(settings, recipe.env.sandbox, DEFAULT_ROOT, workers, on_progress=show, ssh=recipe.cluster.ssh)
+            try:
+                report = build_repo_tasks(settings, recipe.env.sandbox, DEFAULT_ROOT, workers, on_progress=show, ssh=recipe.cluster.ssh)
+            except UserError as error:  # a project's key, with the task set's index only this loop knows
+                raise UserError(str(error).replace("env.tasks[]", f"env.tasks[{index}]", 1)) from None
         table = Table(title="repository tasks")
-        for column in ("project", "kind", "tasks"):
-            table.add_column(column, justify="left" if column != "tasks" else "right")
-        for (project, kind), count in sorted(report.by_project_kind.items()):
-            table.add_row(project, kind, str(count))
+        for column in ("project", "kind", "tried", "validated", "rejected"):
+            table.add_column(column, justify="left" if column in ("project", "kind") else "right")
+        counts = build_counts(report)
+        for row in counts:
+            table.add_row(row["project"], row["kind"], str(row["tried"]), str(row["validated"]), str(sum(row["rejected"].values())))
         console.print(table)
         console.print(
             f"{report.validated} validated of {report.tried} candidates tried ({report.resumed} verdicts from the "
             f"cache) in {report.seconds:.0f} s; the set: {set_dir(settings)}",
             highlight=False,
         )
-        for reason, count in report.rejected.most_common():
-            console.print(f"[dim]  rejected: {escape(reason)}: {count}[/]", highlight=False)
+        for row in counts:
+            for reason, count in row["rejected"].items():
+                console.print(f"[dim]  rejected ({escape(row['project'])} {row['kind']}): {escape(reason)}: {count}[/]", highlight=False)
         if set(report.host_runs) - {"localhost"}:
             runs = ", ".join(f"{host} {count}" for host, count in sorted(report.host_runs.items()))
             console.print(f"surveys and validations by sandbox host: {escape(runs)}", highlight=False)
@@ -174,3 +179,30 @@ def build(
                 f"only {report.validated} of num_tasks {settings.num_tasks} candidates validated: every candidate "
                 "was tried; widen `projects`, `kinds` or `include`"
             )
+
+
+@app.command()
+def show(
+    file: Path = typer.Argument(..., help="Recipe file whose `env.tasks` has a built `repo` task set."),
+    overrides: list[str] = typer.Option([], "--set", "-s", help="Override a key (value parsed as YAML). Repeatable."),
+) -> None:
+    """List the built repository tasks of the recipe, by project and kind, with where each comes from: the commit of
+    a history task, the function and seeded change of the others."""
+    from composer.rollout.tasks.repository.task_set import load_tasks
+
+    recipe = load_recipe(file, overrides)
+    sets = [(i, ts) for i, ts in enumerate(recipe.env.tasks if recipe.env else []) if ts.name == "repo"]
+    if not sets:
+        raise UserError(f"{file}: env.tasks has no `repo` task set to show")
+    for index, ts in sets:
+        tasks = sorted(load_tasks(ts.repo), key=lambda t: (t["project"], t["kind"]))
+        table = Table(title=f"env.tasks[{index}]: {len(tasks)} repository task(s)")
+        for column in ("project", "kind", "id", "origin", "fail-to-pass"):
+            table.add_column(column, justify="right" if column == "fail-to-pass" else "left")
+        for t in tasks:
+            if t["kind"] == "history":
+                origin = f"commit {t['base'][:12]}"
+            else:
+                origin = f"{t['path']}: {t['function']}: {t['description']}"
+            table.add_row(t["project"], t["kind"], escape(t["id"]), escape(origin), str(len(t["fail_to_pass"])))
+        console.print(table)

@@ -20,12 +20,13 @@ class ProjectSettings(Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     """The project's name in task ids and tables (not `networkx` or `sympy`: those are the ready-made entries)."""
     path: str
-    """The project's directory on the driver; a git checkout is read at `commit` (its working tree is not used)."""
+    """The project's directory on the driver; a git checkout is read at `commit` (its working tree is not used).
+    Relative: to the directory of the recipe file that names it (a `--set` value: to the working directory)."""
     commit: str | None = None
     """The commit of a git checkout (required there; a branch or tag is resolved once and pinned by its hash)."""
     package: str
     """The importable package, relative to the project root: `mylib`, or `src/mylib` (its parent goes on sys.path)."""
-    install: str = "pip install ."
+    install: str = "pip install . pytest"
     """Shell command run in the sandbox, in a copy of the project at `commit`, with the project's fresh virtual
     environment first on PATH and the machine's package index (pip's configuration): it installs the dependencies
     and pytest; the project's own distribution is then removed from the environment (episodes import their copy)."""

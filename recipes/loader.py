@@ -83,13 +83,28 @@ def deep_merge(base: dict, override: dict) -> dict:
     return merged
 
 
+def _project_paths_from(data: dict, directory: Path) -> dict:
+    """A repository project's relative `path` (env.tasks[].repo.projects[].path) made absolute against the directory
+    of the recipe file that names it: the project sits beside the recipe, wherever composer runs. Every other
+    relative path (`cache_dir`s, `run.dir`, `model.checkpoint`, which names a previous run's `runs/...` export or a
+    hub id) is the working directory's, as are paths given by `--set`."""
+    env = data.get("env")
+    for task_set in env.get("tasks") or [] if isinstance(env, dict) and isinstance(env.get("tasks"), list) else []:
+        repo = task_set.get("repo") if isinstance(task_set, dict) else None
+        for project in repo.get("projects") or [] if isinstance(repo, dict) and isinstance(repo.get("projects"), list) else []:
+            where = project.get("path") if isinstance(project, dict) else None
+            if isinstance(where, str) and where and not where.startswith(("/", "~")):
+                project["path"] = str(directory / where)
+    return data
+
+
 def resolve_extends(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
     """The recipe at `path` with its `extends:` parents merged underneath it (paths relative to the file)."""
     path = path.resolve()
     if path in _chain:
         cycle = " -> ".join(p.name for p in (*_chain, path))
         raise UserError(f"{_chain[0]}: cyclic extends: {cycle}")
-    data = read_yaml(path)
+    data = _project_paths_from(read_yaml(path), path.parent)
     parents = data.pop("extends", None)
     if parents is None:
         return data

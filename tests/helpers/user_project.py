@@ -184,8 +184,12 @@ PYPROJECT = """[project]
 name = "tally"
 version = "0.1.0"
 
+[project.optional-dependencies]
+test = ["pytest"]
+
 [tool.setuptools.packages.find]
-where = ["src"]
+where = ["{source}"]
+include = ["tally*"]
 """
 
 
@@ -204,8 +208,8 @@ def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, env=env).stdout.strip()
 
 
-def _write(repo: Path, state: dict[str, str], tests: dict[str, list[str]]) -> None:
-    package = repo / "src" / "tally"
+def _write(repo: Path, state: dict[str, str], tests: dict[str, list[str]], source: str) -> None:
+    package = repo / source / "tally"
     package.mkdir(parents=True, exist_ok=True)
     (repo / "tests").mkdir(exist_ok=True)
     if not (package / "__init__.py").exists():
@@ -214,15 +218,16 @@ def _write(repo: Path, state: dict[str, str], tests: dict[str, list[str]]) -> No
     (package / "text.py").write_text(TEXT.format(**state))
     (repo / "tests" / "test_stats.py").write_text(TEST_STATS.format(more="".join(tests["stats"])))
     (repo / "tests" / "test_text.py").write_text(TEST_TEXT.format(more="".join(tests["text"])))
-    (repo / "pyproject.toml").write_text(PYPROJECT)
+    (repo / "pyproject.toml").write_text(PYPROJECT.format(source=source))
 
 
-def make_project(repo: Path) -> dict:
-    """The repository at `repo`; returns {"head": hash, "fixes": [{"commit", "message", "test_id", "files"}]}."""
+def make_project(repo: Path, source_dir: str = "src") -> dict:
+    """The repository at `repo` (the package in `<source_dir>/tally`; "." for a flat layout); returns
+    {"head": hash, "fixes": [{"commit", "message", "test_id", "files"}]}."""
     repo.mkdir(parents=True)
     _git(repo, "init", "-q", "-b", "main")
     state, tests = dict(BUGGY), {"stats": [], "text": []}
-    _write(repo, state, tests)
+    _write(repo, state, tests, source_dir)
     (repo / "README.md").write_text("# tally\n")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", "tally: statistics and text helpers")
@@ -230,10 +235,11 @@ def make_project(repo: Path) -> dict:
     for number, (key, message, test_module, test_text, test_name) in enumerate(FIXES):
         state[key] = FIXED[key]
         tests[test_module].append(test_text)
-        _write(repo, state, tests)
+        _write(repo, state, tests, source_dir)
         _git(repo, "add", "-A")
         _git(repo, "commit", "-q", "-m", message)
-        source = "src/tally/stats.py" if key in ("median_even", "variance_divisor") else "src/tally/text.py"
+        module = "stats" if key in ("median_even", "variance_divisor") else "text"
+        source = str(Path(source_dir, "tally", f"{module}.py"))
         fixes.append(
             {
                 "commit": _git(repo, "rev-parse", "HEAD"),
@@ -246,6 +252,6 @@ def make_project(repo: Path) -> dict:
         if number == 1:  # commits that are not tasks: documentation only, source only
             (repo / "README.md").write_text("# tally\n\nStatistics and text helpers.\n")
             _git(repo, "commit", "-q", "-am", "README: say what tally is")
-            (repo / "src" / "tally" / "__init__.py").write_text('"""tally: statistics and text helpers."""\n')
+            (repo / source_dir / "tally" / "__init__.py").write_text('"""tally: statistics and text helpers."""\n')
             _git(repo, "commit", "-q", "-am", "Shorter package docstring")
     return {"head": _git(repo, "rev-parse", "HEAD"), "fixes": fixes}

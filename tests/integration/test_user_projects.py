@@ -19,7 +19,7 @@ from composer.recipes.env_schema import ProjectSettings, RepoTaskSettings, Sandb
 from composer.recipes.errors import UserError
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
-from composer.rollout.tasks.repository.projects import environment_dir, resolve_project
+from composer.rollout.tasks.repository.projects import environment_dir, project_environment, resolve_project
 from composer.rollout.tasks.repository.task_set import load_tasks, open_workspace, repo_tests
 from tests.conftest import REPO
 from tests.helpers.repo_cheats import REACHING, compiled_at_run_time, in_function
@@ -89,6 +89,28 @@ def test_history_tasks_are_the_commits_that_fixed_a_bug_with_a_test(project, his
         assert fix["message"] in task["prompt"] and fix["test_id"] in task["prompt"]
 
 
+def test_the_set_index_counts_candidates_per_kind_and_reason(project, history, multi):
+    for chosen, report, _ in (history, multi):
+        index = json.loads((set_dir(chosen) / "tasks.json").read_text())
+        (row,) = index["build"]
+        assert (row["project"], row["kind"]) == ("tally", chosen.kinds[0])
+        assert row["validated"] == report.validated and row["tried"] == report.tried
+        assert sum(row["rejected"].values()) == report.tried - report.validated
+        assert row["rejected"] == {r: n for (_, _, r), n in report.rejected_by_project_kind.items()}
+
+
+def test_env_build_prints_candidates_validated_and_rejected_per_kind(project, history, cache, tmp_path, composer):
+    repo, _ = project
+    done = composer("env", "build", str(build_recipe(tmp_path, tally(repo), ["history"], cache)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = " ".join(done.stdout.split())
+    assert "project ┃ kind ┃ tried ┃ validated ┃ rejected" in out and "tally │ history │ 1 │ 1 │ 0" in out, out
+    shown = composer("env", "show", str(build_recipe(tmp_path, tally(repo), ["history"], cache)))
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    (task,) = load_tasks(settings(repo, cache, ["history"], 1))
+    assert "tally" in shown.stdout and "history" in shown.stdout and f"commit {task['base'][:12]}" in shown.stdout, shown.stdout
+
+
 def test_the_environment_is_made_once_per_digest(project, history, cache, sandbox_root):
     repo, _ = project
     chosen, _, _ = history
@@ -106,6 +128,21 @@ def test_the_environment_is_made_once_per_digest(project, history, cache, sandbo
     assert resolve_project(ProjectSettings(**tally(repo, install="pip install pytest iniconfig")), []).digest != spec.digest
     if os.geteuid() == 0:
         assert all(os.stat(p).st_uid == 0 for p in [environment / "venv", *(environment / "venv").rglob("*.py")][:200])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("install", [None, "pip install -e . pytest", "pip install .[test]"])
+def test_a_setuptools_project_installs_as_users_install_it(tmp_path, sandbox_root, install):
+    # a flat layout: setuptools leaves `tally.egg-info` in the project's root, first on pip's path; the project's
+    # own copy must still be found and removed
+    repo = tmp_path / "flat"
+    make_project(repo, source_dir=".")
+    entry = {k: v for k, v in tally(repo, package="tally").items() if k != "install"} | ({"install": install} if install else {})
+    spec = resolve_project(ProjectSettings(**entry), ["bug"])
+    environment = project_environment(tmp_path, spec, SANDBOX, sandbox_root)
+    assert any(line.startswith("pytest==") for line in environment.frozen)  # the default install provides pytest
+    assert not any(line.lower().startswith("tally") for line in environment.frozen)  # grading uses the episode's copy
+    assert not list(environment.venv.rglob("tally*")) and not list(environment.venv.rglob("__editable__*tally*"))
 
 
 def written(path: str, text: str) -> str:
@@ -281,6 +318,18 @@ def test_tests_that_fail_on_the_original_are_one_clear_error(project, history, c
     error = one_line_error(composer("env", "build", str(recipe)))
     assert "project tally: its tests fail on the original" in error
     assert not (set_dir(settings(repo, cache, ["bug"], 1, pytest_args=["-p", "no_such_plugin_composer"])) / "tasks.json").exists()
+
+
+def test_a_commit_that_does_not_exist_and_a_tree_without_tests_are_one_line(project, tmp_path, composer):
+    repo, _ = project
+    recipe = build_recipe(tmp_path, tally(repo, commit="no-such-commit"), ["bug"])
+    error = one_line_error(composer("env", "build", str(recipe)))
+    assert f"env.tasks[0].repo.projects[0].commit: project tally: no-such-commit is not a commit of {repo}" in error
+    untested = build_recipe(tmp_path, tally(repo, test_paths=["src"]), ["bug", "history"])
+    error = one_line_error(composer("env", "build", str(untested)))
+    assert "env.tasks[0].repo.projects[0].test_paths: project tally: no test file (test_*.py) under src at " in error
+    assert "bug tasks are graded by the tests of the pinned files" in error
+    assert resolve_project(ProjectSettings(**tally(repo, test_paths=["src"])), ["history"]).name == "tally"
 
 
 def test_history_of_a_directory_that_is_not_a_checkout_is_refused(project, tmp_path, composer):

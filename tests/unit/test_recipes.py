@@ -227,6 +227,27 @@ def test_extends_relative_to_the_file(tmp_path):
     assert load_recipe(tmp_path / "a" / "b" / "child.yaml").model.num_experts == 4
 
 
+def test_a_projects_relative_path_is_the_recipe_files_and_other_paths_the_working_directorys(tmp_path):
+    from composer.recipes.loader import apply_overrides, resolve_extends
+
+    def repo_set(path: str) -> dict:
+        return {"env": {"tasks": [{"name": "repo", "repo": {"cache_dir": "cache", "projects": [{"name": "p", "path": path}]}}]}}
+
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "base.yaml").write_text(yaml.safe_dump({**repo_set("../mylib"), "model": {"checkpoint": "runs/a"}}))
+    (tmp_path / "child.yaml").write_text(yaml.safe_dump({"extends": "shared/base.yaml"}))
+    data = resolve_extends(tmp_path / "child.yaml")
+    repo = data["env"]["tasks"][0]["repo"]
+    assert repo["projects"][0]["path"] == str(tmp_path.resolve() / "shared" / "../mylib")  # the file that names it
+    assert repo["cache_dir"] == "cache" and data["model"]["checkpoint"] == "runs/a"  # the working directory's
+    (tmp_path / "own.yaml").write_text(yaml.safe_dump({"extends": "shared/base.yaml", **repo_set("mylib")}))
+    assert resolve_extends(tmp_path / "own.yaml")["env"]["tasks"][0]["repo"]["projects"][0]["path"] == str(tmp_path.resolve() / "mylib")
+    overridden = apply_overrides(data, ["env.tasks.0.repo.projects.0.path=elsewhere"])  # --set: the working directory's
+    assert overridden["env"]["tasks"][0]["repo"]["projects"][0]["path"] == "elsewhere"
+    (tmp_path / "home.yaml").write_text(yaml.safe_dump(repo_set("~/src/mylib")))
+    assert resolve_extends(tmp_path / "home.yaml")["env"]["tasks"][0]["repo"]["projects"][0]["path"] == "~/src/mylib"
+
+
 def test_bad_extends_path(write_recipe):
     path = write_recipe("extends: missing-base.yaml\n")
     with pytest.raises(UserError, match="extends: 'missing-base.yaml' not found"):

@@ -124,6 +124,11 @@ class BuildReport:
     rejected: Counter = field(default_factory=Counter)
     """Candidates rejected, by "project: reason"."""
     by_project_kind: Counter = field(default_factory=Counter)
+    """Validated tasks per (project, kind)."""
+    tried_by_project_kind: Counter = field(default_factory=Counter)
+    """Candidates decided per (project, kind)."""
+    rejected_by_project_kind: Counter = field(default_factory=Counter)
+    """Rejections per (project, kind, reason)."""
     seconds: float = 0.0
     resumed: int = 0
     """Verdicts found in the cache (not rerun)."""
@@ -257,16 +262,19 @@ class _Build:
         report = self.report
         report.validated = report.tried = 0
         report.rejected, report.by_project_kind = Counter(), Counter()
+        report.tried_by_project_kind, report.rejected_by_project_kind = Counter(), Counter()
         for c in self.ordered:
             if c.id not in self.verdicts or report.validated >= self.settings.num_tasks:
                 continue
             v = self.verdicts[c.id]
             report.tried += 1
+            report.tried_by_project_kind[(c.project, c.kind)] += 1
             if v["verdict"] == "validated":
                 report.validated += 1
                 report.by_project_kind[(c.project, c.kind)] += 1
             else:
-                report.rejected[f"{c.project}: {v['reason']}"] += 1
+                report.rejected[v["reason"]] += 1
+                report.rejected_by_project_kind[(c.project, c.kind, v["reason"])] += 1
         report.seconds = time.monotonic() - self.started
         self.on_progress(report)
 
@@ -389,6 +397,22 @@ def _write_layer(layer: Path, files: dict[str, str]) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def build_counts(report: BuildReport) -> list[dict]:
+    """Per project and kind: candidates tried, validated, and rejected by reason (the set's index keeps them)."""
+    return [
+        {
+            "project": project,
+            "kind": kind,
+            "tried": tried,
+            "validated": report.by_project_kind[(project, kind)],
+            "rejected": {
+                reason: count for (p, k, reason), count in report.rejected_by_project_kind.most_common() if (p, k) == (project, kind)
+            },
+        }
+        for (project, kind), tried in sorted(report.tried_by_project_kind.items())
+    ]
+
+
 def _write_index(build: _Build) -> None:
     """tasks.json: the validated tasks in candidate order (what a task pool loads), and how each project's tests run."""
     tasks = []
@@ -436,7 +460,13 @@ def _write_index(build: _Build) -> None:
     atomic_write_text(
         build.directory / "tasks.json",
         json.dumps(
-            {"key": build.directory.name, "projects": projects, "versions": {n: s.version for n, s in build.specs.items()}, "tasks": tasks}
+            {
+                "key": build.directory.name,
+                "projects": projects,
+                "versions": {n: s.version for n, s in build.specs.items()},
+                "build": build_counts(build.report),
+                "tasks": tasks,
+            }
         ),
     )
 

@@ -134,8 +134,9 @@ def ready_made_version(name: str) -> str:
         raise UserError(f"env.tasks: the repo task project {name} is not installed (pip install {name})") from None
 
 
-def resolve_project(entry: str | ProjectSettings, kinds: list[str]) -> ProjectSpec:
-    """A recipe's project entry as a spec: every problem a user can cause is one UserError naming the project."""
+def resolve_project(entry: str | ProjectSettings, kinds: list[str], index: int | None = None) -> ProjectSpec:
+    """A recipe's project entry as a spec: every problem a user can cause is one UserError naming the project (and
+    its key, `env.tasks[].repo.projects[index]`; the command that knows the task set's index fills in the first)."""
     if isinstance(entry, str):
         project = PROJECTS[entry]
         version = ready_made_version(entry)
@@ -154,8 +155,15 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str]) -> ProjectSp
             f"{where}: history tasks come from a git log, and {path} is not a git checkout "
             "(drop `history` from kinds, or point `path` at a checkout)"
         )
+    key = f"env.tasks[].repo.projects[{'' if index is None else index}]"
     if git:
-        commit = _git(path, "rev-parse", "--verify", "--quiet", f"{entry.commit}^{{commit}}").strip()
+        try:
+            commit = _git(path, "rev-parse", "--verify", "--quiet", f"{entry.commit}^{{commit}}").strip()
+        except UserError:
+            raise UserError(
+                f"{key}.commit: project {entry.name}: {entry.commit} is not a commit of {path} "
+                "(a hash, branch or tag of that checkout; fetch it first if it is a remote's)"
+            ) from None
         files = commit
         present = lambda relative: _git(path, "cat-file", "-t", f"{commit}:{relative}").strip() == "tree"
         version = commit[:12]
@@ -171,6 +179,18 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str]) -> ProjectSp
             found = False
         if not found:
             raise UserError(f"{where}: its {what} {relative} is not a directory of {path}" + (f" at {version}" if git else ""))
+    if git:
+        listed = _git(path, "ls-tree", "-r", "--name-only", commit, "--", *entry.test_paths)
+        test_files = [name for name in str(listed).splitlines() if PurePosixPath(name).match("test_*.py")]
+    else:
+        test_files = [p for t in entry.test_paths for p in (path / t).rglob("test_*.py")]
+    if not test_files and set(kinds) - {"history"}:
+        raise UserError(
+            f"{key}.test_paths: project {entry.name}: no test file (test_*.py) under {', '.join(entry.test_paths)}"
+            + (f" at {version}" if git else "")
+            + f": {', '.join(sorted(set(kinds) - {'history'}))} tasks are graded by the tests of the pinned files "
+            "(point test_paths at its tests, or pin a commit that has them)"
+        )
     args = list(entry.pytest_args)
     if entry.exclude_markers:
         args += ["-m", " and ".join(f"not {m}" for m in entry.exclude_markers)]
@@ -195,7 +215,7 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str]) -> ProjectSp
 
 
 def resolve_projects(settings: RepoTaskSettings) -> dict[str, ProjectSpec]:
-    return {spec.name: spec for spec in (resolve_project(p, settings.kinds) for p in settings.projects)}
+    return {spec.name: spec for spec in (resolve_project(p, settings.kinds, j) for j, p in enumerate(settings.projects))}
 
 
 def _python(entry: ProjectSettings) -> str:
@@ -438,7 +458,10 @@ for info in os.listdir(site):
     if url.startswith("file://") and os.path.realpath(url[7:]) == os.path.realpath(os.getcwd()):
         mine.append(info.split("-")[0])
 if mine:
-    sys.exit(subprocess.call([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *mine]))
+    # Run from outside the project: its directory is first on pip's path, and the metadata a build backend leaves
+    # there (setuptools' `<name>.egg-info`) would be the copy pip finds ("Not uninstalling ... outside environment").
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    sys.exit(subprocess.call([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *mine], cwd="/", env=clean))
 """
 """Run after the install in its work directory: uninstall the distributions installed from that directory."""
 
