@@ -98,3 +98,9 @@ def test_inside_rollout_no_import_runs_up_a_floor_or_into_the_engines():
             if theirs != mine and theirs not in ROLLOUT_BELOW[mine]:
                 wrong.append(f"{name} -> {target}")
     assert wrong == []
+
+
+def test_no_product_module_passes_800_lines():
+    """A module past 800 lines is split into a room of cohesive modules (CONTRIBUTING.md)."""
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > 800}
+    assert long == {}
