@@ -49,6 +49,34 @@ def _submit(kind: str, recipe, run: RunDir, resume: bool) -> None:
     )
 
 
+def _train(kind: str, recipe, loop, resume: bool, dry_run: bool, submit: bool, prepare) -> RunDir | None:
+    """What mid-training and SFT share: the loop's recipe check, --dry-run, the resume check, --submit, then
+    `prepare(run)` (before the run directory is written; it returns what to write into it) and the ranks to the end.
+    Returns the finished run (None for --dry-run and --submit)."""
+    from composer.cluster.launch import run_to_end
+    from composer.cluster.launchers import build_launcher
+
+    loop.check_recipe(recipe)
+    run = RunDir.of(recipe)
+    args = ["train", str(run.root), *(["--resume"] if resume else [])]
+    launcher = build_launcher(recipe.cluster)
+    if dry_run:
+        _dry_run(kind, recipe, launcher, loop.MODULE, args, resume)
+        return None
+    if resume:
+        loop.check_resume(run, recipe)  # before the run's recipe.yaml is replaced
+    if submit:
+        _submit(kind, recipe, run, resume)
+        return None
+    launcher.check_startable()
+    write = prepare(run)
+    run.prepare(recipe_to_yaml(recipe), resume)
+    with run.failures_recorded():
+        write(run.root)
+        run_to_end(launcher.start(loop.MODULE, args, run, console))
+    return run
+
+
 @app.command()
 def midtrain(
     recipe_file: Path = typer.Argument(..., metavar="RECIPE", help="Recipe file with a data section."),
@@ -61,33 +89,23 @@ def midtrain(
     recipe = load_recipe(recipe_file, overrides)
     check_fits(recipe)
     # torch is imported from here on; `composer --help` stays fast
-    from composer.cluster.launch import run_to_end
-    from composer.cluster.launchers import build_launcher
-    from composer.trainer import midtrain
+    from composer.trainer import midtrain as midtrain_loop
 
-    midtrain.check_midtrain_recipe(recipe)
-    run = RunDir.of(recipe)
-    args = ["train", str(run.root), *(["--resume"] if resume else [])]
-    launcher = build_launcher(recipe.cluster)
-    if dry_run:
-        _dry_run("midtrain", recipe, launcher, midtrain.MODULE, args, resume)
-        return
-    if resume:
-        midtrain.check_resume(run, recipe)  # before the run's recipe.yaml is replaced
-    if submit:
-        _submit("midtrain", recipe, run, resume)
-        return
-    launcher.check_startable()
-    from composer.data.prepare import prepare_data
+    def prepare(run: RunDir):
+        from composer.data.prepare import prepare_data
 
-    run.prepare(recipe_to_yaml(recipe), resume)
-    with run.failures_recorded():
-        prepared = prepare_data(
-            recipe.data, model_checkpoint=recipe.model.checkpoint, model_vocab_size=recipe.model.vocab_size, console=console
-        )
-        prepared.for_training().write(run.root)
-        run_to_end(launcher.start(midtrain.MODULE, args, run, console))
-    console.print(f"[green]✓[/] run {escape(str(run.root))}: metrics.jsonl, tensorboard/, checkpoints/, export/", highlight=False)
+        def write(root: Path) -> None:
+            # inside the run's failure record: a corpus that cannot be prepared is the run's failure
+            prepared = prepare_data(
+                recipe.data, model_checkpoint=recipe.model.checkpoint, model_vocab_size=recipe.model.vocab_size, console=console
+            )
+            prepared.for_training().write(root)
+
+        return write
+
+    run = _train("midtrain", recipe, midtrain_loop, resume, dry_run, submit, prepare)
+    if run is not None:
+        console.print(f"[green]✓[/] run {escape(str(run.root))}: metrics.jsonl, tensorboard/, checkpoints/, export/", highlight=False)
 
 
 @app.command()
@@ -101,34 +119,19 @@ def sft(
     """Supervised fine-tuning on agent conversations in the harness's format: render, train, evaluate, export."""
     recipe = load_recipe(recipe_file, overrides)
     check_fits(recipe)
-    from composer.cluster.launch import run_to_end
-    from composer.cluster.launchers import build_launcher
     from composer.trainer import sft as sft_loop
 
-    sft_loop.check_sft_recipe(recipe)
-    run = RunDir.of(recipe)
-    args = ["train", str(run.root), *(["--resume"] if resume else [])]
-    launcher = build_launcher(recipe.cluster)
-    if dry_run:
-        _dry_run("sft", recipe, launcher, sft_loop.MODULE, args, resume)
-        return
-    if resume:
-        sft_loop.check_resume(run, recipe)  # before the run's recipe.yaml is replaced
-    if submit:
-        _submit("sft", recipe, run, resume)
-        return
-    launcher.check_startable()
-    from composer.rl.sft_data import prepare_sft_examples
-    from composer.runtime.sft_examples import SftExamples
+    def prepare(run: RunDir):
+        from composer.rl.sft_data import prepare_sft_examples
+        from composer.runtime.sft_examples import SftExamples
 
-    # a resumed run keeps the conversations it started with; a fresh one renders them all before writing anything
-    examples = None if resume and SftExamples.exists(run.root) else prepare_sft_examples(recipe, console)
-    run.prepare(recipe_to_yaml(recipe), resume)
-    with run.failures_recorded():
-        if examples is not None:
-            examples.write(run.root)
-        run_to_end(launcher.start(sft_loop.MODULE, args, run, console))
-    console.print(f"[green]✓[/] run {escape(str(run.root))}: metrics.jsonl, sft-examples/, checkpoints/, export/", highlight=False)
+        # a resumed run keeps the conversations it started with; a fresh one renders them all before writing anything
+        examples = None if resume and SftExamples.exists(run.root) else prepare_sft_examples(recipe, console)
+        return examples.write if examples is not None else lambda root: None
+
+    run = _train("sft", recipe, sft_loop, resume, dry_run, submit, prepare)
+    if run is not None:
+        console.print(f"[green]✓[/] run {escape(str(run.root))}: metrics.jsonl, sft-examples/, checkpoints/, export/", highlight=False)
 
 
 @app.command()

@@ -58,7 +58,7 @@ UNHONOURED = {
 }
 
 
-def check_midtrain_recipe(recipe: Recipe) -> None:
+def check_recipe(recipe: Recipe) -> None:
     """Refuse what the loop cannot honour, before anything launches."""
     refuse_unhonoured(recipe, "train midtrain", UNHONOURED)
     check_kernels_installed(recipe.model.kernels)
@@ -86,14 +86,14 @@ RESUME_FIXED = (
 the optimizer whose state the checkpoints hold."""
 
 
-def check_resume(run: RunDir, recipe: Recipe) -> None:
-    """Refuse a resume whose recipe does not fit the run's checkpoints or would change its data order."""
+def check_resume(run: RunDir, recipe: Recipe, fixed: tuple[str, ...] = RESUME_FIXED) -> None:
+    """Refuse a resume whose recipe does not fit the run's checkpoints or changes a key in `fixed` (its data order)."""
     if not run.recipe_path.is_file():
         return  # RunDir.prepare reports the missing run
     refuse_resume_changes(
         load_recipe(run.recipe_path),
         recipe,
-        [*RESUME_FIXED, *(f"model.{key}" for key in ARCHITECTURE_FIELDS)],
+        [*fixed, *(f"model.{key}" for key in ARCHITECTURE_FIELDS)],
         str(run.recipe_path),
         "the run's checkpoints and data order",
     )

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from composer.recipes.errors import UserError
-from composer.recipes.loader import load_recipe
 from composer.recipes.schema import Recipe
 from composer.runtime.run_dir import RunDir
 from composer.runtime.sft_examples import SftExamples, TokenizedConversations
@@ -43,7 +42,7 @@ RESUME_FIXED = ("sft", "train.steps", "train.global_batch_size", "train.eval_bat
 """What decides the conversations, their order and the evaluation set, and the optimizer the checkpoints hold."""
 
 
-def check_sft_recipe(recipe: Recipe) -> None:
+def check_recipe(recipe: Recipe) -> None:
     """Refuse what the loop cannot honour, before anything launches."""
     from composer.recipes.checks import refuse_unhonoured
 
@@ -69,22 +68,7 @@ def check_sft_recipe(recipe: Recipe) -> None:
 
 
 def check_resume(run: RunDir, recipe: Recipe) -> None:
-    from composer.recipes.checks import refuse_resume_changes
-    from composer.recipes.schema import ARCHITECTURE_FIELDS
-    from composer.trainer.checkpointing import Checkpointer, check_layout
-
-    if not run.recipe_path.is_file():
-        return  # RunDir.prepare reports the missing run
-    refuse_resume_changes(
-        load_recipe(run.recipe_path),
-        recipe,
-        [*RESUME_FIXED, *(f"model.{key}" for key in ARCHITECTURE_FIELDS)],
-        str(run.recipe_path),
-        "the run's checkpoints and data order",
-    )
-    latest = Checkpointer(run.checkpoints, recipe.train.keep_checkpoints).latest()
-    if latest is not None:
-        check_layout(latest, recipe.parallelism.layout())
+    midtrain.check_resume(run, recipe, fixed=RESUME_FIXED)
 
 
 class ConversationSamples(torch.utils.data.Dataset):

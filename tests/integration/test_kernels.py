@@ -103,11 +103,11 @@ def test_a_torch_without_grouped_mm_refuses_grouped_and_falls_back_under_auto(mo
     try:
         with pytest.raises(UserError, match="model.kernels.experts=grouped: torch .* has no grouped_mm"):
             check_kernels_installed(KernelsSection(experts="grouped"))
-        from composer.trainer.midtrain import check_midtrain_recipe
+        from composer.trainer.midtrain import check_recipe
 
         with pytest.raises(UserError, match="has no grouped_mm"):  # at recipe check, before anything launches
-            check_midtrain_recipe(load_recipe(REPO / "recipes/smoke-midtrain.yaml", ["model.kernels.experts=grouped"]))
-        check_midtrain_recipe(load_recipe(REPO / "recipes/smoke-midtrain.yaml", []))  # auto falls back instead
+            check_recipe(load_recipe(REPO / "recipes/smoke-midtrain.yaml", ["model.kernels.experts=grouped"]))
+        check_recipe(load_recipe(REPO / "recipes/smoke-midtrain.yaml", []))  # auto falls back instead
         with pytest.raises(UserError, match="cannot run grouped_mm"):
             resolve_kernels(KernelsSection(experts="grouped"), torch.float32, "cpu")
         assert resolve_kernels(KernelsSection(), torch.float32, "cpu").experts == "sequential"
