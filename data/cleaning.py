@@ -109,14 +109,14 @@ SECRET_PATTERNS = {
     "bearer_token": r"(?i)\b(?:bearer|token|basic)\s+(?P<value>[A-Za-z0-9._~+/\-]{20,}=*)",
 }
 
-_SECRET_WORD = r"(?:pass|pwd|secret|token|api[_\-]?key|apikey|private[_\-]?key|credential|auth|access[_\-]?key|signing[_\-]?key|encryption[_\-]?key|master[_\-]?key|client[_\-]?key|session[_\-]?key|account[_\-]?key)"
+_SECRET_WORD = r"(?:pass|pwd|(?<![a-z])pw(?![a-z])|secret|token|api[_\-]?key|apikey|private[_\-]?key|credential|auth|access[_\-]?key|signing[_\-]?key|encryption[_\-]?key|master[_\-]?key|client[_\-]?key|session[_\-]?key|account[_\-]?key)"
 # NAME (optionally quoted, a type annotation) then = : => := and a quoted or bare value; or a flag (--password x);
 # or an XML element; or a getenv/setdefault pair ("NAME", "value").
 ASSIGNED_SECRET = re.compile(
     r"(?i)(?<![A-Za-z0-9_.\-:/])(?P<name>[A-Za-z0-9_.\-]*" + _SECRET_WORD + r"[A-Za-z0-9_.\-]*)"
     r"(?:[\"'`\]]?[ \t]*(?::[ \t]*[A-Za-z_][\w.\[\], |]*?[ \t]*)?(?:=>|:=|(?<![=!<>])=(?!=)|:(?![:/]))"
     r"|(?P<comma>[\"'],[ \t]*)|(?P<flag>[ \t]+)(?=[\"']))[ \t]*"
-    r"(?:(?P<q>[\"'`])(?P<qvalue>[^\"'`\n]{4,}?)(?P=q)|(?P<bvalue>[^\s\"'`,;#(){}\[\]<>]{4,})(?=[\s,;#]|$))"
+    r"(?:(?P<q>[\"'`])(?P<qvalue>[^\"'`\n]{4,}?)(?P=q)|(?P<bvalue>[^\s\"'`,;#(){}\[\]<>][^\s\"'`,;(){}\[\]<>]{3,})(?=[\s,;#]|$))"
     r"|<(?P<tag>[\w:\-]*" + _SECRET_WORD + r"[\w:\-]*)>(?P<xvalue>[^<\s]{4,})</(?P=tag)>",
     re.MULTILINE,
 )

@@ -56,3 +56,14 @@ def test_clean_standard_library_code_is_left_alone(tmp_path):
         redactions.update(kind for kind, _ in r.redact(text)[1])
     print(f"false positives: {sum(redactions.values())} redactions in 200 stdlib files ({lines} lines): {dict(redactions)}")
     assert sum(redactions.values()) <= 3  # measured: 1 (urllib.request's docstring example passwd='geheim$parole')
+
+
+def test_connection_string_passwords_and_short_names_are_redacted(tmp_path):
+    """Shapes the planted corpus does not write: a password inside a `;`-separated connection string (with a `#` in
+    it), a `pw` key; a word that merely contains the letters (`upward`) is left alone."""
+    redactor = Redactor(CleaningSection(), tmp_path)
+    conn, _ = redactor.redact('CONN = "Server=db01;User Id=sa;Password=Xk9#mP2vQr7!zL;"')
+    assert "Xk9#mP2vQr7!zL" not in conn and conn.startswith('CONN = "Server=db01;User Id=sa;Password=<REDACTED')
+    short, _ = redactor.redact("database:\n  credentials:\n    pw: 'N7#kq!2LmZx9@vR'\n")
+    assert "N7#kq!2LmZx9@vR" not in short
+    assert redactor.redact("upward = 'Xk9mP2vQr7zLq'\n")[1] == []
