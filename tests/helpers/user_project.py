@@ -1,6 +1,7 @@
 """A user's project made by the tests: a git repository holding a small pure-Python package (`src/tally`) with its
 test suite, and a history in which commits fix a bug and add the test that shows it (what `history` tasks come from),
-among commits that change only documentation or only source. Dates and authors are fixed: the same commits (and
+among commits that change only documentation or only source, and last one that adds a function, its test and a
+module-level constant (a history candidate `env build` rejects: its change is not all in functions). Dates and authors are fixed: the same commits (and
 hashes) every time."""
 
 from __future__ import annotations
@@ -150,6 +151,20 @@ def test_truncate_keeps_the_width():
     assert len(truncate("abcdefghij", 6)) == 6
 """
 
+ROUNDED = """
+
+def rounded_mean(values):
+    \"\"\"The mean, rounded to PLACES decimal places.\"\"\"
+    return round(mean(values), PLACES)
+"""
+ROUNDED_TEST = """
+
+def test_rounded_mean():
+    from tally.stats import rounded_mean
+
+    assert rounded_mean([1, 2, 2]) == 1.67
+"""
+
 BUGGY = {"median_even": "pass", "variance_divisor": "len(values)", "slug_words": 'text.split(" ")', "truncate_end": "width"}
 FIXED = {
     "median_even": "if len(ordered) % 2 == 0:\n        return (ordered[middle - 1] + ordered[middle]) / 2",
@@ -254,4 +269,10 @@ def make_project(repo: Path, source_dir: str = "src") -> dict:
             _git(repo, "commit", "-q", "-am", "README: say what tally is")
             (repo / source_dir / "tally" / "__init__.py").write_text('"""tally: statistics and text helpers."""\n')
             _git(repo, "commit", "-q", "-am", "Shorter package docstring")
-    return {"head": _git(repo, "rev-parse", "HEAD"), "fixes": fixes}
+    # Last, a commit with its test that also changes module-level code: a history candidate whose change cannot be
+    # graded by functions (`env build` rejects it).
+    stats, test_stats = repo / source_dir / "tally" / "stats.py", repo / "tests" / "test_stats.py"
+    stats.write_text(stats.read_text().replace('numbers."""\n', 'numbers."""\n\nPLACES = 2\n', 1) + ROUNDED)
+    test_stats.write_text(test_stats.read_text() + ROUNDED_TEST)
+    _git(repo, "commit", "-q", "-am", "stats: rounded_mean, to PLACES decimal places")
+    return {"head": _git(repo, "rev-parse", "HEAD"), "fixes": fixes, "outside": _git(repo, "rev-parse", "HEAD")}

@@ -54,7 +54,6 @@ from composer.recipes.errors import UserError
 from composer.recipes.schema import SSHSection
 from composer.rollout.sandbox.hosts import LOCALHOST, SandboxFleet
 from composer.rollout.tasks.repository.candidates import Candidate, candidates
-from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.projects import (
     ProjectSpec,
     _chmod_tree,
@@ -70,7 +69,7 @@ from composer.runtime.run_dir import atomic_write_text
 log = logging.getLogger("composer.repo_tasks")
 
 # Bump when candidates, validation or records change: it is part of every set's cache key.
-ENGINE_VERSION = 4
+ENGINE_VERSION = 5
 # Bump when a survey's record or the runner that makes it changes.
 SURVEY_VERSION = 1
 
@@ -155,9 +154,11 @@ def _prompt(c: Candidate, version: str, fail_to_pass: list[str]) -> str:
             f"docstring say what it must do. Implement it so that the tests in `{tests}` pass (run them with `{run}`). {RULES}"
         )
     if c.kind == "history":
+        functions = "\n".join(f"  {e.path}: {', '.join(e.functions)}" for e in c.edits)
         return (
             f"{where} Resolve this issue:\n\n{c.statement}\n\nThese tests fail until it is resolved:\n{_shown(fail_to_pass)}\n"
-            f"Change the project's code (run the tests with `{run}`). {RULES}"
+            f"Make the change in these functions (only they are graded, with the helpers and imports they use; a function "
+            f"listed that does not exist yet is one to add):\n{functions}\nRun the tests with `{run}`. {RULES}"
         )
     several = " (there is more than one bug, in different functions)" if c.kind == "multi" else ""
     return (
@@ -291,6 +292,9 @@ class _Build:
 
     def dispatch(self, pool: Runners, c: Candidate) -> None:
         """Survey the candidate's test files first where needed, reject it on a survey, or validate it."""
+        if c.refused:
+            self.record(c, {"verdict": "rejected", "reason": c.refused.partition(" (")[0], "detail": c.refused})
+            return
         missing = [t for t in c.test_files if self.survey_of(c, t) is None]
         if missing:
             for test_file in missing:
@@ -320,7 +324,7 @@ class _Build:
                 expected,
                 10 + 3 * sum(s["wall_seconds"] for s in surveys),
                 self.specs[c.project].package,
-                tuple(Scope(e.path, tuple(m.function for m in e.mutations)) for e in c.edits),
+                tuple(e.scope for e in c.edits),
             )
             self.in_flight[future] = ("validate", c)
 
@@ -434,7 +438,7 @@ def _write_index(build: _Build) -> None:
                 "path": c.edits[0].path,
                 "paths": [e.path for e in c.edits],
                 "function": c.function,
-                "scope": [[e.path, [m.function for m in e.mutations]] for e in c.edits],
+                "scope": [[e.path, list(e.scope.functions)] for e in c.edits],
                 "description": c.description,
                 "test_file": c.test_files[0],
                 "test_files": list(c.test_files),

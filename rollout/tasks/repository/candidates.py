@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from composer.recipes.env_schema import RepoTaskSettings
+from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.history import history_commits, is_test_file, parent_text
 from composer.rollout.tasks.repository.mutations import Mutation, mutations
 from composer.rollout.tasks.repository.projects import ProjectSpec, resolve_projects
@@ -25,6 +26,13 @@ class Edit:
     path: str
     mutations: tuple[Mutation, ...] = ()
     text: str | None = None
+    functions: tuple[str, ...] = ()
+    """A history task's functions in this file (the others' are their mutations' functions)."""
+
+    @property
+    def scope(self) -> Scope:
+        """What grading takes of this file: its functions."""
+        return Scope(self.path, self.functions or tuple(m.function for m in self.mutations))
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,8 @@ class Candidate:
     """The commit whose tree is the task's base (history); "" for the project's pinned files."""
     statement: str = ""
     """What the task asks, in the project's words (history: the commit message)."""
+    refused: str = ""
+    """Why it cannot be a task, known before any test runs ("" when it may be): `env build` rejects it with this."""
 
     @property
     def mutations(self) -> tuple[Mutation, ...]:
@@ -49,7 +59,7 @@ class Candidate:
 
     @property
     def function(self) -> str:
-        return ", ".join(m.function for m in self.mutations)
+        return ", ".join(f for e in self.edits for f in e.scope.functions)
 
     @property
     def description(self) -> str:
@@ -158,7 +168,7 @@ def _history_stream(spec: ProjectSpec, settings: RepoTaskSettings) -> Iterator[C
         paths = [p for p in commit.sources if not settings.include or any(fnmatch.fnmatch(p, g) for g in settings.include)]
         if len(paths) != len(commit.sources):
             continue
-        edits = tuple(Edit(path, text=parent_text(spec, commit, path)) for path in paths)
+        edits = tuple(Edit(path, text=parent_text(spec, commit, path), functions=f) for path, f in zip(paths, commit.functions))
         yield Candidate(
             f"repo/{spec.name}/history/{commit.commit[:12]}",
             spec.name,
@@ -167,6 +177,7 @@ def _history_stream(spec: ProjectSpec, settings: RepoTaskSettings) -> Iterator[C
             commit.test_files,
             base=commit.commit,
             statement=commit.message,
+            refused=f"history commit changes code outside functions: {commit.outside}" if commit.outside else "",
         )
 
 

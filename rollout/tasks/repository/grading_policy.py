@@ -1,19 +1,15 @@
-"""What of an episode's change reaches a repository task's grade, and what that change may do.
+"""What of an episode's change reaches a repository task's grade.
 
-The project's tests import the agent's code into the process that runs them, so the grade takes only what the task
-asks for and refuses code that reaches for the test run:
+Every task names the functions it asks for (`Scope`), and grading takes only those: the episode's version of each is
+spliced into the task's module, with the imports, functions, classes and names it adds at module level that they use
+(`splice`); that module runs in the episode's own process, across the grading boundary from the tests
+(`rollout.tasks.repository.boundary`). Of the rest:
   * only source: bytecode and compiled modules (`__pycache__`, .pyc, .so) are never taken, nor symlinks, FIFOs or
     other non-regular files (the task's own file is graded there);
-  * only the task's scope (`Scope`): for a bug or feature task the episode's version of the task's function is
-    spliced into the trusted module, with the imports, functions, classes and names it adds at module level; every
-    other change (other functions, other files, new files) is dropped, and named (`change_dropped`) when it would
-    have changed what the tests see (a comment or blank line would not). A task kind without a scope may change any
-    source file of its package, each taken whole;
-  * the kept change is checked (`forbidden_uses`): a fix has no business reaching the test runner, the import
-    system, frames and tracing, the garbage collector, file descriptors, processes, /proc, ctypes, atexit or
-    builtins, nor returning objects that compare equal to anything; what it reaches beyond what the trusted
-    original of the same code reaches is flagged `forbidden_code`.
-Changes to tests and to the files pytest or Python load by themselves are never taken either (`tests_modified`).
+  * every other change (other functions, other files, new files) is dropped, and named (`change_dropped`) when it
+    would have changed what the tests see (a comment, a blank line or an import would not);
+  * changes to tests and to the files pytest or Python load by themselves are never taken (`tests_modified`).
+A history task's functions are those its commit changed (`function_scope`).
 """
 
 from __future__ import annotations
@@ -61,7 +57,8 @@ class Scope:
 
     path: str
     functions: tuple[str, ...] = ()
-    """Qualified names (`f`, `Class.method`); () for the whole file (which the episode may then also add or delete)."""
+    """Qualified names (`f`, `Class.method`) as `definitions` yields them. (Sets built before every kind named its
+    functions had () here for a history task's whole file: `task_set.repo_tests` refuses them.)"""
 
 
 @dataclass(frozen=True)
@@ -75,8 +72,6 @@ class KeptChange:
     """Changes left out that would have changed what the tests see (flagged `change_dropped`)."""
     protected: tuple[str, ...] = ()
     """Tests and test-run configuration the episode changed (ignored; flagged `tests_modified`)."""
-    forbidden: tuple[str, ...] = ()
-    """What the kept change reaches that a fix has no business reaching (flagged `forbidden_code`)."""
 
 
 def is_protected(relative: str) -> bool:
@@ -105,10 +100,10 @@ def keep_change(
     package: str,
     scope: tuple[Scope, ...],
 ) -> KeptChange:
-    """The part of an episode's `changed` files (path -> new bytes, None when gone) that grading takes, on top of the
-    task's own files `task_files` over the trusted `grading_base`."""
+    """The part of an episode's `changed` files (path -> new bytes, None when gone) that grading takes: the task's
+    own files `task_files` (over the trusted `grading_base`) with the episode's version of the `scope`'s functions."""
     files = dict(task_files)
-    dropped, protected, forbidden = [], [], []
+    dropped, protected = [], []
     by_path = {s.path: s for s in scope}
 
     def trusted(path: str) -> bytes | None:
@@ -127,42 +122,25 @@ def keep_change(
             continue
         in_package = PurePosixPath(path).is_relative_to(package)  # package: its directory, `src/name` in a src layout
         entry = by_path.get(path)
-        if entry is None and not scope and in_package and path.endswith(".py") and isinstance(trusted(path), bytes):
-            entry = Scope(path)  # no scope: every existing source file of the package, whole
-        if entry is None:
+        if entry is None or not entry.functions:
             if in_package and _changes_behaviour(content, trusted(path), path):
                 dropped.append(f"{path}: outside the task's {_describe(scope)}")
             continue
         if content is NOT_A_FILE:
             dropped.append(f"{path}: not a regular file (graded as the task left it)")
             continue
-        original = grading_base / path
-        original_text = original.read_text(errors="replace") if original.is_file() and not original.is_symlink() else ""
-        if entry.functions:
-            base_text = trusted(path)
-            if content is None or base_text is None:
-                dropped.append(f"{path}: deleted (graded as the task left it)")
-                continue
-            text, notes, hits = splice(base_text.decode(errors="replace"), content.decode(errors="replace"), entry.functions, original_text)
-            files[path] = text.encode()
-        elif content is None and path not in by_path:
+        base_text = trusted(path)
+        if content is None or base_text is None:
             dropped.append(f"{path}: deleted (graded as the task left it)")
             continue
-        else:
-            files[path] = content
-            notes = []
-            hits = whole_file_uses(content, original_text) if content is not None and path.endswith(".py") else set()
+        text, notes = splice(base_text.decode(errors="replace"), content.decode(errors="replace"), entry.functions)
+        files[path] = text.encode()
         dropped += [f"{path}: {note}" for note in notes]
-        if hits:
-            forbidden.append(f"{path}: " + "; ".join(sorted(hits)))
-    return KeptChange(files, tuple(dropped), tuple(protected), tuple(forbidden))
+    return KeptChange(files, tuple(dropped), tuple(protected))
 
 
 def _describe(scope: tuple[Scope, ...]) -> str:
-    if not scope:
-        return "source files"
-    named = [f"{s.path}:{','.join(s.functions)}" if s.functions else s.path for s in scope]
-    return ("function(s) " if any(s.functions for s in scope) else "file(s) ") + "; ".join(named)
+    return "function(s) " + "; ".join(f"{s.path}:{','.join(s.functions)}" for s in scope)
 
 
 def _changes_behaviour(content: bytes | None | _NotAFile, trusted: bytes | None, path: str) -> bool:
@@ -221,10 +199,10 @@ def _bound_names(tree: ast.Module) -> set[str]:
     return names
 
 
-def _added(episode: ast.Module, trusted: ast.Module, taken: list[ast.stmt]) -> list[ast.stmt]:
+def _added(episode: ast.Module, trusted: ast.Module, taken: list[ast.stmt], wanted: set[str]) -> list[ast.stmt]:
     """What the episode adds at module level that grading keeps with the taken functions: imports, functions,
     classes and assignments of names the trusted module does not bind, that those functions use (or what they use
-    uses)."""
+    uses), and the new functions `wanted` (a history commit's)."""
     imports = {ast.dump(n) for n in trusted.body if isinstance(n, (ast.Import, ast.ImportFrom))}
     bound = _bound_names(trusted)
     candidates = {}
@@ -238,7 +216,7 @@ def _added(episode: ast.Module, trusted: ast.Module, taken: list[ast.stmt]) -> l
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if all(isinstance(t, ast.Name) and t.id not in bound for t in targets):
                 candidates[id(node)] = (node, {t.id for t in targets})
-    used = {n.id for node in taken for n in ast.walk(node) if isinstance(n, ast.Name)}
+    used = {n.id for node in taken for n in ast.walk(node) if isinstance(n, ast.Name)} | wanted
     kept: set[int] = set()
     while True:
         more = {key for key, (node, names) in candidates.items() if key not in kept and names & used}
@@ -249,477 +227,124 @@ def _added(episode: ast.Module, trusted: ast.Module, taken: list[ast.stmt]) -> l
     return [node for node in episode.body if id(node) in kept]
 
 
-def _outside(tree: ast.Module, taken: set[str], added: list[ast.stmt]) -> list[str]:
-    """The module's statements without the taken functions and the added statements (what the splice leaves alone),
-    as syntax-tree dumps: a class holding taken methods as its shell, its other members, and its end."""
+def _outside(tree: ast.Module, taken: set[str], added: list[ast.stmt]) -> list[tuple[str, str]]:
+    """The module's statements other than imports, docstrings, the taken functions and the added statements (what
+    the splice leaves alone), as (syntax-tree dump, where it is): a class holding taken methods as its shell, its
+    other members, and its end."""
     removed = {id(n) for n in added}
 
-    def shape(body: list[ast.stmt], prefix: str) -> list[str]:
+    def shape(body: list[ast.stmt], prefix: str) -> list[tuple[str, str]]:
         out = []
-        for node in body:
-            if id(node) in removed:
+        where = f"a class body ({prefix[:-1]}, " if prefix else "module-level code ("
+        for number, node in enumerate(body):
+            if id(node) in removed or isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
+            if number == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                continue  # a docstring: not code
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and prefix + node.name in taken:
-                out.append(f"taken {prefix}{node.name}")
-            elif isinstance(node, ast.ClassDef) and any(t.startswith(f"{prefix}{node.name}.") for t in taken):
+                continue
+            name = prefix + getattr(node, "name", "")
+            if isinstance(node, ast.ClassDef) and any(t.startswith(f"{name}.") for t in taken):
                 shell = copy.copy(node)
                 shell.body = []
-                out += [ast.dump(shell), *shape(node.body, f"{prefix}{node.name}."), f"end {prefix}{node.name}"]
+                out += [
+                    (ast.dump(shell), f"a class body ({name})"),
+                    *shape(node.body, f"{name}."),
+                    (f"end {name}", f"a class body ({name})"),
+                ]
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((ast.dump(node), f"moved definitions ({name})"))
+            elif isinstance(node, ast.ClassDef):
+                out.append((ast.dump(node), f"a class body ({name})"))
             else:
-                out.append(ast.dump(node))
+                out.append((ast.dump(node), f"{where}line {node.lineno})"))
         return out
 
     return shape(tree.body, "")
 
 
-def splice(trusted: str, episode: str, functions: tuple[str, ...], original: str) -> tuple[str, list[str], set[str]]:
-    """The trusted module with the episode's version of `functions` and what it adds at module level (`_added`);
-    what it left out that would change the module; and what the kept code reaches that the same functions of
-    `original` (the project's own module) do not."""
+def _classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
+    """Module- and class-level classes by qualified name."""
+    found = {}
+    pending: list[tuple[str, list[ast.stmt]]] = [("", tree.body)]
+    while pending:
+        prefix, body = pending.pop()
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                found[prefix + node.name] = node
+                pending.append((f"{prefix}{node.name}.", node.body))
+    return found
+
+
+def splice(trusted: str, episode: str, functions: tuple[str, ...]) -> tuple[str, list[str]]:
+    """The trusted module with the episode's version of `functions` (those it lacks added: a history commit's new
+    functions, top-level or in an existing class) and what it adds at module level for them (`_added`); and what it
+    left out that would change the module."""
     try:
         mine = ast.parse(episode)
     except (SyntaxError, ValueError) as e:
-        return trusted, [f"does not parse ({type(e).__name__}: line {getattr(e, 'lineno', '?')}): graded as the task left it"], set()
+        return trusted, [f"does not parse ({type(e).__name__}: line {getattr(e, 'lineno', '?')}): graded as the task left it"]
     theirs = ast.parse(trusted)
     mine_defs = {name: (node, top) for name, node, top in definitions(mine)}
     their_defs = {name: (node, top) for name, node, top in definitions(theirs)}
+    their_classes = _classes(theirs)
     lines, episode_lines = trusted.splitlines(keepends=True), episode.splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
         lines[-1] += "\n"
     if episode_lines and not episode_lines[-1].endswith("\n"):
         episode_lines[-1] += "\n"
-    notes, taken, replacements = [], set(), []
+    notes, taken, new_top, replacements = [], set(), set(), []
     for name in functions:
-        if name not in mine_defs or name not in their_defs:
+        if name not in mine_defs:
             continue  # gone from the episode's file: the task's own version stays (the file's comparison names it)
-        node, their_node = mine_defs[name][0], their_defs[name][0]
-        if node.col_offset != their_node.col_offset:
-            continue
-        taken.add(name)
-        replacements.append((_first_line(their_node), their_node.end_lineno, _segment(episode_lines, node)))
-    added = _added(mine, theirs, [mine_defs[n][0] for n in taken])
-    if taken and added:
-        first_top = min((their_defs[n][1] for n in taken), key=lambda top: top.lineno)
-        at = _first_line(first_top)
+        node = mine_defs[name][0]
+        owner = name.rpartition(".")[0]
+        if name in their_defs:
+            their_node = their_defs[name][0]
+            if node.col_offset == their_node.col_offset:
+                taken.add(name)
+                replacements.append((_first_line(their_node), their_node.end_lineno, _segment(episode_lines, node)))
+        elif not owner:
+            taken.add(name)
+            new_top.add(name)  # kept with what the episode adds at module level
+        elif owner in their_classes and node.col_offset == their_classes[owner].body[0].col_offset:
+            taken.add(name)
+            end = their_classes[owner].end_lineno
+            replacements.append((end + 1, end, ["\n", *_segment(episode_lines, node)]))
+    added = _added(mine, theirs, [mine_defs[n][0] for n in taken], new_top)
+    if added:
+        tops = [their_defs[n][1] for n in taken if n in their_defs]
+        at = _first_line(min(tops, key=lambda top: top.lineno)) if tops else len(lines) + 1
         block = [line for node in added for line in [*_segment(episode_lines, node), "\n", "\n"]]
-        replacements.append((at, at - 1, block))
+        replacements.append((at, at - 1, block if tops else ["\n", "\n", *block]))
     for start, end, new in sorted(replacements, key=lambda r: (r[0], r[1]), reverse=True):
         lines[start - 1 : end] = new
-    spliced = "".join(lines)
-    if _outside(mine, taken, added if taken else []) != _outside(theirs, taken, []):
+    if [d for d, _ in _outside(mine, taken, added)] != [d for d, _ in _outside(theirs, taken, [])]:
         kept = ", ".join(sorted(taken)) or "nothing"
         notes.append(
-            f"changes outside {', '.join(functions)} dropped (kept: {kept}"
-            + (" and what it adds at module level)" if taken and added else ")")
+            f"changes outside {', '.join(functions)} dropped (kept: {kept}" + (" and what it adds at module level)" if added else ")")
         )
-    if not taken:
-        return trusted, notes, set()
-    kept_nodes = [mine_defs[n][0] for n in sorted(taken)] + added
-    imports = module_imports(ast.parse(spliced))
-    hits = forbidden_uses(kept_nodes, imports)
-    if hits and original:
-        try:
-            source = ast.parse(original)
-        except (SyntaxError, ValueError):
-            source = None
-        if source is not None:
-            theirs_original = {name: node for name, node, _ in definitions(source)}
-            hits -= forbidden_uses([theirs_original[n] for n in taken if n in theirs_original], module_imports(source))
-    return spliced, notes, hits
+    return ("".join(lines) if taken else trusted), notes
 
 
-def whole_file_uses(content: bytes, original: str) -> set[str]:
-    """What a whole changed file reaches (its statements that differ from `original`'s) beyond what `original` does."""
+def function_scope(parent: str, commit: str) -> tuple[tuple[str, ...], str]:
+    """What a commit changed in a module: the functions (`definitions`' qualified names) whose source differs between
+    the parent's text and the commit's, new ones included, in the commit's order; and what else it changed, "" when
+    nothing (imports aside): then grading the commit's version of those functions is grading the commit. What else
+    is "what (where)": a deleted function, a new class, a class body, module-level code, moved definitions."""
     try:
-        mine = ast.parse(content)
+        old, new = ast.parse(parent), ast.parse(commit)
     except (SyntaxError, ValueError):
-        return set()
-    try:
-        source = ast.parse(original)
-    except (SyntaxError, ValueError):
-        source = ast.Module(body=[], type_ignores=[])
-    same = {ast.dump(n) for n in source.body}
-    changed = [n for n in mine.body if ast.dump(n) not in same]
-    return forbidden_uses(changed, module_imports(mine)) - forbidden_uses(source.body, module_imports(source))
-
-
-# --- the policy on the kept change ------------------------------------------------------------------
-
-RUNNER, IMPORTS, FRAMES, MEMORY, PROCESSES, BUILTINS, ANSWERS, FILES = (
-    "the test runner",
-    "the import system",
-    "frames and tracing",
-    "the interpreter's objects",
-    "processes and descriptors",
-    "builtins",
-    "answers that match anything",
-    "files",
-)
-# Modules a fix has no business importing, by what they reach.
-FORBIDDEN_MODULES = {
-    RUNNER: ("pytest", "_pytest", "pluggy", "py", "unittest", "doctest", "hypothesis", "_hypothesis_pytestplugin"),
-    IMPORTS: (
-        "importlib",
-        "imp",
-        "zipimport",
-        "pkgutil",
-        "runpy",
-        "site",
-        "sitecustomize",
-        "usercustomize",
-        "marshal",
-        "py_compile",
-        "compileall",
-        "dis",
-        "code",
-        "codeop",
-    ),
-    FRAMES: (
-        "inspect",
-        "traceback",
-        "linecache",
-        "tokenize",
-        "faulthandler",
-        "trace",
-        "tracemalloc",
-        "bdb",
-        "pdb",
-        "cProfile",
-        "profile",
-        "sys.monitoring",
-    ),
-    MEMORY: ("gc", "ctypes", "_ctypes", "cffi", "weakref"),
-    PROCESSES: (
-        "sys.exit",
-        "posix",
-        "nt",
-        "subprocess",
-        "multiprocessing",
-        "concurrent",
-        "threading",
-        "_thread",
-        "signal",
-        "pty",
-        "fcntl",
-        "mmap",
-        "resource",
-        "socket",
-        "select",
-        "selectors",
-        "asyncio",
-        "atexit",
-        "_posixsubprocess",
-    ),
-    BUILTINS: ("builtins", "__builtin__"),
-    FILES: ("shutil", "tempfile", "pathlib", "glob", "fileinput", "codecs"),
-}
-# Of these modules, what a fix may use.
-ALLOWED_MEMBERS = {
-    "os": {"path", "sep", "linesep", "fspath", "PathLike", "cpu_count", "name", "curdir", "pardir", "extsep"},
-    "io": {"StringIO", "BytesIO"},
-    "os.path": None,
-}
-# Attribute names that reach the machinery whatever object they are read from (a module another module imported,
-# a frame, a function): names no library code uses for anything else. (Other members of os, sys and the modules
-# above are refused where a name resolves to them through the imports.)
-FORBIDDEN_ATTRIBUTES = {
-    IMPORTS: (
-        "modules",
-        "meta_path",
-        "path_hooks",
-        "path_importer_cache",
-        "pycache_prefix",
-        "dont_write_bytecode",
-        "__loader__",
-        "__spec__",
-        "__import__",
-        "__cached__",
-    ),
-    FRAMES: (
-        "settrace",
-        "setprofile",
-        "gettrace",
-        "getprofile",
-        "_getframe",
-        "_current_frames",
-        "_current_exceptions",
-        "call_tracing",
-        "monitoring",
-        "addaudithook",
-        "excepthook",
-        "displayhook",
-        "breakpointhook",
-        "unraisablehook",
-        "f_back",
-        "f_globals",
-        "f_locals",
-        "f_code",
-        "f_builtins",
-        "f_trace",
-        "f_lineno",
-        "f_lasti",
-        "tb_frame",
-        "tb_next",
-        "gi_frame",
-        "cr_frame",
-        "ag_frame",
-        "__traceback__",
-        "currentframe",
-        "getouterframes",
-        "getframeinfo",
-        "getsource",
-        "getsourcelines",
-        "last_traceback",
-        "setswitchinterval",
-    ),
-    MEMORY: (
-        "get_objects",
-        "get_referrers",
-        "get_referents",
-        "__globals__",
-        "__code__",
-        "__closure__",
-        "__subclasses__",
-        "__bases__",
-        "__base__",
-        "__mro__",
-        "__self__",
-        "__func__",
-        "__defaults__",
-        "__kwdefaults__",
-        "__wrapped__",
-        "__reduce__",
-        "__reduce_ex__",
-        "__getattribute__",
-        "__init_subclass__",
-        "__set_name__",
-        "CodeType",
-        "FunctionType",
-        "FrameType",
-        "TracebackType",
-        "ModuleType",
-        "MethodType",
-    ),
-    PROCESSES: (
-        "forkpty",
-        "register_at_fork",
-        "dup2",
-        "_exit",
-        "fdopen",
-        "killpg",
-        "setsid",
-        "execve",
-        "execvpe",
-        "posix_spawn",
-        "posix_spawnp",
-        "environ",
-        "environb",
-        "putenv",
-        "unsetenv",
-        "mkfifo",
-        "openpty",
-    ),
-    BUILTINS: ("__builtins__",),
-}
-# Builtins a fix has no business calling (or naming).
-FORBIDDEN_BUILTINS = {
-    "eval": BUILTINS,
-    "exec": BUILTINS,
-    "compile": BUILTINS,
-    "__import__": IMPORTS,
-    "breakpoint": FRAMES,
-    "globals": BUILTINS,
-    "vars": BUILTINS,
-    "open": FILES,
-    "input": FILES,
-    "exit": PROCESSES,
-    "quit": PROCESSES,
-    "__builtins__": BUILTINS,
-    "__loader__": IMPORTS,
-    "__spec__": IMPORTS,
-}
-# Methods a class made by a fix must not define: with them a returned object can compare equal to anything.
-MATCH_ANYTHING = frozenset(
-    {
-        "__eq__",
-        "__ne__",
-        "__lt__",
-        "__le__",
-        "__gt__",
-        "__ge__",
-        "__hash__",
-        "__bool__",
-        "__len__",
-        "__contains__",
-        "__instancecheck__",
-        "__subclasscheck__",
-        "__getattr__",
-        "__getattribute__",
-    }
-)
-# Special attributes whose assignment rebinds what an object or function is.
-REBINDING = frozenset(
-    {
-        "__class__",
-        "__dict__",
-        "__code__",
-        "__globals__",
-        "__defaults__",
-        "__kwdefaults__",
-        "__closure__",
-        "__builtins__",
-        "__bases__",
-        "__call__",
-        "__setattr__",
-        "__delattr__",
-        "__import__",
-    }
-)
-# Modules reached as an attribute of another (`networkx.utils.backends.os`).
-MODULES_AS_ATTRIBUTES = frozenset(
-    {
-        "os",
-        "gc",
-        "inspect",
-        "importlib",
-        "builtins",
-        "ctypes",
-        "subprocess",
-        "_pytest",
-        "pytest",
-        "pluggy",
-        "atexit",
-        "threading",
-        "linecache",
-        "signal",
-    }
-)
-
-_MODULE_CATEGORY = {name: category for category, names in FORBIDDEN_MODULES.items() for name in names}
-_ATTRIBUTE_CATEGORY = {name: category for category, names in FORBIDDEN_ATTRIBUTES.items() for name in names}
-
-
-def module_imports(tree: ast.Module) -> dict[str, str]:
-    """Top-level import bindings of a module: local name -> dotted name of the module or member it stands for."""
-    table = {}
-    for node in tree.body:
-        _bind_imports(node, table)
-    return table
-
-
-def _bind_imports(node: ast.AST, table: dict[str, str]) -> None:
-    if isinstance(node, ast.Import):
-        for alias in node.names:
-            if alias.asname:
-                table[alias.asname] = alias.name
-            else:
-                top = alias.name.split(".")[0]
-                table[top] = top
-    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-        for alias in node.names:
-            table[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-    elif isinstance(node, (ast.If, ast.Try)):
-        for child in ast.iter_child_nodes(node):
-            _bind_imports(child, table)
-
-
-def _module_category(dotted: str) -> str | None:
-    """What a dotted module (or member) name reaches, None when a fix may use it."""
-    parts = dotted.split(".")
-    for n in range(len(parts), 0, -1):
-        head = ".".join(parts[:n])
-        if head in _MODULE_CATEGORY:
-            return _MODULE_CATEGORY[head]
-        if head in ALLOWED_MEMBERS:
-            allowed = ALLOWED_MEMBERS[head]
-            if allowed is None or n == len(parts):
-                return None
-            return None if parts[n] in allowed else (FILES if head == "io" else PROCESSES)
-    if len(parts) > 1 and parts[-1] == "__dict__":
-        return MEMORY  # a module's namespace, to be indexed by a computed name
-    return _ATTRIBUTE_CATEGORY.get(parts[-1]) if len(parts) > 1 else None
-
-
-def forbidden_uses(nodes: list[ast.AST], imports: dict[str, str]) -> set[str]:
-    """What `nodes` reach that a fix has no business reaching, as "what it reaches: the construct" lines; names are
-    resolved through the module's imports `imports` and the imports inside the nodes."""
-    table = dict(imports)
-    for node in nodes:
-        for inner in ast.walk(node):
-            if isinstance(inner, (ast.Import, ast.ImportFrom)):
-                _bind_imports(inner, table)
-    hits: set[str] = set()
-
-    def hit(category: str, what: str) -> None:
-        hits.add(f"{category}: {what}")
-
-    for node in nodes:
-        consumed: set[int] = set()
-        for inner in ast.walk(node):
-            if isinstance(inner, ast.Import):
-                for alias in inner.names:
-                    if category := _module_category(alias.name):
-                        hit(category, f"import {alias.name}")
-            elif isinstance(inner, ast.ImportFrom) and inner.level == 0 and inner.module:
-                for alias in inner.names:
-                    if category := _module_category(f"{inner.module}.{alias.name}"):
-                        hit(category, f"from {inner.module} import {alias.name}")
-            elif isinstance(inner, ast.ImportFrom):
-                for alias in inner.names:
-                    if alias.name in _ATTRIBUTE_CATEGORY:
-                        hit(_ATTRIBUTE_CATEGORY[alias.name], f"from {'.' * inner.level}{inner.module or ''} import {alias.name}")
-            elif isinstance(inner, ast.Attribute):
-                dotted = _dotted(inner)
-                root = dotted.split(".")[0] if dotted else None
-                if root in table and id(inner) not in consumed:
-                    consumed.update(id(n) for n in ast.walk(inner))
-                    full = table[root] + dotted[len(root) :]
-                    if category := _module_category(full):
-                        hit(category, full)
-                        continue
-                if inner.attr in _ATTRIBUTE_CATEGORY:
-                    hit(_ATTRIBUTE_CATEGORY[inner.attr], f".{inner.attr}")
-                elif inner.attr in MODULES_AS_ATTRIBUTES:
-                    hit(_MODULE_CATEGORY.get(inner.attr, PROCESSES), f"the module {inner.attr} reached as .{inner.attr}")
-                if isinstance(inner.ctx, ast.Store) and inner.attr in MATCH_ANYTHING | REBINDING:
-                    hit(ANSWERS if inner.attr in MATCH_ANYTHING else BUILTINS, f"sets .{inner.attr}")
-            elif isinstance(inner, ast.Name):
-                if inner.id in FORBIDDEN_BUILTINS and inner.id not in table:
-                    hit(FORBIDDEN_BUILTINS[inner.id], f"{inner.id}")
-                elif inner.id in table and id(inner) not in consumed and (category := _module_category(table[inner.id])):
-                    hit(category, table[inner.id])
-            elif isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name):
-                _check_call(inner, hit)
-            elif isinstance(inner, ast.ClassDef):
-                defined = {n.name for n in inner.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-                defined |= {t.id for n in inner.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
-                for name in sorted(defined & MATCH_ANYTHING):
-                    hit(ANSWERS, f"class {inner.name} defines {name}")
-    return hits
-
-
-def _dotted(node: ast.AST) -> str | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    return ".".join([node.id, *reversed(parts)])
-
-
-def _check_call(call: ast.Call, hit) -> None:
-    name = call.func.id
-    if name in ("getattr", "setattr", "delattr", "hasattr") and len(call.args) >= 2:
-        attribute = call.args[1]
-        if not (isinstance(attribute, ast.Constant) and isinstance(attribute.value, str)):
-            hit(BUILTINS, f"{name} with a computed attribute name")
-        elif name == "setattr" and attribute.value in MATCH_ANYTHING | REBINDING:
-            hit(ANSWERS if attribute.value in MATCH_ANYTHING else BUILTINS, f"setattr {attribute.value}")
-        elif attribute.value in _ATTRIBUTE_CATEGORY:
-            # The attribute itself, reached by name: the same as `.name` (an ordinary string is never flagged).
-            hit(_ATTRIBUTE_CATEGORY[attribute.value], f"{name} {attribute.value!r}")
-        elif attribute.value in MODULES_AS_ATTRIBUTES:
-            hit(_MODULE_CATEGORY.get(attribute.value, PROCESSES), f"{name} {attribute.value!r}")
-    elif name == "type" and len(call.args) == 3:
-        hit(ANSWERS, "type() making a class at run time")
+        return (), "a module that does not parse"
+    before = {name: ast.dump(node) for name, node, _ in definitions(old)}
+    after = {name: ast.dump(node) for name, node, _ in definitions(new)}
+    if gone := [name for name in before if name not in after]:
+        return (), f"a deleted function ({gone[0]})"
+    if born := [name for name in _classes(new) if name not in _classes(old)]:
+        return (), f"a new class ({born[0]})"
+    changed = tuple(name for name in after if before.get(name) != after[name])
+    shapes = _outside(old, set(changed), []), _outside(new, set(changed), [])
+    for mine, theirs in zip([*shapes[0], None], [*shapes[1], None]):
+        if mine != theirs and (mine is None or theirs is None or mine[0] != theirs[0]):
+            return (), (theirs or mine or ("", "module-level code"))[1]
+    return changed, ""

@@ -6,6 +6,12 @@ change and its tests). The build runs the commit's test files on the commit's tr
 times) and again with the parent's source: fail-to-pass are the expected tests that fail then, pass-to-pass the rest.
 The problem statement is the commit message.
 
+A history task is graded like the others, across the grading boundary by functions: its scope is, in each source file,
+the functions whose source the commit changed (new ones included: `grading_policy.function_scope`). A commit that
+changes anything else in a file (module-level code other than imports, a class body outside its methods, a deleted
+function, a new class) cannot be graded that way: its candidate carries the reason (`HistoryCommit.outside`) and
+`env build` rejects it. A file whose syntax tree the commit left as it was (comments, formatting) is not handed back.
+
 A commit is a candidate when, along its first-parent line, it modified `.py` files of the project's package (only
 modified: a commit that adds, deletes or renames a source file has no parent version of it to hand back) and added
 or modified test files under the project's test paths.
@@ -13,13 +19,14 @@ or modified test files under the project's test paths.
 
 from __future__ import annotations
 
+import ast
 import random
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from composer.rollout.tasks.repository.grading_policy import is_protected
+from composer.rollout.tasks.repository.grading_policy import function_scope, is_protected
 from composer.rollout.tasks.repository.projects import ProjectSpec
 
 
@@ -32,6 +39,10 @@ class HistoryCommit:
     """Source files the commit modified (the task hands back their parent versions)."""
     test_files: tuple[str, ...]
     """Test files the commit added or modified (the task keeps them)."""
+    functions: tuple[tuple[str, ...], ...] = ()
+    """Per source file, the functions the commit changed or added (the task's scope)."""
+    outside: str = ""
+    """What the commit changes outside functions ("what (path: where)"), "" when nothing: a candidate it refuses."""
 
 
 def _git(checkout: Path, *args: str) -> str:
@@ -65,7 +76,29 @@ def commit_of(spec: ProjectSpec, commit: str, parent: str) -> HistoryCommit | No
     if not sources or not tests:
         return None
     message = _git(spec.checkout, "log", "-1", "--format=%B", commit).strip()
-    return HistoryCommit(commit, parent, message, tuple(sorted(sources)), tuple(sorted(tests)))
+    kept, functions, outside = [], [], ""
+    for path in sorted(sources):
+        before, after = _git(spec.checkout, "show", f"{parent}:{path}"), _git(spec.checkout, "show", f"{commit}:{path}")
+        changed, what = function_scope(before, after)
+        if not changed and not what:
+            if _same_tree(before, after):
+                continue  # comments or formatting only: the commit's version is the parent's
+            what = "imports alone"
+        kept.append(path)
+        functions.append(changed)
+        if what and not outside:
+            kind, _, where = what.partition(" (")
+            outside = f"{kind} ({path}" + (f": {where}" if where else ")")
+    if not kept:
+        return None
+    return HistoryCommit(commit, parent, message, tuple(kept), tuple(sorted(tests)), tuple(functions), outside)
+
+
+def _same_tree(before: str, after: str) -> bool:
+    try:
+        return ast.dump(ast.parse(before)) == ast.dump(ast.parse(after))
+    except (SyntaxError, ValueError):
+        return False
 
 
 def history_commits(spec: ProjectSpec, limit: int, seed: int) -> Iterator[HistoryCommit]:

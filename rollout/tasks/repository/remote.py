@@ -21,6 +21,7 @@ from composer.rollout.sandbox.fleet import Failure
 from composer.rollout.sandbox.hosts import LOCALHOST, RemoteSandboxHost, SandboxFleet
 from composer.rollout.sandbox.results import CommandResult, RewardMode, RunEnvironment, SandboxResult
 from composer.rollout.sandbox.wire import Op, from_wire, to_wire
+from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.shipping import CHUNK_BYTES, WIRE_TYPES, ShippedTask, ShippedTests, ShippedTrees, pack
 from composer.rollout.tasks.repository.workspace import RepoTests, RepoWorkspace, TestReport
 from composer.rollout.tasks.workspace import Workspace
@@ -265,9 +266,12 @@ def remote_test_run(
     pytest_args: tuple[str, ...],
     ready_made: bool,
     source: str,
+    package: str = "",
+    scope: tuple[Scope, ...] = (),
 ):
-    """A build's guarded test run (`rollout.tasks.repository.surveys.TestRun`) on a remote host: the grading base and the
-    environment shipped there first (once), the report back as data; a lost host's run is an infrastructure failure."""
+    """A build's test run on a remote host (`rollout.tasks.repository.surveys.TestRun`, or with `scope` its `AcrossRun`:
+    across the grading boundary there): the grading base and the environment shipped there first (once), the report
+    back as data; a lost host's run is an infrastructure failure."""
     host = fleet.provider.by_name[host_name]
 
     def run(changes: dict[str, str], test_files: tuple[str, ...], timeout_s: float) -> TestReport:
@@ -287,6 +291,8 @@ def remote_test_run(
             test_files=test_files,
             pytest_args=pytest_args,
             timeout_s=timeout_s,
+            package=package,
+            scope=scope,
         )
         try:
             for tree in (grading, env_tree):

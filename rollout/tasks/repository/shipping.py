@@ -36,7 +36,14 @@ from composer.rollout.sandbox.wire import SANDBOX_TYPES, wire_types
 from composer.rollout.tasks.files import PathRefused
 from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.projects import _chmod_tree
-from composer.rollout.tasks.repository.workspace import RepoTestPlan, RepoTests, RepoWorkspace, TestReport, run_tests_guarded
+from composer.rollout.tasks.repository.workspace import (
+    RepoTestPlan,
+    RepoTests,
+    RepoWorkspace,
+    TestReport,
+    run_tests_across,
+    run_tests_guarded,
+)
 
 CHUNK_BYTES = 8 << 20
 """Bytes of a shipped archive per frame."""
@@ -218,7 +225,9 @@ class ShippedTask:
 
 @dataclass(frozen=True)
 class ShippedTests:
-    """A build's guarded test run (a survey's, a validation's) over a shipped grading base with changes."""
+    """A build's test run over a shipped grading base: guarded, with `changes` in pytest's process (a survey's, a
+    validation's of the task's own change), or, when `scope` names the task's functions, across the grading boundary
+    with `changes` in the episode's process (`run_tests_across`)."""
 
     trees: ShippedTrees
     source: str
@@ -226,6 +235,8 @@ class ShippedTests:
     test_files: tuple[str, ...]
     pytest_args: tuple[str, ...]
     timeout_s: float
+    package: str = ""
+    scope: tuple[Scope, ...] = ()
 
 
 WIRE_TYPES = {**SANDBOX_TYPES, **wire_types(ShippedTask, ShippedTrees, ShippedTests, RepoTestPlan, Scope, TestReport)}
@@ -254,14 +265,32 @@ class WorkspaceService:
         return installed_copies(trees.project) if trees.ready_made else ()
 
     def test(self, job: ShippedTests) -> TestReport:
-        """A build's test run here (`run_tests_guarded`, as the driver would run it)."""
+        """A build's test run here (`run_tests_guarded` or `run_tests_across`, as the driver would run it)."""
         environment = self._environment(job.trees)
+        changes = {p: t.encode() for p, t in job.changes}
+        if job.scope:
+            tests = RepoTests(
+                package=job.package,
+                test_files=job.test_files,
+                fail_to_pass=(),
+                pass_to_pass=(),
+                pytest_args=job.pytest_args,
+                timeout_s=job.timeout_s,
+                scope=job.scope,
+                source=job.source,
+                layer=Path(),
+                episode_base=Path(),
+                grading_base=self.store.path(job.trees.grading) / "tree",
+                hidden=self._hidden(job.trees),
+                environment=environment,
+            )
+            return run_tests_across(self.sandbox, tests, changes, self.sandbox.root / f"views-server-{os.getpid()}")
         if job.source:
             environment = dataclasses.replace(environment or RunEnvironment(), pythonpath=(f"repo/{job.source}",))
         return run_tests_guarded(
             self.sandbox,
             self.store.path(job.trees.grading) / "tree",
-            {p: t.encode() for p, t in job.changes},
+            changes,
             job.test_files,
             job.pytest_args,
             job.timeout_s,

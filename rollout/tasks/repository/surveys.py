@@ -17,7 +17,6 @@ from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.hosts import LOCALHOST
 from composer.rollout.sandbox.results import RunEnvironment
 from composer.rollout.sandbox.runs import Sandbox
-from composer.rollout.tasks.repository.boundary import crosses
 from composer.rollout.tasks.repository.candidates import Candidate
 from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.mutations import changed_module
@@ -101,9 +100,9 @@ def _local_run(config: dict, sandbox_root: str, bases: str, setup: TestSetup) ->
     )
 
 
-AcrossRun = Callable[[dict[str, str], dict[str, str], float], TestReport]
-"""A test run across the grading boundary (`workspace.run_tests_across`) of one candidate: its changed files (the
-grader's, with the task's functions as proxies), the episode's files over the original, the timeout."""
+AcrossRun = Callable[[dict[str, str], float], TestReport]
+"""A test run across the grading boundary (`workspace.run_tests_across`) of one candidate: the episode's files over
+the original (the grader's view is the original with the task's functions as proxies), the timeout."""
 
 
 def _local_across(
@@ -111,7 +110,7 @@ def _local_across(
 ) -> AcrossRun:
     sandbox = worker_sandbox(config, sandbox_root)
 
-    def run(task: dict[str, str], episode: dict[str, str], timeout_s: float) -> TestReport:
+    def run(episode: dict[str, str], timeout_s: float) -> TestReport:
         tests = RepoTests(
             package=package,
             test_files=test_files,
@@ -127,8 +126,7 @@ def _local_across(
             hidden=setup.hidden,
             environment=setup.environment,
         )
-        encoded = {p: t.encode() for p, t in task.items()}
-        return run_tests_across(sandbox, tests, encoded, {p: t.encode() for p, t in episode.items()}, grading_area(sandbox))
+        return run_tests_across(sandbox, tests, {p: t.encode() for p, t in episode.items()}, grading_area(sandbox))
 
     return run
 
@@ -175,13 +173,14 @@ def _kind_of(refused: dict[str, int]) -> str:
 
 def validate_with(
     run: TestRun,
+    across: AcrossRun,
     changed: dict[str, str] | None,
     test_files: tuple[str, ...],
     expected: list[str],
     timeout_s: float,
-    across: AcrossRun | None = None,
 ) -> dict:
-    """The changed files alone: which expected tests fail now; with `across`, the same through the grading boundary."""
+    """The changed files alone (`run`, in pytest's process: the task's own change): which expected tests fail now;
+    then the same through the grading boundary (`across`), where episodes are graded."""
     if changed is None:
         return {"verdict": "rejected", "reason": "the change does not parse or changes nothing"}
     report = run(changed, test_files, timeout_s)
@@ -195,19 +194,18 @@ def validate_with(
     pass_to_pass = [i for i in expected if report.outcomes.get(i) == "passed"]
     if not fail_to_pass:
         return {"verdict": "rejected", "reason": "no test fails"}
-    if across is not None:
-        # Graded across the boundary, the task must behave there as here: the original passes every expected test,
-        # the change fails its fail-to-pass tests and passes the others.
-        for episode, passing in (({}, expected), (changed, pass_to_pass)):
-            crossed = across(changed, episode, timeout_s)
-            if crossed.infra_failure:
-                return {"verdict": "infra", "reason": "sandbox failure"}
-            if crossed.refused:
-                reason = sorted(crossed.refused, key=crossed.refused.get)[-1].split(":")[0]
-                return {"verdict": "rejected", "reason": f"cannot cross the grading boundary ({reason}: {_kind_of(crossed.refused)})"}
-            outcomes = crossed.outcomes if crossed.complete else {}
-            if any(outcomes.get(i) != "passed" for i in passing) or any(outcomes.get(i) == "passed" for i in expected if i not in passing):
-                return {"verdict": "rejected", "reason": "behaves otherwise across the grading boundary"}
+    # Graded across the boundary, the task must behave there as here: the original passes every expected test, the
+    # change fails its fail-to-pass tests and passes the others.
+    for episode, passing in (({}, expected), (changed, pass_to_pass)):
+        crossed = across(episode, timeout_s)
+        if crossed.infra_failure:
+            return {"verdict": "infra", "reason": "sandbox failure"}
+        if crossed.refused:
+            reason = sorted(crossed.refused, key=crossed.refused.get)[-1].split(":")[0]
+            return {"verdict": "rejected", "reason": f"cannot cross the grading boundary ({reason}: {_kind_of(crossed.refused)})"}
+        outcomes = crossed.outcomes if crossed.complete else {}
+        if any(outcomes.get(i) != "passed" for i in passing) or any(outcomes.get(i) == "passed" for i in expected if i not in passing):
+            return {"verdict": "rejected", "reason": "behaves otherwise across the grading boundary"}
     return {
         "verdict": "validated",
         "fail_to_pass": fail_to_pass,
@@ -231,12 +229,12 @@ def validate(
     test_files: tuple[str, ...],
     expected: list[str],
     timeout_s: float,
-    package: str = "",
-    scope: tuple[Scope, ...] = (),
+    package: str,
+    scope: tuple[Scope, ...],
 ) -> dict:
-    """`validate_with` in a worker process of this machine (across the grading boundary when `scope` crosses it)."""
-    across = _local_across(config, sandbox_root, bases, setup, package, scope, test_files) if crosses(scope) else None
-    return validate_with(_local_run(config, sandbox_root, bases, setup), changed, test_files, expected, timeout_s, across)
+    """`validate_with` in a worker process of this machine."""
+    across = _local_across(config, sandbox_root, bases, setup, package, scope, test_files)
+    return validate_with(_local_run(config, sandbox_root, bases, setup), across, changed, test_files, expected, timeout_s)
 
 
 class Runners:
@@ -271,11 +269,23 @@ class Runners:
             if slot == LOCALHOST:
                 job = survey if kind == "survey" else validate
                 return self.processes.submit(job, self.config, str(self.sandbox_root), str(bases), setup, *args).result()
-            run = remote_test_run(
-                self.fleet, slot, setup.project, bases / "grading", setup.environment, setup.pytest_args, setup.ready_made, setup.source
+            where = (
+                self.fleet,
+                slot,
+                setup.project,
+                bases / "grading",
+                setup.environment,
+                setup.pytest_args,
+                setup.ready_made,
+                setup.source,
             )
-            # A remote host validates in pytest's process only (the boundary's check runs on this machine's workers).
-            return survey_with(run, *args) if kind == "survey" else validate_with(run, *args[:4])
+            run = remote_test_run(*where)
+            if kind == "survey":
+                return survey_with(run, *args)
+            changed, test_files, expected, timeout_s, package, scope = args
+            crossing = remote_test_run(*where, package, scope)
+            across = lambda episode, seconds: crossing(episode, test_files, seconds)
+            return validate_with(run, across, changed, test_files, expected, timeout_s)
         finally:
             self.slots.put(slot)
 

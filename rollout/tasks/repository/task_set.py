@@ -20,7 +20,7 @@ from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.projects import load_environment, resolve_project
 from composer.rollout.tasks.repository.projects import project_bases as _bases_of
 from composer.rollout.tasks.repository.surveys import grading_area, worker_sandbox
-from composer.rollout.tasks.repository.workspace import RepoTests, RepoWorkspace, run_tests_across, run_tests_guarded
+from composer.rollout.tasks.repository.workspace import RepoTests, RepoWorkspace, run_tests_across
 
 
 def project_bases(cache_dir: Path, name: str) -> Path:
@@ -57,6 +57,12 @@ def repo_tests(record: dict, settings: RepoTaskSettings) -> RepoTests:
             f"env.tasks: task {record['id']} was built by an older composer (its index names no scope); "
             "rebuild the tasks with `composer env build RECIPE`"
         )
+    scope = tuple(Scope(path, tuple(functions)) for path, functions in record["scope"])
+    if not crosses(scope):
+        raise UserError(
+            f"env.tasks: task {record['id']} was built by an older composer (its scope is whole files, graded in pytest's "
+            "process, which grading no longer does); rebuild the tasks with `composer env build RECIPE`"
+        )
     cache_dir = Path(settings.cache_dir).resolve()
     key = record["base"][:16] if record["base"] else record["version"] if setup["ready_made"] else setup["digest"]
     bases = cache_dir / "projects" / f"{record['project']}-{key}"
@@ -83,7 +89,7 @@ def repo_tests(record: dict, settings: RepoTaskSettings) -> RepoTests:
         pass_to_pass_policy=settings.pass_to_pass,
         environment=environment,
         source=setup["source"],
-        scope=tuple(Scope(path, tuple(functions)) for path, functions in record["scope"]),
+        scope=scope,
     )
 
 
@@ -103,24 +109,11 @@ class RepoCheckReport:
 
 
 def check_task(config: dict, sandbox_root: str, tests: RepoTests, paths: list[str]) -> tuple[bool, bool, str]:
-    """(original passes, changed fails as recorded, why not) for one built task; across the grading boundary where
-    the task is graded across it (the changed files are the grader's, the episode's process holds the version tried)."""
+    """(original passes, changed fails as recorded, why not) for one built task, across the grading boundary as it is
+    graded (the episode's process holds the version tried)."""
     sandbox = worker_sandbox(config, sandbox_root)
     task_files = {path: (tests.layer / path).read_bytes() for path in paths}
-    if crosses(tests.scope):
-        run = lambda changes: run_tests_across(sandbox, tests, task_files, changes, grading_area(sandbox))
-    else:
-        run = lambda changes: run_tests_guarded(
-            sandbox,
-            tests.grading_base,
-            changes,
-            tests.test_files,
-            tests.pytest_args,
-            tests.timeout_s,
-            tests.hidden,
-            grading_area(sandbox),
-            tests.run_environment("repo"),
-        )
+    run = lambda changes: run_tests_across(sandbox, tests, changes, grading_area(sandbox))
     expected = (*tests.fail_to_pass, *tests.pass_to_pass)
     original = run({})
     original_ok = original.complete and not original.flags and all(original.outcomes.get(i) == "passed" for i in expected)

@@ -5,11 +5,13 @@ directories 0777: every command of an episode runs as another uid, so the agent'
 and a *grading base* (root's 0644/0755: nothing a sandboxed run does can change it). As root an episode gets an
 overlayfs view, its task's changed file and the episode base as read-only lower layers and an upper layer of its
 own; else a plain copy. Grading never trusts the episode's files: it takes from them only what the task asks for
-(`rollout.tasks.repository.grading_policy`: source only, the task's function(s), no tests or test configuration;
-the kept change checked for code that reaches for the test run), builds a fresh read-only view of the grading base
-with it, and runs pytest there in the sandbox through `rollout.tasks.repository.pytest_report`, which streams its
+(`rollout.tasks.repository.grading_policy`: source only, the task's functions, no tests or test configuration) and
+runs it across the grading boundary (`run_tests_across`): pytest in the sandbox over a fresh read-only view of the
+grading base with the task's functions as proxies, through `rollout.tasks.repository.pytest_report`, which streams its
 report over a channel no file of the run holds, each line HMAC-chained under a per-run key, among trusted sentinel
-tests that must pass and fail (`read_report` believes nothing else).
+tests that must pass and fail (`read_report` believes nothing else); the proxies' calls answered by the episode's
+version in a sandboxed process of its own. (`run_tests_guarded` alone, pytest over the trusted package with changes
+in its own process, is for the build's runs of the project's and the task's own code.)
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ class RepoTestPlan:
     timeout_s: float
     pass_to_pass_policy: PassToPass = "required"
     scope: tuple[Scope, ...] = ()
-    """What the task asks to change (its function(s) or files): the only part of an episode's change that grading
-    takes (`grading_policy.keep_change`); () lets it change any source file of the package, each whole."""
+    """The functions the task asks to change, per file: the only part of an episode's change that grading takes
+    (`grading_policy.keep_change`), each run across the grading boundary (`run_tests_across`)."""
     source: str = ""
     """The directory holding the package, relative to the project root, when it is not the root (`src`)."""
 
@@ -338,16 +340,16 @@ def _without_tests(grading_base: Path, package: str, test_files: tuple[str, ...]
     return {path: None for path in gone if not any(str(parent) in gone for parent in PurePosixPath(path).parents)}
 
 
-def run_tests_across(
-    sandbox: Sandbox, tests: RepoTests, task_files: dict[str, bytes | None], episode: dict[str, bytes | None], area: Path
-) -> TestReport:
-    """The task's tests in the grader's process (`run_tests_guarded`) over the trusted package with the task's
-    functions as proxies (`boundary.proxied`); their calls answered by a sandboxed process of its own that holds the
-    package with `episode` (the kept change) and no tests (`crossing.serve`)."""
-    grader = dict(task_files)
+def run_tests_across(sandbox: Sandbox, tests: RepoTests, episode: dict[str, bytes | None], area: Path) -> TestReport:
+    """The task's tests in the grader's process (`run_tests_guarded`) over the trusted package (the grading base)
+    with the task's functions as proxies (`boundary.proxied`); their calls answered by a sandboxed process of its own
+    that holds the package with `episode` (the kept change) and no tests (`crossing.serve`)."""
+    if not crosses(tests.scope):
+        raise ValueError(f"a repository task's scope must name its functions: {tests.scope}")
+    grader = {}
     for scope in tests.scope:
-        text = grader[scope.path] if scope.path in grader else (tests.grading_base / scope.path).read_bytes()
-        grader[scope.path] = proxied(text.decode(), scope.functions, module_name(scope.path, tests.source)).encode()
+        text = (tests.grading_base / scope.path).read_text()
+        grader[scope.path] = proxied(text, scope.functions, module_name(scope.path, tests.source)).encode()
     area.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="episode-", dir=area))
     mounted = False
@@ -610,27 +612,10 @@ class RepoWorkspace(Workspace):
     def grade(self) -> SandboxResult:
         tests = self.tests
         kept = keep_change(self.changed(), self._task_files, tests.grading_base, tests.package, tests.scope)
-        across = crosses(tests.scope)
-        if across:
-            report = run_tests_across(self.sandbox, tests, self._task_files, kept.files, self._area)
-        else:
-            report = run_tests_guarded(
-                self.sandbox,
-                tests.grading_base,
-                kept.files,
-                tests.test_files,
-                tests.pytest_args,
-                tests.timeout_s,
-                tests.hidden,
-                self._area,
-                tests.run_environment("repo"),
-            )
-        result = score(report, tests, self.reward)
+        result = score(run_tests_across(self.sandbox, tests, kept.files, self._area), tests, self.reward)
         for flag, found, why in (
             ("tests_modified", kept.protected, "ignored: graded with the trusted copies"),
             ("change_dropped", kept.dropped, "not graded"),
-            # Across the boundary the change runs where it can decide nothing but its own answers.
-            ("forbidden_code", () if across else kept.forbidden, "in the graded change"),
         ):
             if found:
                 shown = "; ".join(found[:10]) + (f" and {len(found) - 10} more" if len(found) > 10 else "")
