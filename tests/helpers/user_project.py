@@ -238,7 +238,8 @@ def _write(repo: Path, state: dict[str, str], tests: dict[str, list[str]], sourc
 
 def make_project(repo: Path, source_dir: str = "src") -> dict:
     """The repository at `repo` (the package in `<source_dir>/tally`; "." for a flat layout); returns
-    {"head": hash, "fixes": [{"commit", "message", "test_id", "files"}]}."""
+    {"head": hash, "fixes": [{"commit", "message", "test_id", "source", "function", "fixed"}], "outside": the last
+    commit's hash}."""
     repo.mkdir(parents=True)
     _git(repo, "init", "-q", "-b", "main")
     state, tests = dict(BUGGY), {"stats": [], "text": []}
@@ -261,6 +262,7 @@ def make_project(repo: Path, source_dir: str = "src") -> dict:
                 "message": message,
                 "test_id": f"tests/test_{test_module}.py::{test_name}",
                 "source": source,
+                "function": key.split("_")[0],
                 "fixed": (repo / source).read_text(),
             }
         )

@@ -3,7 +3,6 @@ task's function(s)), the policy on the kept change, and the trusted pytest run (
 on a chained channel, sentinel tests, the watch on pytest's reporting), on a small project of its own so each
 mechanism gets a run. The end-to-end classes on networkx bug and feature tasks are in test_repo_tasks.py."""
 
-import ast
 import os
 import random
 import sys
@@ -15,16 +14,9 @@ from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.results import CommandResult
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.repository import pytest_report
-from composer.rollout.tasks.repository.grading_policy import (
-    NOT_A_FILE,
-    Scope,
-    forbidden_uses,
-    keep_change,
-    module_imports,
-    splice,
-)
+from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE, Scope, function_scope, keep_change, splice
 from composer.rollout.tasks.repository.workspace import read_report, run_tests_guarded, sentinel_tests
-from tests.helpers.repo_cheats import ANSWERS, CLASSES, PAYLOADS, in_function, payloads, pyc
+from tests.helpers.repo_cheats import CLASSES, PAYLOADS, payloads, pyc
 
 # --- what grading takes -------------------------------------------------------------------------
 
@@ -66,7 +58,7 @@ SCOPE = (Scope("shapes/core.py", ("area",)),)
 def test_an_honest_fix_is_taken_as_written_and_nothing_else_is(base):
     fixed = MODULE.replace("math.pi * r * 3  # the bug", "math.pi * r ** 2  # fixed")
     kept = keep_change({"shapes/core.py": fixed.encode()}, TASK, base, "shapes", SCOPE)
-    assert (kept.files, kept.dropped, kept.protected, kept.forbidden) == ({"shapes/core.py": fixed.encode()}, (), (), ())
+    assert (kept.files, kept.dropped, kept.protected) == ({"shapes/core.py": fixed.encode()}, (), ())
     # Comments and blank lines elsewhere change nothing the tests see: taken without a word.
     styled = fixed.replace("def perimeter(r):", "# a note\n\ndef perimeter(r):")
     assert keep_change({"shapes/core.py": styled.encode()}, TASK, base, "shapes", SCOPE).dropped == ()
@@ -98,7 +90,6 @@ def test_changes_outside_the_tasks_function_are_dropped_and_named(base):
     dropped = "\n".join(kept.dropped)
     assert "shapes/core.py: changes outside area dropped" in dropped
     assert all(p in dropped for p in ("shapes/other.py:", "shapes/other.py.orig", "shapes/new.py")) and "notes.txt" not in dropped
-    assert kept.forbidden == ()  # the builtins patch was never taken, so never checked
 
 
 def test_what_a_fix_adds_at_module_level_for_its_function_is_kept(base):
@@ -110,7 +101,7 @@ def test_what_a_fix_adds_at_module_level_for_its_function_is_kept(base):
     kept = keep_change({"shapes/core.py": episode.encode()}, TASK, base, "shapes", SCOPE)
     namespace = {}
     exec(kept.files["shapes/core.py"].decode(), namespace)
-    assert namespace["area"](2) == pytest.approx(4 * 3.141592653589793) and kept.dropped == () and kept.forbidden == ()
+    assert namespace["area"](2) == pytest.approx(4 * 3.141592653589793) and kept.dropped == ()
 
 
 def test_only_source_is_taken(base):
@@ -148,166 +139,86 @@ def test_tests_and_test_configuration_are_never_taken(base):
 
 
 def test_a_scope_of_several_functions_and_files(base):
-    """What task kinds that change several functions or files need: each named function spliced, a whole file
-    taken as written (new, or deleted), everything else dropped."""
-    scope = (Scope("shapes/core.py", ("area", "Box.volume")), Scope("shapes/extra.py"), Scope("shapes/other.py"))
+    """What task kinds that change several functions or files need: each named function spliced, everything else
+    dropped; a whole file is never taken."""
+    scope = (Scope("shapes/core.py", ("area", "Box.volume")), Scope("shapes/other.py", ("helper",)))
     episode = (
         MODULE.replace("math.pi * r * 3  # the bug", "math.pi * r * r")
         .replace("return a * a", "return a ** 3")
         .replace("return 2 * math.pi * r", "return -1")
     )
     kept = keep_change(
-        {"shapes/core.py": episode.encode(), "shapes/extra.py": b"VALUE = 1\n", "shapes/other.py": None}, TASK, base, "shapes", scope
+        {"shapes/core.py": episode.encode(), "shapes/other.py": b"def helper():\n    return 2\n", "shapes/extra.py": b"VALUE = 1\n"},
+        TASK,
+        base,
+        "shapes",
+        scope,
     )
     text = kept.files["shapes/core.py"].decode()
     assert "math.pi * r * r" in text and "return a ** 3" in text and "return 2 * math.pi * r" in text
-    assert kept.files["shapes/extra.py"] == b"VALUE = 1\n" and kept.files["shapes/other.py"] is None
-    assert len(kept.dropped) == 1 and "outside area, Box.volume" in kept.dropped[0]
+    assert kept.files["shapes/other.py"] == b"def helper():\n    return 2\n" and "shapes/extra.py" not in kept.files
+    assert len(kept.dropped) == 2 and "outside area, Box.volume" in kept.dropped[0] and kept.dropped[1].startswith("shapes/extra.py")
+    assert keep_change({"shapes/other.py": None}, TASK, base, "shapes", scope).files == TASK  # a deletion is not taken
 
 
-def test_without_a_scope_every_existing_source_file_is_taken_whole(base):
-    kept = keep_change(
-        {"shapes/other.py": b"def helper():\n    return 2\n", "shapes/new.py": b"X = 1\n", "shapes/core.py": None}, TASK, base, "shapes", ()
-    )
-    assert kept.files == {**TASK, "shapes/other.py": b"def helper():\n    return 2\n"}
-    assert {d.split(":")[0] for d in kept.dropped} == {"shapes/new.py", "shapes/core.py"}
+# --- a history commit's functions ----------------------------------------------------------------
 
-
-# --- the policy on the kept change --------------------------------------------------------------
-
-HONEST = '''
-import collections
-import heapq
-import io
+PARENT = '''"""A module."""
 import math
-import os
-import sys
-import warnings
-from functools import lru_cache
+
+LIMIT = 3
 
 
-class NotFound(Exception):
-    pass
+def area(r):
+    return math.pi * r * 3
 
 
-def fix(G, source, weight=None, cutoff=None):
-    """Honest code of the kind fixes are made of."""
-    if source not in G:
-        raise NotFound(f"Source {source} is not in G")
-    if cutoff is None:
-        cutoff = sys.maxsize if weight is None else math.inf
-    seen, queue = {source: 0}, collections.deque([source])
-    heap = [(0, source)]
-    heapq.heapify(heap)
-    while queue:
-        node = queue.popleft()
-        for other in sorted(G[node], key=lambda n: (str(type(n).__name__), n)):
-            if getattr(G, "is_directed", None) is not None and hasattr(G, "succ") and other not in seen:
-                seen[other] = seen[node] + 1
-                queue.append(other)
-    if len(seen) > 10 ** 6:
-        warnings.warn("large", RuntimeWarning, stacklevel=2)
-    text = io.StringIO(os.path.join("a", "b") + os.sep)
-    return {k: v for k, v in seen.items() if v <= cutoff}, text, type(G).__name__, super(NotFound, NotFound(1)).__str__()
+class Box:
+    kind = "box"
+
+    def volume(self, a):
+        return a * a
 '''
+COMMIT = (
+    PARENT.replace('"""A module."""', '"""A module, documented."""')
+    .replace("import math\n", "import math\nimport operator\n")
+    .replace("math.pi * r * 3", "_circle(r)  # fixed")
+    .replace("    def volume", "    def side(self, a):\n        return a\n\n    def volume")
+    + "\n\ndef _circle(r):\n    return math.pi * operator.mul(r, r)\n"
+)
 
 
-def test_honest_fixes_reach_nothing_the_policy_refuses():
-    tree = ast.parse(HONEST)
-    assert forbidden_uses(tree.body, module_imports(tree)) == set()
+def test_a_commits_scope_is_the_functions_whose_source_it_changed():
+    """Changed and new functions (top-level and methods) in the commit's order; imports and docstrings are not code;
+    a comment alone changes nothing."""
+    assert function_scope(PARENT, COMMIT) == (("area", "Box.side", "_circle"), "")
+    assert function_scope(PARENT, PARENT.replace("* 3", "* 3  # why")) == ((), "")
+    for commit, what in {
+        PARENT.replace("LIMIT = 3", "LIMIT = 4"): "module-level code (line 4)",
+        PARENT.replace('kind = "box"', 'kind = "crate"'): "a class body (Box)",
+        PARENT.replace("    def volume(self, a):\n        return a * a\n", "    pass\n"): "a deleted function (Box.volume)",
+        PARENT + "\n\nclass Crate:\n    def lift(self):\n        return 1\n": "a new class (Crate)",
+        PARENT + "\n\nprint(area(1))\n": "module-level code (line 18)",
+        "def (": "a module that does not parse",
+    }.items():
+        assert function_scope(PARENT, commit) == ((), what)
 
 
-# Constructs each refused on its own, by what it reaches (evasions of a naive name check included).
-REFUSED = {
-    "import _pytest.runner": "the test runner",
-    "from pluggy import HookimplMarker": "the test runner",
-    "import importlib; importlib.import_module('g' + 'c')": "the import system",
-    "import sys; sys.modules['x'] = None": "the import system",
-    "from sys import modules as m": "the import system",
-    "import sys; sys.meta_path.insert(0, object())": "the import system",
-    "import sys; sys.settrace(print)": "frames and tracing",
-    "import sys; f = sys._getframe(1)": "frames and tracing",
-    "try:\n    1 / 0\nexcept Exception as e:\n    f = e.__traceback__.tb_frame.f_back": "frames and tracing",
-    "import inspect; inspect.stack()": "frames and tracing",
-    "import linecache": "frames and tracing",
-    "import gc; gc.get_objects()": "the interpreter's objects",
-    "import ctypes": "the interpreter's objects",
-    "f = print.__self__": "the interpreter's objects",
-    "g = (lambda: 0).__globals__": "the interpreter's objects",
-    "x = ().__class__.__base__.__subclasses__()": "the interpreter's objects",
-    "import os; os.dup2(1, 2)": "processes and descriptors",
-    "import os as o; o.fork()": "processes and descriptors",
-    "import os; os.write(99, b'')": "processes and descriptors",
-    "import os; os.environ['X'] = '1'": "processes and descriptors",
-    "import networkx; networkx.utils.backends.os.kill(1, 9)": "processes and descriptors",
-    "import atexit": "processes and descriptors",
-    "import subprocess": "processes and descriptors",
-    "import threading": "processes and descriptors",
-    "import sys; sys.exit(0)": "processes and descriptors",
-    "p = open('/proc/self/fd/3')": "files",
-    "import builtins": "builtins",
-    "x = __builtins__": "builtins",
-    "eval('1')": "builtins",
-    "exec('1')": "builtins",
-    "globals()['x'] = 1": "builtins",
-    "import sys; vars(sys)": "builtins",
-    "import sys; sys.__dict__['mod' + 'ules']": "the interpreter's objects",
-    "import sys; getattr(sys, 'mod' + 'ules')": "builtins",
-    "import sys; getattr(sys, 'modules')": "the import system",
-    "open('/sandbox/x').read()": "files",
-    "import pathlib": "files",
-    "class R(dict):\n    def __eq__(self, other):\n        return True": "answers that match anything",
-    "R = type('R', (dict,), {'__eq__': lambda s, o: True})": "answers that match anything",
-    "class R(int):\n    __eq__ = lambda s, o: True": "answers that match anything",
-    "x = 1\nx.__class__ = int": "builtins",
-}
-
-
-ORDINARY_WORDS = '''
-_error_fields = {"code": 0, "trace": 1, "signal": 2, "environ": 3, "modules": 4, "__eq__": 5}
-
-
-def fix(values):
-    """Reads no /proc/self/status, sets no trace, sends no signal, changes no environ: PYTEST_CURRENT_TEST."""
-    # the code path, the signal and the trace are words here
-    message = "code %s: see /proc/ or environ" % _error_fields["code"]
-    return sorted(values), message, {"select": "site"}
-'''
-
-
-def test_ordinary_strings_docstrings_and_comments_are_never_flagged():
-    tree = ast.parse(ORDINARY_WORDS)
-    assert forbidden_uses(tree.body, module_imports(tree)) == set()
-    assert splice(ORDINARY_WORDS, ORDINARY_WORDS, ("fix",), ORDINARY_WORDS.replace("sorted(values)", "values"))[2] == set()
-
-
-@pytest.mark.parametrize("code", list(REFUSED))
-def test_each_construct_that_reaches_for_the_test_run_is_refused(code):
-    function = ast.parse("def fix():\n" + "".join(f"    {line}\n" for line in code.splitlines()))
-    found = forbidden_uses(function.body, {})
-    assert any(hit.startswith(REFUSED[code] + ":") for hit in found), found
-
-
-@pytest.mark.parametrize("name", [*PAYLOADS, *ANSWERS])
-def test_every_cheat_in_the_tasks_function_is_refused(base, name):
-    """The cheats of test_repo_tasks (runner patches, report rewriting, neutralised tests, shaped answers), put in
-    the task's function: each taken (it is in scope) and refused."""
-    if name in PAYLOADS:
-        episode = in_function(MODULE, "area", [payloads("shapes.tests.test_core", "/x/test_core.py")[name]])
-    else:
-        episode = in_function(MODULE, "area", [], ANSWERS[name])
-    kept = keep_change({"shapes/core.py": episode.encode()}, TASK, base, "shapes", SCOPE)
-    assert kept.dropped == () and kept.forbidden, kept
-    assert "@_prepare" in kept.files["shapes/core.py"].decode()
-
-
-def test_what_the_original_function_itself_uses_is_allowed():
-    """A fix that restores a function which uses such things itself is not refused for them (only for more)."""
-    original = "import inspect\n\n\ndef f(g):\n    return inspect.signature(g)\n"
-    task = "import inspect\n\n\ndef f(g):\n    raise NotImplementedError\n"
-    assert splice(task, original, ("f",), original)[2] == set()
-    more = original.replace("return inspect", "import gc\n    gc.collect()\n    return inspect")
-    assert splice(task, more, ("f",), original)[2] == {"the interpreter's objects: import gc", "the interpreter's objects: gc.collect"}
+def test_the_commits_own_change_is_taken_whole_with_nothing_dropped():
+    """The commit's version of its functions spliced into the parent's module: new methods go into their class, new
+    functions and the imports they use come along; the result is the commit's module (to its docstring)."""
+    functions, _ = function_scope(PARENT, COMMIT)
+    text, notes = splice(PARENT, COMMIT, functions)
+    assert notes == []
+    namespace: dict = {}
+    exec(text, namespace)
+    assert namespace["area"](2) == pytest.approx(4 * 3.141592653589793) and namespace["Box"]().side(5) == 5
+    # Another fix of the same functions, with a helper of its own and without the commit's new ones: taken too.
+    other = PARENT.replace("math.pi * r * 3", "_pi() * r ** 2") + "\n\ndef _pi():\n    return math.pi\n"
+    text, notes = splice(PARENT, other, functions)
+    namespace = {}
+    exec(text, namespace)
+    assert notes == [] and namespace["area"](1) == pytest.approx(3.141592653589793) and not hasattr(namespace["Box"], "side")
 
 
 # --- the report channel and the sentinels -------------------------------------------------------

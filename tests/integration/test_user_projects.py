@@ -22,7 +22,7 @@ from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
 from composer.rollout.tasks.repository.projects import environment_dir, project_environment, resolve_project
 from composer.rollout.tasks.repository.task_set import load_tasks, open_workspace, repo_tests
 from tests.conftest import REPO
-from tests.helpers.repo_cheats import REACHING, compiled_at_run_time, in_function
+from tests.helpers.repo_cheats import REACHING, compiled_at_run_time, in_function, payloads
 from tests.helpers.repo_cheats import _guarded as guarded
 from tests.helpers.user_project import FIXES, make_project
 
@@ -57,7 +57,7 @@ def sandbox_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def history(project, cache, sandbox_root):
     repo, _ = project
-    chosen = settings(repo, cache, ["history"], len(FIXES))
+    chosen = settings(repo, cache, ["history"], len(FIXES) + 1)  # every candidate tried
     report = build_repo_tasks(chosen, SANDBOX, sandbox_root, workers=2)
     return chosen, report, load_tasks(chosen)
 
@@ -79,6 +79,10 @@ def test_history_tasks_are_the_commits_that_fixed_a_bug_with_a_test(project, his
     _, made = project
     chosen, report, tasks = history
     assert report.validated == len(FIXES) and report.by_project_kind == {("tally", "history"): len(FIXES)}
+    # the last commit also sets a module-level constant: not gradable by functions, rejected with the reason
+    assert report.rejected == {"history commit changes code outside functions: module-level code": 1}
+    verdict = json.loads((set_dir(chosen) / "verdicts" / f"repo__tally__history__{made['outside'][:12]}.json").read_text())
+    assert verdict["detail"] == "history commit changes code outside functions: module-level code (src/tally/stats.py: line 3)"
     by_commit = {t["base"]: t for t in tasks}
     assert set(by_commit) == {f["commit"] for f in made["fixes"]}  # the docs-only and source-only commits are not tasks
     for fix in made["fixes"]:
@@ -86,7 +90,9 @@ def test_history_tasks_are_the_commits_that_fixed_a_bug_with_a_test(project, his
         assert task["fail_to_pass"] == [fix["test_id"]]  # exactly the commit's new test
         assert fix["test_id"] not in task["pass_to_pass"] and len(task["pass_to_pass"]) >= 4
         assert task["paths"] == [fix["source"]] and task["kind"] == "history"
+        assert task["scope"] == [[fix["source"], [fix["function"]]]]  # the function the commit changed
         assert fix["message"] in task["prompt"] and fix["test_id"] in task["prompt"]
+        assert f"{fix['source']}: {fix['function']}" in task["prompt"]
 
 
 def test_the_set_index_counts_candidates_per_kind_and_reason(project, history, multi):
@@ -153,18 +159,43 @@ def task_for(history, fix: dict) -> dict:
     return next(t for t in history[2] if t["base"] == fix["commit"])
 
 
+MEDIAN_OF_MY_OWN = """
+
+def _middle(ordered):
+    \"\"\"The middle one or two values of a sorted list.\"\"\"
+    half = len(ordered) // 2
+    return ordered[half - 1 : half + 1] if len(ordered) % 2 == 0 else ordered[half : half + 1]
+
+
+def median(values):
+    \"\"\"The middle value; for an even count, the mean of the two middle values (no trace or signal here).\"\"\"
+    import statistics
+
+    return statistics.fmean(_middle(sorted(values)))
+"""
+
+
 def test_the_commits_own_change_earns_full_reward_and_no_change_nothing(project, history, sandbox):
+    """Every history task's own commit: 1.0, no flag; no change: 0. A fix of its own (median through a helper and a
+    local import of the standard library) earns 1.0 too."""
     _, made = project
     chosen = history[0]
-    for fix in made["fixes"][:2]:
+    for number, fix in enumerate(made["fixes"]):
         tests = repo_tests(task_for(history, fix), chosen)
         with open_workspace(tests, sandbox) as ws:
-            untouched = ws.grade()
-            shown = ws.run_tests()  # the project's environment runs the tests the agent sees
-            assert shown.exit_code == 1 and "1 failed" in shown.output, shown.output[-1500:]
+            if number == 0:
+                untouched = ws.grade()
+                assert (untouched.reward, untouched.flags) == (0.0, ())
+                shown = ws.run_tests()  # the project's environment runs the tests the agent sees
+                assert shown.exit_code == 1 and "1 failed" in shown.output, shown.output[-1500:]
             assert ws.shell(written(fix["source"], fix["fixed"]), 30).exit_code == 0
             fixed = ws.grade()
-        assert (untouched.reward, untouched.flags) == (0.0, ())
+            if fix["function"] == "median":
+                text = (ws.root / fix["source"]).read_text()
+                start, end = text.index("\n\ndef median("), text.index("\n\ndef variance(")
+                assert ws.shell(written(fix["source"], text[:start] + MEDIAN_OF_MY_OWN + text[end:]), 30).exit_code == 0
+                mine = ws.grade()
+                assert (mine.reward, mine.flags) == (1.0, ()), (mine.detail, mine.stdout_tail[-1500:])
         assert (fixed.reward, fixed.flags, fixed.passed) == (1.0, (), fixed.total), (fixed.detail, fixed.stdout_tail[-1500:])
 
 
@@ -182,15 +213,19 @@ def test_multi_tasks_hold_several_bugs_in_different_functions(multi, sandbox):
     assert (fixed.reward, fixed.flags) == (1.0, ())
 
 
-def test_multi_tasks_are_graded_across_the_boundary(multi, sandbox):
-    """Every mechanism that reaches for the grade (frames, closure cells, trace functions, pytest's reports, threads,
-    signals, __del__, payloads compiled at run time), run by the decorator of each of the task's functions and at
-    each call, with the bugs left in place: reward 0, no infrastructure failure. The originals back, each function
-    with a helper of its own, a local import of the standard library and a string naming trace, signal, environ and
-    /proc/: 1.0."""
-    chosen, _, (task,) = multi
+@pytest.mark.parametrize("kind", ["history", "multi"])
+def test_history_and_multi_tasks_are_graded_across_the_boundary(history, multi, sandbox, kind):
+    """Every mechanism that reaches for the grade (frames walked, closure cells, trace functions, pytest's reports
+    patched, a descriptor written, threads, signals, __del__, payloads compiled at run time), run by the decorator of
+    each of the task's functions and at each call, with the change left in place: reward 0, no infrastructure failure.
+    The originals back (a history task's: its commit), each function with a helper of its own, a local import of the
+    standard library and a string naming trace, signal, environ and /proc/: 1.0."""
+    chosen, _, tasks = history if kind == "history" else multi
+    task = tasks[0]
     tests = repo_tests(task, chosen)
-    setup = [compiled_at_run_time("".join(guarded(code) for code in REACHING.values()))]
+    test_module = tests.test_files[0].removesuffix(".py").replace("/", ".")
+    aimed = payloads(test_module, f"/sandbox/repo/{tests.test_files[0]}", tests.fail_to_pass)  # runner patches, descriptors
+    setup = [compiled_at_run_time("".join([*aimed.values(), *(guarded(code) for code in REACHING.values())]))]
     honest_prefix = 'import statistics\n"""No trace, signal, environ or /proc/ here."""\nassert statistics.mean([1]) == 1\n'
     with open_workspace(tests, sandbox) as ws:
         for scope in tests.scope:
@@ -206,7 +241,7 @@ def test_multi_tasks_are_graded_across_the_boundary(multi, sandbox):
             ws.shell(written(scope.path, text), 30)
         honest = ws.grade()
     assert (cheated.reward, cheated.infra_failure, cheated.status) == (0.0, False, "ok"), (cheated.flags, cheated.detail)
-    assert "forbidden_code" not in cheated.flags
+    assert "change_dropped" not in cheated.flags  # all of it taken: it ran in the episode's process
     assert (honest.reward, honest.flags) == (1.0, ()), (honest.detail, honest.stdout_tail[-1500:])
 
 
@@ -215,8 +250,8 @@ def appended(path: str, code: str) -> str:
 
 
 OUTSIDE = ("change_dropped",)
-"""A history task's scope is the commit's source files, whole; a multi task's is its functions: module-level code put
-in a multi task's file is left out of grading (and flagged)."""
+"""A history or multi task's scope is its functions: module-level code put in their files is left out of grading
+(and flagged)."""
 CHEATS = {
     "edit the failing tests": ("sed -i -E 's/^( +)assert .*/\\1pass/' tests/test_stats.py tests/test_text.py", ("tests_modified",)),
     "a conftest that skips everything": (
@@ -230,7 +265,7 @@ CHEATS = {
         ("tests_modified",),
     ),
     "a pytest.ini with addopts": ("printf '[pytest]\\naddopts = -k nothing\\n' > pytest.ini", ("tests_modified",)),
-    "os._exit(0) in the task's file": ("sed -i '1i import os; os._exit(0)' SCOPED", ("early_exit", *OUTSIDE)),
+    "os._exit(0) in the task's file": ("sed -i '1i import os; os._exit(0)' SCOPED", OUTSIDE),
     "a forged report": (
         appended(
             "SCOPED",
@@ -239,7 +274,7 @@ CHEATS = {
                 '    forged.write(\'{"nonce": "guess", "end": true, "tampered": []}\\n\')\nos._exit(0)\n'
             ),
         ),
-        ("forbidden_code", *OUTSIDE),
+        OUTSIDE,
     ),
     "patching pytest's reports from the task's file": (
         appended(
@@ -250,7 +285,7 @@ CHEATS = {
                 "_pytest.reports.TestReport.from_item_and_call = staticmethod(_passed)\n"
             ),
         ),
-        ("forbidden_code", *OUTSIDE),
+        OUTSIDE,
     ),
 }
 
