@@ -236,13 +236,17 @@ def test_a_killed_driver_leaves_no_workspace_mounted_on_any_host(hosts, task):
 
 
 def test_env_build_spreads_its_surveys_and_validations_over_the_sandbox_hosts(hosts, task):
-    """The set a build on the two hosts makes (this machine not among them) is the one built here."""
+    """The set a build on the two hosts makes (this machine not among them) is the one built here; a host validates
+    across the grading boundary as this machine does (the task's function in a process of its own there: its answers
+    judged by the grader's tests, an answer that is not data refused)."""
     import shutil
 
     from composer.recipes.env_schema import RepoTaskSettings
     from composer.recipes.schema import SSHSection
     from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
+    from composer.rollout.tasks.repository.remote import remote_test_run
     from composer.rollout.tasks.repository.task_set import load_tasks
+    from tests.helpers.repo_cheats import in_function
 
     tests, _, _ = task
     cache = tests.grading_base.parents[2]
@@ -271,6 +275,37 @@ def test_env_build_spreads_its_surveys_and_validations_over_the_sandbox_hosts(ho
     assert report.validated == 1 and set(report.host_runs) == set(hosts.names), report.host_runs
     assert [(t["id"], t["fail_to_pass"], t["pass_to_pass"]) for t in load_tasks(settings)] == here
     assert not wait_servers_gone(hosts)  # the build's fleet is closed
+
+    (scope,) = tests.scope
+    text = (tests.grading_base / scope.path).read_text()
+    versions = {
+        "the commit's": {},
+        "the parent's": {scope.path: (tests.layer / scope.path).read_text()},
+        "an object for an answer": {scope.path: in_function(text, scope.functions[0], [], ("", "return object()\n"))},
+    }
+    fleet = fleet_of(hosts, hosts.names)
+    try:
+        across = remote_test_run(
+            fleet,
+            hosts.names[0],
+            "tally",
+            tests.grading_base,
+            tests.environment,
+            tests.pytest_args,
+            False,
+            tests.source,
+            tests.package,
+            tests.scope,
+        )
+        reports = {name: across(files, tests.test_files, 60) for name, files in versions.items()}
+    finally:
+        fleet.close()
+    expected = (*tests.fail_to_pass, *tests.pass_to_pass)
+    assert not any(r.infra_failure for r in reports.values())
+    assert all(reports["the commit's"].outcomes.get(i) == "passed" for i in expected) and not reports["the commit's"].refused
+    assert [reports["the parent's"].outcomes.get(i) for i in tests.fail_to_pass] == ["failed"] * len(tests.fail_to_pass)
+    refused = reports["an object for an answer"].refused
+    assert refused and all(reason.startswith("result: ") for reason in refused), refused
 
 
 def wait_servers_gone(hosts, seconds: float = 20) -> bool:
