@@ -228,7 +228,6 @@ class GuardsSection(Section):
             "stray_processes",
             "canary_passed",
             "tests_modified",
-            "forbidden_code",
             "sentinel_tripped",
         ]
     )

@@ -64,9 +64,9 @@ FLAGS = {
     "tests_modified": "a repository task's episode changed its tests, conftest.py, pytest configuration, sitecustomize "
     "or .pth files (ignored: graded with trusted copies)",
     "change_dropped": "a repository task's episode changed what its grade does not take (code outside the task's "
-    "function(s) or files, bytecode, non-regular files): left out, it never ran",
-    "forbidden_code": "a repository task's graded change reaches the test runner, the import system, frames or tracing, "
-    "gc, descriptors or processes, ctypes, atexit or builtins, or makes objects equal to anything",
+    "functions, bytecode, non-regular files): left out, it never ran",
+    "forbidden_code": "no longer raised (a repository task's change reaching for the test run, from when history tasks "
+    "ran it in pytest's process); accepted in `guarded` so older recipes load",
     "sentinel_tripped": "trusted sentinel tests in a repository task's test run were not reported as written (tests "
     "neutralised, outcomes rewritten)",
 }
@@ -80,7 +80,6 @@ DEFAULT_GUARDED = (
     "stray_processes",
     "canary_passed",
     "tests_modified",
-    "forbidden_code",
     "sentinel_tripped",
 )
 

@@ -6,8 +6,9 @@ trusted package in which each function of the task's scope keeps its trusted sig
 checks and conversions stay the grader's) but its body is one call, `crossing.call(module, name, args, kwargs)`,
 answered by the episode's version of the function in a sandboxed process of its own (`crossing.serve`, as another
 uid, with the package and the episode's change and without the tests). What crosses is data
-(`rollout/tasks/repository/crossing.py`). A task is graded this way when its scope names functions; `env build`
-keeps a task only when its original passes its expected tests this way and its change fails its fail-to-pass ones.
+(`rollout/tasks/repository/crossing.py`). Every task is graded this way (every kind's scope names functions);
+`env build` keeps a task only when its original passes its expected tests this way and its change fails its
+fail-to-pass ones.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ CROSSING_MODULE = "_composer_crossing"
 
 
 def crosses(scope: tuple[Scope, ...]) -> bool:
-    """Whether a task with this scope is graded across the boundary: it names the functions it asks for."""
+    """Whether a task with this scope can be graded across the boundary: it names the functions it asks for (a set
+    built before history tasks were scoped by functions has whole files: `task_set.repo_tests` refuses it)."""
     return bool(scope) and all(s.functions and s.path.endswith(".py") for s in scope)
 
 

@@ -25,7 +25,9 @@ How a task set is built (`build_repo_tasks`, `composer env build`):
      the grader uses); its *expected* tests are those that passed both times; a file that needs more CPU time than
      `max_test_seconds` (CPU, not wall time: the same on a busy host) or has no passing test is not used;
   4. a candidate is validated: its changed files alone, its test files run again; fail-to-pass = expected tests
-     that now fail (at least one), pass-to-pass = those still passing.
+     that now fail (at least one), pass-to-pass = those still passing; then across the grading boundary, as episodes
+     are graded: the original must pass every expected test there and the change fail exactly its fail-to-pass ones
+     (a history commit whose change is not all in functions is rejected before any test runs).
 Everything is cached under `cache_dir`, keyed by the settings that decide the set and the projects' digests; each
 survey and each candidate's verdict is its own atomically written file, so a killed build resumes where it
 stopped, and the set (the first `num_tasks` validated candidates in candidate order) is the same for any number of

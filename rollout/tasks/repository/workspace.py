@@ -249,7 +249,8 @@ def run_tests_guarded(
     """Run pytest on `test_files` (with sentinel tests) in the sandbox over a fresh read-only view of
     `grading_base` with `changes` (trusted tests and configuration: the caller passes only changes it grades), and
     read the trusted plugin's report from the run's channel; `environment`: the project's own; `calls`: the
-    answers to the proxies' calls (`run_tests_across`). Used to validate tasks and to grade episodes."""
+    answers to the proxies' calls (`run_tests_across`). Alone: the build's runs of the project's and the task's own
+    code (surveys, a candidate's change); with `calls`: every grade and the build's checks across the boundary."""
     area.mkdir(parents=True, exist_ok=True)
     reclaim(area)
     work = owned_dir("grade-", area)
