@@ -236,11 +236,14 @@ def _outside(tree: ast.Module, taken: set[str], added: list[ast.stmt]) -> list[t
     def shape(body: list[ast.stmt], prefix: str) -> list[tuple[str, str]]:
         out = []
         where = f"a class body ({prefix[:-1]}, " if prefix else "module-level code ("
-        for number, node in enumerate(body):
+        first = True
+        for node in body:
             if id(node) in removed or isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
-            if number == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-                continue  # a docstring: not code
+            docstring = first and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            first = False
+            if docstring:
+                continue  # not code (the splice keeps the task's own)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and prefix + node.name in taken:
                 continue
             name = prefix + getattr(node, "name", "")
