@@ -93,6 +93,9 @@ def test_history_tasks_are_the_commits_that_fixed_a_bug_with_a_test(project, his
         assert task["scope"] == [[fix["source"], [fix["function"]]]]  # the function the commit changed
         assert fix["message"] in task["prompt"] and fix["test_id"] in task["prompt"]
         assert f"{fix['source']}: {fix['function']}" in task["prompt"]
+    older = {**tasks[0], "scope": [[tasks[0]["path"], []]]}  # an index of the previous version: a whole file in scope
+    with pytest.raises(UserError, match=r"built by an older composer \(its scope is whole files.*composer env build"):
+        repo_tests(older, chosen)
 
 
 def test_the_set_index_counts_candidates_per_kind_and_reason(project, history, multi):
