@@ -44,6 +44,7 @@ from composer.rollout.tasks.repository.workspace import (
     run_tests_across,
     run_tests_guarded,
 )
+from composer.rollout.tasks.workspace import views_area
 
 CHUNK_BYTES = 8 << 20
 """Bytes of a shipped archive per frame."""
@@ -284,7 +285,7 @@ class WorkspaceService:
                 hidden=self._hidden(job.trees),
                 environment=environment,
             )
-            return run_tests_across(self.sandbox, tests, changes, self.sandbox.root / f"views-server-{os.getpid()}")
+            return run_tests_across(self.sandbox, tests, changes, views_area(self.sandbox.root))
         if job.source:
             environment = dataclasses.replace(environment or RunEnvironment(), pythonpath=(f"repo/{job.source}",))
         return run_tests_guarded(
@@ -295,7 +296,7 @@ class WorkspaceService:
             job.pytest_args,
             job.timeout_s,
             self._hidden(job.trees),
-            self.sandbox.root / f"views-server-{os.getpid()}",
+            views_area(self.sandbox.root),
             environment,
         )
 
