@@ -3,7 +3,9 @@ fair sharing, retries with backoff, removal and re-admission of hosts; and the w
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections import Counter
 
 import pytest
@@ -183,6 +185,28 @@ def test_a_lost_connection_removes_the_host_at_once_and_a_silent_host_times_out(
     assert pool.metrics.failures["timeout"] >= 1 and ("silent" in [h for _, h in provider.probes])
     clock.run(until=35.0)
     assert [t for t, h in provider.probes if h == "lost"] == [pytest.approx(0.5 + 30.0)] and pool.hosts["lost"].state == "down"
+
+
+def test_a_finished_run_is_not_held_until_its_timeout():
+    """A driver with 100k sandboxes finishes thousands of runs a second: what a finished run held (its callback,
+    its program) must be freed then, not when its request timeout would have fired."""
+    clock = SimulatedClock()
+    pool = pool_of(FakeProvider(clock, {"a": always(OK)}, seconds=1.0), {"a": 4}, request_timeout=3600.0)
+    results = []
+
+    class Done:
+        def __call__(self, result):
+            results.append(result)
+
+    callbacks = [Done() for _ in range(40)]
+    for i, callback in enumerate(callbacks):
+        assert pool.submit(request(i), "a", callback)
+    held = [weakref.ref(callback) for callback in callbacks]
+    del callbacks, callback
+    clock.run(until=60.0)  # every run done (10 rounds of 4), the timeout an hour away
+    gc.collect()
+    assert results == [OK] * 40
+    assert [ref for ref in held if ref() is not None] == []
 
 
 def test_with_no_host_up_queued_runs_end_as_infra_failure():
