@@ -340,6 +340,18 @@ def test_the_fleet_simulation_script_runs_a_small_burst():
     for figure in ("orchestration CPU per episode", "time to drain / capacity bound", "memory with 3000 in flight"):
         assert figure in done.stdout
 
+    # in bursts (the queue sized to one): every episode still gets its result
+    done = subprocess.run(
+        [sys.executable, "benchmarks/fleet_sim.py", "--episodes", "3000", "--burst", "1000", "--hosts", "4", "--capacity", "16"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == (1 if "MISSED" in done.stdout else 0), done.stderr
+    assert "3000 episodes in bursts of 1000" in done.stdout and "results 3000/3000, infra_failure 0" in done.stdout
+    assert "memory with bursts of 1000" in done.stdout
+
 
 def test_the_fleet_simulation_exits_non_zero_when_it_misses_a_target():
     import subprocess
