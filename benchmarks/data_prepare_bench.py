@@ -16,6 +16,7 @@ still gives comparable figures; the wall-clock ratio of 1 -> 2 workers is bounde
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import tempfile
@@ -27,6 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from composer.data.inputs import plan_units  # noqa: E402
+from composer.data.pipeline import TIMINGS  # noqa: E402
 from composer.data.prepare import prepare_data  # noqa: E402
 from composer.recipes.schema import DataSection  # noqa: E402
 
@@ -123,9 +125,10 @@ def main() -> None:
     summary = full.summary
     removed = ", ".join(f"{step} {r['documents']} docs / {r['tokens']:,} tokens" for step, r in summary["removed"].items())
     print(f"removed: {removed or 'nothing'}; redactions: {summary['redactions']}")
-    total = sum(summary["stage_seconds"].values())
+    stage_seconds = json.loads((full.prefix.parent / TIMINGS).read_text())
+    total = sum(stage_seconds.values())
     print("stage cost (full, 1 worker; step timers summed over tasks):")
-    for stage, seconds in summary["stage_seconds"].items():
+    for stage, seconds in stage_seconds.items():
         print(f"  {stage:<20} {seconds:7.2f} s  {seconds / total:6.1%}")
     if not same:
         raise SystemExit("1 and 2 workers wrote different bytes")

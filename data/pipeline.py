@@ -18,7 +18,8 @@ which worker runs it, so any number of workers (or SLURM array jobs) gives the s
 
 Locally a pool of forked workers (dying with the driver) runs the tasks; a worker that dies is replaced and its
 task runs again. On SLURM (`composer data prepare --submit`) each stage is one job array over its unfinished tasks,
-`--dependency=afterok` on the stage before, each array task running `python -m composer.data.pipeline WORK STAGE`.
+`--dependency=afterok` on the stage before, each array task running `python -m composer.data.pipeline WORK STAGE`;
+a task that fails or is cancelled cancels the arrays after it, and submitting again reruns the unfinished tasks.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ MAX_WORKER_DEATHS = 3
 """Workers that may die in one prepare (each one's task runs again) before it stops and says so."""
 ENTRY_PREFIX = "tokens"  # file names inside a cache entry: tokens.bin, tokens.idx
 MANIFEST = "manifest.json"
+TIMINGS = "timings.json"
+"""Seconds each stage's steps took, summed over its tasks (beside the manifest: they differ from run to run)."""
+SUBMITTED = "slurm-jobs.json"
+"""In a source's work directory: the SLURM jobs of its last `--submit`."""
 
 
 def lsh_bands(threshold: float) -> tuple[int, int]:
@@ -261,7 +266,9 @@ class Publish(PipelineStep):
         for name in (f"{ENTRY_PREFIX}.bin", f"{ENTRY_PREFIX}.idx", "redactions.jsonl"):
             with open(temp / name, "rb") as f:
                 os.fsync(f.fileno())
-        manifest = {
+        seconds = {stage.name: round(stage_seconds(work, stage.name), 3) for stage in stages(plan) if stage.name != "publish"}
+        atomic_write_text(temp / TIMINGS, json.dumps(seconds, indent=2) + "\n")
+        manifest = {  # the same bytes wherever and however often the tasks ran (timings are apart, in TIMINGS)
             "name": plan.source.name,
             "format": plan.source.format,
             "tokenizer": str(plan.tokenizer.directory),
@@ -470,7 +477,6 @@ def summarise(plan: SourcePlan) -> dict:
         "repository_files": int(shaped.get("repository_files", 0)),
         "documents": int(shaped.get("documents_out", 0)),
         "tokens": int(shaped.get("tokens_out", 0)),
-        "stage_seconds": {stage.name: round(stage_seconds(work, stage.name), 3) for stage in stages(plan) if stage.name != "publish"},
     }
 
 
@@ -560,6 +566,7 @@ def prepare_locally(plans: list[SourcePlan], num_workers: int, console: Console 
         # Imported before the workers fork, so each has it loaded (an import takes seconds).
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
         import megatron.core.datasets.indexed_dataset  # noqa: F401
+    refuse_while_submitted(plans)
     locks = [WorkLock(plan.work) for plan in plans]
     pool = WorkerPool(num_workers, plans[0].entry.parent / ".logs" / "workers.log")
     try:
@@ -590,18 +597,51 @@ def _progress(console: Console | None) -> Progress:
 # --- running it: SLURM job arrays ------------------------------------------------------------------
 
 
+def slurm_logs(plan: SourcePlan) -> Path:
+    """Where the array tasks of a source write their output (outside its work directory, which publish removes)."""
+    return plan.entry.parent / ".logs" / "slurm" / plan.entry.name
+
+
+def submitted_jobs_alive(plan: SourcePlan) -> list[str]:
+    """The jobs of this source's last `--submit` still queued or running (none when it was never submitted, or where
+    SLURM's `squeue` is not on PATH)."""
+    record = plan.work / SUBMITTED
+    squeue = shutil.which("squeue")
+    if squeue is None or not record.is_file():
+        return []
+    submitted = json.loads(record.read_text())
+    result = subprocess.run([squeue, "-h", "-o", "%F"], capture_output=True, text=True)  # %F: an array task's array job
+    if result.returncode != 0:
+        raise UserError(f"squeue failed: {(result.stderr or result.stdout).strip()}")
+    queued = set(result.stdout.split())
+    return [job for job in submitted if job in queued]
+
+
+def refuse_while_submitted(plans: list[SourcePlan]) -> None:
+    """Two runs of the same tasks would write the same files: wait for (or cancel) a submission's jobs first."""
+    for plan in plans:
+        if alive := submitted_jobs_alive(plan):
+            raise UserError(
+                f"data.sources[{plan.index}] ({plan.source.name}): SLURM jobs {', '.join(alive)} of its last --submit are still "
+                "queued or running; wait for them (or scancel them), then run this again to go on from the finished tasks"
+            )
+
+
 def submit_to_slurm(plans: list[SourcePlan], cluster: ClusterSection) -> list[tuple[str, str, str]]:
-    """One job array per stage with unfinished tasks, each after the one before; returns (source, stage, job id)."""
+    """One job array per stage with unfinished tasks, each after the one before; returns (source, stage, job id).
+    A task that fails or is cancelled cancels the arrays after it (`--kill-on-invalid-dep`); submitting again, once
+    the arrays have left the queue, reruns only the unfinished tasks."""
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         raise UserError("--submit: `sbatch` is not on PATH; run it on a SLURM login node")
+    refuse_while_submitted(plans)
     python = cluster.python or sys.executable
     workdir = cluster.workdir or os.getcwd()
     submitted = []
     for plan in plans:
         plan.save()
-        (plan.work / "slurm").mkdir(parents=True, exist_ok=True)
-        previous = None
+        slurm_logs(plan).mkdir(parents=True, exist_ok=True)
+        previous, jobs = None, []
         for stage in stages(plan):
             ranks = pending_tasks(plan, stage)
             if not ranks:
@@ -613,8 +653,9 @@ def submit_to_slurm(plans: list[SourcePlan], cluster: ClusterSection) -> list[tu
                 f"--array={','.join(map(str, ranks))}%{plan.data.num_workers}",
                 "--ntasks=1",
                 "--cpus-per-task=1",
-                f"--output={plan.work / 'slurm' / f'{stage.name}-%a.out'}",
+                f"--output={slurm_logs(plan) / f'{stage.name}-%A_%a.out'}",
                 f"--chdir={workdir}",
+                "--kill-on-invalid-dep=yes",  # a failed task cancels the stages after it instead of leaving them queued
             ]
             for flag, value in (
                 ("partition", cluster.slurm.partition),
@@ -630,12 +671,15 @@ def submit_to_slurm(plans: list[SourcePlan], cluster: ClusterSection) -> list[tu
             if result.returncode != 0:
                 raise UserError(f"sbatch for {plan.source.name} {stage.name} failed: {(result.stderr or result.stdout).strip()}")
             previous = result.stdout.strip().split(";")[0]
+            jobs.append(previous)
+            atomic_write_text(plan.work / SUBMITTED, json.dumps(jobs) + "\n")  # each at once: a later sbatch may fail
             submitted.append((plan.source.name, stage.name, previous))
     return submitted
 
 
 def main(argv: list[str]) -> int:
-    """`python -m composer.data.pipeline WORK STAGE [RANK]`: one task (RANK, else SLURM_ARRAY_TASK_ID)."""
+    """`python -m composer.data.pipeline WORK STAGE [RANK]`: one task (RANK, else SLURM_ARRAY_TASK_ID). The publish
+    task removes the work directory once the entry is in place, as a local prepare does."""
     work, stage = Path(argv[0]), argv[1]
     rank = int(argv[2]) if len(argv) > 2 else int(os.environ["SLURM_ARRAY_TASK_ID"])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -644,6 +688,8 @@ def main(argv: list[str]) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    if stage == "publish":
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -13,7 +13,17 @@ from pathlib import Path
 
 from rich.console import Console
 
-from composer.data.pipeline import ENTRY_PREFIX, MANIFEST, SourcePlan, plan_source, prepare_locally, submit_to_slurm
+from composer.data.pipeline import (
+    ENTRY_PREFIX,
+    MANIFEST,
+    SUBMITTED,
+    SourcePlan,
+    plan_source,
+    prepare_locally,
+    slurm_logs,
+    submit_to_slurm,
+    submitted_jobs_alive,
+)
 from composer.data.tokenizer import CorpusTokenizer, load_tokenizer
 from composer.recipes.errors import UserError
 from composer.recipes.schema import ClusterSection, DataSection
@@ -101,9 +111,17 @@ def prepared_sources(data: DataSection, *, model_checkpoint: str | None, model_v
     for plan in plans:
         hit = _cached(plan, cached=True)
         if hit is None:
-            raise UserError(
-                f"data.sources[{plan.index}] ({plan.source.name}) is not prepared with these settings yet; "
-                "run `composer data prepare` (or its SLURM jobs have not finished)"
-            )
+            raise UserError(f"data.sources[{plan.index}] ({plan.source.name}) {_why_not_prepared(plan)}")
         found.append(hit)
     return PreparedCorpus(found, tokenizer)
+
+
+def _why_not_prepared(plan: SourcePlan) -> str:
+    if not (plan.work / SUBMITTED).is_file():
+        return "is not prepared with these settings yet; run `composer data prepare`"
+    if alive := submitted_jobs_alive(plan):
+        return f"is not prepared yet: its SLURM jobs {', '.join(alive)} have not finished"
+    return (
+        f"is not prepared: its SLURM jobs ended before the last stage (a task failed or was cancelled; their output: "
+        f"{slurm_logs(plan)}); run `composer data prepare --submit` again to rerun the unfinished tasks"
+    )

@@ -25,7 +25,7 @@ import random
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -254,6 +254,10 @@ class SandboxPool:
         self._running = 0
         self._alive = len(self.hosts)
         self._tokens = itertools.count(1)
+        self._deadlines: OrderedDict[int, _Job] = OrderedDict()
+        """Runs on hosts by token, in dispatch order: with one request_timeout, also the order they time out in. One
+        timer watches the first (not one per run: a timer would hold its finished run for request_timeout)."""
+        self._deadline_timer = False
         self._rng = random.Random(seed)
         self._lock = threading.RLock()
         self._room = threading.Condition(self._lock)
@@ -369,7 +373,9 @@ class SandboxPool:
         host.runs += 1
         self._running += 1
         if self.request_timeout is not None:
-            self.clock.call_at(now + self.request_timeout, lambda: self._timed_out(job, token))
+            self._deadlines[token] = job
+            if not self._deadline_timer:
+                self._watch_deadline(now + self.request_timeout)
         self.provider.start(
             host.name, token, job.request, lambda: self._started(job, token), lambda outcome: self._finished(job, token, outcome)
         )
@@ -380,17 +386,31 @@ class SandboxPool:
                 job.started = True
                 self.metrics.start_latency.append(self.clock.now() - job.dispatched)
 
-    def _timed_out(self, job: _Job, token: int) -> None:
+    def _watch_deadline(self, when: float) -> None:
+        self._deadline_timer = True
+        self.clock.call_at(when, self._time_out_overdue)
+
+    def _time_out_overdue(self) -> None:
+        """Time out every run past its deadline, then watch the next one's (the timer stays armed meanwhile: runs
+        started by the retries below join the order without a timer of their own)."""
         with self._lock:
-            if job.token == token:
+            now = self.clock.now()
+            while self._deadlines:
+                token, job = next(iter(self._deadlines.items()))
+                deadline = job.dispatched + self.request_timeout
+                if deadline > now:
+                    self.clock.call_at(deadline, self._time_out_overdue)
+                    return
                 self.provider.cancel(job.host.name, token)
                 self._finished(job, token, Failure("timeout", f"no result within {self.request_timeout:.0f} s"))
+            self._deadline_timer = False
 
     def _finished(self, job: _Job, token: int, outcome: Outcome) -> None:
         with self._lock:
             if job.token != token:
                 return  # an attempt that timed out and was retried
             job.token = 0
+            self._deadlines.pop(token, None)
             host = job.host
 
             host.running -= 1
@@ -512,6 +532,11 @@ class SandboxPool:
                 "sandbox_failures": dict(m.failures),
                 "sandbox_host_runs": {h.name: h.runs for h in self.hosts.values()},
             }
+
+    @property
+    def queued(self) -> int:
+        """Runs waiting for a host (a driver submitting in bursts sends the next when this is 0)."""
+        return self._queued
 
     def dispatched_by_task_set(self) -> dict[str, int]:
         with self._lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -163,3 +164,107 @@ def test_a_slurm_cluster_that_does_not_start_fails_with_its_logs(tmp_path):
     done = pytest_this_module(f"{programs}:/usr/bin:/bin", tmp_path / "pytest", "test_srun_inside_salloc_runs_the_ranks")
     assert done.returncode == 1, done.stdout[-3000:]
     assert "1 error" in done.stdout and "munged did not start (munged exited 1); logs: munged.err:" in done.stdout, done.stdout[-3000:]
+
+
+# --- data prepare --submit: the pipeline's stages as job arrays ------------------------------------
+
+ENTRY_FILES = ("tokens.bin", "tokens.idx", "manifest.json", "redactions.jsonl")
+
+
+def jobs_in_queue(slurm, jobs: list[str]) -> list[str]:
+    queued = subprocess.run(["squeue", "-h", "-o", "%F"], capture_output=True, text=True, env=slurm.env, check=True).stdout.split()
+    return [job for job in jobs if job in queued]
+
+
+def wait_for_jobs(slurm, jobs: list[str], seconds: float = 900) -> None:
+    deadline = time.monotonic() + seconds
+    while jobs_in_queue(slurm, jobs):
+        assert time.monotonic() < deadline, f"jobs {jobs} did not leave the queue"
+        time.sleep(1)
+
+
+def task_process(work: Path, stage: str, seconds: float = 300) -> tuple[int, int]:
+    """(pid, array task id) of the first array task of `stage` found running its program."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                if b"composer.data.pipeline" in argv and argv[-3:-1] == [str(work).encode(), stage.encode()]:
+                    env = dict(v.split(b"=", 1) for v in (proc / "environ").read_bytes().split(b"\0") if b"=" in v)
+                    return int(proc.name), int(env[b"SLURM_ARRAY_TASK_ID"])
+            except (OSError, ValueError, KeyError):  # gone meanwhile, or not an array task
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no {stage} task started")
+
+
+@pytest.mark.slow
+def test_data_prepare_submit_reruns_a_killed_array_task_and_writes_the_local_pools_bytes(slurm, tmp_path):
+    from composer.data.pipeline import SourcePlan, pending_tasks, stages
+    from composer.data.prepare import prepare_data
+    from composer.recipes.loader import load_recipe
+    from tests.helpers.data_helpers import train_tokenizer, write_recipe
+
+    tokenizer = train_tokenizer(tmp_path / "tokenizer")
+
+    def recipe(cache: str) -> Path:
+        section = {
+            "tokenizer": str(tokenizer),
+            "cache_dir": str(tmp_path / cache),
+            "tasks": 3,
+            "num_workers": 3,
+            "fim": {"rate": 0.5},
+            "cleaning": {"near_threshold": 0.95},  # 4 LSH bands: 4 bucket tasks
+            "sources": [{"name": "lib", "paths": ["{stdlib}/json/*.py", "{stdlib}/email/*.py"]}],
+        }
+        path = write_recipe(tmp_path / f"{cache}.yaml", section)
+        path.write_text(path.read_text() + "cluster:\n  launcher: slurm\n")
+        return path
+
+    local = prepare_data(load_recipe(recipe("local")).data, model_checkpoint=None, model_vocab_size=4096)
+    expected = {name: (local.sources[0].prefix.parent / name).read_bytes() for name in ENTRY_FILES}
+
+    def composer(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "composer.cli", "data", *args, str(recipe("slurm"))],
+            cwd=tmp_path,
+            env={**slurm.env, "COLUMNS": "400"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    def submit() -> list[str]:
+        done = composer("prepare", "--submit")
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [line.rsplit(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("submitted lib ")]
+
+    first = submit()
+    assert len(first) == 8  # clean, exact signatures and duplicates, minhash signatures, buckets, clusters, shape, publish
+    [work] = (tmp_path / "slurm").glob(".work-lib-*")
+    # kill -9 of one array task's program, scancel of another task of the same array
+    pid, killed = task_process(work, "clean")
+    os.kill(pid, signal.SIGKILL)
+    cancelled = ({0, 1, 2} - {killed}).pop()
+    subprocess.run(["scancel", f"{first[0]}_{cancelled}"], env=slurm.env, check=True)
+    wait_for_jobs(slurm, first)  # the stages after clean are cancelled with it, not left waiting
+    plan = SourcePlan.load(work)
+    assert pending_tasks(plan, stages(plan)[0]) == sorted({killed, cancelled})
+    assert not list((tmp_path / "slurm").glob("lib-*"))  # nothing published
+    stats = composer("stats")
+    assert stats.returncode == 2 and "run `composer data prepare --submit` again" in stats.stderr, stats.stderr[-3000:]
+
+    second = submit()  # the unfinished tasks of clean, then every later stage
+    assert len(second) == 8 and not set(second) & set(first)
+    refused = composer("prepare", "--submit")  # while they run (the later stages wait for minutes)
+    assert refused.returncode == 2 and "still queued or running" in refused.stderr, refused.stderr[-3000:]
+    wait_for_jobs(slurm, second)
+    [entry] = (tmp_path / "slurm").glob("lib-*")
+    assert entry.name == local.sources[0].prefix.parent.name
+    assert {name: (entry / name).read_bytes() for name in ENTRY_FILES} == expected
+    assert not work.exists()  # the publish task cleans up as a local prepare does
+    stats = composer("stats")
+    assert stats.returncode == 0 and f"{local.sources[0].num_tokens:,}" in stats.stdout, stats.stderr[-3000:]
