@@ -4,6 +4,7 @@ the grader's proxies, and a call answered by the episode's side over a pair of p
 from __future__ import annotations
 
 import ast
+import collections
 import json
 import os
 import threading
@@ -109,3 +110,82 @@ def test_a_call_crosses_with_mutations_callbacks_and_exceptions(tmp_path, monkey
     with pytest.raises(RuntimeError, match="cannot cross"):
         crossing.call("episode_mod", "odd", (), {})
     assert any(reason.startswith("result") for reason in crossing.refusals)
+
+
+def _serve_over_pipes() -> None:
+    """The grader's ends connected to an episode's `serve` in a thread, as the sandbox's session forwards them."""
+    asked, ask = os.pipe()
+    heard, hear = os.pipe()
+    answered, answer = os.pipe()
+
+    def host():
+        with os.fdopen(asked, "rb") as lines:
+            for line in lines:
+                os.write(hear, line[5:])
+        os.close(hear)
+
+    threading.Thread(target=host, daemon=True).start()
+    threading.Thread(target=crossing.serve, args=(heard, answer), daemon=True).start()
+    crossing.connect(ask, answered)
+
+
+SHAPES = """import enum
+
+
+class Colour(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+
+class Key(tuple):
+    pass
+
+
+class Point:
+    __slots__ = ("x", "y")
+
+    def __init__(self, x, y):
+        raise AssertionError("never run by the boundary")
+
+
+class Bag:
+    def __init__(self):
+        self.items = []
+
+    def add(self, item):
+        self.items.append(item)
+        self.count = len(self.items)
+        return Key((item, self.count))
+
+
+def moved(point, dx):
+    made = object.__new__(Point)
+    made.x, made.y = point.x + dx, point.y
+    return made, Colour.BLUE
+"""
+
+
+def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monkeypatch):
+    """What real projects pass and return (a class instance, a tuple subclass, an enum member, a method's `self`
+    that the call changes) crosses as data: each side builds its own class's instance without its constructor."""
+    (tmp_path / "shapes").mkdir()
+    (tmp_path / "shapes" / "__init__.py").write_text(SHAPES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import shapes
+
+    _serve_over_pipes()
+    point = object.__new__(shapes.Point)
+    point.x, point.y = 1, 2
+    result, colour = crossing.call("shapes", "moved", (point, 3), {})
+    assert type(result) is shapes.Point and (result.x, result.y) == (4, 2) and colour is shapes.Colour.BLUE
+    bag = shapes.Bag()
+    key = crossing.call("shapes", "Bag.add", (bag, "a"), {})
+    assert type(key) is shapes.Key and key == ("a", 1)
+    assert bag.items == ["a"] and bag.count == 1  # the method's change of `self`, applied to the grader's object
+    with pytest.raises(ValueError):  # a class outside the called function's package is not built
+        crossing.decode({"$object": ["os", "PathLike", None, []]})
+    # classes as arguments (`factory=OrderedDict`): builtin and `collections` ones, and the project's own
+    assert crossed(collections.OrderedDict) is collections.OrderedDict and crossed(dict) is dict
+    assert crossed(shapes.Bag) is shapes.Bag
+    with pytest.raises(crossing.NotCrossable):
+        crossing.encode(threading.Thread)

@@ -17,9 +17,16 @@ What crosses is JSON with tags, decoded by each side into plain types and its ow
                                       [[node, [[neighbour, edge attributes or {key: attributes}]...]]...],
                                       the predecessors' order of a directed graph or null]}
   a function (grader to episode only) {"$callback": number}
+  an instance of the project's own class  {"$object": [module, qualname, its builtin base's value or null,
+                                      [[attribute, value]...]]}; an enum member {"$enum": [module, qualname, name]}
+  a class                             {"$type": [module, qualname]}: a builtin one or a `collections` one
+                                      (`factory=dict`), or the project's own
 The graph classes are the decoding side's own (`Graph`, `DiGraph`, `MultiGraph`, `MultiDiGraph` of its networkx),
-filled in the neighbours' order as sent. Anything else cannot cross (`NotCrossable`); the grader never unpickles
-and never calls an object of the episode's.
+filled in the neighbours' order as sent. An object of the project's package (the package of the called function's
+module: a `Version`, a cache, a tuple subclass) crosses as its state: the decoding side makes an instance of its own
+copy of that class without running its constructor and sets the attributes (instances of module-level classes only;
+a member of an enum is the side's own member). Anything else cannot cross (`NotCrossable`); the grader never
+unpickles and never calls an object of the episode's.
 """
 
 import json
@@ -48,6 +55,17 @@ BUILTIN_EXCEPTIONS = (
     "ValueError",
     "ZeroDivisionError",
 )
+
+
+OBJECT_BASES = (tuple, list, dict, set, frozenset, str, int, float)
+"""Builtin bases whose value an object of the project's own class carries besides its attributes."""
+SHARED_CLASSES = {
+    "builtins": ("bool", "bytes", "dict", "float", "frozenset", "int", "list", "object", "set", "str", "tuple"),
+    "collections": ("Counter", "OrderedDict", "defaultdict", "deque"),
+}
+"""Classes that cross by name (as arguments like `factory=dict`), besides the project's own."""
+_own = [""]
+"""The top-level package whose classes cross as their state: the called function's (set per call, on each side)."""
 
 
 class NotCrossable(TypeError):
@@ -100,6 +118,14 @@ def encode(value, callbacks=None, depth=0):
     if callbacks is not None and kind.__name__ in ("function", "builtin_function_or_method", "method", "partial"):
         callbacks.append(value)
         return {"$callback": len(callbacks) - 1}
+    if kind is type or isinstance(value, type):
+        if value.__qualname__ in SHARED_CLASSES.get(value.__module__, ()) or (
+            _own[0] and value.__module__.partition(".")[0] == _own[0] and "<" not in value.__qualname__
+        ):
+            return {"$type": [value.__module__, value.__qualname__]}
+        raise NotCrossable(f"the class {value.__module__}.{value.__qualname__}")
+    if _own[0] and kind.__module__.partition(".")[0] == _own[0] and "<" not in kind.__qualname__:
+        return encode_object(value, callbacks, depth)
     if hasattr(value, "__next__") and hasattr(value, "__iter__"):
         # A generator's values (an argument is consumed as the function would consume it).
         items = []
@@ -109,6 +135,72 @@ def encode(value, callbacks=None, depth=0):
                 raise NotCrossable(f"an iterator of more than {MAX_ITEMS} values")
         return {"$iter": items}
     raise NotCrossable(f"a {kind.__module__}.{kind.__qualname__}")
+
+
+def _attributes(value):
+    """An object's attributes: its __dict__ and its __slots__ that are set."""
+    found = dict(vars(value)) if hasattr(value, "__dict__") else {}
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__"):
+                mangled = f"_{cls.__name__.lstrip('_')}{name}" if name.startswith("__") and not name.endswith("__") else name
+                try:
+                    found[mangled] = object.__getattribute__(value, mangled)
+                except AttributeError:
+                    pass
+    return found
+
+
+def encode_object(value, callbacks, depth):
+    kind = type(value)
+    import enum
+
+    if isinstance(value, enum.Enum):
+        return {"$enum": [kind.__module__, kind.__qualname__, value.name]}
+    base = next((b for b in kind.__mro__ if b in OBJECT_BASES), None)
+    carried = encode(base(value), callbacks, depth + 1) if base is not None else None
+    attributes = [[name, encode(v, callbacks, depth + 1)] for name, v in _attributes(value).items()]
+    return {"$object": [kind.__module__, kind.__qualname__, carried, attributes]}
+
+
+def _own_class(module, qualname):
+    """This side's class `module.qualname` of the project's package (ValueError for anything else)."""
+    import importlib
+
+    if type(module) is not str or type(qualname) is not str or not _own[0] or module.partition(".")[0] != _own[0]:
+        raise ValueError(f"not a class of the project's package: {str(module)[:80]}")
+    found = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if not isinstance(found, type):
+        raise ValueError(f"not a class: {module}.{qualname}"[:120])
+    return found
+
+
+def decode_object(body, make_callback, depth):
+    """An instance of this side's own class, its constructor not run: the builtin base's value, then the attributes."""
+    module, qualname, carried, attributes = body
+    cls = _own_class(module, qualname)
+    base = next((b for b in cls.__mro__ if b in OBJECT_BASES), None)
+    if (carried is None) != (base is None) or type(attributes) is not list:
+        raise ValueError("malformed $object")
+    if base is None:
+        made = object.__new__(cls)
+    elif base in (list, dict, set):
+        made = base.__new__(cls)
+        base.__init__(made, decode(carried, make_callback, depth + 1))
+    else:
+        made = base.__new__(cls, decode(carried, make_callback, depth + 1))
+    set_attributes(made, attributes, make_callback, depth)
+    return made
+
+
+def set_attributes(target, attributes, make_callback, depth):
+    for pair in attributes:
+        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str:
+            raise ValueError("malformed $object attributes")
+        object.__setattr__(target, pair[0], decode(pair[1], make_callback, depth + 1))
 
 
 def encode_neighbours(neighbours, callbacks, depth):
@@ -145,6 +237,19 @@ def decode(node, make_callback=None, depth=0):
         return {decode(k, make_callback, depth + 1): decode(v, make_callback, depth + 1) for k, v in body}
     if tag == "$range" and len(body) == 3 and all(type(v) is int for v in body):
         return range(*body)
+    if tag == "$object" and len(body) == 4:
+        return decode_object(body, make_callback, depth)
+    if tag == "$type" and len(body) == 2:
+        if body[0] in SHARED_CLASSES and body[1] in SHARED_CLASSES[body[0]]:
+            return getattr(__import__(body[0]), body[1])
+        return _own_class(*body)
+    if tag == "$enum" and len(body) == 3:
+        import enum
+
+        cls = _own_class(body[0], body[1])
+        if not issubclass(cls, enum.Enum) or type(body[2]) is not str or body[2] not in cls.__members__:
+            raise ValueError("malformed $enum")
+        return cls[body[2]]
     if tag == "$graph" and len(body) == 5 and body[0] in GRAPHS:
         import networkx
 
@@ -204,6 +309,18 @@ def apply_mutation(target, after, make_callback=None):
     if _graph_class(target) is not None and type(after) is dict and "$graph" in after and after["$graph"][0] == kind.__name__:
         target.clear()
         fill_graph(target, after["$graph"], make_callback, 0)
+    elif type(after) is dict and "$object" in after and type(value) is kind:
+        # An object of the project's (a method's `self`): its state replaced by the episode's.
+        base = next((b for b in kind.__mro__ if b in OBJECT_BASES), None)
+        if base in (list, dict, set):
+            base.clear(target)
+            (base.extend if base is list else base.update)(target, value)
+        elif base is not None and base(target) != base(value):
+            raise RuntimeError(f"the call changed an immutable {kind.__name__}")
+        for name in set(_attributes(target)) - set(_attributes(value)):
+            object.__delattr__(target, name)
+        for name, attribute in _attributes(value).items():
+            object.__setattr__(target, name, attribute)
     elif kind is list and type(value) is list:
         target[:] = value
     elif kind in (dict, set) and type(value) is kind:
@@ -263,6 +380,7 @@ def _exception(module, name, message):
 def call(module, qualname, args, kwargs):
     """The episode's `module.qualname(*args, **kwargs)`, run in its process; the arguments' mutations applied here."""
     with _lock:
+        _own[0] = module.partition(".")[0]
         callbacks = []
         try:
             sent_args = [encode(a, callbacks) for a in args]
@@ -329,6 +447,7 @@ def serve(in_fd, out_fd):
         request = receive()
         try:
             module, qualname = request["call"]
+            _own[0] = module.partition(".")[0]
             function = importlib.import_module(module)
             for part in qualname.split("."):
                 function = getattr(function, part)
