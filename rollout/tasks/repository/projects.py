@@ -10,7 +10,8 @@ then frozen: the project's own distribution removed (episodes import their copy)
 made read-only to every run, and its manifest written last (a directory without one is half-made and made again).
 
 Every project becomes a `ProjectSpec`: where its files come from, the package tasks change, where its tests are, its
-pytest arguments, and the digest its bases, surveys and tasks are cached under.
+pytest arguments (what its own pytest configuration decides, `rollout.tasks.repository.pytest_config`, then the
+recipe's), and the digest its bases, surveys and tasks are cached under.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from composer.recipes.errors import UserError
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.results import RunEnvironment
 from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.repository.pytest_config import config_args, project_config
 from composer.runtime.run_dir import atomic_write_text
 
 ENVIRONMENT_VERSION = 1
@@ -191,7 +193,15 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str], index: int |
             + f": {', '.join(sorted(set(kinds) - {'history'}))} tasks are graded by the tests of the pinned files "
             "(point test_paths at its tests, or pin a commit that has them)"
         )
-    args = list(entry.pytest_args)
+
+    def root_file(name: str) -> str | None:
+        try:
+            return str(_git(path, "show", f"{commit}:{name}")) if git else (path / name).read_text(errors="replace")
+        except (UserError, OSError):
+            return None
+
+    found = project_config(root_file)
+    args = [*(config_args(found[1]) if found else []), *entry.pytest_args]
     if entry.exclude_markers:
         args += ["-m", " and ".join(f"not {m}" for m in entry.exclude_markers)]
     digest = hashlib.sha256(
