@@ -158,6 +158,10 @@ class Bag:
         return Key((item, self.count))
 
 
+def filled(factory, kind):
+    return type(factory()), kind
+
+
 def moved(point, dx):
     made = object.__new__(Point)
     made.x, made.y = point.x + dx, point.y
@@ -185,7 +189,6 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
     with pytest.raises(ValueError):  # a class outside the called function's package is not built
         crossing.decode({"$object": ["os", "PathLike", None, []]})
     # classes as arguments (`factory=OrderedDict`): builtin and `collections` ones, and the project's own
-    assert crossed(collections.OrderedDict) is collections.OrderedDict and crossed(dict) is dict
-    assert crossed(shapes.Bag) is shapes.Bag
-    with pytest.raises(crossing.NotCrossable):
-        crossing.encode(threading.Thread)
+    assert crossing.call("shapes", "filled", (collections.OrderedDict, shapes.Bag), {}) == (collections.OrderedDict, shapes.Bag)
+    with pytest.raises(RuntimeError, match="cannot cross"):
+        crossing.call("shapes", "filled", (threading.Thread, dict), {})

@@ -381,36 +381,44 @@ def call(module, qualname, args, kwargs):
     """The episode's `module.qualname(*args, **kwargs)`, run in its process; the arguments' mutations applied here."""
     with _lock:
         _own[0] = module.partition(".")[0]
-        callbacks = []
         try:
-            sent_args = [encode(a, callbacks) for a in args]
-            sent_kwargs = {k: encode(v, callbacks) for k, v in kwargs.items()}
+            return _call(module, qualname, args, kwargs)
+        finally:
+            _own[0] = ""
+
+
+def _call(module, qualname, args, kwargs):
+    """`call` with its package set: the arguments out, callbacks answered, the answer decoded."""
+    callbacks = []
+    try:
+        sent_args = [encode(a, callbacks) for a in args]
+        sent_kwargs = {k: encode(v, callbacks) for k, v in kwargs.items()}
+    except NotCrossable as e:
+        raise _refused(f"argument: {e}") from None
+    answer = _exchange({"call": [module, qualname], "args": sent_args, "kwargs": sent_kwargs})
+    while "callback" in answer:
+        number = answer["callback"]
+        if type(number) is not int or not 0 <= number < len(callbacks):
+            raise ValueError("a callback that was not passed")
+        try:
+            result = callbacks[number](*decode(answer.get("args")), **decode(answer.get("kwargs")))
+            reply = {"return": encode(result)}
         except NotCrossable as e:
-            raise _refused(f"argument: {e}") from None
-        answer = _exchange({"call": [module, qualname], "args": sent_args, "kwargs": sent_kwargs})
-        while "callback" in answer:
-            number = answer["callback"]
-            if type(number) is not int or not 0 <= number < len(callbacks):
-                raise ValueError("a callback that was not passed")
-            try:
-                result = callbacks[number](*decode(answer.get("args")), **decode(answer.get("kwargs")))
-                reply = {"return": encode(result)}
-            except NotCrossable as e:
-                raise _refused(f"callback result: {e}") from None
-            except Exception as e:
-                reply = {"raise": type(e).__name__, "message": str(e)[:2000]}
-            answer = _exchange(reply)
-        if "refused" in answer:
-            raise _refused(str(answer["refused"])[:200])
-        if "raise" in answer:
-            raise _exception(module, str(answer["raise"]), str(answer.get("message", "")))
-        if "return" not in answer:
-            raise ValueError("a malformed answer")
-        changed = answer.get("changed", {})
-        for key, after in changed.items() if type(changed) is dict else ():
-            target = args[int(key)] if key.isdigit() and int(key) < len(args) else kwargs.get(key)
-            apply_mutation(target, after)
-        return decode(answer["return"])
+            raise _refused(f"callback result: {e}") from None
+        except Exception as e:
+            reply = {"raise": type(e).__name__, "message": str(e)[:2000]}
+        answer = _exchange(reply)
+    if "refused" in answer:
+        raise _refused(str(answer["refused"])[:200])
+    if "raise" in answer:
+        raise _exception(module, str(answer["raise"]), str(answer.get("message", "")))
+    if "return" not in answer:
+        raise ValueError("a malformed answer")
+    changed = answer.get("changed", {})
+    for key, after in changed.items() if type(changed) is dict else ():
+        target = args[int(key)] if key.isdigit() and int(key) < len(args) else kwargs.get(key)
+        apply_mutation(target, after)
+    return decode(answer["return"])
 
 
 # --- the episode's side -------------------------------------------------------------------------
