@@ -190,5 +190,6 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
         crossing.decode({"$object": ["os", "PathLike", None, []]})
     # classes as arguments (`factory=OrderedDict`): builtin and `collections` ones, and the project's own
     assert crossing.call("shapes", "filled", (collections.OrderedDict, shapes.Bag), {}) == (collections.OrderedDict, shapes.Bag)
+    assert crossing.call("shapes", "filled", (list, (ValueError, type(None))), {}) == (list, (ValueError, type(None)))
     with pytest.raises(RuntimeError, match="cannot cross"):
         crossing.call("shapes", "filled", (threading.Thread, dict), {})

@@ -60,10 +60,13 @@ BUILTIN_EXCEPTIONS = (
 OBJECT_BASES = (tuple, list, dict, set, frozenset, str, int, float)
 """Builtin bases whose value an object of the project's own class carries besides its attributes."""
 SHARED_CLASSES = {
-    "builtins": ("bool", "bytes", "dict", "float", "frozenset", "int", "list", "object", "set", "str", "tuple"),
+    "builtins": (
+        *("bool", "bytes", "dict", "float", "frozenset", "int", "list", "object", "set", "str", "tuple", "NoneType"),
+        *("map", "filter", "zip", "range", "enumerate", "reversed", "Exception", "BaseException", *BUILTIN_EXCEPTIONS),
+    ),
     "collections": ("Counter", "OrderedDict", "defaultdict", "deque"),
 }
-"""Classes that cross by name (as arguments like `factory=dict`), besides the project's own."""
+"""Classes that cross by name (`factory=dict`, `exceptions=(ValueError,)`), besides the project's own."""
 _own = [""]
 """The top-level package whose classes cross as their state: the called function's (set per call, on each side)."""
 
@@ -241,7 +244,7 @@ def decode(node, make_callback=None, depth=0):
         return decode_object(body, make_callback, depth)
     if tag == "$type" and len(body) == 2:
         if body[0] in SHARED_CLASSES and body[1] in SHARED_CLASSES[body[0]]:
-            return getattr(__import__(body[0]), body[1])
+            return type(None) if body[1] == "NoneType" else getattr(__import__(body[0]), body[1])
         return _own_class(*body)
     if tag == "$enum" and len(body) == 3:
         import enum
