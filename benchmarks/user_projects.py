@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from composer.recipes.errors import UserError  # noqa: E402
 from composer.rollout.tasks.repository.build import BuildReport  # noqa: E402
 from tests.helpers.user_corpus import CORPUS, KINDS, CorpusProject, build_project, missing, offline_index  # noqa: E402
 
@@ -52,7 +53,11 @@ def main() -> None:
     rejections, passing = [], 0
     try:
         for project in chosen:
-            built = build_project(project, base, args.workers, args.tasks)
+            try:
+                built = build_project(project, base, args.workers, args.tasks)
+            except UserError as e:
+                print(f"| {project.name} {project.version} | {project.backend} | refused: {e} | | | |", flush=True)
+                continue
             report, seconds = built.report, built.seconds
             print(row(project, report, seconds), flush=True)
             passing += report.tried > 0 and report.validated >= 0.8 * report.tried
