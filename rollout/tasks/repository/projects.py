@@ -427,9 +427,11 @@ def _make_environment(cache_dir: Path, spec: ProjectSpec, sandbox: SandboxSectio
         result = installer.run_command(own, Path(work), timeout_s=entry.install_seconds, environment=installing)
         log_path.write_text(f"$ {entry.install}\n{result.output}\n[{result.status}, exit {result.exit_code}]\n")
         if result.status != "ok" or result.exit_code != 0:
+            errors = [line.strip() for line in result.output.splitlines() if line.startswith("ERROR:") or "Error:" in line]
             raise UserError(
-                f"env.tasks: project {spec.name}: its install command failed ({result.status}, exit "
-                f"{result.exit_code}); the install log: {log_path}"
+                f"env.tasks[].repo.projects[].install: project {spec.name}: `{entry.install}` failed ({result.status}, exit "
+                f"{result.exit_code}){': ' + errors[-1][:300] if errors else ''}; change the install command, or make what it "
+                f"needs reachable from this machine's package index (the install log: {log_path})"
             )
         check = installer.run_command(_CHECK.replace("IMPORT", spec.import_name), Path(work), timeout_s=120, environment=installing)
     if check.exit_code != 0:
