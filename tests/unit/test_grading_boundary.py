@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import ast
 import collections
+import datetime as dt
+import decimal
+import fractions
 import json
 import os
+import pathlib
 import threading
+import uuid
 
 import networkx as nx
 import pytest
@@ -44,6 +49,11 @@ def test_graphs_cross_with_their_data_and_neighbour_order(cls):
 def test_plain_values_cross_and_objects_do_not():
     value = {"a": (1, 2.5, float("inf")), 3: {frozenset({1}), None}, "r": range(2, 9, 3), "l": [True, "x"]}
     assert crossed(value) == value
+    moment = dt.datetime(2024, 2, 29, 13, 5, 7, 120, tzinfo=dt.timezone(dt.timedelta(hours=-3)))
+    values = [moment, moment.replace(tzinfo=None), moment.date(), moment.time(), dt.timedelta(days=-2, microseconds=5)]
+    values += [decimal.Decimal("1.10"), fractions.Fraction(-3, 4), pathlib.PurePosixPath("a/b"), uuid.UUID(int=7)]
+    back = crossed(values)
+    assert back == values and [type(v) for v in back] == [type(v) for v in values] and str(back[5]) == "1.10"
 
     class Anything:
         def __eq__(self, other):

@@ -19,6 +19,8 @@ What crosses is JSON with tags, decoded by each side into plain types and its ow
   a function (grader to episode only) {"$callback": number}
   an instance of the project's own class  {"$object": [module, qualname, its builtin base's value or null,
                                       [[attribute, value]...]]}; an enum member {"$enum": [module, qualname, name]}
+  a standard library value            {"$value": [name, data]}: datetime's date, time, datetime (with a fixed
+                                      offset or none), timedelta; Decimal, Fraction, PurePosixPath and PosixPath, UUID
   a class                             {"$type": [module, qualname]}: a builtin one or a `collections` one
                                       (`factory=dict`), or the project's own
 The graph classes are the decoding side's own (`Graph`, `DiGraph`, `MultiGraph`, `MultiDiGraph` of its networkx),
@@ -71,6 +73,40 @@ _own = [""]
 """The top-level package whose classes cross as their state: the called function's (set per call, on each side)."""
 
 
+def _values():
+    """The standard library's value classes that cross as data: name -> (class, to data, from data)."""
+    import datetime
+    import decimal
+    import fractions
+    import pathlib
+    import uuid
+
+    def fixed_offset(value):
+        if value.tzinfo is not None and type(value.tzinfo) is not datetime.timezone:
+            raise NotCrossable(f"a time zone {type(value.tzinfo).__name__}")
+        return value.isoformat()
+
+    return {
+        "datetime": (datetime.datetime, fixed_offset, datetime.datetime.fromisoformat),
+        "date": (datetime.date, datetime.date.isoformat, datetime.date.fromisoformat),
+        "time": (datetime.time, fixed_offset, datetime.time.fromisoformat),
+        "timedelta": (
+            datetime.timedelta,
+            lambda v: [v.days, v.seconds, v.microseconds],
+            lambda d: datetime.timedelta(days=d[0], seconds=d[1], microseconds=d[2]),
+        ),
+        "Decimal": (decimal.Decimal, str, decimal.Decimal),
+        "Fraction": (fractions.Fraction, lambda v: [v.numerator, v.denominator], lambda d: fractions.Fraction(d[0], d[1])),
+        "PurePosixPath": (pathlib.PurePosixPath, str, pathlib.PurePosixPath),
+        "PosixPath": (pathlib.PosixPath, str, pathlib.PosixPath),
+        "UUID": (uuid.UUID, str, uuid.UUID),
+    }
+
+
+VALUES = _values()
+_VALUE_NAMES = {cls: name for name, (cls, _, _) in VALUES.items()}
+
+
 class NotCrossable(TypeError):
     """A value that cannot cross the boundary as data."""
 
@@ -121,6 +157,9 @@ def encode(value, callbacks=None, depth=0):
     if callbacks is not None and kind.__name__ in ("function", "builtin_function_or_method", "method", "partial"):
         callbacks.append(value)
         return {"$callback": len(callbacks) - 1}
+    if kind in _VALUE_NAMES:
+        name = _VALUE_NAMES[kind]
+        return {"$value": [name, VALUES[name][1](value)]}
     if kind is type or isinstance(value, type):
         if value.__qualname__ in SHARED_CLASSES.get(value.__module__, ()) or (
             _own[0] and value.__module__.partition(".")[0] == _own[0] and "<" not in value.__qualname__
@@ -242,6 +281,14 @@ def decode(node, make_callback=None, depth=0):
         return range(*body)
     if tag == "$object" and len(body) == 4:
         return decode_object(body, make_callback, depth)
+    if tag == "$value" and len(body) == 2 and body[0] in VALUES:
+        data = body[1]
+        if not (type(data) is str or (type(data) is list and all(type(v) is int for v in data))):
+            raise ValueError("malformed $value")
+        try:
+            return VALUES[body[0]][2](data)
+        except (TypeError, ValueError, ArithmeticError) as e:
+            raise ValueError(f"malformed $value: {e}") from None
     if tag == "$type" and len(body) == 2:
         if body[0] in SHARED_CLASSES and body[1] in SHARED_CLASSES[body[0]]:
             return type(None) if body[1] == "NoneType" else getattr(__import__(body[0]), body[1])
