@@ -377,6 +377,16 @@ def _eval_rows(name: str, entry: dict, roles: list[str], pass_k: list[int]) -> l
     return rows
 
 
+def _kind_cell(kind: dict) -> str:
+    """Pass@1 of one kind of task and, with the tools harness, whether the policy speaks its format."""
+    text = f"{_fraction(kind['greedy_pass@1'], kind['interval'])} of {kind['tasks']}"
+    if kind.get("tool_calls") is not None:
+        text += (
+            f"; tool calls parsed {_fraction(kind['tool_calls_parsed'])} of {kind['tool_calls']}; finish {_fraction(kind['finish_called'])}"
+        )
+    return text
+
+
 def eval_report_html(results: dict) -> str:
     """`composer eval`'s results on one self-contained page: per set a table of figures per checkpoint, the paired
     differences with --compare, and pass@1 per kind of task."""
@@ -404,19 +414,15 @@ def eval_report_html(results: dict) -> str:
                 f"<tr><td>tasks lost</td><td>{len(d['lost'])}: {esc(', '.join(d['lost']))}</td></tr></table>"
             )
         kinds = sorted({k for role in roles for k in entry[role]["kinds"]})
-        if len(kinds) > 1:
+        spoken = any(entry[r]["kinds"][k].get("tool_calls") for r in roles for k in entry[r]["kinds"])
+        if len(kinds) > 1 or spoken:
             kind_rows = "".join(
                 f"<tr><td>{esc(k)}</td>"
-                + "".join(
-                    f"<td>{_fraction(entry[r]['kinds'][k]['greedy_pass@1'], entry[r]['kinds'][k]['interval'])} of {entry[r]['kinds'][k]['tasks']}</td>"
-                    if k in entry[r]["kinds"]
-                    else "<td>-</td>"
-                    for r in roles
-                )
+                + "".join(f"<td>{esc(_kind_cell(entry[r]['kinds'][k]))}</td>" if k in entry[r]["kinds"] else "<td>-</td>" for r in roles)
                 + "</tr>"
                 for k in kinds
             )
-            part += f"<h3>greedy pass@1 per kind</h3><table><tr><th>kind</th>{head}</tr>{kind_rows}</table>"
+            part += f"<h3>greedy pass@1 per kind (tools harness: the share of tool calls that parse, of episodes that call finish)</h3><table><tr><th>kind</th>{head}</tr>{kind_rows}</table>"
         sections.append(part)
     return f"""<!DOCTYPE html>
 <html lang=en><head><meta charset=utf-8><title>composer eval</title>

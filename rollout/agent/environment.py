@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from composer.rollout.tasks.functions import Task, defines
 from composer.rollout.tasks.pool import TaskPool
 from composer.rollout.tasks.repository.remote import open_repo_workspace
 from composer.rollout.tasks.repository.workspace import RepoTests
-from composer.rollout.tasks.workspace import Workspace, is_full, mount_capped, unmount
+from composer.rollout.tasks.workspace import Workspace, is_full, mount_capped, owned_dir, reclaim, unmount
 
 log = logging.getLogger("composer.env")
 
@@ -115,7 +114,8 @@ class FunctionWorkspace(Workspace):
         self._preamble = f"{task.preamble}\n\n" if tools and task.preamble else ""
         area = env.sandbox.root / "workspaces"  # beside the repository tasks' views
         area.mkdir(parents=True, exist_ok=True)
-        self.root = Path(tempfile.mkdtemp(prefix="solution-", dir=area))
+        reclaim(area)  # what a killed driver left
+        self.root = owned_dir("solution-", area)
         # As root, on a tmpfs of the workspace's cap: what the episode's commands write stays within it.
         self._capped = os.geteuid() == 0
         if self._capped:

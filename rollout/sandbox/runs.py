@@ -124,6 +124,7 @@ class Sandbox:
         channel: bool = False,
         environment: RunEnvironment | None = None,
         calls: Callable[[bytes], bytes | None] | None = None,
+        owned: bool = False,
     ) -> CommandResult:
         """`bash -c command` isolated like `run`, with the host directory `workdir` as the writable work
         directory (at /sandbox under a root of its own, also HOME and first on PYTHONPATH), everything it
@@ -133,14 +134,15 @@ class Sandbox:
         when longer, its CPU time. With `channel`, descriptor 3 of the command is a pipe to the caller: what
         the command writes there comes back, in order, as `CommandResult.channel` (a report that no file of
         the run holds); with `calls` too, a channel line starting with `CALL_PREFIX` is a question instead: its
-        answer, `calls(rest of the line)`, is written as one line to the command's descriptor CALL_FD. `environment` adds a project's environment (PATH, binds, sys.path). Without root the
+        answer, `calls(rest of the line)`, is written as one line to the command's descriptor CALL_FD. `environment` adds a project's environment (PATH, binds, sys.path). `owned`: `workdir` serves this call only
+        (a grading directory) and becomes the run's uid's, mode 0700, instead of world-writable. Without root the
         command runs as this user in `workdir` and `hidden` is not enforced (logged once)."""
         workdir = Path(workdir).resolve()
         if not workdir.is_dir():
             raise FileNotFoundError(f"sandbox work directory {workdir} does not exist")
         for attempt in range(self.config.infra_retries + 1):
             result = self._command_once(
-                command, workdir, timeout_s or self.config.wall_seconds, hidden, channel, environment or RunEnvironment(), calls
+                command, workdir, timeout_s or self.config.wall_seconds, hidden, channel, environment or RunEnvironment(), calls, owned
             )
             if not result.infra_failure:
                 return result
@@ -181,6 +183,7 @@ class Sandbox:
         channel: bool,
         environment: RunEnvironment,
         calls: Callable[[bytes], bytes | None] | None = None,
+        owned: bool = False,
     ) -> CommandResult:
         c = self.config
         # A command also writes its episode's workspace (a tmpfs charged to the run that wrote it).
@@ -188,7 +191,7 @@ class Sandbox:
             started = time.monotonic()
             session = None
             try:
-                config, plan = self._command_plan(run_dir, uid, command, workdir, timeout_s, hidden, channel, environment)
+                config, plan = self._command_plan(run_dir, uid, command, workdir, timeout_s, hidden, channel, environment, owned)
                 if calls is not None:
                     plan["call_fd"] = CALL_FD
                 session = Session(config, self._zygote, _joined(plan, group), group)
@@ -229,6 +232,7 @@ class Sandbox:
         hidden: tuple[str, ...],
         channel: bool,
         environment: RunEnvironment,
+        owned: bool = False,
     ) -> tuple[SandboxSection, dict]:
         config = self.config.model_copy(
             update={"wall_seconds": timeout_s, "cpu_seconds": max(self.config.cpu_seconds, math.ceil(timeout_s))}
@@ -244,7 +248,11 @@ class Sandbox:
             empty = run_dir / "empty"
             empty.touch(mode=0o444)
             plan["empty_file"] = str(empty)
-            os.chmod(workdir, 0o777)
+            if owned and uid is not None:
+                os.chown(workdir, uid, uid)
+                os.chmod(workdir, 0o700)
+            else:
+                os.chmod(workdir, 0o777)
         else:
             if hidden:
                 _warn_once(

@@ -125,7 +125,27 @@ def owned_dir(prefix: str, area: Path) -> Path:
 _reclaimed: set[Path] = set()
 
 
-def reclaim(area: Path, prefixes: tuple[str, ...] = ("ws-", "grade-")) -> None:
+def process_start(pid: int | str) -> str | None:
+    """A live process's start time (ticks since boot), None when it is gone or a zombie (pids are reused)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _release(top: Path) -> None:
+    """Detach every mount at or below `top` (deepest first: tmpfs caps, overlay views) and remove the tree."""
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4].encode().decode("unicode_escape") for line in f]
+    prefix = str(top)
+    for point in sorted((p for p in points if p == prefix or p.startswith(prefix + "/")), key=len, reverse=True):
+        _libc.umount2(point.encode(), MNT_DETACH)
+    remove_tree(top)
+    log.info("workspace: reclaimed %s, left by a process that is gone", top)
+
+
+def reclaim(area: Path, prefixes: tuple[str, ...] = ("ws-", "grade-", "solution-")) -> None:
     """What a killed process left in `area` (once per area and process): the mounts (tmpfs caps, overlay views) below
     its directories detached, the directories removed. Only directories whose owner (the pid in their name) is gone:
     another live process's workspaces are left alone."""
@@ -141,14 +161,20 @@ def reclaim(area: Path, prefixes: tuple[str, ...] = ("ws-", "grade-")) -> None:
                 return True
         return False
 
-    leftovers = [entry.name for entry in os.scandir(area) if entry.is_dir(follow_symlinks=False) and dead(entry.name)]
-    if not leftovers:
-        return
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4].encode().decode("unicode_escape") for line in f]
-    for name in leftovers:
-        top = str(area / name)
-        for point in sorted((p for p in points if p == top or p.startswith(top + "/")), key=len, reverse=True):
-            _libc.umount2(point.encode(), MNT_DETACH)
-        remove_tree(top)
-        log.info("workspace: reclaimed %s, left by a process that is gone", top)
+    for entry in os.scandir(area):
+        if entry.is_dir(follow_symlinks=False) and dead(entry.name):
+            _release(area / entry.name)
+
+
+def views_area(root: Path) -> Path:
+    """This process's area for grading views under a sandbox root, named by its pid and start time (pids are reused).
+    The first call in a process reclaims every area whose process is gone (a driver or build worker killed with -9
+    leaves its views and their tmpfs mounted)."""
+    root = root.resolve()
+    if (root / "views-") not in _reclaimed and root.is_dir():
+        _reclaimed.add(root / "views-")
+        for entry in os.scandir(root):
+            pid, _, start = entry.name.removeprefix("views-").partition("-")
+            if entry.name.startswith("views-") and entry.is_dir(follow_symlinks=False) and process_start(pid) != start:
+                _release(root / entry.name)
+    return root / f"views-{os.getpid()}-{process_start(os.getpid())}"

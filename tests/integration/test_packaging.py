@@ -3,6 +3,7 @@
 command works from outside the checkout."""
 
 import csv
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -19,8 +20,18 @@ PRODUCT_FOLDERS = ("cli", "rl", "rollout", "trainer", "sync", "data", "runtime",
 def installed(tmp_path_factory) -> Path:
     """A fresh venv holding the wheel alone; its dependencies are read from this environment's site-packages."""
     work = tmp_path_factory.mktemp("wheel")
+    # Built from a copy of the checkout's files (tracked and new, not ignored): setuptools writes build/ and
+    # *.egg-info beside the sources it builds, and the checkout must not keep them.
+    source = work / "source"
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"], capture_output=True, check=True
+    )
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(work / "dist"), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(work / "dist"), str(source)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.helpers import netns_hosts
+from tests.integration.test_kernel_surface import ALL_REFUSED, PROBE
 
 pytestmark = [pytest.mark.ssh, pytest.mark.skipif(netns_hosts.available() is not None, reason=str(netns_hosts.available()))]
 
@@ -141,6 +142,8 @@ def test_a_task_graded_on_a_remote_host_earns_what_it_earns_here(hosts, task):
             assert "def median" in ws.read_file("src/tally/stats.py")
             ws.write_file("notes.txt", "remote\n")
             assert ws.shell("cat notes.txt", 30).output == "remote\n"
+            # the seccomp filter holds on the remote host too (a shell command there, and what it starts)
+            assert ALL_REFUSED in ws.shell(f"python - <<'EOF'\n{PROBE}EOF", 60).output
             with pytest.raises(FileNotFoundError):
                 ws.read_file("no/such/file.py")
             assert "1 failed" in other.run_tests().output

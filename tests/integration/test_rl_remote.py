@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,8 @@ def test_a_remote_rollout_host_serves_every_policy_and_dies_with_the_driver(sshd
     assert pulled and (remote / "smoke-rl" / "vllm-0.log").is_file()
     assert "vLLM" in (run / "logs" / "127.0.0.1-vllm-0.log").read_text()  # the host's server log, copied into the run's logs/
     assert processes_mentioning(remote) == []  # a finished run stops its remote servers too
+    # the workspaces the killed driver left mounted (tmpfs caps) were reclaimed by the resumed one
+    assert str(run) not in Path("/proc/self/mountinfo").read_text()
 
 
 def test_an_unreachable_rollout_host_is_one_clear_error(sshd, tmp_path, composer):

@@ -166,6 +166,12 @@ def test_fills_the_grading_directory():
     except OSError:
         pass
     assert written < 100
+
+
+def test_the_grading_directory_is_the_runs_own():
+    import os, stat
+    st = os.stat("/sandbox")
+    assert st.st_uid == os.getuid() != 0 and stat.S_IMODE(st.st_mode) == 0o700
 """
 
 
@@ -179,6 +185,7 @@ def test_grading_writes_go_to_a_capped_tmpfs_removed_after(tmp_path):
     free = shutil.disk_usage(tmp_path).free
     report = run_tests_guarded(sandbox, tests.grading_base, {}, ("toy/tests/test_fill.py",), (), 60, (), tmp_path / "views")
     assert report.complete and "write_limit" in report.flags, report.output
+    assert report.outcomes["toy/tests/test_fill.py::test_the_grading_directory_is_the_runs_own"] == "passed", report.output
     assert abs(shutil.disk_usage(tmp_path).free - free) < 8 << 20 and list((tmp_path / "views").iterdir()) == []
 
 
@@ -205,3 +212,43 @@ def test_what_a_killed_process_left_mounted_is_reclaimed_by_the_next(tmp_path):
         for target in (live / "root", live, left / "root", left):
             if os.path.ismount(target):
                 unmount(target)
+
+
+HOLDER = """
+import os, sys, time
+from pathlib import Path
+from composer.rollout.tasks.workspace import mount_capped, owned_dir, views_area
+root = Path(sys.argv[1])
+views = views_area(root)  # what grading makes: a views area of this process, a capped tmpfs per grade
+grade = owned_dir("grade-", (views.mkdir(parents=True), views)[1])
+mount_capped(grade, 1 << 20, 100)
+(grade / "repo").mkdir()
+mount_capped(grade / "repo", 1 << 20, 100)
+workspaces = root / "workspaces"  # and a function task's workspace
+workspaces.mkdir()
+solution = owned_dir("solution-", workspaces)
+mount_capped(solution, 1 << 20, 100)
+print(views, solution, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_driver_killed_with_9_leaves_mounts_the_next_process_reclaims(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from composer.rollout.tasks.workspace import reclaim, views_area
+
+    root = tmp_path / "sandbox"
+    root.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], stdout=subprocess.PIPE, text=True)
+    views, solution = map(Path, holder.stdout.readline().split())
+    assert os.path.ismount(solution) and len([p for p in views.iterdir() if os.path.ismount(p)]) == 1
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    mine = views_area(root)
+    reclaim(root / "workspaces")
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert not views.exists() and not solution.exists() and str(root) not in mounts
+    assert mine.name == f"views-{os.getpid()}-{mine.name.split('-')[2]}" and not mine.exists()

@@ -313,6 +313,28 @@ def test_an_install_that_fails_names_its_log_and_leaves_no_environment(project, 
     assert [p.name for p in (tmp_path / "cache" / "envs").iterdir() if not p.name.startswith(".")] == []
 
 
+PLANTS = {
+    # A listener's socket file (bound read-only into every run's view, it would still connect), a FIFO, a hard link.
+    "socket": "python -c \"import os, socket, sys; os.chdir(sys.prefix + '/lib'); socket.socket(socket.AF_UNIX).bind('run.sock')\"",
+    "fifo": "python -c \"import os, sys; os.mkfifo(sys.prefix + '/lib/pipe')\"",
+    "hard-link": "python -c \"import os, sys; os.link(sys.prefix + '/pyvenv.cfg', sys.prefix + '/lib/cfg-link')\"",
+}
+
+
+@pytest.mark.parametrize("planted", PLANTS)
+def test_an_install_that_leaves_special_files_is_refused_and_hard_links_are_broken(project, tmp_path, sandbox_root, planted):
+    repo, _ = project
+    spec = resolve_project(ProjectSettings(**tally(repo, install=f"{INSTALL} && {PLANTS[planted]}")), [])
+    if planted == "hard-link":
+        venv = project_environment(tmp_path, spec, SANDBOX, sandbox_root).venv
+        link, original = os.stat(venv / "lib" / "cfg-link"), os.stat(venv / "pyvenv.cfg")
+        assert link.st_ino != original.st_ino and link.st_nlink == 1 and (link.st_uid, link.st_mode & 0o022) == (0, 0)
+        return
+    with pytest.raises(UserError, match=r"project tally: its install left a special file .* at venv/lib/"):
+        project_environment(tmp_path, spec, SANDBOX, sandbox_root)
+    assert not environment_dir(tmp_path, spec).exists()
+
+
 def test_tests_that_fail_on_the_original_are_one_clear_error(project, history, cache, tmp_path, composer):
     repo, _ = project
     # a pytest plugin that does not exist: no test file runs on the original (the environment is the one built)

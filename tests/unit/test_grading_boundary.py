@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import threading
+import unittest
 import uuid
 
 import networkx as nx
@@ -203,3 +204,62 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
     assert crossing.call("shapes", "filled", (list, (ValueError, type(None))), {}) == (list, (ValueError, type(None)))
     with pytest.raises(RuntimeError, match="cannot cross"):
         crossing.call("shapes", "filled", (threading.Thread, dict), {})
+
+
+HOSTILE_ANSWERS = {
+    # exceptions pytest or the interpreter treat specially, named by the episode
+    "raise SystemExit": b'{"raise": "SystemExit", "message": "0"}',
+    "raise KeyboardInterrupt": b'{"raise": "KeyboardInterrupt"}',
+    "raise pytest's Skipped": b'{"raise": "Skipped", "message": "skip me"}',
+    "raise pytest's Exit": b'{"raise": "Exit"}',
+    "raise GeneratorExit": b'{"raise": "GeneratorExit"}',
+    "raise an exception the package only imports": b'{"raise": "SkipTest"}',
+    # data the decoder must refuse or that cannot be built
+    "nesting past the bound": b"[" * 5000 + b"]" * 5000,
+    "tag nesting past the bound": b'{"return": ' + b'{"$tuple": [' * 300 + b"1" + b"]}" * 300 + b"}",
+    "an unhashable key": b'{"return": {"$dict": [[[1], 2]]}}',
+    "a graph edge to no node": b'{"return": {"$graph": ["Graph", {}, [], [[1, [[2, {}]]]], null]}}',
+    "a class not of the list": b'{"return": {"$graph": ["OrderedGraph", {}, [], [], null]}}',
+    "a pickle": b'{"return": {"$pickle": "gASVAAAAAAAAAAA="}}',
+    "an integer of a million digits": b'{"return": ' + b"9" * 1_000_000 + b"}",
+    "a bare NaN": b'{"return": NaN}',
+    "not JSON": b"\xff\xfe garbage",
+    "a list": b"[1, 2]",
+    # objects, classes and values named by the episode
+    "an object of a class outside the package": b'{"return": {"$object": ["os", "PathLike", null, []]}}',
+    "a class the package only imports": b'{"return": {"$type": ["networkx", "SkipTest"]}}',
+    "an exception object built without its constructor": b'{"return": {"$object": ["networkx", "NetworkXError", null, []]}}',
+    "an enum member of no enum": b'{"return": {"$enum": ["networkx", "Graph", "RED"]}}',
+    "a malformed date": b'{"return": {"$value": ["datetime", "yesterday"]}}',
+    # the protocol misused
+    "a callback never passed": b'{"callback": 3, "args": {"$tuple": []}, "kwargs": {"$dict": []}}',
+    "an argument turned into another type": b'{"return": 1, "changed": {"0": "now a string"}}',
+    "a mutation of an argument not passed": b'{"return": 1, "changed": {"nope": [1]}}',
+    "no return": b'{"changed": {}}',
+}
+
+
+@pytest.mark.parametrize("answer", HOSTILE_ANSWERS.values(), ids=list(HOSTILE_ANSWERS))
+def test_whatever_the_episode_answers_the_grader_raises_an_ordinary_exception(answer):
+    """The episode's process is hostile: its answer line, however shaped, makes the proxy in the grader either return
+    plain data or raise an `Exception` the test then fails on: never an exception pytest treats as a skip or an exit,
+    never one that stops the grader, never an object of the episode's."""
+    asked, ask = os.pipe()
+    answered, reply = os.pipe()
+
+    def episode():
+        with os.fdopen(asked, "rb") as lines:
+            for _ in lines:
+                os.write(reply, answer + b"\n")
+
+    threading.Thread(target=episode, daemon=True).start()
+    crossing.connect(ask, answered)
+    nx.SkipTest = unittest.SkipTest  # as a package that imports it into its namespace would hold it
+    items = [0]
+    try:
+        with pytest.raises(Exception) as raised:
+            crossing.call("networkx", "is_empty", (items,), {})
+    finally:
+        os.close(ask)
+        del nx.SkipTest
+    assert type(raised.value).__module__ in ("builtins", "json.decoder") and items == [0], repr(raised.value)

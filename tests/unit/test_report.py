@@ -133,3 +133,39 @@ def test_compare_overlays_every_run_in_every_plot(tmp_path):
     assert all(runs == ["a", "b"] for runs in report.plotted.values()) and set(report.plotted) == {p.stem for p in report.images}
     page = report.html.read_text()
     assert "<th>run</th>" in page and page.count("<td>loss</td>") == 2
+
+
+def test_the_eval_page_shows_per_kind_whether_the_policy_speaks_the_harness():
+    from composer.runtime.report import eval_report_html
+
+    def summary(parsed: float, finished: float) -> dict:
+        kind = {
+            "tasks": 4,
+            "greedy_pass@1": 0.25,
+            "interval": [0.0, 0.75],
+            "tool_calls": 10,
+            "tool_calls_parsed": parsed,
+            "finish_called": finished,
+        }
+        return {
+            "tasks": 4,
+            "skipped": 0,
+            "record": {"eval_repo_greedy_pass@1": 0.25, "eval_repo_greedy_pass@1_low": 0.0, "eval_repo_greedy_pass@1_high": 0.75},
+            "infra_failures": 0,
+            "greedy_pass@1_without_infra_failures": 0.25,
+            "flagged_episodes": 0,
+            "flags": {},
+            "summaries_per_episode": 0.0,
+            "end_reasons": {"finished": 1},
+            "kinds": {"bug": kind},
+        }
+
+    page = eval_report_html(
+        {
+            "checkpoints": {"before": "a", "after": "b"},
+            "pass_k": [],
+            "samples": 0,
+            "sets": {"repo": {"before": summary(0.1, 0.0), "after": summary(0.9, 0.75)}},
+        }
+    )
+    assert "tool calls parsed 0.100 of 10; finish 0.000" in page and "tool calls parsed 0.900 of 10; finish 0.750" in page

@@ -63,8 +63,8 @@ from composer.rollout.tasks.repository.projects import (
     resolve_projects,
 )
 from composer.rollout.tasks.repository.projects import project_bases as _bases_of
-from composer.rollout.tasks.repository.surveys import Runners, TestSetup, changed_files, process_start
-from composer.rollout.tasks.workspace import unmount
+from composer.rollout.tasks.repository.surveys import Runners, TestSetup, changed_files
+from composer.rollout.tasks.workspace import views_area
 from composer.runtime.run_dir import atomic_write_text
 
 log = logging.getLogger("composer.repo_tasks")
@@ -218,7 +218,7 @@ class _Build:
         self.directory = set_dir(settings, self.specs)
         (self.directory / "verdicts").mkdir(parents=True, exist_ok=True)
         (self.directory / "layers").mkdir(exist_ok=True)
-        _clean_stale_views(sandbox_root)
+        views_area(sandbox_root)  # reclaims what killed builds left
         self.stream = candidates(settings, self.bases, self.specs)
         self.ordered: list[Candidate] = []
         self.report = BuildReport()
@@ -469,16 +469,3 @@ def _write_index(build: _Build) -> None:
             }
         ),
     )
-
-
-def _clean_stale_views(sandbox_root: Path) -> None:
-    """Views left by build workers that were killed: unmounted and removed."""
-
-    for area in sandbox_root.glob("views-*"):
-        pid, _, start = area.name.removeprefix("views-").partition("-")
-        if pid.isdigit() and process_start(pid) == start:
-            continue
-        for view in area.glob("grade-*/repo"):
-            if os.path.ismount(view):
-                unmount(view)
-        shutil.rmtree(area, ignore_errors=True)

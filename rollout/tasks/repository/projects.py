@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,7 @@ from composer.recipes.errors import UserError
 from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.results import RunEnvironment
 from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.sandbox.trees import TreeTooLarge, remove_tree, walk_files
 from composer.rollout.tasks.repository.pytest_config import config_args, project_config
 from composer.runtime.run_dir import atomic_write_text
 
@@ -348,11 +350,11 @@ def project_environment(cache_dir: Path, spec: ProjectSpec, sandbox: SandboxSect
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (found := load_environment(root)) is not None:
             return found
-        shutil.rmtree(root, ignore_errors=True)  # half-made by a build that was killed
+        remove_tree(root)  # half-made by a build that was killed
         try:
             return _make_environment(cache_dir, spec, sandbox, sandbox_root, root)
         except BaseException:
-            shutil.rmtree(root, ignore_errors=True)
+            remove_tree(root)
             raise
 
 
@@ -441,20 +443,41 @@ def _make_environment(cache_dir: Path, spec: ProjectSpec, sandbox: SandboxSectio
             f"; the install log: {log_path}"
         )
     frozen = [line for line in check.output.splitlines() if line and not line.startswith("#")]
-    for directory, _, files in os.walk(venv):
-        os.chown(directory, 0, 0) if os.geteuid() == 0 else None
-        os.chmod(directory, 0o755)
-        for name in files:
-            path = Path(directory, name)
-            if not path.is_symlink():
-                os.chown(path, 0, 0) if os.geteuid() == 0 else None
-                os.chmod(path, (path.stat().st_mode & 0o755) | 0o444)
+    _seal(spec, venv)
     os.chmod(root, 0o755)
     atomic_write_text(
         root / "manifest.json",
         json.dumps({"digest": spec.digest, "python": python, "prefixes": prefixes, "install": entry.install, "frozen": frozen}, indent=1),
     )
     return load_environment(root)
+
+
+def _seal(spec: ProjectSpec, venv: Path) -> None:
+    """Make the environment the install (a sandbox uid) wrote root's and read-only to runs. It may hold files,
+    directories and symlinks only: a socket, FIFO or device the install left is refused (bound read-only into every
+    run's view, a socket would still connect runs to whatever listens on it); a hard link is broken into a file of
+    its own first, so that making it root's never reaches an inode another path holds. Walked without following
+    links or recursing (`trees.walk_files`)."""
+    try:
+        entries = list(walk_files(venv))
+    except TreeTooLarge as e:
+        raise UserError(f"env.tasks: project {spec.name}: its install left an environment too large to seal ({e})") from None
+    for relative, st in [("", os.lstat(venv)), *entries]:
+        path = venv / relative
+        if stat.S_ISLNK(st.st_mode):
+            continue
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            raise UserError(
+                f"env.tasks: project {spec.name}: its install left a special file (socket, FIFO or device) at "
+                f"venv/{relative}; an environment may hold only files, directories and symlinks: change `install`"
+            )
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            copy = path.with_name(f".{path.name}.unlinked")
+            shutil.copyfile(path, copy, follow_symlinks=False)
+            os.replace(copy, path)
+        if os.geteuid() == 0:
+            os.chown(path, 0, 0, follow_symlinks=False)
+        os.chmod(path, 0o755 if stat.S_ISDIR(st.st_mode) else (st.st_mode & 0o755) | 0o444)
 
 
 _REMOVE_OWN = """import json, os, subprocess, sys, sysconfig

@@ -37,6 +37,7 @@ from composer.rollout.tasks.files import PathRefused
 from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.projects import _chmod_tree
 from composer.rollout.tasks.repository.workspace import RepoTestPlan, RepoTests, RepoWorkspace, TestReport, run_tests_guarded
+from composer.rollout.tasks.workspace import views_area
 
 CHUNK_BYTES = 8 << 20
 """Bytes of a shipped archive per frame."""
@@ -266,7 +267,7 @@ class WorkspaceService:
             job.pytest_args,
             job.timeout_s,
             self._hidden(job.trees),
-            self.sandbox.root / f"views-server-{os.getpid()}",
+            views_area(self.sandbox.root),
             environment,
         )
 

@@ -5,7 +5,6 @@ uses."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 import queue
 from collections import Counter
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.mutations import changed_module
 from composer.rollout.tasks.repository.remote import remote_test_run
 from composer.rollout.tasks.repository.workspace import RepoTests, TestReport, run_tests_across, run_tests_guarded
+from composer.rollout.tasks.workspace import views_area
 
 _worker_sandbox: Sandbox | None = None
 
@@ -34,18 +34,9 @@ def worker_sandbox(config: dict, root: str) -> Sandbox:
     return _worker_sandbox
 
 
-def process_start(pid: int | str) -> str | None:
-    """A live process's start time (ticks since boot), None when it is gone or a zombie (pids are reused)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else fields[19]
-
-
 def grading_area(sandbox: Sandbox) -> Path:
-    """This process's grading views (named by pid and start time, so a later build can tell they are stale)."""
-    return sandbox.root / f"views-{os.getpid()}-{process_start(os.getpid())}"
+    """This process's grading views (`views_area`: a killed process's are reclaimed)."""
+    return views_area(sandbox.root)
 
 
 @dataclass(frozen=True)

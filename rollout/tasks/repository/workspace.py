@@ -262,8 +262,8 @@ def run_tests_guarded(
     mounted = capped = False
     try:
         if overlay_supported(area):
-            # What the run writes during grading (its work directory is `work`) goes to a tmpfs of the run's write
-            # cap, not to the host's disk; removed after.
+            # What the run writes during grading (its work directory is `work`, made the run's uid's) goes to a
+            # tmpfs of the run's write cap, not to the host's disk; removed after.
             mount_capped(work, sandbox.config.max_write_mb << 20, sandbox.config.max_inodes)
             capped = True
         os.chmod(work, 0o755)
@@ -309,7 +309,9 @@ def run_tests_guarded(
                 *test_files,
             ]
         )
-        result = sandbox.run_command(command, work, timeout_s=timeout_s, hidden=hidden, channel=True, environment=environment, calls=calls)
+        result = sandbox.run_command(
+            command, work, timeout_s=timeout_s, hidden=hidden, channel=True, environment=environment, calls=calls, owned=True
+        )
         if capped and is_full(work):
             result = dataclasses.replace(result, flags=tuple(sorted({*result.flags, "write_limit"})))
         return read_report(result, key, sentinels)
