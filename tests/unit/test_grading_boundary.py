@@ -173,6 +173,17 @@ def filled(factory, kind):
     return type(factory()), kind
 
 
+def counted(function_name):
+    calls = []
+    function = {"len": len, "sorted": sorted}[function_name]
+
+    def wrapper(*args):
+        calls.append(args)
+        return function(*args), len(calls)
+
+    return wrapper
+
+
 def moved(point, dx):
     made = object.__new__(Point)
     made.x, made.y = point.x + dx, point.y
@@ -204,6 +215,9 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
     assert crossing.call("shapes", "filled", (list, (ValueError, type(None))), {}) == (list, (ValueError, type(None)))
     with pytest.raises(RuntimeError, match="cannot cross"):
         crossing.call("shapes", "filled", (threading.Thread, dict), {})
+    # a function the episode returns (a decorator's wrapper) stays there: each call of it crosses, its state kept
+    wrapped = crossing.call("shapes", "counted", ("len",), {})
+    assert wrapped("ab") == (2, 1) and wrapped([1, 2, 3]) == (3, 2)
 
 
 HOSTILE_ANSWERS = {

@@ -16,7 +16,9 @@ What crosses is JSON with tags, decoded by each side into plain types and its ow
   a networkx graph                    {"$graph": [class, graph attributes, [[node, attributes]...],
                                       [[node, [[neighbour, edge attributes or {key: attributes}]...]]...],
                                       the predecessors' order of a directed graph or null]}
-  a function (grader to episode only) {"$callback": number}
+  a function                          {"$callback": number}: a function the grader passes is called back in the
+                                      grader; one the episode returns (a decorator's wrapper) stays in the episode's
+                                      process, and the grader's proxy for it calls it there across the boundary
   an instance of the project's own class  {"$object": [module, qualname, its builtin base's value or null,
                                       [[attribute, value]...]]}; an enum member {"$enum": [module, qualname, name]}
   a standard library value            {"$value": [name, data]}: datetime's date, time, datetime (with a fixed
@@ -470,7 +472,16 @@ def _call(module, qualname, args, kwargs):
     for key, after in changed.items() if type(changed) is dict else ():
         target = args[int(key)] if key.isdigit() and int(key) < len(args) else kwargs.get(key)
         apply_mutation(target, after)
-    return decode(answer["return"])
+    return decode(answer["return"], lambda number: _returned(module, number))
+
+
+def _returned(module, number):
+    """The grader's proxy for a function the episode returned: each call crosses to the episode's process."""
+
+    def returned(*args, **kwargs):
+        return call(module, f"$callback:{number}", args, kwargs)
+
+    return returned
 
 
 # --- the episode's side -------------------------------------------------------------------------
@@ -503,16 +514,20 @@ def serve(in_fd, out_fd):
 
         return callback
 
+    returned = []  # the functions answers returned, by number (the grader calls them by it)
     while True:
         request = receive()
         try:
             module, qualname = request["call"]
             _own[0] = module.partition(".")[0]
-            function = importlib.import_module(module)
-            for part in qualname.split("."):
-                function = getattr(function, part)
-            while hasattr(function, "__wrapped__"):
-                function = function.__wrapped__
+            if qualname.startswith("$callback:"):
+                function = returned[int(qualname.partition(":")[2])]
+            else:
+                function = importlib.import_module(module)
+                for part in qualname.split("."):
+                    function = getattr(function, part)
+                while hasattr(function, "__wrapped__"):
+                    function = function.__wrapped__
             args = [decode(a, make_callback) for a in request["args"]]
             kwargs = {k: decode(v, make_callback) for k, v in request["kwargs"].items()}
         except Exception as e:
@@ -520,7 +535,7 @@ def serve(in_fd, out_fd):
             continue
         try:
             result = function(*args, **kwargs)
-            answer = {"return": encode(result)}
+            answer = {"return": encode(result, returned)}
             changed = {}
             for key, before, now in [
                 *((str(i), request["args"][i], a) for i, a in enumerate(args)),
