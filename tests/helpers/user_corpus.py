@@ -148,7 +148,7 @@ REGRESSIONS = 2
 
 def seeded_regressions(project: CorpusProject, repo: Path, cache: Path, sandbox_root: Path, workers: int) -> list[Regression]:
     """Bug tasks at the sdist's commit (validated: its tests catch them), as regressions to commit."""
-    seeding = RepoTaskSettings(projects=[project.entry(repo)], kinds=["bug"], num_tasks=REGRESSIONS, seed=1, cache_dir=str(cache))
+    seeding = RepoTaskSettings(projects=[project.entry(repo)], kinds=["bug"], num_tasks=REGRESSIONS, cache_dir=str(cache))
     build_repo_tasks(seeding, LIMITS, sandbox_root, workers)
     return [
         Regression(t["path"], (set_dir(seeding) / t["layer"] / t["path"]).read_text(), t["function"], t["test_file"])
