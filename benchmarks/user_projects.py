@@ -2,12 +2,13 @@
 build backend) built into repository tasks of every kind: per project, candidates and validated per kind,
 rejections by reason, the build's time (its environment's install included) and the share of candidates validated.
 
-    python benchmarks/user_projects.py [--projects packaging,toolz] [--workers 2] [--keep DIR]
+    python benchmarks/user_projects.py [--tasks 16] [--projects packaging,toolz] [--workers 2] [--keep DIR]
 
 Each project is given a git history (`make_repository`), built once for two seeded regressions its tests catch
 (bug tasks at the sdist's commit), the regressions committed with their fixes (`add_fixes`: the history tasks),
-then built at the last fix with kinds bug, feature, multi and history and every candidate tried. The installs read
-only `.cache/user-corpus` (scripts/setup.sh fetches it); nothing is downloaded.
+then built at the last fix with kinds bug, feature, multi and history, candidates taken in order until `--tasks`
+validate (every candidate by default). The installs read only `.cache/user-corpus` (scripts/setup.sh fetches it);
+nothing is downloaded.
 """
 
 from __future__ import annotations

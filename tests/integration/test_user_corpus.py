@@ -4,8 +4,7 @@ unittest suites and test dependencies from extras, a requirements file or the in
 history (its sdist, then seeded regressions and their fixes) and built by `env build` into every kind.
 
 The installs read only the wheels scripts/setup.sh cached (nothing downloads here); without them the tests skip.
-`benchmarks/user_projects.py` builds the same corpus with every candidate tried and prints the table of
-docs/environments.md."""
+`benchmarks/user_projects.py` builds the same corpus and prints the table of docs/benchmarks.md."""
 
 from __future__ import annotations
 
