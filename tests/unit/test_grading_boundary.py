@@ -48,7 +48,7 @@ def test_graphs_cross_with_their_data_and_neighbour_order(cls):
 
 
 def test_plain_values_cross_and_objects_do_not():
-    value = {"a": (1, 2.5, float("inf")), 3: {frozenset({1}), None}, "r": range(2, 9, 3), "l": [True, b"\x00x"]}
+    value = {"a": (1, 2.5, float("inf")), 3: {frozenset({1}), None}, "r": range(2, 9, 3), "l": [True, b"\x00x", NotImplemented, ...]}
     assert crossed(value) == value
     moment = dt.datetime(2024, 2, 29, 13, 5, 7, 120, tzinfo=dt.timezone(dt.timedelta(hours=-3)))
     values = [moment, moment.replace(tzinfo=None), moment.date(), moment.time(), dt.timedelta(days=-2, microseconds=5)]

@@ -9,7 +9,7 @@ process asks for them by number, and the grader calls them on data and answers, 
 
 What crosses is JSON with tags, decoded by each side into plain types and its own classes only:
   None, bool, int, float, str, list   as JSON; {"$float": "nan" | "inf" | "-inf"}
-  bytes                               {"$bytes": hex}
+  bytes                               {"$bytes": hex}; NotImplemented (a comparison's), Ellipsis {"$const": name}
   tuple, set, frozenset, dict, range  {"$tuple": [...]}, {"$set": [...]}, {"$frozenset": [...]}, {"$dict": [[k, v]...]},
                                       {"$range": [start, stop, step]}
   an iterator (a generator's values)  {"$iter": [...]} (decoded as an iterator over them; an argument's are taken
@@ -139,6 +139,8 @@ def encode(value, callbacks=None, depth=0):
             return int(value)
         if kind.__name__.startswith("float"):
             return encode(float(value), callbacks, depth)
+    if value is NotImplemented or value is Ellipsis:
+        return {"$const": "NotImplemented" if value is NotImplemented else "Ellipsis"}
     if kind is bytes:
         return {"$bytes": value.hex()}
     if kind is list:
@@ -272,6 +274,8 @@ def decode(node, make_callback=None, depth=0):
     ((tag, body),) = node.items()
     if tag == "$float" and body in ("nan", "inf", "-inf"):
         return float(body)
+    if tag == "$const" and body in ("NotImplemented", "Ellipsis"):
+        return NotImplemented if body == "NotImplemented" else Ellipsis
     if tag == "$bytes" and type(body) is str:
         return bytes.fromhex(body)
     if tag == "$callback" and type(body) is int and make_callback is not None:
