@@ -28,6 +28,13 @@ from composer.rollout.tasks.repository.build import BuildReport  # noqa: E402
 from tests.helpers.user_corpus import CORPUS, KINDS, CorpusProject, build_project, missing, offline_index  # noqa: E402
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return platform.machine()
+
+
 def row(project: CorpusProject, report: BuildReport, seconds: float) -> str:
     per_kind = " ".join(
         f"{kind} {report.by_project_kind[(project.name, kind)]}/{report.tried_by_project_kind[(project.name, kind)]}" for kind in KINDS
@@ -48,7 +55,7 @@ def main() -> None:
     os.environ.update(offline_index())
     chosen = [p for p in CORPUS if p.name in args.projects.split(",")]
     base = args.keep or Path(tempfile.mkdtemp(prefix="user-projects-"))
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; workers {args.workers}")
+    print(f"{cpu_model()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; workers {args.workers}")
     print("| project | backend | validated/candidates per kind | validated | share | build time |")
     print("|---|---|---|---|---|---|")
     rejections, passing = [], 0
