@@ -76,6 +76,23 @@ install_system_packages() {
     fi
 }
 
+fetch_user_corpus() {
+    # The real projects the user-project tests build (tests/helpers/user_corpus.txt): their sdists and the wheels their
+    # installs need, pinned, into .cache/user-corpus (the tests skip without it). Stamped by the list's digest.
+    local list=tests/helpers/user_corpus.txt corpus=.cache/user-corpus want_corpus
+    want_corpus=$(sha256sum "$list" | cut -c1-16)
+    [[ -f $corpus/.stamp && "$(cat "$corpus/.stamp")" == "$want_corpus" ]] && return 0
+    mkdir -p "$corpus/wheels"
+    if "$venv/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: -d "$corpus" \
+            $(sed -n '/^\[sdists\]/,/^\[/{/^[^#[]/p}' "$list") 2> >(grep -v -e "is ignored: it is neither" -e "^$" >&2) &&
+        "$venv/bin/python" -m pip download --quiet --disable-pip-version-check --only-binary :all: -d "$corpus/wheels" \
+            $(sed -n '/^\[wheels\]/,/^\[/{/^[^#[]/p}' "$list") 2> >(grep -v -e "is ignored: it is neither" -e "^$" >&2); then
+        echo "$want_corpus" > "$corpus/.stamp"
+    else
+        echo "setup: the user-project corpus was not fetched; its tests skip until it is (every run of scripts/setup.sh tries again)" >&2
+    fi
+}
+
 [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
 stamp="$venv/.composer-setup-$flavour"
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
@@ -84,3 +101,4 @@ if ! [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     echo "$want" > "$stamp"
 fi
 install_system_packages
+fetch_user_corpus

@@ -462,3 +462,39 @@ def test_a_change_that_breaks_the_import_is_a_failed_run_not_an_early_exit(sandb
     assert (report.complete, report.flags, report.outcomes) == (True, (), {}), report.output[-1500:]
     honest = guarded(sandbox, toy, {"toy/core.py": CORE.replace("x + x + 1", "x + x").encode()}, tmp_path)
     assert (honest.complete, honest.flags) == (True, ()) and set(honest.outcomes.values()) == {"passed"}
+
+
+SUBTESTS = """import unittest
+
+from toy.core import double
+
+
+class DoubleTest(unittest.TestCase):
+    def test_small(self):
+        for x in (0, 1, 2):
+            with self.subTest(x=x):
+                self.assertEqual(double(x), x * 2)
+
+    def test_one(self):
+        for x in (0, 1):
+            with self.subTest(x=x):
+                self.assertEqual(double(x), 2 * x + 1)  # what this (buggy) double does
+"""
+
+
+def test_unittest_subtests_are_outcomes_not_tampering(sandbox, tmp_path):
+    """A unittest suite's subTest() loops (pytest reports each subtest on its own): the report is believed, and a
+    test is failed when any of its subtests fails."""
+    root = tmp_path / "base"
+    (root / "toy" / "tests").mkdir(parents=True)
+    (root / "toy" / "__init__.py").write_text("")
+    (root / "toy" / "core.py").write_text(CORE)
+    (root / "toy" / "tests" / "__init__.py").write_text("")
+    (root / "toy" / "tests" / "test_sub.py").write_text(SUBTESTS)
+    for path in [root, *root.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    test_file = "toy/tests/test_sub.py"
+    report = run_tests_guarded(sandbox, root, {}, (test_file,), (), 60, (), tmp_path / "views")
+    assert report.complete and not report.flags, (report.detail, report.flags)
+    assert report.outcomes[f"{test_file}::DoubleTest::test_small"] == "failed"  # double(x) is 2x + 1: its subtests fail
+    assert report.outcomes[f"{test_file}::DoubleTest::test_one"] == "passed"

@@ -343,8 +343,10 @@ def test_an_install_that_fails_names_its_log_and_leaves_no_environment(project, 
     repo, _ = project
     recipe = build_recipe(tmp_path, tally(repo, install="pip install no-such-package-composer-test==0.0.1"), ["bug"])
     error = one_line_error(composer("env", "build", str(recipe)))
-    assert "project tally: its install command failed" in error and "the install log: " in error
-    log = Path(error.split("the install log: ")[1].split()[0])
+    assert "repo.projects[].install: project tally: `pip install no-such-package" in error
+    assert "No matching distribution found for no-such-package-composer-test" in error  # why, from pip's own words
+    assert "change the install command" in error and "the install log: " in error
+    log = Path(error.split("the install log: ")[1].split()[0].rstrip(")"))
     assert log.is_file() and "no-such-package-composer-test" in log.read_text()
     assert [p.name for p in (tmp_path / "cache" / "envs").iterdir() if not p.name.startswith(".")] == []
 

@@ -4,10 +4,16 @@ the grader's proxies, and a call answered by the episode's side over a pair of p
 from __future__ import annotations
 
 import ast
+import collections
+import datetime as dt
+import decimal
+import fractions
 import json
 import os
+import pathlib
 import threading
 import unittest
+import uuid
 
 import networkx as nx
 import pytest
@@ -42,8 +48,13 @@ def test_graphs_cross_with_their_data_and_neighbour_order(cls):
 
 
 def test_plain_values_cross_and_objects_do_not():
-    value = {"a": (1, 2.5, float("inf")), 3: {frozenset({1}), None}, "r": range(2, 9, 3), "l": [True, "x"]}
+    value = {"a": (1, 2.5, float("inf")), 3: {frozenset({1}), None}, "r": range(2, 9, 3), "l": [True, b"\x00x", NotImplemented, ...]}
     assert crossed(value) == value
+    moment = dt.datetime(2024, 2, 29, 13, 5, 7, 120, tzinfo=dt.timezone(dt.timedelta(hours=-3)))
+    values = [moment, moment.replace(tzinfo=None), moment.date(), moment.time(), dt.timedelta(days=-2, microseconds=5)]
+    values += [decimal.Decimal("1.10"), fractions.Fraction(-3, 4), pathlib.PurePosixPath("a/b"), uuid.UUID(int=7)]
+    back = crossed(values)
+    assert back == values and [type(v) for v in back] == [type(v) for v in values] and str(back[5]) == "1.10"
 
     class Anything:
         def __eq__(self, other):
@@ -112,6 +123,103 @@ def test_a_call_crosses_with_mutations_callbacks_and_exceptions(tmp_path, monkey
     assert any(reason.startswith("result") for reason in crossing.refusals)
 
 
+def _serve_over_pipes() -> None:
+    """The grader's ends connected to an episode's `serve` in a thread, as the sandbox's session forwards them."""
+    asked, ask = os.pipe()
+    heard, hear = os.pipe()
+    answered, answer = os.pipe()
+
+    def host():
+        with os.fdopen(asked, "rb") as lines:
+            for line in lines:
+                os.write(hear, line[5:])
+        os.close(hear)
+
+    threading.Thread(target=host, daemon=True).start()
+    threading.Thread(target=crossing.serve, args=(heard, answer), daemon=True).start()
+    crossing.connect(ask, answered)
+
+
+SHAPES = """import enum
+
+
+class Colour(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+
+class Key(tuple):
+    pass
+
+
+class Point:
+    __slots__ = ("x", "y")
+
+    def __init__(self, x, y):
+        raise AssertionError("never run by the boundary")
+
+
+class Bag:
+    def __init__(self):
+        self.items = []
+
+    def add(self, item):
+        self.items.append(item)
+        self.count = len(self.items)
+        return Key((item, self.count))
+
+
+def filled(factory, kind):
+    return type(factory()), kind
+
+
+def counted(function_name):
+    calls = []
+    function = {"len": len, "sorted": sorted}[function_name]
+
+    def wrapper(*args):
+        calls.append(args)
+        return function(*args), len(calls)
+
+    return wrapper
+
+
+def moved(point, dx):
+    made = object.__new__(Point)
+    made.x, made.y = point.x + dx, point.y
+    return made, Colour.BLUE
+"""
+
+
+def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monkeypatch):
+    """What real projects pass and return (a class instance, a tuple subclass, an enum member, a method's `self`
+    that the call changes) crosses as data: each side builds its own class's instance without its constructor."""
+    (tmp_path / "shapes").mkdir()
+    (tmp_path / "shapes" / "__init__.py").write_text(SHAPES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import shapes
+
+    _serve_over_pipes()
+    point = object.__new__(shapes.Point)
+    point.x, point.y = 1, 2
+    result, colour = crossing.call("shapes", "moved", (point, 3), {})
+    assert type(result) is shapes.Point and (result.x, result.y) == (4, 2) and colour is shapes.Colour.BLUE
+    bag = shapes.Bag()
+    key = crossing.call("shapes", "Bag.add", (bag, "a"), {})
+    assert type(key) is shapes.Key and key == ("a", 1)
+    assert bag.items == ["a"] and bag.count == 1  # the method's change of `self`, applied to the grader's object
+    with pytest.raises(ValueError):  # a class outside the called function's package is not built
+        crossing.decode({"$object": ["os", "PathLike", None, []]})
+    # classes as arguments (`factory=OrderedDict`): builtin and `collections` ones, and the project's own
+    assert crossing.call("shapes", "filled", (collections.OrderedDict, shapes.Bag), {}) == (collections.OrderedDict, shapes.Bag)
+    assert crossing.call("shapes", "filled", (list, (ValueError, type(None))), {}) == (list, (ValueError, type(None)))
+    with pytest.raises(RuntimeError, match="cannot cross"):
+        crossing.call("shapes", "filled", (threading.Thread, dict), {})
+    # a function the episode returns (a decorator's wrapper) stays there: each call of it crosses, its state kept
+    wrapped = crossing.call("shapes", "counted", ("len",), {})
+    assert wrapped("ab") == (2, 1) and wrapped([1, 2, 3]) == (3, 2)
+
+
 HOSTILE_ANSWERS = {
     # exceptions pytest or the interpreter treat specially, named by the episode
     "raise SystemExit": b'{"raise": "SystemExit", "message": "0"}',
@@ -131,6 +239,12 @@ HOSTILE_ANSWERS = {
     "a bare NaN": b'{"return": NaN}',
     "not JSON": b"\xff\xfe garbage",
     "a list": b"[1, 2]",
+    # objects, classes and values named by the episode
+    "an object of a class outside the package": b'{"return": {"$object": ["os", "PathLike", null, []]}}',
+    "a class the package only imports": b'{"return": {"$type": ["networkx", "SkipTest"]}}',
+    "an exception object built without its constructor": b'{"return": {"$object": ["networkx", "NetworkXError", null, []]}}',
+    "an enum member of no enum": b'{"return": {"$enum": ["networkx", "Graph", "RED"]}}',
+    "a malformed date": b'{"return": {"$value": ["datetime", "yesterday"]}}',
     # the protocol misused
     "a callback never passed": b'{"callback": 3, "args": {"$tuple": []}, "kwargs": {"$dict": []}}',
     "an argument turned into another type": b'{"return": 1, "changed": {"0": "now a string"}}',

@@ -70,15 +70,17 @@ class Candidate:
 
 def _test_file_for(module: str, spec: ProjectSpec, root: Path) -> str | None:
     """A module's test file: `<module dir>/tests/test_<module>.py` (ready-made), else the first `test_<module>.py`
-    under the project's test paths."""
+    under the project's test paths (a private module `_parser.py` is tested by `test_parser.py` as often as by
+    `test__parser.py`)."""
     stem = PurePosixPath(module).stem
     if not spec.test_paths:
         test = PurePosixPath(module).parent / "tests" / f"test_{stem}.py"
         return str(test) if (root / test).is_file() else None
-    for test_path in spec.test_paths:
-        found = sorted(str(p.relative_to(root)) for p in (root / test_path).rglob(f"test_{stem}.py"))
-        if found:
-            return found[0]
+    for name in dict.fromkeys([f"test_{stem}.py", f"test_{stem.lstrip('_')}.py"]):
+        for test_path in spec.test_paths:
+            found = sorted(str(p.relative_to(root)) for p in (root / test_path).rglob(name))
+            if found:
+                return found[0]
     return None
 
 

@@ -9,6 +9,7 @@ process asks for them by number, and the grader calls them on data and answers, 
 
 What crosses is JSON with tags, decoded by each side into plain types and its own classes only:
   None, bool, int, float, str, list   as JSON; {"$float": "nan" | "inf" | "-inf"}
+  bytes                               {"$bytes": hex}; NotImplemented (a comparison's), Ellipsis {"$const": name}
   tuple, set, frozenset, dict, range  {"$tuple": [...]}, {"$set": [...]}, {"$frozenset": [...]}, {"$dict": [[k, v]...]},
                                       {"$range": [start, stop, step]}
   an iterator (a generator's values)  {"$iter": [...]} (decoded as an iterator over them; an argument's are taken
@@ -16,10 +17,21 @@ What crosses is JSON with tags, decoded by each side into plain types and its ow
   a networkx graph                    {"$graph": [class, graph attributes, [[node, attributes]...],
                                       [[node, [[neighbour, edge attributes or {key: attributes}]...]]...],
                                       the predecessors' order of a directed graph or null]}
-  a function (grader to episode only) {"$callback": number}
+  a function                          {"$callback": number}: a function the grader passes is called back in the
+                                      grader; one the episode returns (a decorator's wrapper) stays in the episode's
+                                      process, and the grader's proxy for it calls it there across the boundary
+  an instance of the project's own class  {"$object": [module, qualname, its builtin base's value or null,
+                                      [[attribute, value]...]]}; an enum member {"$enum": [module, qualname, name]}
+  a standard library value            {"$value": [name, data]}: datetime's date, time, datetime (with a fixed
+                                      offset or none), timedelta; Decimal, Fraction, PurePosixPath and PosixPath, UUID
+  a class                             {"$type": [module, qualname]}: a builtin one or a `collections` one
+                                      (`factory=dict`), or the project's own
 The graph classes are the decoding side's own (`Graph`, `DiGraph`, `MultiGraph`, `MultiDiGraph` of its networkx),
-filled in the neighbours' order as sent. Anything else cannot cross (`NotCrossable`); the grader never unpickles
-and never calls an object of the episode's.
+filled in the neighbours' order as sent. An object of the project's package (the package of the called function's
+module: a `Version`, a cache, a tuple subclass) crosses as its state: the decoding side makes an instance of its own
+copy of that class without running its constructor and sets the attributes (instances of module-level classes only;
+a member of an enum is the side's own member). Anything else cannot cross (`NotCrossable`); the grader never
+unpickles and never calls an object of the episode's.
 """
 
 import json
@@ -51,6 +63,54 @@ BUILTIN_EXCEPTIONS = (
 )
 
 
+OBJECT_BASES = (tuple, list, dict, set, frozenset, str, int, float)
+"""Builtin bases whose value an object of the project's own class carries besides its attributes."""
+SHARED_CLASSES = {
+    "builtins": (
+        *("bool", "bytes", "dict", "float", "frozenset", "int", "list", "object", "set", "str", "tuple", "NoneType"),
+        *("map", "filter", "zip", "range", "enumerate", "reversed", "Exception", "BaseException", *BUILTIN_EXCEPTIONS),
+    ),
+    "collections": ("Counter", "OrderedDict", "defaultdict", "deque"),
+}
+"""Classes that cross by name (`factory=dict`, `exceptions=(ValueError,)`), besides the project's own."""
+_own = [""]
+"""The top-level package whose classes cross as their state: the called function's (set per call, on each side)."""
+
+
+def _values():
+    """The standard library's value classes that cross as data: name -> (class, to data, from data)."""
+    import datetime
+    import decimal
+    import fractions
+    import pathlib
+    import uuid
+
+    def fixed_offset(value):
+        if value.tzinfo is not None and type(value.tzinfo) is not datetime.timezone:
+            raise NotCrossable(f"a time zone {type(value.tzinfo).__name__}")
+        return value.isoformat()
+
+    return {
+        "datetime": (datetime.datetime, fixed_offset, datetime.datetime.fromisoformat),
+        "date": (datetime.date, datetime.date.isoformat, datetime.date.fromisoformat),
+        "time": (datetime.time, fixed_offset, datetime.time.fromisoformat),
+        "timedelta": (
+            datetime.timedelta,
+            lambda v: [v.days, v.seconds, v.microseconds],
+            lambda d: datetime.timedelta(days=d[0], seconds=d[1], microseconds=d[2]),
+        ),
+        "Decimal": (decimal.Decimal, str, decimal.Decimal),
+        "Fraction": (fractions.Fraction, lambda v: [v.numerator, v.denominator], lambda d: fractions.Fraction(d[0], d[1])),
+        "PurePosixPath": (pathlib.PurePosixPath, str, pathlib.PurePosixPath),
+        "PosixPath": (pathlib.PosixPath, str, pathlib.PosixPath),
+        "UUID": (uuid.UUID, str, uuid.UUID),
+    }
+
+
+VALUES = _values()
+_VALUE_NAMES = {cls: name for name, (cls, _, _) in VALUES.items()}
+
+
 class NotCrossable(TypeError):
     """A value that cannot cross the boundary as data."""
 
@@ -79,6 +139,10 @@ def encode(value, callbacks=None, depth=0):
             return int(value)
         if kind.__name__.startswith("float"):
             return encode(float(value), callbacks, depth)
+    if value is NotImplemented or value is Ellipsis:
+        return {"$const": "NotImplemented" if value is NotImplemented else "Ellipsis"}
+    if kind is bytes:
+        return {"$bytes": value.hex()}
     if kind is list:
         return [encode(v, callbacks, depth + 1) for v in value]
     if kind in (tuple, set, frozenset):
@@ -101,6 +165,17 @@ def encode(value, callbacks=None, depth=0):
     if callbacks is not None and kind.__name__ in ("function", "builtin_function_or_method", "method", "partial"):
         callbacks.append(value)
         return {"$callback": len(callbacks) - 1}
+    if kind in _VALUE_NAMES:
+        name = _VALUE_NAMES[kind]
+        return {"$value": [name, VALUES[name][1](value)]}
+    if kind is type or isinstance(value, type):
+        if value.__qualname__ in SHARED_CLASSES.get(value.__module__, ()) or (
+            _own[0] and value.__module__.partition(".")[0] == _own[0] and "<" not in value.__qualname__
+        ):
+            return {"$type": [value.__module__, value.__qualname__]}
+        raise NotCrossable(f"the class {value.__module__}.{value.__qualname__}")
+    if _own[0] and kind.__module__.partition(".")[0] == _own[0] and "<" not in kind.__qualname__:
+        return encode_object(value, callbacks, depth)
     if hasattr(value, "__next__") and hasattr(value, "__iter__"):
         # A generator's values (an argument is consumed as the function would consume it).
         items = []
@@ -110,6 +185,72 @@ def encode(value, callbacks=None, depth=0):
                 raise NotCrossable(f"an iterator of more than {MAX_ITEMS} values")
         return {"$iter": items}
     raise NotCrossable(f"a {kind.__module__}.{kind.__qualname__}")
+
+
+def _attributes(value):
+    """An object's attributes: its __dict__ and its __slots__ that are set."""
+    found = dict(vars(value)) if hasattr(value, "__dict__") else {}
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__"):
+                mangled = f"_{cls.__name__.lstrip('_')}{name}" if name.startswith("__") and not name.endswith("__") else name
+                try:
+                    found[mangled] = object.__getattribute__(value, mangled)
+                except AttributeError:
+                    pass
+    return found
+
+
+def encode_object(value, callbacks, depth):
+    kind = type(value)
+    import enum
+
+    if isinstance(value, enum.Enum):
+        return {"$enum": [kind.__module__, kind.__qualname__, value.name]}
+    base = next((b for b in kind.__mro__ if b in OBJECT_BASES), None)
+    carried = encode(base(value), callbacks, depth + 1) if base is not None else None
+    attributes = [[name, encode(v, callbacks, depth + 1)] for name, v in _attributes(value).items()]
+    return {"$object": [kind.__module__, kind.__qualname__, carried, attributes]}
+
+
+def _own_class(module, qualname):
+    """This side's class `module.qualname` of the project's package (ValueError for anything else)."""
+    import importlib
+
+    if type(module) is not str or type(qualname) is not str or not _own[0] or module.partition(".")[0] != _own[0]:
+        raise ValueError(f"not a class of the project's package: {str(module)[:80]}")
+    found = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if not isinstance(found, type) or found.__module__.partition(".")[0] != _own[0]:
+        raise ValueError(f"not a class of the project's package: {module}.{qualname}"[:120])  # nor one it imports
+    return found
+
+
+def decode_object(body, make_callback, depth):
+    """An instance of this side's own class, its constructor not run: the builtin base's value, then the attributes."""
+    module, qualname, carried, attributes = body
+    cls = _own_class(module, qualname)
+    base = next((b for b in cls.__mro__ if b in OBJECT_BASES), None)
+    if (carried is None) != (base is None) or type(attributes) is not list:
+        raise ValueError("malformed $object")
+    if base is None:
+        made = object.__new__(cls)
+    elif base in (list, dict, set):
+        made = base.__new__(cls)
+        base.__init__(made, decode(carried, make_callback, depth + 1))
+    else:
+        made = base.__new__(cls, decode(carried, make_callback, depth + 1))
+    set_attributes(made, attributes, make_callback, depth)
+    return made
+
+
+def set_attributes(target, attributes, make_callback, depth):
+    for pair in attributes:
+        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str:
+            raise ValueError("malformed $object attributes")
+        object.__setattr__(target, pair[0], decode(pair[1], make_callback, depth + 1))
 
 
 def encode_neighbours(neighbours, callbacks, depth):
@@ -133,6 +274,10 @@ def decode(node, make_callback=None, depth=0):
     ((tag, body),) = node.items()
     if tag == "$float" and body in ("nan", "inf", "-inf"):
         return float(body)
+    if tag == "$const" and body in ("NotImplemented", "Ellipsis"):
+        return NotImplemented if body == "NotImplemented" else Ellipsis
+    if tag == "$bytes" and type(body) is str:
+        return bytes.fromhex(body)
     if tag == "$callback" and type(body) is int and make_callback is not None:
         return make_callback(body)
     if type(body) is not list:
@@ -146,6 +291,27 @@ def decode(node, make_callback=None, depth=0):
         return {decode(k, make_callback, depth + 1): decode(v, make_callback, depth + 1) for k, v in body}
     if tag == "$range" and len(body) == 3 and all(type(v) is int for v in body):
         return range(*body)
+    if tag == "$object" and len(body) == 4:
+        return decode_object(body, make_callback, depth)
+    if tag == "$value" and len(body) == 2 and body[0] in VALUES:
+        data = body[1]
+        if not (type(data) is str or (type(data) is list and all(type(v) is int for v in data))):
+            raise ValueError("malformed $value")
+        try:
+            return VALUES[body[0]][2](data)
+        except (TypeError, ValueError, ArithmeticError) as e:
+            raise ValueError(f"malformed $value: {e}") from None
+    if tag == "$type" and len(body) == 2:
+        if body[0] in SHARED_CLASSES and body[1] in SHARED_CLASSES[body[0]]:
+            return type(None) if body[1] == "NoneType" else getattr(__import__(body[0]), body[1])
+        return _own_class(*body)
+    if tag == "$enum" and len(body) == 3:
+        import enum
+
+        cls = _own_class(body[0], body[1])
+        if not issubclass(cls, enum.Enum) or type(body[2]) is not str or body[2] not in cls.__members__:
+            raise ValueError("malformed $enum")
+        return cls[body[2]]
     if tag == "$graph" and len(body) == 5 and body[0] in GRAPHS:
         import networkx
 
@@ -205,6 +371,18 @@ def apply_mutation(target, after, make_callback=None):
     if _graph_class(target) is not None and type(after) is dict and "$graph" in after and after["$graph"][0] == kind.__name__:
         target.clear()
         fill_graph(target, after["$graph"], make_callback, 0)
+    elif type(after) is dict and "$object" in after and type(value) is kind:
+        # An object of the project's (a method's `self`): its state replaced by the episode's.
+        base = next((b for b in kind.__mro__ if b in OBJECT_BASES), None)
+        if base in (list, dict, set):
+            base.clear(target)
+            (base.extend if base is list else base.update)(target, value)
+        elif base is not None and base(target) != base(value):
+            raise RuntimeError(f"the call changed an immutable {kind.__name__}")
+        for name in set(_attributes(target)) - set(_attributes(value)):
+            object.__delattr__(target, name)
+        for name, attribute in _attributes(value).items():
+            object.__setattr__(target, name, attribute)
     elif kind is list and type(value) is list:
         target[:] = value
     elif kind in (dict, set) and type(value) is kind:
@@ -265,36 +443,54 @@ def _exception(module, name, message):
 def call(module, qualname, args, kwargs):
     """The episode's `module.qualname(*args, **kwargs)`, run in its process; the arguments' mutations applied here."""
     with _lock:
-        callbacks = []
+        _own[0] = module.partition(".")[0]
         try:
-            sent_args = [encode(a, callbacks) for a in args]
-            sent_kwargs = {k: encode(v, callbacks) for k, v in kwargs.items()}
+            return _call(module, qualname, args, kwargs)
+        finally:
+            _own[0] = ""
+
+
+def _call(module, qualname, args, kwargs):
+    """`call` with its package set: the arguments out, callbacks answered, the answer decoded."""
+    callbacks = []
+    try:
+        sent_args = [encode(a, callbacks) for a in args]
+        sent_kwargs = {k: encode(v, callbacks) for k, v in kwargs.items()}
+    except NotCrossable as e:
+        raise _refused(f"argument: {e}") from None
+    answer = _exchange({"call": [module, qualname], "args": sent_args, "kwargs": sent_kwargs})
+    while "callback" in answer:
+        number = answer["callback"]
+        if type(number) is not int or not 0 <= number < len(callbacks):
+            raise ValueError("a callback that was not passed")
+        try:
+            result = callbacks[number](*decode(answer.get("args")), **decode(answer.get("kwargs")))
+            reply = {"return": encode(result)}
         except NotCrossable as e:
-            raise _refused(f"argument: {e}") from None
-        answer = _exchange({"call": [module, qualname], "args": sent_args, "kwargs": sent_kwargs})
-        while "callback" in answer:
-            number = answer["callback"]
-            if type(number) is not int or not 0 <= number < len(callbacks):
-                raise ValueError("a callback that was not passed")
-            try:
-                result = callbacks[number](*decode(answer.get("args")), **decode(answer.get("kwargs")))
-                reply = {"return": encode(result)}
-            except NotCrossable as e:
-                raise _refused(f"callback result: {e}") from None
-            except Exception as e:
-                reply = {"raise": type(e).__name__, "message": str(e)[:2000]}
-            answer = _exchange(reply)
-        if "refused" in answer:
-            raise _refused(str(answer["refused"])[:200])
-        if "raise" in answer:
-            raise _exception(module, str(answer["raise"]), str(answer.get("message", "")))
-        if "return" not in answer:
-            raise ValueError("a malformed answer")
-        changed = answer.get("changed", {})
-        for key, after in changed.items() if type(changed) is dict else ():
-            target = args[int(key)] if key.isdigit() and int(key) < len(args) else kwargs.get(key)
-            apply_mutation(target, after)
-        return decode(answer["return"])
+            raise _refused(f"callback result: {e}") from None
+        except Exception as e:
+            reply = {"raise": type(e).__name__, "message": str(e)[:2000]}
+        answer = _exchange(reply)
+    if "refused" in answer:
+        raise _refused(str(answer["refused"])[:200])
+    if "raise" in answer:
+        raise _exception(module, str(answer["raise"]), str(answer.get("message", "")))
+    if "return" not in answer:
+        raise ValueError("a malformed answer")
+    changed = answer.get("changed", {})
+    for key, after in changed.items() if type(changed) is dict else ():
+        target = args[int(key)] if key.isdigit() and int(key) < len(args) else kwargs.get(key)
+        apply_mutation(target, after)
+    return decode(answer["return"], lambda number: _returned(module, number))
+
+
+def _returned(module, number):
+    """The grader's proxy for a function the episode returned: each call crosses to the episode's process."""
+
+    def returned(*args, **kwargs):
+        return call(module, f"$callback:{number}", args, kwargs)
+
+    return returned
 
 
 # --- the episode's side -------------------------------------------------------------------------
@@ -327,15 +523,20 @@ def serve(in_fd, out_fd):
 
         return callback
 
+    returned = []  # the functions answers returned, by number (the grader calls them by it)
     while True:
         request = receive()
         try:
             module, qualname = request["call"]
-            function = importlib.import_module(module)
-            for part in qualname.split("."):
-                function = getattr(function, part)
-            while hasattr(function, "__wrapped__"):
-                function = function.__wrapped__
+            _own[0] = module.partition(".")[0]
+            if qualname.startswith("$callback:"):
+                function = returned[int(qualname.partition(":")[2])]
+            else:
+                function = importlib.import_module(module)
+                for part in qualname.split("."):
+                    function = getattr(function, part)
+                while hasattr(function, "__wrapped__"):
+                    function = function.__wrapped__
             args = [decode(a, make_callback) for a in request["args"]]
             kwargs = {k: decode(v, make_callback) for k, v in request["kwargs"].items()}
         except Exception as e:
@@ -343,7 +544,7 @@ def serve(in_fd, out_fd):
             continue
         try:
             result = function(*args, **kwargs)
-            answer = {"return": encode(result)}
+            answer = {"return": encode(result, returned)}
             changed = {}
             for key, before, now in [
                 *((str(i), request["args"][i], a) for i, a in enumerate(args)),

@@ -10,7 +10,8 @@ then frozen: the project's own distribution removed (episodes import their copy)
 made read-only to every run, and its manifest written last (a directory without one is half-made and made again).
 
 Every project becomes a `ProjectSpec`: where its files come from, the package tasks change, where its tests are, its
-pytest arguments, and the digest its bases, surveys and tasks are cached under.
+pytest arguments (what its own pytest configuration decides, `rollout.tasks.repository.pytest_config`, then the
+recipe's), and the digest its bases, surveys and tasks are cached under.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.results import RunEnvironment
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.sandbox.trees import TreeTooLarge, remove_tree, walk_files
+from composer.rollout.tasks.repository.pytest_config import config_args, project_config
 from composer.runtime.run_dir import atomic_write_text
 
 ENVIRONMENT_VERSION = 1
@@ -193,7 +195,15 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str], index: int |
             + f": {', '.join(sorted(set(kinds) - {'history'}))} tasks are graded by the tests of the pinned files "
             "(point test_paths at its tests, or pin a commit that has them)"
         )
-    args = list(entry.pytest_args)
+
+    def root_file(name: str) -> str | None:
+        try:
+            return str(_git(path, "show", f"{commit}:{name}")) if git else (path / name).read_text(errors="replace")
+        except (UserError, OSError):
+            return None
+
+    found = project_config(root_file)
+    args = [*(config_args(found[1]) if found else []), *entry.pytest_args]
     if entry.exclude_markers:
         args += ["-m", " and ".join(f"not {m}" for m in entry.exclude_markers)]
     digest = hashlib.sha256(
@@ -419,9 +429,11 @@ def _make_environment(cache_dir: Path, spec: ProjectSpec, sandbox: SandboxSectio
         result = installer.run_command(own, Path(work), timeout_s=entry.install_seconds, environment=installing)
         log_path.write_text(f"$ {entry.install}\n{result.output}\n[{result.status}, exit {result.exit_code}]\n")
         if result.status != "ok" or result.exit_code != 0:
+            errors = [line.strip() for line in result.output.splitlines() if line.startswith("ERROR:") or "Error:" in line]
             raise UserError(
-                f"env.tasks: project {spec.name}: its install command failed ({result.status}, exit "
-                f"{result.exit_code}); the install log: {log_path}"
+                f"env.tasks[].repo.projects[].install: project {spec.name}: `{entry.install}` failed ({result.status}, exit "
+                f"{result.exit_code}){': ' + errors[-1][:300] if errors else ''}; change the install command, or make what it "
+                f"needs reachable from this machine's package index (the install log: {log_path})"
             )
         check = installer.run_command(_CHECK.replace("IMPORT", spec.import_name), Path(work), timeout_s=120, environment=installing)
     if check.exit_code != 0:

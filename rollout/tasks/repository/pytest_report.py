@@ -125,6 +125,12 @@ def report_plugin(fd: int, send, root: str, crossing=None):
 
     fstat, close, vars_, type_ = os.fstat, os.close, vars, type
     report_type, rewriter = _pytest.reports.TestReport, _pytest.assertion.rewrite.AssertionRewritingHook
+    try:
+        import _pytest.subtests  # pytest 9: unittest's subTest() and the subtests fixture report their own outcomes
+
+        report_types = (report_type, _pytest.subtests.SubtestReport)
+    except ImportError:
+        report_types = (report_type,)
     channel = fstat(fd)
     channel_id = (channel.st_dev, channel.st_ino)
     outcomes: dict[str, str] = {}
@@ -175,7 +181,7 @@ def report_plugin(fd: int, send, root: str, crossing=None):
         return type_(plugin).__module__.startswith(("_pytest.", "pluggy."))
 
     def pytest_runtest_logreport(report) -> None:
-        if type_(report) is not report_type:
+        if type_(report) not in report_types:
             note(f"a report of another type ({type_(report).__name__})")
         fields = vars_(report)
         when, outcome = fields.get("when"), fields.get("outcome")
