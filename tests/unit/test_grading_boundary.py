@@ -243,6 +243,7 @@ HOSTILE_ANSWERS = {
     "an object of a class outside the package": b'{"return": {"$object": ["os", "PathLike", null, []]}}',
     "a class the package only imports": b'{"return": {"$type": ["networkx", "SkipTest"]}}',
     "an exception object built without its constructor": b'{"return": {"$object": ["networkx", "NetworkXError", null, []]}}',
+    "an object whose state names its type": b'{"return": {"$object": ["networkx.classes.graph", "Graph", null, [["__class__", {"$type": ["networkx.classes.digraph", "DiGraph"]}]]]}}',
     "an enum member of no enum": b'{"return": {"$enum": ["networkx", "Graph", "RED"]}}',
     "a malformed date": b'{"return": {"$value": ["datetime", "yesterday"]}}',
     # the protocol misused

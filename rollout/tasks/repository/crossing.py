@@ -248,8 +248,8 @@ def decode_object(body, make_callback, depth):
 
 def set_attributes(target, attributes, make_callback, depth):
     for pair in attributes:
-        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str:
-            raise ValueError("malformed $object attributes")
+        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str or pair[0].startswith("__"):
+            raise ValueError("malformed $object attributes")  # (no `__class__`, `__dict__`: the state, never the type)
         object.__setattr__(target, pair[0], decode(pair[1], make_callback, depth + 1))
 
 
