@@ -61,7 +61,7 @@ def reference_edits(current: str, target: str) -> list[tuple[str, str]] | None:
 def read_ranges(text: str, changed_lines: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """1-based (start, end) line ranges to read before editing: the innermost function around each change (from its
     decorators), else a few lines either side; overlapping ranges merged, each at most MAX_READ_SPAN lines."""
-    lines = text.count("\n") + 1
+    lines = max(1, len(text.splitlines()))
     try:
         functions = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     except (SyntaxError, ValueError):
