@@ -255,3 +255,13 @@ def make_project(repo: Path, source_dir: str = "src") -> dict:
             (repo / source_dir / "tally" / "__init__.py").write_text('"""tally: statistics and text helpers."""\n')
             _git(repo, "commit", "-q", "-am", "Shorter package docstring")
     return {"head": _git(repo, "rev-parse", "HEAD"), "fixes": fixes}
+
+
+if __name__ == "__main__":  # python -m tests.helpers.user_project DIR: the project recipes/smoke-repo-sft.yaml works on
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tests.helpers.user_project DIR")
+    if Path(sys.argv[1]).exists():
+        sys.exit(f"{sys.argv[1]}: already exists")
+    print(make_project(Path(sys.argv[1]))["head"])
