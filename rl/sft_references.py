@@ -31,7 +31,7 @@ from composer.rollout.tasks.repository.workspace import RepoTests
 READ_CONTEXT = 6
 """Lines shown before and after a change that lies outside any function."""
 MAX_READ_SPAN = 120
-"""Most lines one look at a change reads (a long function is shown around the change)."""
+"""Longest function read whole around a change (a longer one is read a few lines either side of it)."""
 
 
 def reference_edits(current: str, target: str) -> list[tuple[str, str]] | None:
@@ -60,7 +60,7 @@ def reference_edits(current: str, target: str) -> list[tuple[str, str]] | None:
 
 def read_ranges(text: str, changed_lines: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """1-based (start, end) line ranges to read before editing: the innermost function around each change (from its
-    decorators), else a few lines either side; overlapping ranges merged, each at most MAX_READ_SPAN lines."""
+    decorators) when it has at most MAX_READ_SPAN lines, else a few lines either side; overlapping ranges merged."""
     lines = max(1, len(text.splitlines()))
     try:
         functions = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -75,7 +75,7 @@ def read_ranges(text: str, changed_lines: list[tuple[int, int]]) -> list[tuple[i
         ]
         start, end = min(around, key=lambda r: r[1] - r[0]) if around else (first - READ_CONTEXT, last + READ_CONTEXT)
         if end - start + 1 > MAX_READ_SPAN:
-            start, end = first - READ_CONTEXT, max(last + READ_CONTEXT, first - READ_CONTEXT + MAX_READ_SPAN - 1)
+            start, end = first - READ_CONTEXT, last + READ_CONTEXT
         ranges.append((max(1, start), min(lines, end, max(1, start) + MAX_READ_LINES - 1)))
     merged: list[tuple[int, int]] = []
     for start, end in sorted(ranges):
@@ -161,5 +161,8 @@ def reference_episodes(env: CodingEnvironment, toolbox: ToolBox) -> Iterator[tup
             return f"{name} task {index}", None
         return f"{name} task {task.id}", reference_messages(env, task, toolbox)
 
-    with ThreadPoolExecutor(max_workers=max(1, env.sandbox.max_concurrent)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, env.sandbox.max_concurrent))
+    try:
         yield from pool.map(play, work)
+    finally:  # a refusal stops the episodes not yet started
+        pool.shutdown(cancel_futures=True)
