@@ -263,7 +263,8 @@ def prepare_sft_examples(recipe: Recipe, console=None) -> SftExamples:
             conversations.append((tokens, mask))
         if c.conversations == 0:
             raise UserError(
-                f"sft.sources {source.name!r}: no conversation to train on ({c.dropped} dropped: no assistant token within sft.max_length)"
+                f"sft.sources {source.name!r}: no conversation to train on ({c.dropped} dropped: no assistant token within "
+                f"sft.max_length; {c.skipped} task(s) skipped: no reference that earns 1.0 in the harness)"
             )
     n = len(conversations)
     order = np.random.default_rng(recipe.train.seed).permutation(n)
