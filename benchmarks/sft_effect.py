@@ -67,7 +67,7 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
         "rollout": {
             "harness": "tools",
             "max_turns": args.max_turns,
-            "max_context": args.max_length,
+            "max_context": args.context,
             "kv_cache_gib": 1.0,
             "sampling": {"temperature": 0.7, "max_tokens": 384, "stop": []},
         },
@@ -173,7 +173,8 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=40, help="repository tasks to build (training and held-out)")
     parser.add_argument("--held-out", type=int, default=12, help="of them, held out (evaluated, never demonstrated)")
     parser.add_argument("--steps", type=int, default=16, help="SFT steps (global batch 8)")
-    parser.add_argument("--max-length", type=int, default=4096, help="SFT sequence length and the evaluation's context")
+    parser.add_argument("--max-length", type=int, default=3072, help="SFT sequence length (the demonstrations: 1.3-2.9k tokens)")
+    parser.add_argument("--context", type=int, default=4096, help="the evaluated episodes' context")
     parser.add_argument("--max-turns", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--report", action="store_true", help="only print the figures of what WORK holds")
