@@ -68,7 +68,7 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
             "harness": "tools",
             "max_turns": args.max_turns,
             "max_context": args.context,
-            "kv_cache_gib": 1.0,
+            "kv_cache_gib": 2.0,  # 8 episodes of up to 4096 tokens without preemption
             "sampling": {"temperature": 0.7, "max_tokens": 384, "stop": []},
         },
         "env": env,
