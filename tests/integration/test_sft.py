@@ -118,8 +118,9 @@ def test_the_real_scale_sft_recipe_passes_dry_run_and_writes_nothing(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_the_smoke_sft_recipe_passes_dry_run_as_shipped(tmp_path):
-    result = run_composer("train", "sft", str(RECIPES / "smoke-sft.yaml"), "--dry-run", "--set", f"run.dir={tmp_path}")
+@pytest.mark.parametrize("recipe", ["smoke-sft.yaml", "smoke-repo-sft.yaml"])
+def test_the_smoke_sft_recipes_pass_dry_run_as_shipped(tmp_path, recipe):
+    result = run_composer("train", "sft", str(RECIPES / recipe), "--dry-run", "--set", f"run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr
     assert "composer.trainer.sft" in result.stdout and not list(tmp_path.iterdir())
 
