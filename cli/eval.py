@@ -88,7 +88,8 @@ def eval_command(
                 if v.get("tool_calls"):
                     console.print(
                         f"  {escape(kind)}: tool calls parsed {v['tool_calls_parsed']:.2f} of {v['tool_calls']}, "
-                        f"finish called in {v['finish_called']:.2f} of {v['tasks']} episodes, greedy pass@1 {v['greedy_pass@1']:.2f}",
+                        f"tests run in {v['tests_run']:.2f} and finish called in {v['finish_called']:.2f} of {v['tasks']} episodes, "
+                        f"greedy pass@1 {v['greedy_pass@1']:.2f}",
                         highlight=False,
                     )
     console.print(f"[green]✓[/] {escape(str(outcome.out))}: results.json, report.html ({outcome.seconds:.0f} s)", highlight=False)

@@ -397,8 +397,10 @@ class SftSource(Section):
     """`chat`: conversations in the chat JSONL convention, one per line (`{"messages": [...]}`: OpenAI chat messages
     with `tool_calls`, arguments a JSON string, or the Hugging Face form, arguments an object); `trajectories`: the
     episodes of an earlier RL run (`paths` name its run directory or its `trajectories/`) whose reward is 1;
-    `references`: the reference solutions of the recipe's `env.tasks` function task sets, run as agent episodes in
-    the harness (write the solution, run the tests, finish), training tasks only (the held-out split RL and eval use)."""
+    `references`: the references of the recipe's `env.tasks` task sets played as agent episodes in the harness, training
+    tasks only (the held-out split RL and eval use): a function task's solution (write it, run the tests, finish), a
+    repository task's reference change (search, read, edit the changed files into the reference's version, run the
+    tests, finish)."""
     paths: list[str] = Field(default_factory=list)
     """Files or directories (every `.jsonl`, `.jsonl.gz`, `.jsonl.zst` below it, in name order); glob patterns allowed.
     None for `references`."""

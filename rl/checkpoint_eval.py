@@ -427,7 +427,8 @@ def set_summary(s: EvalSet, greedy: list[GradedEpisode], sampled: list[list[Grad
 
 def _kind_summary(greedy: list[GradedEpisode]) -> dict:
     """Greedy pass@1 of one kind of task, and (tools harness) whether the policy speaks the harness's format: the share
-    of its tool calls that parse (None when it wrote none) and the share of episodes in which it called finish."""
+    of its tool calls that parse (None when it wrote none), the share of episodes in which it ran the tests and the
+    share in which it called finish."""
     solved = [g.passed for g in greedy]
     calls = sum(g.tool_calls for g in greedy)
     return {
@@ -436,6 +437,7 @@ def _kind_summary(greedy: list[GradedEpisode]) -> dict:
         "interval": _interval(solved),
         "tool_calls": calls,
         "tool_calls_parsed": (calls - sum(g.malformed_calls for g in greedy)) / calls if calls else None,
+        "tests_run": float(np.mean([g.tests_run > 0 for g in greedy])),
         "finish_called": float(np.mean([g.end_reason == "finished" for g in greedy])),
     }
 

@@ -135,6 +135,8 @@ class GradedEpisode:
     """Tool calls the policy wrote (tools harness), parsed or not."""
     malformed_calls: int = 0
     """Of those, the ones the harness could not parse or that its schemas refuse."""
+    tests_run: int = 0
+    """Times the policy ran the tests (run_tests)."""
 
     @property
     def key(self) -> tuple[str, str, str, int]:
@@ -161,6 +163,7 @@ class GradedEpisode:
             list(i.get("compaction_errors", ())),
             i.get("tool_calls", 0),
             i.get("malformed_calls", 0),
+            i.get("tests_run", 0),
         )
 
 

@@ -1,8 +1,9 @@
 """SFT demonstrations -> token ids and a loss mask on the assistant's tokens, in the agent harness's own format.
 
 Sources (`sft.sources`): chat JSONL (one `{"messages": [...]}` per line: OpenAI chat messages whose `tool_calls`
-carry arguments as a JSON string, or the Hugging Face form with an object) and the rewarded episodes (reward 1) of an
-earlier RL run's `trajectories/`. A conversation is rendered as the harness renders an episode (`ChatFormat`: its
+carry arguments as a JSON string, or the Hugging Face form with an object), the rewarded episodes (reward 1) of an
+earlier RL run's `trajectories/`, and the references of the recipe's training tasks played as agent episodes
+(`rl.sft_references`). A conversation is rendered as the harness renders an episode (`ChatFormat`: its
 system message with the tools, the first user message as the task, each assistant turn's tool calls as
 `<tool_call>{...}</tool_call>`, tool results as tool messages), so SFT teaches exactly the format RL then parses.
 The loss covers each assistant turn's tokens and the end of its turn (tool calls included); the harness's system
@@ -200,61 +201,24 @@ def _rewarded_episodes(source: SftSource, renderer: ConversationRenderer) -> Ite
                 yield where, segment.token_ids.tolist(), segment.loss_mask.tolist()
 
 
-def _reference_messages(env, task, toolbox) -> list[dict] | None:
-    """A function task's reference solution as the harness's episode (real tool outputs from a real workspace and
-    sandbox), or None when the reference does not pass its tests there."""
-    from composer.rollout.agent.environment import SOLUTION_FILE
-    from composer.rollout.agent.harness import ToolCall
-
-    steps = [("write_file", {"path": SOLUTION_FILE, "content": task.reference}), ("run_tests", {}), ("finish", {})]
-    messages = [{"role": "user", "content": env.task_prompt(task, tools=True)}]
-    workspace = env.open_workspace(task, tools=True)
-    try:
-        for name, arguments in steps:
-            output = toolbox.call(workspace, ToolCall(name, arguments))
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": "",
-                    "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
-                }
-            )
-            if name != "finish":
-                messages.append({"role": "tool", "name": name, "content": output.text})
-        passed = env.grade_workspace(workspace).reward == 1.0
-    finally:
-        workspace.close()
-    return messages if passed else None
-
-
 def _reference_episodes(
     recipe: Recipe, renderer: ConversationRenderer, counts: SourceCounts
 ) -> Iterator[tuple[str, list[int], list[bool]]]:
     import tempfile
 
+    from composer.rl.sft_references import reference_episodes
     from composer.rollout.agent.environment import CodingEnvironment
     from composer.rollout.agent.harness import ToolBox
 
     env_section = recipe.env
-    repo_sets = [t.name for t in env_section.tasks if t.name == "repo"]
-    if repo_sets:
-        raise UserError(
-            "sft.sources: a references source renders function tasks only; a repository task's reference change as an "
-            "episode is not built yet (drop the repo set from env.tasks)"
-        )
     with tempfile.TemporaryDirectory(prefix="composer-sft-") as scratch:
         env = CodingEnvironment(env_section, seed=recipe.train.seed, sandbox_root=Path(scratch), ssh=recipe.cluster.ssh)
         try:
-            toolbox = ToolBox(env_section.sandbox.wall_seconds)
-            for set_index, task_set in enumerate(env.pool.task_sets):
-                for index in env.pool.indices(set_index):  # never the held-out tasks
-                    task = env.pool.task(set_index, index)
-                    messages = _reference_messages(env, task, toolbox) if task is not None and task.reference else None
-                    if messages is None:
-                        counts.skipped += 1
-                        continue
-                    where = f"{task_set.name} task {task.id}"
-                    yield (where, *renderer.render(messages, where))
+            for where, messages in reference_episodes(env, ToolBox(env_section.sandbox.wall_seconds)):
+                if messages is None:
+                    counts.skipped += 1
+                    continue
+                yield (where, *renderer.render(messages, where))
         finally:
             env.close()
 
@@ -299,7 +263,8 @@ def prepare_sft_examples(recipe: Recipe, console=None) -> SftExamples:
             conversations.append((tokens, mask))
         if c.conversations == 0:
             raise UserError(
-                f"sft.sources {source.name!r}: no conversation to train on ({c.dropped} dropped: no assistant token within sft.max_length)"
+                f"sft.sources {source.name!r}: no conversation to train on ({c.dropped} dropped: no assistant token within "
+                f"sft.max_length; {c.skipped} task(s) skipped: no reference that earns 1.0 in the harness)"
             )
     n = len(conversations)
     order = np.random.default_rng(recipe.train.seed).permutation(n)

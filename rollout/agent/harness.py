@@ -499,6 +499,8 @@ class TurnResult:
     errors: int
     malformed: int = 0
     """Calls the harness could not parse or that its schemas refuse (among `calls`)."""
+    tests_run: int = 0
+    """run_tests calls that ran."""
 
 
 def run_reply(
@@ -536,4 +538,5 @@ def run_reply(
     share = max(budget_tokens // len(outputs) - message_overhead, 8)
     messages = [{"role": "tool", "name": name, "content": truncate(o.text, share, tok, o.more)} for name, o in outputs]
     malformed = sum(isinstance(c, CallError) for c in calls)
-    return TurnResult(messages, finished=finished, calls=len(calls), errors=errors, malformed=malformed)
+    tests_run = sum(name == "run_tests" for name, _ in outputs)
+    return TurnResult(messages, finished=finished, calls=len(calls), errors=errors, malformed=malformed, tests_run=tests_run)

@@ -106,6 +106,7 @@ class _Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     malformed_calls: int = 0
+    tests_run: int = 0
     done: bool = False
     end_reason: str = ""
     last_observation: list[int] = field(default_factory=list)
@@ -129,6 +130,7 @@ class _Outcome:
     calls: int = 0
     errors: int = 0
     malformed: int = 0
+    tests_run: int = 0
 
 
 class EpisodeRunner:
@@ -220,7 +222,15 @@ class EpisodeRunner:
             def use_tools() -> _Outcome:
                 turn = run_reply(reply, e.workspace, self.toolbox, self.tok, self._observation_cap, self._message_overhead)
                 closing, body = self.chat.after_reply(reply_ids, turn.messages)
-                return _Outcome(closing, body, finished=turn.finished, calls=turn.calls, errors=turn.errors, malformed=turn.malformed)
+                return _Outcome(
+                    closing,
+                    body,
+                    finished=turn.finished,
+                    calls=turn.calls,
+                    errors=turn.errors,
+                    malformed=turn.malformed,
+                    tests_run=turn.tests_run,
+                )
 
             return use_tools
 
@@ -237,6 +247,7 @@ class EpisodeRunner:
         e.tool_calls += outcome.calls
         e.tool_errors += outcome.errors
         e.malformed_calls += outcome.malformed
+        e.tests_run += outcome.tests_run
         e.graded = outcome.result is not None
         if outcome.result is not None:
             e.result = outcome.result
@@ -347,6 +358,7 @@ class EpisodeRunner:
                 "tool_calls": e.tool_calls,
                 "tool_errors": e.tool_errors,
                 "malformed_calls": e.malformed_calls,
+                "tests_run": e.tests_run,
                 "tests_passed": result.passed if result else 0,
                 "tests_total": result.total if result else 0,
                 "sandbox_status": result.status if result else "none",

@@ -278,3 +278,13 @@ def make_project(repo: Path, source_dir: str = "src") -> dict:
     test_stats.write_text(test_stats.read_text() + ROUNDED_TEST)
     _git(repo, "commit", "-q", "-am", "stats: rounded_mean, to PLACES decimal places")
     return {"head": _git(repo, "rev-parse", "HEAD"), "fixes": fixes, "outside": _git(repo, "rev-parse", "HEAD")}
+
+
+if __name__ == "__main__":  # python -m tests.helpers.user_project DIR: the project recipes/smoke-repo-sft.yaml works on
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tests.helpers.user_project DIR")
+    if Path(sys.argv[1]).exists():
+        sys.exit(f"{sys.argv[1]}: already exists")
+    print(make_project(Path(sys.argv[1]))["head"])

@@ -44,5 +44,5 @@ def test_rl_on_repository_tasks_runs_end_to_end(tmp_path, composer):
     assert trajectories and all(t.task_id.startswith("repo/networkx/bug/") for t in trajectories)
     for t in trajectories:
         # graded by the project's own tests in the episode's view: every expected test id was reported
-        assert t.info["tests_total"] >= 1 and t.info["sandbox_status"] != "infra" and 1 <= t.info["turns"] <= 3
-        assert all(len(s.token_ids) <= 1024 for s in t.segments)
+        assert t.info["tests_total"] >= 1 and t.info["sandbox_status"] != "infra" and 1 <= t.info["turns"] <= 6
+        assert all(len(s.token_ids) <= 2048 for s in t.segments)

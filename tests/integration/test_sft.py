@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -117,7 +118,46 @@ def test_the_real_scale_sft_recipe_passes_dry_run_and_writes_nothing(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_the_smoke_sft_recipe_passes_dry_run_as_shipped(tmp_path):
-    result = run_composer("train", "sft", str(RECIPES / "smoke-sft.yaml"), "--dry-run", "--set", f"run.dir={tmp_path}")
+@pytest.mark.parametrize("recipe", ["smoke-sft.yaml", "smoke-repo-sft.yaml"])
+def test_the_smoke_sft_recipes_pass_dry_run_as_shipped(tmp_path, recipe):
+    result = run_composer("train", "sft", str(RECIPES / recipe), "--dry-run", "--set", f"run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr
     assert "composer.trainer.sft" in result.stdout and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_repo_sft_recipe_trains_on_the_test_made_projects_tasks(workspace):
+    """`recipes/smoke-repo-sft.yaml` as shipped but for where the project and the cache are: env build, then a few
+    steps of SFT on the reference changes of its training tasks (every one replayed to reward 1.0), exported."""
+    project = workspace / "tally"
+    made = subprocess.run([sys.executable, "-m", "tests.helpers.user_project", str(project)], cwd=REPO, capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    where = [
+        "--set",
+        f"env.tasks.0.repo.projects.0.path={project}",
+        "--set",
+        f"env.tasks.0.repo.cache_dir={workspace / 'repo-tasks'}",
+    ]
+    recipe = str(RECIPES / "smoke-repo-sft.yaml")
+    built = run_composer("env", "build", recipe, *where)
+    assert built.returncode == 0 and "17 validated" in built.stdout, built.stdout[-2000:] + built.stderr[-2000:]
+    steps = ["train.steps=4", "train.eval_every=2", "train.checkpoint_every=4", "optim.warmup_steps=1"]
+    result = run_composer(
+        "train",
+        "sft",
+        recipe,
+        *where,
+        "--set",
+        f"run.dir={workspace / 'runs'}",
+        "--set",
+        f"model.checkpoint={workspace / 'init'}",
+        *(arg for pair in steps for arg in ("--set", pair)),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    # the 14 training tasks of 17 (3 held out), each reference replayed to reward 1.0 (none skipped)
+    assert "sft source repo-references: 14 conversations" in result.stdout
+    assert "tasks skipped (no passing reference): 0" in result.stdout
+    run = workspace / "runs" / "smoke-repo-sft"
+    evals = [r["eval_loss"] for r in records(run) if "eval_loss" in r]
+    assert len(evals) == 3 and evals[-1] < evals[0]
+    assert (run / "export" / "config.json").is_file()

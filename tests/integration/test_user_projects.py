@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+from itertools import groupby
 from pathlib import Path
 
 import pytest
 import yaml
 
-from composer.recipes.env_schema import ProjectSettings, RepoTaskSettings, SandboxSection
+from composer.recipes.env_schema import EnvSection, ProjectSettings, RepoTaskSettings, SandboxSection, TaskSet
 from composer.recipes.errors import UserError
+from composer.rl.sft_data import ConversationRenderer
+from composer.rl.sft_references import reference_episodes
+from composer.rollout.agent.environment import CodingEnvironment
+from composer.rollout.agent.harness import ToolBox, ToolCall, parse_tool_calls
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir
 from composer.rollout.tasks.repository.projects import environment_dir, project_environment, resolve_project
@@ -24,6 +29,7 @@ from composer.rollout.tasks.repository.task_set import load_tasks, open_workspac
 from tests.conftest import REPO
 from tests.helpers.repo_cheats import REACHING, compiled_at_run_time, in_function, payloads
 from tests.helpers.repo_cheats import _guarded as guarded
+from tests.helpers.sft_demos import tiny_tokenizer
 from tests.helpers.user_project import FIXES, make_project
 
 SANDBOX = SandboxSection(cpu_seconds=60, wall_seconds=120, memory_mb=2048)
@@ -66,6 +72,14 @@ def history(project, cache, sandbox_root):
 def multi(project, cache, sandbox_root, history):
     repo, _ = project
     chosen = settings(repo, cache, ["multi"], 1)
+    report = build_repo_tasks(chosen, SANDBOX, sandbox_root, workers=2)
+    return chosen, report, load_tasks(chosen)
+
+
+@pytest.fixture(scope="module")
+def bug_and_feature(project, cache, sandbox_root, multi):
+    repo, _ = project
+    chosen = settings(repo, cache, ["bug", "feature"], 2)  # the test files were surveyed for `multi`: validations only
     report = build_repo_tasks(chosen, SANDBOX, sandbox_root, workers=2)
     return chosen, report, load_tasks(chosen)
 
@@ -246,6 +260,49 @@ def test_history_and_multi_tasks_are_graded_across_the_boundary(history, multi, 
     assert (cheated.reward, cheated.infra_failure, cheated.status) == (0.0, False, "ok"), (cheated.flags, cheated.detail)
     assert "change_dropped" not in cheated.flags  # all of it taken: it ran in the episode's process
     assert (honest.reward, honest.flags) == (1.0, ()), (honest.detail, honest.stdout_tail[-1500:])
+
+
+def test_reference_changes_become_episodes_that_replay_to_full_reward(history, multi, bug_and_feature, tmp_path):
+    """The `references` SFT source on repository tasks of every kind: one episode per training task (the held-out
+    ones never), rendered in the harness's format; the calls parsed back from the trained tokens, replayed through
+    the harness's tools on a fresh workspace of the task, run the tests green and earn 1.0."""
+    env_section = EnvSection(
+        tasks=[
+            TaskSet(name="repo", held_out=1, repo=history[0]),
+            TaskSet(name="repo", repo=multi[0]),
+            TaskSet(name="repo", repo=bug_and_feature[0]),
+        ],
+        sandbox=SANDBOX,
+    )
+    env = CodingEnvironment(env_section, seed=0, sandbox_root=tmp_path / "sandboxes")
+    renderer = ConversationRenderer(str(tiny_tokenizer(tmp_path / "tokenizer")), chat_template=False)
+    toolbox = ToolBox(SANDBOX.wall_seconds)
+    try:
+        sets = range(len(env.pool.task_sets))
+        training = {env.pool.task(s, i).id: env.pool.task(s, i) for s in sets for i in env.pool.indices(s)}
+        held_out = {env.pool.task(s, i).id for s in sets for i in env.pool.held_out(s)}
+        episodes = {where.split(" task ")[1]: messages for where, messages in reference_episodes(env, toolbox)}
+        assert set(episodes) == set(training) and len(training) == 3 + 1 + 2 and len(held_out) == 1 and not held_out & set(episodes)
+        assert {task_id.split("/")[2] for task_id in episodes} == {"history", "multi", "bug", "feature"}
+        for task_id, messages in episodes.items():
+            assert messages is not None, f"{task_id}: its reference was skipped"
+            tokens, mask = renderer.render(messages, task_id)
+            replies = [[t for t, m in group] for on, group in groupby(zip(tokens, mask), key=lambda p: p[1]) if on]
+            calls = [c for reply in replies for c in parse_tool_calls(renderer.tok.decode(reply))]
+            assert all(isinstance(c, ToolCall) for c in calls), (task_id, calls)
+            names = [c.name for c in calls]
+            assert names[-2:] == ["run_tests", "finish"] and "read_file" in names and "edit" in names, (task_id, names)
+            shown = renderer.tok.decode([t for t, m in zip(tokens, mask) if not m])
+            assert "[exit 0," in shown and " passed in " in shown  # the real test run, not trained on
+            workspace = env.open_workspace(training[task_id], tools=True)
+            try:
+                outputs = [toolbox.call(workspace, call) for call in calls]
+                assert not any(o.text.startswith("error:") for o in outputs), (task_id, [o.text for o in outputs])
+                assert outputs[-2].text.startswith("[exit 0,") and env.grade_workspace(workspace).reward == 1.0, task_id
+            finally:
+                workspace.close()
+    finally:
+        env.close()
 
 
 def appended(path: str, code: str) -> str:

@@ -236,3 +236,37 @@ def test_function_task_references_become_episodes_of_training_tasks_only(tmp_pat
         trained = renderer.tok.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if m])
         assert [c.name for c in parse_tool_calls(trained)] == ["write_file", "run_tests", "finish"]
         assert "tests passed (ok)" in text  # the real run_tests output of the reference
+
+
+def test_reference_edits_turn_a_changed_file_into_the_reference_each_old_string_occurring_once():
+    import inspect
+    import random
+
+    import composer.rollout.agent.harness as harness
+    from composer.rl.sft_references import read_ranges, reference_edits
+
+    reference = inspect.getsource(harness)
+    lines = reference.splitlines(keepends=True)
+    rng = random.Random(0)
+    for _ in range(200):
+        changed = list(lines)
+        for _ in range(rng.randint(1, 4)):  # deleted, repeated and altered lines, as mutations and commits make them
+            i = rng.randrange(len(changed))
+            kind = rng.choice(["delete", "insert", "alter"])
+            if kind == "delete":
+                del changed[i]
+            elif kind == "insert":
+                changed.insert(i, rng.choice(lines))
+            else:
+                changed[i] = changed[i].replace("a", "b", 1)
+        text = "".join(changed)
+        for old, new in reference_edits(text, reference):
+            assert old and text.count(old) == 1  # what the harness's edit tool accepts
+            text = text.replace(old, new, 1)
+        assert text == reference
+    # a repeated line gets the context that makes it unique
+    assert reference_edits("x = 1\ny = 2\nx = 1\n", "x = 1\ny = 3\nx = 1\n") == [("y = 2\n", "y = 3\n")]
+    assert reference_edits("a\na\n", "a\nb\na\n") == [("a\na\n", "a\nb\na\n")]
+    # a change inside a function is read as the whole function, decorators included
+    source = "import x\n\n\n@cache\ndef f(a):\n    b = a\n    return b\n\n\nc = 1\n"
+    assert read_ranges(source, [(6, 6)]) == [(4, 7)] and read_ranges(source, [(10, 10)]) == [(4, 10)]
