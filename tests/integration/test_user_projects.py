@@ -132,6 +132,7 @@ def test_env_build_prints_candidates_validated_and_rejected_per_kind(project, hi
     assert shown.returncode == 0, shown.stderr[-2000:]
     (task,) = load_tasks(settings(repo, cache, ["history"], 1))
     assert "tally" in shown.stdout and "history" in shown.stdout and f"commit {task['base'][:12]}" in shown.stdout, shown.stdout
+    assert len(load_tasks(settings(repo, cache, ["history"], len(FIXES)))) == len(FIXES)  # the 1-task build kept the set whole
 
 
 def test_the_environment_is_made_once_per_digest(project, history, cache, sandbox_root):

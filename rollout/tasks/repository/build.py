@@ -419,6 +419,14 @@ def build_counts(report: BuildReport) -> list[dict]:
     ]
 
 
+def _holds_more(index: Path, ids: list[str]) -> bool:
+    """The set's index already lists `ids` first and more tasks after them (candidates and verdicts are the same for
+    any num_tasks: the index of a larger build serves a smaller one as its first tasks)."""
+    found = _read_json(index, "tasks")
+    listed = [t.get("id") for t in found["tasks"] if isinstance(t, dict)] if found and isinstance(found["tasks"], list) else []
+    return len(listed) > len(ids) and listed[: len(ids)] == ids
+
+
 def _write_index(build: _Build) -> None:
     """tasks.json: the validated tasks in candidate order (what a task pool loads), and how each project's tests run."""
     tasks = []
@@ -452,6 +460,8 @@ def _write_index(build: _Build) -> None:
                 "prompt": _prompt(c, spec.version, v["fail_to_pass"]),
             }
         )
+    if _holds_more(build.directory / "tasks.json", [t["id"] for t in tasks]):
+        return  # an earlier build of the same set went further: a smaller num_tasks never shrinks the index
     projects = {
         name: {
             "package": spec.package,
