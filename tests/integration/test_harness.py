@@ -381,6 +381,7 @@ def repo_task(tmp_path_factory):
     ego_graph breaks test_ego_distance, test_ego still passes), without the build's survey of the whole project."""
     from composer.rollout.sandbox.isolation import installed_copies
     from composer.rollout.tasks.functions import Task
+    from composer.rollout.tasks.repository.grading_policy import Scope
     from composer.rollout.tasks.repository.mutations import changed_module, mutations
     from composer.rollout.tasks.repository.task_set import project_bases
     from composer.rollout.tasks.repository.workspace import RepoTests
@@ -406,6 +407,7 @@ def repo_task(tmp_path_factory):
         grading_base=bases / "grading",
         hidden=installed_copies("networkx"),
         timeout_s=60,
+        scope=(Scope(EGO, ("ego_graph",)),),
     )
     prompt = f"You are working in a checkout of networkx at /sandbox. The test {tests.fail_to_pass[0]} fails. Fix the library."
     return Task(id="repo/networkx/bug/ego", family="repo", prompt=prompt, entry_point="", tests=tests)
