@@ -19,6 +19,7 @@ import pytest
 
 from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.runs import Sandbox
+from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.workspace import RepoTests, RepoWorkspace
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="workspaces are views mounted as root")
@@ -51,6 +52,7 @@ def toy(tmp_path: Path) -> RepoTests:
         grading_base=base,
         hidden=(),
         timeout_s=60,
+        scope=(Scope("toy/core.py", ("double",)),),
     )
 
 
