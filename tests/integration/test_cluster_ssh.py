@@ -114,6 +114,7 @@ def test_two_hosts_by_two_processes_train_like_one_host_by_four(hosts, init, tmp
     assert wait_for_nothing_running(hosts, "torch.distributed.run") == []
 
 
+@pytest.mark.slow
 @pytest.mark.engines
 def test_a_killed_host_stops_the_job_a_killed_driver_leaves_nothing_and_resume_finishes_on_a_replacement_host(hosts, init, tmp_path):
     runs, steps = tmp_path / "runs", 9

@@ -63,6 +63,7 @@ def test_cp2_and_cp2_x_tp2_compute_what_one_rank_computes(checkpoints, tmp_path)
             assert layouts["cp1", packed]["rows"] == ((1, 66) if packed else (3, 37)), family
 
 
+@pytest.mark.slow
 def test_midtrain_at_cp2_reproduces_cp1(checkpoints, tmp_path):
     """The DeepSeek-V3 twin on 2 ranks, documents packed with their own attention: cp2 (each sample split over both
     ranks) against 2 data-parallel replicas; every recorded metric of 2 steps and 2 evaluations agrees."""

@@ -48,6 +48,7 @@ def test_pp2_step_equals_pp1_and_exports_from_both_stages(checkpoints, tmp_path)
         assert_same_weights(checkpoints[family], tmp_path / f"export-{family}-pp2")
 
 
+@pytest.mark.slow
 def test_midtrain_at_pp2_reproduces_pp1(checkpoints, tmp_path):
     """`composer train midtrain` with the twin split over 2 stages (dp=1) against 2 data-parallel replicas (pp=1):
     every recorded metric of 2 steps and 3 evaluations agrees, and the run checkpoints and exports from both stages."""

@@ -15,6 +15,7 @@ from tests.integration.test_rl import STEPS, metrics, processes_mentioning, star
 pytestmark = [pytest.mark.engines, pytest.mark.ssh]
 
 
+@pytest.mark.slow
 def test_a_remote_rollout_host_serves_every_policy_and_dies_with_the_driver(sshd, tmp_path):
     from composer.recipes.loader import load_recipe
     from composer.trainer.checkpoint_init import init_hf_checkpoint
