@@ -12,7 +12,6 @@ its test file (what history tasks come from). Dates and authors are fixed: the s
 from __future__ import annotations
 
 import os
-import subprocess
 import tarfile
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from composer.recipes.env_schema import RepoTaskSettings, SandboxSection
 from composer.rollout.tasks.repository.build import BuildReport, build_repo_tasks, set_dir
 from composer.rollout.tasks.repository.task_set import load_tasks
 from tests.conftest import REPO
+from tests.helpers.user_project import git
 
 CACHE = Path(os.environ.get("COMPOSER_USER_CORPUS", REPO / ".cache" / "user-corpus"))
 PINS = Path(__file__).with_name("user_corpus.txt")
@@ -91,19 +91,6 @@ def unpack(project: CorpusProject, target: Path) -> Path:
                 member.name = member.name[len(top) :]
                 archive.extract(member, target, filter="data")
     return target
-
-
-def git(repo: Path, *args: str) -> str:
-    env = {
-        **os.environ,
-        "GIT_AUTHOR_NAME": "corpus",
-        "GIT_AUTHOR_EMAIL": "corpus@example.com",
-        "GIT_COMMITTER_NAME": "corpus",
-        "GIT_COMMITTER_EMAIL": "corpus@example.com",
-        "GIT_AUTHOR_DATE": "2024-01-01T00:00:00Z",
-        "GIT_COMMITTER_DATE": "2024-01-01T00:00:00Z",
-    }
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, env=env).stdout.strip()
 
 
 def make_repository(project: CorpusProject, repo: Path) -> str:

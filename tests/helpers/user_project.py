@@ -208,7 +208,7 @@ include = ["tally*"]
 """
 
 
-def _git(repo: Path, *args: str) -> str:
+def git(repo: Path, *args: str) -> str:
     env = {
         **os.environ,
         "GIT_AUTHOR_NAME": "Test",
@@ -241,24 +241,24 @@ def make_project(repo: Path, source_dir: str = "src") -> dict:
     {"head": hash, "fixes": [{"commit", "message", "test_id", "source", "function", "fixed"}], "outside": the last
     commit's hash}."""
     repo.mkdir(parents=True)
-    _git(repo, "init", "-q", "-b", "main")
+    git(repo, "init", "-q", "-b", "main")
     state, tests = dict(BUGGY), {"stats": [], "text": []}
     _write(repo, state, tests, source_dir)
     (repo / "README.md").write_text("# tally\n")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", "tally: statistics and text helpers")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "tally: statistics and text helpers")
     fixes = []
     for number, (key, message, test_module, test_text, test_name) in enumerate(FIXES):
         state[key] = FIXED[key]
         tests[test_module].append(test_text)
         _write(repo, state, tests, source_dir)
-        _git(repo, "add", "-A")
-        _git(repo, "commit", "-q", "-m", message)
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", message)
         module = "stats" if key in ("median_even", "variance_divisor") else "text"
         source = str(Path(source_dir, "tally", f"{module}.py"))
         fixes.append(
             {
-                "commit": _git(repo, "rev-parse", "HEAD"),
+                "commit": git(repo, "rev-parse", "HEAD"),
                 "message": message,
                 "test_id": f"tests/test_{test_module}.py::{test_name}",
                 "source": source,
@@ -268,16 +268,16 @@ def make_project(repo: Path, source_dir: str = "src") -> dict:
         )
         if number == 1:  # commits that are not tasks: documentation only, source only
             (repo / "README.md").write_text("# tally\n\nStatistics and text helpers.\n")
-            _git(repo, "commit", "-q", "-am", "README: say what tally is")
+            git(repo, "commit", "-q", "-am", "README: say what tally is")
             (repo / source_dir / "tally" / "__init__.py").write_text('"""tally: statistics and text helpers."""\n')
-            _git(repo, "commit", "-q", "-am", "Shorter package docstring")
+            git(repo, "commit", "-q", "-am", "Shorter package docstring")
     # Last, a commit with its test that also changes module-level code: a history candidate whose change cannot be
     # graded by functions (`env build` rejects it).
     stats, test_stats = repo / source_dir / "tally" / "stats.py", repo / "tests" / "test_stats.py"
     stats.write_text(stats.read_text().replace('numbers."""\n', 'numbers."""\n\nPLACES = 2\n', 1) + ROUNDED)
     test_stats.write_text(test_stats.read_text() + ROUNDED_TEST)
-    _git(repo, "commit", "-q", "-am", "stats: rounded_mean, to PLACES decimal places")
-    return {"head": _git(repo, "rev-parse", "HEAD"), "fixes": fixes, "outside": _git(repo, "rev-parse", "HEAD")}
+    git(repo, "commit", "-q", "-am", "stats: rounded_mean, to PLACES decimal places")
+    return {"head": git(repo, "rev-parse", "HEAD"), "fixes": fixes, "outside": git(repo, "rev-parse", "HEAD")}
 
 
 if __name__ == "__main__":  # python -m tests.helpers.user_project DIR: the project recipes/smoke-repo-sft.yaml works on

@@ -13,6 +13,7 @@ from composer.recipes.env_schema import SandboxSection
 from composer.rollout.sandbox.results import ScriptRun
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.repository.workspace import run_tests_guarded
+from tests.helpers.toy_package import toy_package
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="runs get their namespaces and uids as root")
 
@@ -110,14 +111,7 @@ def test_the_filter_is_on_under_grading(capsys):
 
 
 def test_the_filter_is_on_in_pytest_under_guarded_grading(sandbox, tmp_path):
-    root = tmp_path / "toy"
-    (root / "toy" / "tests").mkdir(parents=True)
-    (root / "toy" / "__init__.py").write_text("")
-    (root / "toy" / "core.py").write_text(CORE)
-    (root / "toy" / "tests" / "__init__.py").write_text("")
-    (root / "toy" / "tests" / "test_core.py").write_text(TESTS)
-    for path in [root, *root.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    root = toy_package(tmp_path / "toy", CORE, {"test_core.py": TESTS})
     fix = {"toy/core.py": b"def double(x):\n    return x + x\n"}
     report = run_tests_guarded(sandbox, root, fix, ("toy/tests/test_core.py",), (), 60, (), tmp_path / "views")
     assert report.complete and set(report.outcomes.values()) == {"passed"} and len(report.outcomes) == 2, report.output

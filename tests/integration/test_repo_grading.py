@@ -17,6 +17,7 @@ from composer.rollout.tasks.repository import pytest_report
 from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE, Scope, function_scope, keep_change, splice
 from composer.rollout.tasks.repository.workspace import read_report, run_tests_guarded, sentinel_tests
 from tests.helpers.repo_cheats import CLASSES, PAYLOADS, payloads, pyc
+from tests.helpers.toy_package import toy_package
 
 # --- what grading takes -------------------------------------------------------------------------
 
@@ -485,14 +486,7 @@ class DoubleTest(unittest.TestCase):
 def test_unittest_subtests_are_outcomes_not_tampering(sandbox, tmp_path):
     """A unittest suite's subTest() loops (pytest reports each subtest on its own): the report is believed, and a
     test is failed when any of its subtests fails."""
-    root = tmp_path / "base"
-    (root / "toy" / "tests").mkdir(parents=True)
-    (root / "toy" / "__init__.py").write_text("")
-    (root / "toy" / "core.py").write_text(CORE)
-    (root / "toy" / "tests" / "__init__.py").write_text("")
-    (root / "toy" / "tests" / "test_sub.py").write_text(SUBTESTS)
-    for path in [root, *root.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    root = toy_package(tmp_path / "base", CORE, {"test_sub.py": SUBTESTS})
     test_file = "toy/tests/test_sub.py"
     report = run_tests_guarded(sandbox, root, {}, (test_file,), (), 60, (), tmp_path / "views")
     assert report.complete and not report.flags, (report.detail, report.flags)
