@@ -25,7 +25,6 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
 from composer.recipes.env_schema import SandboxSection
@@ -254,28 +253,6 @@ def rewrite_assertions(entry_point: str, setup: str, statements: tuple[str, ...]
         found = _as_call(statement[0], namespace) if len(statement) == 1 and namespace is not None else "setup failed"
         cases.append(found if isinstance(found, Call) else Statement(text, found))
     return CaseTests(entry_point=entry_point, cases=tuple(cases), setup=setup, seed=seed)
-
-
-@dataclass
-class Protection:
-    """How a task's cases are judged: all as Calls, or some by their own statements (and why)."""
-
-    calls: int = 0
-    statements: list[str] = field(default_factory=list)
-
-    @property
-    def all_calls(self) -> bool:
-        return not self.statements
-
-
-def protection(tests: CaseTests) -> Protection:
-    report = Protection()
-    for case in tests.cases:
-        if isinstance(case, Call):
-            report.calls += 1
-        else:
-            report.statements.append(case.reason)
-    return report
 
 
 def guarded_reward(reward: float, flags: tuple[str, ...], guarded: tuple[str, ...], flagged_reward: float | None) -> float:
