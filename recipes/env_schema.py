@@ -30,6 +30,9 @@ class ProjectSettings(Section):
     """Shell command run in the sandbox, in a copy of the project at `commit`, with the project's fresh virtual
     environment first on PATH and the machine's package index (pip's configuration): it installs the dependencies
     and pytest; the project's own distribution is then removed from the environment (episodes import their copy)."""
+    dependency_groups: list[str] = Field(default_factory=list)
+    """Dependency groups (PEP 735, `[dependency-groups]` of the pinned pyproject.toml, `include-group` followed)
+    installed after `install` (`[test]`): composer reads them itself, so they install with any pip."""
     python: str | None = None
     """Interpreter the project's virtual environment is made from; the driver's when unset."""
     test_paths: list[str] = Field(default_factory=lambda: ["tests"], min_length=1)

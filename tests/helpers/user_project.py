@@ -202,6 +202,10 @@ version = "0.1.0"
 [project.optional-dependencies]
 test = ["pytest"]
 
+[dependency-groups]
+test = ["pytest"]
+dev = [{{include-group = "test"}}]
+
 [tool.setuptools.packages.find]
 where = ["{source}"]
 include = ["tally*"]

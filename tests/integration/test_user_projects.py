@@ -155,13 +155,15 @@ def test_the_environment_is_made_once_per_digest(project, history, cache, sandbo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("install", [None, "pip install -e . pytest", "pip install .[test]"])
+@pytest.mark.parametrize("install", [None, "pip install -e . pytest", "pip install .[test]", "pip install . & group dev"])
 def test_a_setuptools_project_installs_as_users_install_it(tmp_path, sandbox_root, install):
     # a flat layout: setuptools leaves `tally.egg-info` in the project's root, first on pip's path; the project's
-    # own copy must still be found and removed
+    # own copy must still be found and removed. `& group dev`: pytest comes from a dependency group that includes another
     repo = tmp_path / "flat"
     make_project(repo, source_dir=".")
+    install, _, group = (install or "").partition(" & group ")
     entry = {k: v for k, v in tally(repo, package="tally").items() if k != "install"} | ({"install": install} if install else {})
+    entry |= {"dependency_groups": [group]} if group else {}
     spec = resolve_project(ProjectSettings(**entry), ["bug"])
     environment = project_environment(tmp_path, spec, SANDBOX, sandbox_root)
     assert any(line.startswith("pytest==") for line in environment.frozen)  # the default install provides pytest

@@ -22,11 +22,13 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -84,6 +86,8 @@ class ProjectSpec:
     commit: str | None = None
     settings: ProjectSettings | None = None
     """The recipe's mapping of a user's project (None: ready-made)."""
+    group_requirements: tuple[str, ...] = ()
+    """The requirements of its `dependency_groups`, installed after its install command."""
 
     @property
     def source(self) -> str:
@@ -202,13 +206,20 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str], index: int |
         except (UserError, OSError):
             return None
 
+    groups = dependency_groups(root_file("pyproject.toml"), entry.dependency_groups, f"{key}.dependency_groups: project {entry.name}")
     found = project_config(root_file)
     args = [*(config_args(found[1]) if found else []), *entry.pytest_args]
     if entry.exclude_markers:
         args += ["-m", " and ".join(f"not {m}" for m in entry.exclude_markers)]
     digest = hashlib.sha256(
         json.dumps(
-            {"files": files, "install": entry.install, "python": _python_identity(entry), "environment": ENVIRONMENT_VERSION},
+            {
+                "files": files,
+                "install": entry.install,
+                "groups": list(groups),
+                "python": _python_identity(entry),
+                "environment": ENVIRONMENT_VERSION,
+            },
             sort_keys=True,
         ).encode()
     ).hexdigest()[:16]
@@ -223,7 +234,47 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str], index: int |
         checkout=path if git else None,
         commit=commit,
         settings=entry,
+        group_requirements=groups,
     )
+
+
+def dependency_groups(pyproject: str | None, names: list[str], where: str) -> tuple[str, ...]:
+    """The requirements of the named PEP 735 groups of a pyproject.toml's text, `include-group` entries followed, in
+    order and without repeats; a missing file, table or group, a cycle or a malformed entry is one UserError."""
+    if not names:
+        return ()
+    if pyproject is None:
+        raise UserError(f"{where}: the pinned files have no pyproject.toml to read dependency groups from")
+    try:
+        table = tomllib.loads(pyproject).get("dependency-groups")
+    except tomllib.TOMLDecodeError as error:
+        raise UserError(f"{where}: its pyproject.toml is not valid TOML ({error})") from None
+    if not isinstance(table, dict) or not table:
+        raise UserError(f"{where}: its pyproject.toml has no [dependency-groups] table (drop the key, or name an extra in `install`)")
+    # PEP 735 compares group names normalized, as package names are
+    normalized = {str(k).lower().replace("_", "-").replace(".", "-"): k for k in table}
+    requirements: list[str] = []
+
+    def add(name: str, seen: tuple[str, ...]) -> None:
+        key = normalized.get(name.lower().replace("_", "-").replace(".", "-"))
+        if key is None:
+            raise UserError(f"{where}: no group {name!r} in its [dependency-groups] (it has: {', '.join(map(str, table))})")
+        if key in seen:
+            raise UserError(f"{where}: group {key!r} includes itself ({' -> '.join([*seen, key])})")
+        entries = table[key]
+        if not isinstance(entries, list):
+            raise UserError(f"{where}: group {key!r} is not a list")
+        for item in entries:
+            if isinstance(item, str):
+                requirements.append(item)
+            elif isinstance(item, dict) and set(item) == {"include-group"} and isinstance(item["include-group"], str):
+                add(item["include-group"], (*seen, key))
+            else:
+                raise UserError(f"{where}: group {key!r} holds {item!r}: an entry is a requirement or {{include-group = NAME}}")
+
+    for name in names:
+        add(name, ())
+    return tuple(dict.fromkeys(requirements))
 
 
 def resolve_projects(settings: RepoTaskSettings) -> dict[str, ProjectSpec]:
@@ -418,20 +469,24 @@ def _make_environment(cache_dir: Path, spec: ProjectSpec, sandbox: SandboxSectio
     with tempfile.TemporaryDirectory(prefix="install-", dir=sandbox_root) as work:
         bases = project_bases(cache_dir, spec)
         shutil.copytree(bases / "episode", work, symlinks=True, dirs_exist_ok=True)
+        # The dependency groups' requirements, installed by composer: the environment's pip may not know `--group`.
+        commands = [entry.install, *([f"python -m pip install {shlex.join(spec.group_requirements)}"] if spec.group_requirements else [])]
+        command = " && ".join(commands)
         own = "; ".join(
             [
-                entry.install,
+                command,
                 # The project's own distribution goes: episodes import their workspace's copy.
                 "status=$?; [ $status -ne 0 ] && exit $status",
                 "python - <<'EOF'\n" + _REMOVE_OWN.replace("PACKAGE", entry.package) + "EOF",
             ]
         )
         result = installer.run_command(own, Path(work), timeout_s=entry.install_seconds, environment=installing)
-        log_path.write_text(f"$ {entry.install}\n{result.output}\n[{result.status}, exit {result.exit_code}]\n")
+        log_path.write_text(f"$ {command}\n{result.output}\n[{result.status}, exit {result.exit_code}]\n")
         if result.status != "ok" or result.exit_code != 0:
             errors = [line.strip() for line in result.output.splitlines() if line.startswith("ERROR:") or "Error:" in line]
+            key = "install" if not spec.group_requirements else "install / dependency_groups"
             raise UserError(
-                f"env.tasks[].repo.projects[].install: project {spec.name}: `{entry.install}` failed ({result.status}, exit "
+                f"env.tasks[].repo.projects[].{key}: project {spec.name}: `{command}` failed ({result.status}, exit "
                 f"{result.exit_code}){': ' + errors[-1][:300] if errors else ''}; change the install command, or make what it "
                 f"needs reachable from this machine's package index (the install log: {log_path})"
             )
@@ -447,7 +502,7 @@ def _make_environment(cache_dir: Path, spec: ProjectSpec, sandbox: SandboxSectio
     os.chmod(root, 0o755)
     atomic_write_text(
         root / "manifest.json",
-        json.dumps({"digest": spec.digest, "python": python, "prefixes": prefixes, "install": entry.install, "frozen": frozen}, indent=1),
+        json.dumps({"digest": spec.digest, "python": python, "prefixes": prefixes, "install": command, "frozen": frozen}, indent=1),
     )
     return load_environment(root)
 
