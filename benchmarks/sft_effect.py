@@ -7,9 +7,12 @@ source: search, read, edit, run the tests, finish), then evaluated again on the 
 and after: the share of the policy's tool calls that parse, the share of episodes that run the tests and that call
 finish, the mean reward, greedy pass@1 with its 95% bootstrap interval, and the paired difference of pass@1 and of
 the tests-run share (the same tasks; `composer.rl.evaluation.bootstrap_interval`, as benchmarks/rl_learning.py),
-with the wall time of each stage (per SFT step, per evaluated episode).
+with the wall time of each stage (per SFT step, per evaluated episode). With `--rl-steps N`, RL on the training tasks
+then continues from the SFT export (`composer train rl`, the same harness and tasks, groups of `--group-size`) and its
+final policy is evaluated on the same held-out tasks: the paired difference after RL - after SFT, as
+benchmarks/rl_learning.py prints it.
 
-    python benchmarks/sft_effect.py [--work DIR] [--checkpoint HF_DIR] [--steps N] [--held-out N] [--tasks N]
+    python benchmarks/sft_effect.py [--work DIR] [--checkpoint HF_DIR] [--steps N] [--held-out N] [--tasks N] [--rl-steps N]
     python benchmarks/sft_effect.py --report --work DIR     # the figures of what DIR holds so far
 
 Every stage resumes: the task build and the evaluations continue where they stopped, a finished SFT run is reused.
@@ -31,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from composer.rl.evaluation import bootstrap_interval  # noqa: E402
+from composer.runtime.status import run_status  # noqa: E402
 
 MODULES = [  # modules whose test files run in about a second or two: 40 tasks build in minutes
     "networkx/algorithms/shortest_paths/unweighted.py",
@@ -99,10 +103,17 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
             "seed": args.seed,
         },
     }
-    paths = work / "eval.yaml", work / "sft.yaml"
-    for path, recipe in zip(paths, (evaluation, sft)):
+    rl = {
+        "extends": str(work / "eval.yaml"),
+        "run": {"name": "rl-from-sft", "dir": str(work / "runs")},
+        "model": {"checkpoint": str(work / "runs" / "sft" / "export")},
+        "train": {"steps": max(args.rl_steps, 1), "global_batch_size": args.group_size * 2, "checkpoint_every": 1},
+        "rl": {"group_size": args.group_size, "prompts_per_step": 2, "eval": None},
+    }
+    paths = work / "eval.yaml", work / "sft.yaml", work / "rl.yaml"
+    for path, recipe in zip(paths, (evaluation, sft, rl)):
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return paths
+    return paths[0], paths[1]
 
 
 def composer(log: Path, *args: str) -> float:
@@ -141,15 +152,21 @@ def summary(name: str, graded: list[dict]) -> dict[str, dict]:
     return {e["task"]: {"passed": float(e["passed"]), "tests_run": float(e.get("tests_run", 0) > 0)} for e in graded}
 
 
+def paired(name: str, first: dict[str, dict], then: dict[str, dict]) -> None:
+    """The paired difference of each figure over the tasks both evaluations graded, with its bootstrap interval."""
+    tasks = sorted(set(first) & set(then))
+    for key in ("passed", "tests_run") if tasks else ():
+        d = np.array([then[t][key] - first[t][key] for t in tasks])
+        lo, hi = bootstrap_interval(d)
+        print(f"paired difference ({name}) on {len(tasks)} tasks, {key}: {d.mean():+.3f} [{lo:+.3f}, {hi:+.3f}]")
+
+
 def report(work: Path, seconds: dict[str, float]) -> None:
     before = summary("before SFT", episodes(work / "eval-before"))
     after = summary("after SFT ", episodes(work / "eval-after"))
-    tasks = sorted(set(before) & set(after))
-    for key in ("passed", "tests_run"):
-        if tasks:
-            d = np.array([after[t][key] - before[t][key] for t in tasks])
-            lo, hi = bootstrap_interval(d)
-            print(f"paired difference (after - before) on {len(tasks)} tasks, {key}: {d.mean():+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    paired("after SFT - before SFT", before, after)
+    if (work / "eval-rl").is_dir():
+        paired("after RL - after SFT", after, summary("after RL  ", episodes(work / "eval-rl")))
     metrics = work / "runs" / "sft" / "metrics.jsonl"
     if metrics.is_file():
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -159,7 +176,7 @@ def report(work: Path, seconds: dict[str, float]) -> None:
             print(f"SFT held-out loss {evals[0]:.3f} -> {evals[-1]:.3f} over {len(steps)} steps")
     for stage, wall in seconds.items():
         print(f"{stage}: {wall:.0f} s")
-    for name in ("eval-before", "eval-after"):
+    for name in ("eval-before", "eval-after", "eval-rl"):
         if name in seconds and (n := len(episodes(work / name))):
             print(f"{name}: {seconds[name] / n:.1f} s per episode")
     if "sft" in seconds and metrics.is_file():
@@ -176,6 +193,8 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=3072, help="SFT sequence length (the demonstrations: 1.3-2.9k tokens)")
     parser.add_argument("--context", type=int, default=4096, help="the evaluated episodes' context")
     parser.add_argument("--max-turns", type=int, default=8)
+    parser.add_argument("--rl-steps", type=int, default=0, help="RL steps from the SFT export, then evaluated (0: no RL)")
+    parser.add_argument("--group-size", type=int, default=4, help="RL episodes per task (2 tasks per step)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--report", action="store_true", help="only print the figures of what WORK holds")
     args = parser.parse_args()
@@ -203,6 +222,11 @@ def main() -> None:
         resume = ["--resume"] if (work / "runs" / "sft" / "sft-examples").is_dir() else []
         stage("sft", "train", "sft", str(sft), *resume)
     stage("eval-after", "eval", str(evaluation), str(export), "--out", str(work / "eval-after"), "--batch", "8")
+    if args.rl_steps:
+        run = work / "runs" / "rl-from-sft"
+        if not run.is_dir() or run_status(run).status != "finished":
+            stage("rl", "train", "rl", str(work / "rl.yaml"), *(["--resume"] if (run / "recipe.yaml").is_file() else []))
+        stage("eval-rl", "eval", str(evaluation), str(run), "--out", str(work / "eval-rl"), "--batch", "8")
     report(work, seconds)
 
 
