@@ -146,3 +146,11 @@ def tensor_of_bits(bits: np.ndarray):
     import torch
 
     return torch.from_numpy(bits.view(np.dtype(_SIGNED_OF_WIDTH[bits.itemsize])))
+
+
+def bits_of_tensor(tensor) -> np.ndarray:
+    """The bit patterns of a tensor as unsigned ints (a CPU tensor's share its memory)."""
+    import torch
+
+    flat = tensor.reshape(-1).cpu()
+    return _as_numpy(flat.view(getattr(torch, _SIGNED_OF_WIDTH[flat.element_size()])), flat.element_size())

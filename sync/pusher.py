@@ -6,8 +6,9 @@ head (another machine pushed, or a fresh machine) it is brought up to date with 
 were changed behind our back, the base-hash check catches it and the cache is rebuilt from the store.
 
 `TensorPusher` publishes a checkpoint held in memory as named torch tensors (the RL learner's policy each step)
-with the same bytes, encoding on the tensors' device (`sync.device`) against the tensors it pushed last; only a
-pusher that holds none (a fresh process) reads the previous version, from the cache as above.
+with the same bytes, encoding where the tensors are (on a GPU with `sync.device`, CPU tensors with the host codec
+on their own memory) against the tensors it pushed last; only a pusher that holds none (a fresh process) reads
+the previous version, from the cache as above.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,7 +33,7 @@ from composer.recipes.errors import UserError
 from composer.recipes.schema import CodecSection, SSHSection, SyncSection
 from composer.sync.checkpoint import DTYPE_OF_TORCH, Checkpoint, SafetensorsFile, TensorInfo, parse_header, safetensors_header
 from composer.sync.codec import digest, encode_piece, hasher, piece_stops
-from composer.sync.device import DeviceDeltaEncoder, tensor_of_bits
+from composer.sync.device import DeviceDeltaEncoder, bits_of_tensor, tensor_of_bits
 from composer.sync.manifest import FileRecord, Manifest, OpaqueRecord, Piece, TensorRecord, version_id, version_seq
 from composer.sync.pool import num_threads, ordered_map
 from composer.sync.rebuild import WrongBaseError
@@ -379,8 +380,12 @@ class TensorPusher:
     change), so a delta reads nothing from disk; a pusher without them reads the previous version from the cache.
     """
 
-    def __init__(self, sync: SyncSection, ssh: SSHSection | None = None, *, cache_dir: Path | None = None):
+    def __init__(
+        self, sync: SyncSection, ssh: SSHSection | None = None, *, cache_dir: Path | None = None, device_encoder: bool | None = None
+    ):
         self.sync, self.ssh = sync, ssh
+        self.device_encoder = device_encoder
+        """Encode with `sync.device` (True) or the host codec (False); None: `sync.device` for tensors off the CPU."""
         self.cache = ReceiverDir(cache_dir or default_cache_dir(sync.store))
         self._pushed: tuple[str, dict[str, Any]] | None = None
         """(version id, its flat tensors) of the last push."""
@@ -397,10 +402,9 @@ class TensorPusher:
             parent = store.manifest(head) if head else None
             is_anchor = parent is None or version_seq(head) - version_seq(parent.anchor) + 1 >= self.sync.anchor_every
             vid = version_id(version_seq(head) + 1 if head else 1)
-            encoder = DeviceDeltaEncoder(device, self.sync.codec.zstd_level, num_threads(self.sync.codec.threads))
 
             def encode(parent: Manifest | None, base: _MemoryBase | _CacheBase | None) -> tuple[Manifest, _Packer]:
-                return self._encode(encoder, layout, flat, opaque, Path(other_files), store, vid, head, parent, base)
+                return self._encode(device, layout, flat, opaque, Path(other_files), store, vid, head, parent, base)
 
             if is_anchor:
                 manifest, packer = encode(None, None)
@@ -426,7 +430,7 @@ class TensorPusher:
 
     def _encode(
         self,
-        encoder: DeviceDeltaEncoder,
+        device: str,
         layout: list[SafetensorsFile],
         flat: dict[str, Any],
         opaque: list[str],
@@ -437,7 +441,7 @@ class TensorPusher:
         parent: Manifest | None,
         base: _MemoryBase | _CacheBase | None,
     ) -> tuple[Manifest, _Packer]:
-        """As `_encode`, with the pieces encoded on the tensors' device; an anchor without `parent` and `base`."""
+        """As `_encode`, for tensors in memory; an anchor without `parent` and `base`."""
         codec = self.sync.codec
         packer = _Packer(store, codec.chunk_mb << 20)
         try:
@@ -449,10 +453,8 @@ class TensorPusher:
                     old = None if job.base_hash is None else base.piece(job.info, job.start, job.stop, job.base_hash)
                     yield new, old, job.base_hash
 
-            encoded = (
-                (job, Piece(job.stop, piece_hash, e.encoding, e.changed, e.gap_width), e.payload)
-                for job, (piece_hash, e) in zip(jobs, encoder.encode_hashed(pieces()))
-            )
+            on_device = self.device_encoder if self.device_encoder is not None else not device.startswith("cpu")
+            encoded = self._on_device(device, jobs, pieces()) if on_device else self._on_host(jobs, pieces())
             stats = _collect(encoded, records, packer, None)
             opaque_records, opaque_new = DeltaEncoder(codec).opaque(root, opaque, parent, packer)
             packer.finish()
@@ -460,6 +462,26 @@ class TensorPusher:
             packer.abort()
             raise
         return _manifest(vid, parent_id, parent, layout, records, opaque_records, opaque_new, root, stats, packer), packer
+
+    def _on_device(self, device: str, jobs: list[_Job], pieces: Iterable[tuple]) -> Iterator[tuple[_Job, Piece, bytes]]:
+        """Diff and gather on the device, only what changed crosses to the host (`sync.device`)."""
+        codec = self.sync.codec
+        encoder = DeviceDeltaEncoder(device, codec.zstd_level, num_threads(codec.threads))
+        for job, (piece_hash, e) in zip(jobs, encoder.encode_hashed(pieces)):
+            yield job, Piece(job.stop, piece_hash, e.encoding, e.changed, e.gap_width), e.payload
+
+    def _on_host(self, jobs: list[_Job], pieces: Iterable[tuple]) -> Iterator[tuple[_Job, Piece, bytes]]:
+        """CPU tensors: the host codec on their own memory (numpy's diff and gather beat torch's on a CPU)."""
+        host = DeltaEncoder(self.sync.codec)
+
+        def encode_job(item: tuple[_Job, tuple]) -> tuple[_Job, Piece, bytes]:
+            job, (new, old, _) = item
+            new_bits = bits_of_tensor(new)
+            _, _, mask, cctx = host._thread_state(new_bits.nbytes)
+            e = encode_piece(new_bits, None if old is None else bits_of_tensor(old), cctx, mask)
+            return job, Piece(job.stop, digest(new_bits), e.encoding, e.changed, e.gap_width), e.payload
+
+        return ordered_map(encode_job, zip(jobs, pieces), host.workers)
 
 
 class _MemoryBase:

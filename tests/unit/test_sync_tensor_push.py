@@ -86,15 +86,17 @@ def store_files(store: Path) -> dict[str, bytes]:
     return files
 
 
-def test_in_memory_push_writes_the_versions_of_the_export_push(tmp_path):
+@pytest.mark.parametrize("device_encoder", [None, True], ids=["host-codec-on-memory", "sync.device"])
+def test_in_memory_push_writes_the_versions_of_the_export_push(tmp_path, device_encoder):
     """Anchors (v1, v4), deltas against the tensors held from the last push (v2, v5) and against the previous
-    version read from the cache by a fresh pusher (v3, the learner after a restart): byte-identical stores."""
+    version read from the cache by a fresh pusher (v3, the learner after a restart): byte-identical stores, with
+    CPU tensors encoded in place by the host codec (the default) or by the device encoder (a GPU's, here on CPU)."""
     policy, exports = Policy(), []
     from_export, from_memory = (
         sync_section(tmp_path / "export-store", anchor_every=3),
         sync_section(tmp_path / "memory-store", anchor_every=3),
     )
-    pusher = TensorPusher(from_memory, cache_dir=tmp_path / "memory-cache")
+    pusher = TensorPusher(from_memory, cache_dir=tmp_path / "memory-cache", device_encoder=device_encoder)
     for step in range(5):
         if step:
             policy.step()
@@ -102,7 +104,7 @@ def test_in_memory_push_writes_the_versions_of_the_export_push(tmp_path):
         exports.append(export)
         expected = push_version(export, from_export, cache_dir=tmp_path / "export-cache")
         if step == 2:
-            pusher = TensorPusher(from_memory, cache_dir=tmp_path / "memory-cache")
+            pusher = TensorPusher(from_memory, cache_dir=tmp_path / "memory-cache", device_encoder=device_encoder)
         info = pusher.push(policy.tensors(), FILES, other_files(export))
         # the held tensors served as the base; only the fresh pusher read one, from the cache
         cached = sorted(p.name for p in (tmp_path / "memory-cache" / "versions").glob("*"))
