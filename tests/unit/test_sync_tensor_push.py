@@ -5,7 +5,12 @@ is one clear error with nothing published."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +23,7 @@ from composer.sync.manifest import Manifest
 from composer.sync.pusher import TensorPusher, push_version
 from composer.sync.receiver import pull
 from composer.sync.store import CHUNKS, MANIFESTS, Store
-from tests.helpers.sync_testing import checkpoint_files, sync_section
+from tests.helpers.sync_testing import REPO, checkpoint_files, sync_section
 
 FILES = {
     "model-00001-of-00002.safetensors": ["model.embed.weight", "model.layers.0.mlp.weight", "model.layers.0.mlp.weight_scale_inv"],
@@ -193,3 +198,51 @@ def test_a_tampered_base_cache_is_rebuilt_from_the_store(tmp_path):
     with Store.open(section.store) as store:
         pull(store, tmp_path / "receiver")
     assert checkpoint_files(tmp_path / "receiver" / "current") == checkpoint_files(export)
+
+
+KILLED_PUSH = """
+import sys
+from pathlib import Path
+from tests.unit.test_sync_tensor_push import big_tensors
+from composer.sync.pusher import TensorPusher
+from tests.helpers.sync_testing import sync_section
+tensors, files = big_tensors()
+store, cache, other = sys.argv[1:]
+TensorPusher(sync_section(store, codec={"chunk_mb": 1, "threads": 1}), cache_dir=Path(cache)).push(tensors, files, Path(other))
+"""
+
+
+def big_tensors() -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"layer{i}.weight": torch.randn(1024, 1024, generator=g).to(torch.bfloat16) for i in range(12)}
+    return tensors, {"model.safetensors": sorted(tensors)}
+
+
+@pytest.mark.slow  # 38 s at load 25 (a fresh interpreter importing torch, then killed)
+def test_a_push_killed_midway_publishes_nothing_and_its_rerun_writes_the_same_chunks(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}\n")
+    store_dir, chunk_dir = tmp_path / "store", tmp_path / "store" / CHUNKS
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_PUSH, str(store_dir), str(tmp_path / "c1"), str(other)], env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if chunk_dir.is_dir() and sum(not n.startswith(".") for n in os.listdir(chunk_dir)) >= 3:
+            break
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the push finished before it could be killed"
+    with Store.open(str(store_dir)) as store:
+        assert store.versions() == []  # the manifest comes last: no visible version
+    before = {e.name: e.stat().st_mtime_ns for e in os.scandir(chunk_dir) if not e.name.startswith(".")}
+
+    tensors, files = big_tensors()
+    section = sync_section(store_dir, codec={"chunk_mb": 1, "threads": 1})
+    info = TensorPusher(section, cache_dir=tmp_path / "c2").push(tensors, files, other)
+    assert info.id == "v00000001" and info.chunks_skipped >= len(before)
+    assert {e.name: e.stat().st_mtime_ns for e in os.scandir(chunk_dir) if e.name in before} == before  # not sent again
+    clean = sync_section(tmp_path / "clean", codec={"chunk_mb": 1, "threads": 1})
+    TensorPusher(clean, cache_dir=tmp_path / "c3").push(tensors, files, other)
+    assert store_files(store_dir) == store_files(tmp_path / "clean")
