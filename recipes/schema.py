@@ -732,6 +732,11 @@ class SyncSection(Section):
     """Delta codec settings."""
     endpoint: str | None = Field(default=None, pattern=r"^https?://[^\s/]+")
     """S3-compatible service URL for an s3:// store (e.g. `http://minio.local:9000`); default AWS."""
+    push_from: Literal["memory", "export"] = "memory"
+    """How the RL learner pushes each policy: `memory` encodes the gathered tensors on the learner's device
+    against the previous policy it keeps there (global rank 0 holds two copies of the policy in the engines'
+    format; no safetensors written or read); `export` writes the policy as safetensors and encodes the files on
+    the host, one tensor in memory at a time (for a policy two copies of which do not fit)."""
 
     @model_validator(mode="after")
     def _endpoint_needs_s3(self) -> SyncSection:

@@ -28,7 +28,7 @@ from composer.rollout.agent.trajectory import Trajectory
 from composer.runtime.processes import die_with_parent
 from composer.runtime.progress import Trackers
 from composer.runtime.run_dir import MetricsWriter, RunDir, drop_records_after
-from composer.sync.pusher import push_version
+from composer.sync.pusher import TensorPusher, push_version
 from composer.trainer.core import Every
 from composer.trainer.launch import record_rank_error, redirect_rank_output
 from composer.trainer.rl_learner import LearnerSequence, RLLearner
@@ -103,8 +103,9 @@ def alarm_message(step: int, record: dict[str, float], rl: RLSection) -> str | N
     return f"ALARM step {step}: learner and engine disagree on on-policy tokens: {'; '.join(raised)} (see README, RL health metrics)"
 
 
-def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int) -> dict[str, float]:
-    """Export the new policy (collective), push it as a delta (rank 0) and point the rollout engines at it."""
+def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int, pusher: TensorPusher | None) -> dict[str, float]:
+    """Export the new policy (collective), push it as a delta (rank 0) and point the rollout engines at it. With a
+    `pusher` (rank 0, `sync.push_from: memory`) the policy stays in memory and only its small files are written."""
     started = time.monotonic()
     out = files.export / f"policy-{version:06d}"
     if dist.get_rank() == 0:
@@ -113,15 +114,19 @@ def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int)
     # In the engines' format, not the fp32 master weights': consecutive bf16 (or fp8, INT4) policies share most of
     # their values, so the sync delta is sparse, and the engines get exactly the weights they compute with.
     rollout = recipe.rollout
-    learner.core.export(
-        out,
-        tokenizer_dir=recipe.model.checkpoint,
-        quantize=rollout.quantize,
-        dtype=None if rollout.quantize else getattr(torch, rollout.dtype),
-    )
+    dtype = None if rollout.quantize else getattr(torch, rollout.dtype)
+    sync = sync_section(recipe, files)
+    in_memory = sync.push_from == "memory"
+    if in_memory:
+        policy = learner.core.export_tensors(out, tokenizer_dir=recipe.model.checkpoint, quantize=rollout.quantize, dtype=dtype)
+    else:
+        learner.core.export(out, tokenizer_dir=recipe.model.checkpoint, quantize=rollout.quantize, dtype=dtype)
     metrics: dict[str, float] = {}
     if dist.get_rank() == 0:
-        info = push_version(out, sync_section(recipe, files), recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
+        if in_memory:
+            info = pusher.push(policy.tensors, policy.files, out)
+        else:
+            info = push_version(out, sync, recipe.cluster.ssh, cache_dir=files.root / "sync-cache")
         files.publish_policy(Policy(version, info.id))
         for old in files.export.glob("policy-*"):
             if old != out:
@@ -163,6 +168,9 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
     metrics = MetricsWriter(files.root / "metrics.jsonl") if rank0 else None
     board = Trackers(files.root, recipe.run.name, start) if rank0 else None
     save_due = Every(recipe.train.checkpoint_every, recipe.train.steps)
+    # holds the policy it pushed last, the next push's base; a restarted learner reads that one from the store once
+    sync = sync_section(recipe, files)
+    pusher = TensorPusher(sync, recipe.cluster.ssh, cache_dir=files.root / "sync-cache") if rank0 and sync.push_from == "memory" else None
     unsaved: list[str] = []
     for step in range(start, recipe.train.steps):
         started = time.monotonic()
@@ -171,7 +179,7 @@ def run_learner(recipe: Recipe, files: RLRunFiles) -> None:
         waited = time.monotonic() - started
         record = learner.train_step(learner_sequences(groups, recipe.rl, step))
         record.update(health_alarms(record, recipe.rl))
-        record.update(publish(learner, recipe, files, step + 1))
+        record.update(publish(learner, recipe, files, step + 1, pusher))
         if rank0:
             queue.trained(group_ids)
         unsaved += group_ids

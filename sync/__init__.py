@@ -6,7 +6,7 @@ device      the same encoding of tensors already on a GPU (torch), compression o
 manifest    a version: tensors cut into pieces, where each payload lives, hashes, self-checksum
 transports  a local directory, an SSH host (fabric/SFTP) or S3 (boto3), atomic and exclusive writes
 store       versions (manifests, published last) + content-addressed chunks; gc
-pusher      push_version: encode against the head (or an anchor), upload, publish
+pusher      push_version: encode against the head (or an anchor), upload, publish; TensorPusher: the same from tensors in memory
 rebuild     plans along delta chains, chunk fetching, verified rebuilding, verify
 receiver    pull into a directory with an atomic swap, or patch it in place; apply_version; relay
 """

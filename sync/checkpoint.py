@@ -53,6 +53,28 @@ NUMPY_DTYPES = {
     "F64": np.float64,
 }
 
+# torch dtype name -> safetensors dtype (checkpoints held in memory as torch tensors)
+DTYPE_OF_TORCH = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int16": "I16",
+    "uint16": "U16",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int32": "I32",
+    "uint32": "U32",
+    "float32": "F32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float64": "F64",
+}
+# The order in which safetensors' `save_file` lays out a file's tensors: by this rank of their dtype, highest
+# first, then by name (its Rust `Dtype` enum order), so a header written here matches one it writes.
+_SAVE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64")
+
 MAX_HEADER_BYTES = 100 << 20
 
 
@@ -146,6 +168,21 @@ def parse_header(header: str, name: str, size: int, where: str) -> SafetensorsFi
         tensors.append(TensorInfo(tensor_name, name, dtype, shape, data_start + begin, end - begin))
     tensors.sort(key=lambda t: t.offset)
     return SafetensorsFile(name, header, size, tuple(tensors))
+
+
+def safetensors_header(tensors: dict[str, tuple[str, tuple[int, ...]]], metadata: dict[str, str] | None) -> tuple[str, int]:
+    """The header safetensors' `save_file` writes for tensors {name: (dtype, shape)}, and the file's size."""
+    order = sorted(tensors, key=lambda name: (-_SAVE_ORDER.index(tensors[name][0]), name))
+    entries: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        dtype, shape = tensors[name]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
+        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header = json.dumps(entries, separators=(",", ":"), ensure_ascii=False)
+    header += " " * (-len(header.encode()) % 8)
+    return header, 8 + len(header.encode()) + offset
 
 
 class Checkpoint:

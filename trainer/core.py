@@ -17,7 +17,7 @@ from composer.trainer.checkpointing import Checkpointer
 from composer.trainer.distributed import init_distributed
 from composer.trainer.model import build_model
 from composer.trainer.optimizer import TrainOptimizer, wrap_data_parallel
-from composer.trainer.weights import export_hf, load_hf_into
+from composer.trainer.weights import HFTensors, export_hf, export_hf_tensors, load_hf_into
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,13 @@ class TrainerCore:
         """Collective. The model as an HF checkpoint (safetensors, config.json, tokenizer), in `dtype` when given,
         quantized (`fp8`, `int4`) when asked."""
         export_hf(self.model, self.model_section, out_dir, tokenizer_dir=tokenizer_dir, dtype=dtype, quantize=quantize)
+
+    def export_tensors(
+        self, out_dir: Path, tokenizer_dir: str | Path | None, dtype: torch.dtype | None = None, quantize: str | None = None
+    ) -> HFTensors | None:
+        """Collective. As `export`, with the tensors kept in memory on global rank 0 (None elsewhere) and only the
+        other files written to `out_dir`."""
+        return export_hf_tensors(self.model, self.model_section, out_dir, tokenizer_dir=tokenizer_dir, dtype=dtype, quantize=quantize)
 
 
 def export_checkpoint(

@@ -367,17 +367,23 @@ def load_hf_into(model, m: ModelSection, hf_dir: str | Path) -> None:
 
 
 class _ShardWriter:
-    """Accumulates tensors and writes a safetensors shard whenever `max_bytes` is reached."""
+    """Accumulates tensors and writes a safetensors shard whenever `max_bytes` is reached; `in_memory` keeps each
+    shard's tensors (on their device) instead of writing them, and their layout (file -> names)."""
 
-    def __init__(self, directory: Path, max_bytes: int):
-        self.directory, self.max_bytes = directory, max_bytes
+    def __init__(self, directory: Path, max_bytes: int, in_memory: bool = False):
+        self.directory, self.max_bytes, self.in_memory = directory, max_bytes, in_memory
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.files: list[tuple[Path, list[str]]] = []
         self.total_bytes = 0
+        self.kept: dict[str, torch.Tensor] = {}
+        self.layout: dict[str, list[str]] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.pending[name] = tensor.detach().to("cpu").contiguous()
+        if self.in_memory:  # a copy: an export tensor may be a view of a parameter the next step changes
+            self.pending[name] = tensor.detach().clone(memory_format=torch.contiguous_format)
+        else:
+            self.pending[name] = tensor.detach().to("cpu").contiguous()
         self.pending_bytes += tensor.numel() * tensor.element_size()
         if self.pending_bytes >= self.max_bytes:
             self.flush()
@@ -388,7 +394,10 @@ class _ShardWriter:
         if not self.pending:
             return
         path = self.directory / f"part-{len(self.files):05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
+        if self.in_memory:
+            self.kept.update(self.pending)
+        else:
+            save_file(self.pending, str(path), metadata={"format": "pt"})
         self.files.append((path, sorted(self.pending)))
         self.total_bytes += self.pending_bytes
         self.pending, self.pending_bytes = {}, 0
@@ -399,10 +408,22 @@ class _ShardWriter:
         weight_map = {}
         for i, (path, names) in enumerate(self.files):
             final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            path.rename(self.directory / final)
+            if not self.in_memory:
+                path.rename(self.directory / final)
+            self.layout[final] = names
             weight_map.update({n: final for n in names})
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class HFTensors:
+    """An HF export held in memory: its tensors as the export stores them (names, dtypes, quantized layout), on
+    the device they were gathered to, the files they would be written as, and the directory of its other files."""
+
+    tensors: dict[str, torch.Tensor]
+    files: dict[str, list[str]]
+    directory: Path
 
 
 def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
@@ -589,16 +610,37 @@ def export_hf(
 
     Collective: call it on every rank. Global rank 0 writes; `out_dir` must not exist yet.
     """
+    _export(model, m, Path(out_dir), tokenizer_dir, max_shard_bytes, dtype, quantize, in_memory=False)
+
+
+@torch.no_grad()
+def export_hf_tensors(
+    model,
+    m: ModelSection,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+    quantize: str | None = None,
+) -> HFTensors | None:
+    """`export_hf` without writing the tensors: global rank 0 gets them (copies, on the device they were gathered
+    to) with the files they would be in, and `out_dir` holds the export's other files (config.json, tokenizer,
+    index). None on the other ranks. Collective."""
+    return _export(model, m, Path(out_dir), tokenizer_dir, max_shard_bytes, dtype, quantize, in_memory=True)
+
+
+def _export(model, m: ModelSection, out: Path, tokenizer_dir, max_shard_bytes: int, dtype, quantize, in_memory: bool) -> HFTensors | None:
     import torch.distributed as dist
 
-    out = Path(out_dir)
     # rank 0's file system decides (other nodes may not see it); every rank must stop together or none
     exists = [out.exists()]
     dist.broadcast_object_list(exists, src=0)
     if exists[0]:
         raise UserError(f"{out}: already exists; export into a new directory")
-    _write_checkpoint(iter_hf_tensors(model, m), m, out, dist.get_rank() == 0, tokenizer_dir, max_shard_bytes, dtype, quantize)
+    writing = dist.get_rank() == 0
+    writer = _write_checkpoint(iter_hf_tensors(model, m), m, out, writing, tokenizer_dir, max_shard_bytes, dtype, quantize, in_memory)
     dist.barrier()
+    return HFTensors(writer.kept, writer.layout, out) if writing and in_memory else None
 
 
 @torch.no_grad()
@@ -626,9 +668,11 @@ def _write_checkpoint(
     max_shard_bytes: int,
     dtype: torch.dtype | None,
     quantize: str | None,
-) -> None:
+    in_memory: bool = False,
+) -> _ShardWriter:
     """Consume `tensors` (HF name, full tensor); when `writing`, write them as an HF checkpoint at `out`,
-    atomically (a temporary directory renamed into place)."""
+    atomically (a temporary directory renamed into place), or with `in_memory` keep the tensors in the returned
+    writer and write the other files only."""
     source = CheckpointLayout.of(m.checkpoint) if m.checkpoint else None
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if writing:
@@ -636,7 +680,7 @@ def _write_checkpoint(
         tmp.mkdir()
     try:
         with ShardReader(source) if source else nullcontext() as reader:
-            writer = _ShardWriter(tmp, max_shard_bytes)
+            writer = _ShardWriter(tmp, max_shard_bytes, in_memory)
             encoder = _Encoder(source, reader, dtype, quantize)
             written_dtype = dtype
             for name, tensor in tensors:
@@ -654,6 +698,7 @@ def _write_checkpoint(
     finally:
         if writing and tmp.exists():
             shutil.rmtree(tmp)
+    return writer
 
 
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.safetensors\.index\.json$|config\.json$")
