@@ -16,6 +16,7 @@ whole engine is restarted on the policy its hosts hold.
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 import shlex
@@ -49,9 +50,11 @@ from composer.rollout.engines.vllm_engine import (
     ServerUnreachable,
     VllmServer,
     build_engines,
+    checkpoint_config,
     engine_options,
     multinode_args,
     server_args,
+    server_env,
     wait_healthy,
 )
 from composer.rollout.engines.worker_extension import read_rank_reports
@@ -267,6 +270,14 @@ class RemoteHost:
     def has_tokenizer(self, weights: str) -> bool:
         return self._run(f"test -f {shlex.quote(weights + '/tokenizer.json')} && echo yes || echo no").strip() == "yes"
 
+    def checkpoint_config(self, weights: str) -> dict:
+        """The config.json of the checkpoint this host holds in `weights`."""
+        text = self._run(f"cat {shlex.quote(weights + '/config.json')}")
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"rollout host {self.ssh.where}: {weights}/config.json unreadable ({e})") from None
+
     def start_server(self, command: str, log_name: str) -> ServerPart:
         """Run `command` (a server) in a new SSH session, its output appended to `log_name` in the host's directory."""
         log = posixpath.join(self.dir, log_name)
@@ -296,7 +307,7 @@ class RemoteHost:
     def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
         rollout = self.recipe.rollout
         placement = self.placement()
-        tokenizer = self.has_tokenizer(weights)
+        tokenizer, config = self.has_tokenizer(weights), self.checkpoint_config(weights)
         starting = []
         for engine in placement.engines:
             [port] = self.free_ports(1)
@@ -306,6 +317,7 @@ class RemoteHost:
                 engine,
                 python=self.python,
                 weights=weights,
+                config=config,
                 seed=seed,
                 routed_experts=routed_experts,
                 tokenizer=tokenizer,
@@ -400,7 +412,7 @@ class EngineHosts:
         rollout, head = self.recipe.rollout, self.members[0]
         seed, routed_experts = self._serving
         api_port, head_port = head.free_ports(2)
-        tokenizer = head.has_tokenizer(weights)
+        tokenizer, config = head.has_tokenizer(weights), head.checkpoint_config(weights)
         parts: list[ServerPart] = []
         try:
             for member, placement in zip(self.members, self.placements()):
@@ -411,6 +423,7 @@ class EngineHosts:
                     engine,
                     python=member.python,
                     weights=weights,
+                    config=config,
                     seed=seed,
                     routed_experts=routed_experts,
                     tokenizer=tokenizer,
@@ -512,6 +525,7 @@ def engine_command(
     *,
     python: str,
     weights: str,
+    config: dict,
     seed: int,
     routed_experts: bool,
     tokenizer: bool,
@@ -520,11 +534,12 @@ def engine_command(
     head_port: int | str = "",
 ) -> str:
     """The shell command that starts one engine's server (or, on the other hosts of an engine over several hosts,
-    its headless ranks: `head`:`head_port` is where they meet) on `placement`'s devices."""
+    its headless ranks: `head`:`head_port` is where they meet) on `placement`'s devices, with every setting a server on
+    this machine gets (`config`: the checkpoint's config.json)."""
     options = engine_options(
-        weights, rollout, placement.devices.kind, seed=seed + engine.number, routed_experts=routed_experts, tokenizer=tokenizer
+        weights, config, rollout, placement.devices.kind, seed=seed + engine.number, routed_experts=routed_experts, tokenizer=tokenizer
     )
-    env = shlex.join([f"{k}={v}" for k, v in {"VLLM_SERVER_DEV_MODE": "1", **engine.env()}.items()])
+    env = shlex.join([f"{k}={v}" for k, v in server_env(engine).items()])
     node = multinode_args(engine, rollout.parallelism, head, head_port)
     return f"env {env} {shlex.join([python, '-m', server_guard.MODULE, *server_args(options, port, node)])}"
 
@@ -543,6 +558,9 @@ def rollout_plan(recipe: Recipe) -> list[tuple[str, HostPlacement | None, list[s
     placements = plan_fleet(recipe)
     python = rollout.remote_python or sys.executable
     routed = recipe.model.is_moe and recipe.rl.router_replay == "r3"
+    # every policy has the starting checkpoint's architecture (its config.json, when it is a directory here)
+    starting = Path(recipe.model.checkpoint or "")
+    config = checkpoint_config(starting) if (starting / "config.json").is_file() else {}
     plan = []
     for host, placement in zip(rollout.hosts, placements):
         commands = []
@@ -555,6 +573,7 @@ def rollout_plan(recipe: Recipe) -> list[tuple[str, HostPlacement | None, list[s
                     engine,
                     python=python,
                     weights="<weights>",
+                    config=config,
                     seed=recipe.train.seed,
                     routed_experts=routed,
                     tokenizer=True,
