@@ -24,8 +24,11 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from composer.cluster.placement import (
     PROBE,
@@ -61,6 +64,8 @@ from composer.rollout.engines.worker_extension import read_rank_reports
 from composer.runtime.run_dir import atomic_write_text
 from composer.sync.receiver import pull, update_in_place
 from composer.sync.store import Store
+
+T = TypeVar("T")
 
 SERVER_STOP_SECONDS = 30
 ENGINE_RESTARTS = 3
@@ -347,10 +352,11 @@ class RemoteHost:
 class EngineHosts:
     """The hosts of one engine larger than a host, in vLLM's multi-node modes: the first serves the engine's API (on its
     loopback, reached through an SSH port forward), the others run its headless ranks, which meet the first at its
-    name in rollout.hosts. Each host pulls every policy into its own receiver, one host after the other (hosts that
-    share rollout.remote_dir then pull once). Each part runs in an SSH session of its host and ends with it; when one
-    exits, the others are stopped at once (a request waiting on a rank that is gone fails instead of hanging) and the
-    whole engine is started again on the policy its hosts hold, at most ENGINE_RESTARTS times in a run."""
+    name in rollout.hosts. Every host pulls each policy into its own receiver, all at once (hosts that mount the same
+    rollout.remote_dir share its receiver: one of them pulls for all). Each part runs in an SSH session of its host
+    and ends with it; when one exits, the others are stopped at once (a request waiting on a rank that is gone fails
+    instead of hanging) and the whole engine is started again on the policy its hosts hold, at most ENGINE_RESTARTS
+    times in a run."""
 
     PART_EXIT_SECONDS = 5
     """How long a request the engine failed waits to learn whether a part of it exited (the watcher polls)."""
@@ -366,6 +372,8 @@ class EngineHosts:
         self.restarts = 0
         self._pulled: tuple[str, str] | None = None
         """(store version, weights directory) every host holds."""
+        self._pullers: list[RemoteHost] | None = None
+        """One host per distinct rollout directory (`_distinct_directories`)."""
         self._serving: tuple[int, bool] = (0, False)
         """(seed, routed experts) the engine was started with, for its restarts."""
         self._parts: list[ServerPart] = []
@@ -382,14 +390,34 @@ class EngineHosts:
         return weights[0]
 
     def pull(self, store_version: str) -> str:
-        return self._held(store_version, [member.pull(store_version) for member in self.members])
+        return self._held(store_version, on_each(self._distinct_directories(), lambda member: member.pull(store_version)))
 
     def update(self, engine: Engine, store_version: str) -> None:
         """Every host's receiver patched in place, then the engine reloads what changed, each rank from its host's copy."""
-        weights = self._held(store_version, [member.pull_in_place(store_version) for member in self.members])
+        weights = self._held(store_version, on_each(self._distinct_directories(), lambda member: member.pull_in_place(store_version)))
         sync = sync_section(self.recipe, self.files)
         with Store.open(sync.store, self.recipe.cluster.ssh, endpoint=sync.endpoint) as store:
             self.engine_versions.move(engine, store, store_version, weights)
+
+    def _distinct_directories(self) -> list[RemoteHost]:
+        """The first host of each group that sees the same rollout directory (found once, with a mark each host leaves
+        there): two pulls into one receiver at once would collide on its writer lock."""
+        if self._pullers is None:
+            marks = {member.name: f".mark-{uuid.uuid4().hex}" for member in self.members}
+            try:
+                on_each(self.members, lambda member: member._run(f"touch {shlex.quote(posixpath.join(member.dir, marks[member.name]))}"))
+                seen = on_each(self.members, lambda member: set(member._run(f"ls -A {shlex.quote(member.dir)}").split()))
+            finally:
+                on_each(
+                    self.members,
+                    lambda member: member._run(f"rm -f {' '.join(shlex.quote(posixpath.join(member.dir, m)) for m in marks.values())}"),
+                )
+            pullers: list[RemoteHost] = []
+            for member, names in zip(self.members, seen):
+                if not any(marks[puller.name] in names for puller in pullers):
+                    pullers.append(member)
+            self._pullers = pullers
+        return self._pullers
 
     def placements(self) -> list[HostPlacement]:
         return [member.placement(node_rank=rank, engine_base=self.number) for rank, member in enumerate(self.members)]
@@ -542,6 +570,22 @@ def engine_command(
     env = shlex.join([f"{k}={v}" for k, v in server_env(engine).items()])
     node = multinode_args(engine, rollout.parallelism, head, head_port)
     return f"env {env} {shlex.join([python, '-m', server_guard.MODULE, *server_args(options, port, node)])}"
+
+
+def on_each(hosts: list[RemoteHost], call: Callable[[RemoteHost], T]) -> list[T]:
+    """`call` on every host at once (a thread each); its results in the hosts' order. When it fails on some hosts,
+    once every call has ended: one user error naming each of them."""
+    with ThreadPoolExecutor(max_workers=len(hosts), thread_name_prefix="rollout-host") as pool:
+        futures = [pool.submit(call, host) for host in hosts]
+    failed = [(host, future.exception()) for host, future in zip(hosts, futures) if future.exception() is not None]
+    bugs = [error for _, error in failed if not isinstance(error, UserError)]
+    if bugs:
+        raise bugs[0]
+    if failed:
+        raise UserError(
+            "; ".join(str(error) if host.ssh.where in str(error) else f"rollout host {host.ssh.where}: {error}" for host, error in failed)
+        )
+    return [future.result() for future in futures]
 
 
 def plan_fleet(recipe: Recipe) -> list[HostPlacement | None]:
