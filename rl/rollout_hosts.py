@@ -16,6 +16,7 @@ whole engine is restarted on the policy its hosts hold.
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 import shlex
@@ -23,8 +24,11 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from composer.cluster.placement import (
     PROBE,
@@ -49,15 +53,19 @@ from composer.rollout.engines.vllm_engine import (
     ServerUnreachable,
     VllmServer,
     build_engines,
+    checkpoint_config,
     engine_options,
     multinode_args,
     server_args,
+    server_env,
     wait_healthy,
 )
 from composer.rollout.engines.worker_extension import read_rank_reports
 from composer.runtime.run_dir import atomic_write_text
 from composer.sync.receiver import pull, update_in_place
 from composer.sync.store import Store
+
+T = TypeVar("T")
 
 SERVER_STOP_SECONDS = 30
 ENGINE_RESTARTS = 3
@@ -267,6 +275,14 @@ class RemoteHost:
     def has_tokenizer(self, weights: str) -> bool:
         return self._run(f"test -f {shlex.quote(weights + '/tokenizer.json')} && echo yes || echo no").strip() == "yes"
 
+    def checkpoint_config(self, weights: str) -> dict:
+        """The config.json of the checkpoint this host holds in `weights`."""
+        text = self._run(f"cat {shlex.quote(weights + '/config.json')}")
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"rollout host {self.ssh.where}: {weights}/config.json unreadable ({e})") from None
+
     def start_server(self, command: str, log_name: str) -> ServerPart:
         """Run `command` (a server) in a new SSH session, its output appended to `log_name` in the host's directory."""
         log = posixpath.join(self.dir, log_name)
@@ -296,7 +312,7 @@ class RemoteHost:
     def start_engines(self, weights: str, seed: int, routed_experts: bool) -> list[Engine]:
         rollout = self.recipe.rollout
         placement = self.placement()
-        tokenizer = self.has_tokenizer(weights)
+        tokenizer, config = self.has_tokenizer(weights), self.checkpoint_config(weights)
         starting = []
         for engine in placement.engines:
             [port] = self.free_ports(1)
@@ -306,6 +322,7 @@ class RemoteHost:
                 engine,
                 python=self.python,
                 weights=weights,
+                config=config,
                 seed=seed,
                 routed_experts=routed_experts,
                 tokenizer=tokenizer,
@@ -335,10 +352,11 @@ class RemoteHost:
 class EngineHosts:
     """The hosts of one engine larger than a host, in vLLM's multi-node modes: the first serves the engine's API (on its
     loopback, reached through an SSH port forward), the others run its headless ranks, which meet the first at its
-    name in rollout.hosts. Each host pulls every policy into its own receiver, one host after the other (hosts that
-    share rollout.remote_dir then pull once). Each part runs in an SSH session of its host and ends with it; when one
-    exits, the others are stopped at once (a request waiting on a rank that is gone fails instead of hanging) and the
-    whole engine is started again on the policy its hosts hold, at most ENGINE_RESTARTS times in a run."""
+    name in rollout.hosts. Every host pulls each policy into its own receiver, all at once (hosts that mount the same
+    rollout.remote_dir share its receiver: one of them pulls for all). Each part runs in an SSH session of its host
+    and ends with it; when one exits, the others are stopped at once (a request waiting on a rank that is gone fails
+    instead of hanging) and the whole engine is started again on the policy its hosts hold, at most ENGINE_RESTARTS
+    times in a run."""
 
     PART_EXIT_SECONDS = 5
     """How long a request the engine failed waits to learn whether a part of it exited (the watcher polls)."""
@@ -354,6 +372,8 @@ class EngineHosts:
         self.restarts = 0
         self._pulled: tuple[str, str] | None = None
         """(store version, weights directory) every host holds."""
+        self._pullers: list[RemoteHost] | None = None
+        """One host per distinct rollout directory (`_distinct_directories`)."""
         self._serving: tuple[int, bool] = (0, False)
         """(seed, routed experts) the engine was started with, for its restarts."""
         self._parts: list[ServerPart] = []
@@ -370,14 +390,34 @@ class EngineHosts:
         return weights[0]
 
     def pull(self, store_version: str) -> str:
-        return self._held(store_version, [member.pull(store_version) for member in self.members])
+        return self._held(store_version, on_each(self._distinct_directories(), lambda member: member.pull(store_version)))
 
     def update(self, engine: Engine, store_version: str) -> None:
         """Every host's receiver patched in place, then the engine reloads what changed, each rank from its host's copy."""
-        weights = self._held(store_version, [member.pull_in_place(store_version) for member in self.members])
+        weights = self._held(store_version, on_each(self._distinct_directories(), lambda member: member.pull_in_place(store_version)))
         sync = sync_section(self.recipe, self.files)
         with Store.open(sync.store, self.recipe.cluster.ssh, endpoint=sync.endpoint) as store:
             self.engine_versions.move(engine, store, store_version, weights)
+
+    def _distinct_directories(self) -> list[RemoteHost]:
+        """The first host of each group that sees the same rollout directory (found once, with a mark each host leaves
+        there): two pulls into one receiver at once would collide on its writer lock."""
+        if self._pullers is None:
+            marks = {member.name: f".mark-{uuid.uuid4().hex}" for member in self.members}
+            try:
+                on_each(self.members, lambda member: member._run(f"touch {shlex.quote(posixpath.join(member.dir, marks[member.name]))}"))
+                seen = on_each(self.members, lambda member: set(member._run(f"ls -A {shlex.quote(member.dir)}").split()))
+            finally:
+                on_each(
+                    self.members,
+                    lambda member: member._run(f"rm -f {' '.join(shlex.quote(posixpath.join(member.dir, m)) for m in marks.values())}"),
+                )
+            pullers: list[RemoteHost] = []
+            for member, names in zip(self.members, seen):
+                if not any(marks[puller.name] in names for puller in pullers):
+                    pullers.append(member)
+            self._pullers = pullers
+        return self._pullers
 
     def placements(self) -> list[HostPlacement]:
         return [member.placement(node_rank=rank, engine_base=self.number) for rank, member in enumerate(self.members)]
@@ -400,7 +440,7 @@ class EngineHosts:
         rollout, head = self.recipe.rollout, self.members[0]
         seed, routed_experts = self._serving
         api_port, head_port = head.free_ports(2)
-        tokenizer = head.has_tokenizer(weights)
+        tokenizer, config = head.has_tokenizer(weights), head.checkpoint_config(weights)
         parts: list[ServerPart] = []
         try:
             for member, placement in zip(self.members, self.placements()):
@@ -411,6 +451,7 @@ class EngineHosts:
                     engine,
                     python=member.python,
                     weights=weights,
+                    config=config,
                     seed=seed,
                     routed_experts=routed_experts,
                     tokenizer=tokenizer,
@@ -512,6 +553,7 @@ def engine_command(
     *,
     python: str,
     weights: str,
+    config: dict,
     seed: int,
     routed_experts: bool,
     tokenizer: bool,
@@ -520,13 +562,30 @@ def engine_command(
     head_port: int | str = "",
 ) -> str:
     """The shell command that starts one engine's server (or, on the other hosts of an engine over several hosts,
-    its headless ranks: `head`:`head_port` is where they meet) on `placement`'s devices."""
+    its headless ranks: `head`:`head_port` is where they meet) on `placement`'s devices, with every setting a server on
+    this machine gets (`config`: the checkpoint's config.json)."""
     options = engine_options(
-        weights, rollout, placement.devices.kind, seed=seed + engine.number, routed_experts=routed_experts, tokenizer=tokenizer
+        weights, config, rollout, placement.devices.kind, seed=seed + engine.number, routed_experts=routed_experts, tokenizer=tokenizer
     )
-    env = shlex.join([f"{k}={v}" for k, v in {"VLLM_SERVER_DEV_MODE": "1", **engine.env()}.items()])
+    env = shlex.join([f"{k}={v}" for k, v in server_env(engine).items()])
     node = multinode_args(engine, rollout.parallelism, head, head_port)
     return f"env {env} {shlex.join([python, '-m', server_guard.MODULE, *server_args(options, port, node)])}"
+
+
+def on_each(hosts: list[RemoteHost], call: Callable[[RemoteHost], T]) -> list[T]:
+    """`call` on every host at once (a thread each); its results in the hosts' order. When it fails on some hosts,
+    once every call has ended: one user error naming each of them."""
+    with ThreadPoolExecutor(max_workers=len(hosts), thread_name_prefix="rollout-host") as pool:
+        futures = [pool.submit(call, host) for host in hosts]
+    failed = [(host, future.exception()) for host, future in zip(hosts, futures) if future.exception() is not None]
+    bugs = [error for _, error in failed if not isinstance(error, UserError)]
+    if bugs:
+        raise bugs[0]
+    if failed:
+        raise UserError(
+            "; ".join(str(error) if host.ssh.where in str(error) else f"rollout host {host.ssh.where}: {error}" for host, error in failed)
+        )
+    return [future.result() for future in futures]
 
 
 def plan_fleet(recipe: Recipe) -> list[HostPlacement | None]:
@@ -543,6 +602,9 @@ def rollout_plan(recipe: Recipe) -> list[tuple[str, HostPlacement | None, list[s
     placements = plan_fleet(recipe)
     python = rollout.remote_python or sys.executable
     routed = recipe.model.is_moe and recipe.rl.router_replay == "r3"
+    # every policy has the starting checkpoint's architecture (its config.json, when it is a directory here)
+    starting = Path(recipe.model.checkpoint or "")
+    config = checkpoint_config(starting) if (starting / "config.json").is_file() else {}
     plan = []
     for host, placement in zip(rollout.hosts, placements):
         commands = []
@@ -555,6 +617,7 @@ def rollout_plan(recipe: Recipe) -> list[tuple[str, HostPlacement | None, list[s
                     engine,
                     python=python,
                     weights="<weights>",
+                    config=config,
                     seed=recipe.train.seed,
                     routed_experts=routed,
                     tokenizer=True,

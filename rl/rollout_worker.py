@@ -37,6 +37,8 @@ class EngineSlot:
     engine: Engine
     runner: EpisodeRunner
     version: int
+    update_seconds: float | None = None
+    """How long its last move to a new policy took (its hosts' pulls and the reload), until its next group logs it."""
 
 
 class RolloutWorker:
@@ -137,10 +139,12 @@ class RolloutWorker:
         so its receiver never drops a version while an engine there reads it; hosts update in parallel."""
         if self.files.policy().version <= slot.version:
             return
+        started = time.monotonic()
         with slot.host.lock:
             policy = self.files.policy()  # read again: another engine may have brought its host further meanwhile
             slot.host.update(slot.engine, policy.store_version)
             slot.version = policy.version
+        slot.update_seconds = time.monotonic() - started
 
     def evaluate_if_due(self, slot: EngineSlot) -> None:
         """Held-out evaluation of the policy this engine holds, when one is due (between groups)."""
@@ -166,9 +170,11 @@ class RolloutWorker:
             "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
             "generated_tokens_per_s": generated / max(seconds, 1e-9),
             "group_seconds": seconds,
+            **({"policy_update_seconds": slot.update_seconds} if slot.update_seconds is not None else {}),
             **episode_stats(trajectories, self.rollout.max_context),
             **self.env.sandbox.metrics(),
         }
+        slot.update_seconds = None
         with self._metrics_lock:
             self.metrics.write(index, group=group_id(index), **stats)
         self.on_group(group_id(index), stats)

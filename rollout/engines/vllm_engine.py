@@ -133,28 +133,35 @@ def check_local_serving_format(rollout: RolloutSection) -> None:
         )
 
 
-def cpu_attention_backend(model_dir: Path, dtype: str) -> str | None:
-    """The vLLM attention backend to force for this checkpoint on CPU, if any; refuses what vLLM on CPU cannot serve.
+def checkpoint_config(model_dir: Path) -> dict:
+    """The config.json of the checkpoint in `model_dir` on this machine (a remote host reads its own copy)."""
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"rollout: {model_dir}/config.json unreadable ({e})") from None
+
+
+def cpu_attention_backend(config: dict, dtype: str, where: str) -> str | None:
+    """The vLLM attention backend to force on CPU for a checkpoint of this config.json (at `where`, for messages), if
+    any; refuses what vLLM on CPU cannot serve.
 
     An MLA model (DeepSeek-V3 / Kimi-K2) on a CPU with AMX gets `AMX_MLA`, which takes only bf16/fp16/int8
     weights, so fp32 runs ask for the reference `CPU_MLA` backend.
     """
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"rollout: {model_dir}/config.json unreadable ({e})") from None
     problems = cpu_serving_problems(config)
     if problems:
-        raise UserError(f"rollout: vLLM cannot serve {model_dir} on CPU: {'; '.join(problems)}")
+        raise UserError(f"rollout: vLLM cannot serve {where} on CPU: {'; '.join(problems)}")
     return "CPU_MLA" if dtype == "float32" and config.get("text_config", config).get("kv_lora_rank") else None
 
 
 def engine_options(
-    model_dir: str, rollout: RolloutSection, kind: str, *, seed: int, routed_experts: bool, tokenizer: bool, cpu_backend: str | None = None
+    model_dir: str, config: dict, rollout: RolloutSection, kind: str, *, seed: int, routed_experts: bool, tokenizer: bool
 ) -> dict[str, object]:
-    """vLLM's engine arguments (EngineArgs names; `server_args` makes them flags) for an engine of `rollout` on
-    `kind` devices (`gpu`, `cpu`): vLLM's defaults on GPUs but for what the recipe sets; what CPUs need, forced
-    on CPUs only, each with its reason (`cpu_backend`: the attention backend `cpu_attention_backend` chose)."""
+    """vLLM's engine arguments (EngineArgs names; `server_args` makes them flags) for an engine of `rollout` serving the
+    checkpoint in `model_dir` (`config`: its config.json) on `kind` devices (`gpu`, `cpu`), wherever it runs (this
+    machine or a remote host): vLLM's defaults on GPUs but for what the recipe sets; what CPUs need, forced on CPUs
+    only, each with its reason."""
+    rollout = with_resolved_dtype(rollout)
     p = rollout.parallelism
     options: dict[str, object] = {
         "model": str(model_dir),
@@ -184,8 +191,9 @@ def engine_options(
         # Whole prompts per step: vLLM rewinds a seeded request's generator when a step cuts its prompt,
         # and CPU generators cannot rewind ("CPU Generator does not use offset").
         options["enable_chunked_prefill"] = False
-        if cpu_backend:
-            options["attention_backend"] = cpu_backend
+        backend = cpu_attention_backend(config, rollout.compute_dtype, model_dir)
+        if backend:
+            options["attention_backend"] = backend
     return options
 
 
@@ -199,6 +207,7 @@ class EmbeddedEngine(Engine):
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise UserError(f"rollout: {model_dir} is not an HF checkpoint (no config.json)")
+        config = checkpoint_config(model_dir)
         # The engine core in this process: initialises in seconds instead of ~40 s with worker processes.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         placement = placement or local_placement(rollout)
@@ -214,12 +223,12 @@ class EmbeddedEngine(Engine):
         self._llm = LLM(
             **engine_options(
                 str(model_dir),
+                config,
                 rollout,
                 placement.kind,
                 seed=seed,
                 routed_experts=routed_experts,
                 tokenizer=(model_dir / "tokenizer.json").is_file(),
-                cpu_backend=cpu_attention_backend(model_dir, rollout.compute_dtype) if placement.kind == "cpu" else None,
             )
         )
         self._sampling = rollout.sampling
@@ -333,6 +342,12 @@ def server_args(options: dict[str, object], port: int | str | None, node: list[s
     return args + (node or [])
 
 
+def server_env(engine: EnginePlacement) -> dict[str, str]:
+    """The environment a vLLM server of `engine` needs on any host: its ranks on their devices, and the weight-update
+    endpoints (`server_args`)."""
+    return {"VLLM_SERVER_DEV_MODE": "1", **engine.env()}
+
+
 def wait_healthy(url: str, alive: Callable[[], bool], timeout: float, log: str) -> None:
     """Return once the server at `url` answers /health; a user error if it exits (`alive` false) or never does."""
     deadline = time.monotonic() + timeout
@@ -372,15 +387,15 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         options = engine_options(
             str(model_dir),
+            checkpoint_config(model_dir),
             rollout,
             placement.kind,
             seed=seed,
             routed_experts=routed_experts,
             tokenizer=(model_dir / "tokenizer.json").is_file(),
-            cpu_backend=cpu_attention_backend(model_dir, rollout.compute_dtype) if placement.kind == "cpu" else None,
         )
         args = [sys.executable, "-m", server_guard.MODULE, *server_args(options, self.port)]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **placement.env()}
+        env = {**os.environ, **server_env(placement)}
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         p = rollout.parallelism

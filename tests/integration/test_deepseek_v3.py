@@ -213,7 +213,7 @@ def test_tensor_and_expert_parallel_match_single_process(checkpoint, tmp_path):
 def test_layouts_and_shapes_the_provider_cannot_build_are_refused(checkpoint, megatron, tmp_path):
     import shutil
 
-    from composer.rollout.engines.vllm_engine import cpu_attention_backend
+    from composer.rollout.engines.vllm_engine import checkpoint_config, cpu_attention_backend
     from composer.trainer.model import check_supported
 
     m, _ = megatron
@@ -245,8 +245,9 @@ def test_layouts_and_shapes_the_provider_cannot_build_are_refused(checkpoint, me
             model_section_from_hf(changed)
     (changed / "config.json").write_text(json.dumps({**config, "kv_lora_rank": 256}))
     with pytest.raises(UserError, match="vLLM cannot serve .* on CPU: .*kv_lora_rank=256 \\(needs 512\\)"):
-        cpu_attention_backend(changed, "float32")
-    assert cpu_attention_backend(checkpoint, "float32") == "CPU_MLA" and cpu_attention_backend(checkpoint, "bfloat16") is None
+        cpu_attention_backend(checkpoint_config(changed), "float32", str(changed))
+    config = checkpoint_config(checkpoint)
+    assert cpu_attention_backend(config, "float32", str(checkpoint)) == "CPU_MLA" and cpu_attention_backend(config, "bfloat16", "") is None
 
 
 # --- the twin's whole chain: model init, midtrain, RL with router replay, sync --------------------------------

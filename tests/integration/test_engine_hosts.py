@@ -46,21 +46,18 @@ DENSE = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
-    reason = netns_hosts.available()
-    if reason:
-        pytest.skip(reason)
-    work = tmp_path_factory.mktemp("engine-hosts")
+def one_core_hosts(work: Path, prefix: str, subnet: str) -> netns_hosts.Hosts:
+    """Two network-namespace hosts of one core each, as an engine over hosts needs them (the caller closes them): host
+    i runs on core i only (its Python pinned there, which its device probe reports), has its own rollout directory at
+    `work`/remote, and the network settings a cluster host has: here its name resolves to loopback and there is no
+    default route, so gloo and vLLM's message queues are told the host's own interface and address. Its Python is
+    `work`/python."""
     remote = work / "remote"
     remote.mkdir()
     (work / "python").write_text("")  # where each host mounts its own Python (netns_hosts.Hosts.python)
     overlays = {}
     for index in range(2):
-        # host i: core i only (its Python pinned there, which its device probe reports), its own rollout directory, and
-        # the network settings a cluster host has: here its name resolves to loopback and there is no default route, so
-        # gloo and vLLM's message queues are told the host's own interface and address
-        address = f"{SUBNET}.{11 + index}"
+        address = f"{subnet}.{11 + index}"
         wrapper = work / f"python-{index}"
         wrapper.write_text(
             f"#!/bin/sh\ncd {REPO} && GLOO_SOCKET_IFNAME={netns_hosts.INTERFACE} VLLM_HOST_IP={address} "
@@ -69,7 +66,15 @@ def hosts(tmp_path_factory):
         wrapper.chmod(0o755)
         (work / f"remote-{index}").mkdir()
         overlays[index] = {str(work / "python"): str(wrapper), str(remote): str(work / f"remote-{index}")}
-    made = netns_hosts.Hosts(work, 2, overlays, prefix=PREFIX, subnet=SUBNET)
+    return netns_hosts.Hosts(work, 2, overlays, prefix=prefix, subnet=subnet)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    reason = netns_hosts.available()
+    if reason:
+        pytest.skip(reason)
+    made = one_core_hosts(tmp_path_factory.mktemp("engine-hosts"), PREFIX, SUBNET)
     try:
         yield made
     finally:

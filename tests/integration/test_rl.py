@@ -100,7 +100,12 @@ def test_fleet_servers_share_the_work_and_die_with_the_driver(killed_and_resumed
 
 
 def test_no_trajectory_lost_or_duplicated(killed_and_resumed):
-    run = killed_and_resumed.run
+    assert_each_group_trained_once(killed_and_resumed.run, STEPS, PROMPTS)
+
+
+def assert_each_group_trained_once(run, steps: int, prompts: int) -> None:
+    """After a run that was killed somewhere: every group is in one stage, none skipped, every step trained once on
+    groups no other step used."""
     stages = {
         stage: sorted(p.stem for p in (run / "trajectories" / stage).glob("*.traj"))
         for stage in ("ready", "trained", "consumed", "dropped")
@@ -111,11 +116,11 @@ def test_no_trajectory_lost_or_duplicated(killed_and_resumed):
     assert indices == list(range(len(indices)))  # in-flight groups at the kill were made again, none skipped
     assert stages["trained"] == []
     records = metrics(run)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # steps lost with the kill were trained again
+    assert [r["step"] for r in records] == list(range(1, steps + 1))  # steps lost with the kill were trained again
     trained_last = {r["step"]: r["groups"].split(",") for r in records}
     used = Counter(g for groups in trained_last.values() for g in groups)
     assert set(used) == set(stages["consumed"]) and set(used.values()) == {1}
-    assert len(used) == STEPS * PROMPTS
+    assert len(used) == steps * prompts
 
 
 def test_first_step_learner_matches_engine(killed_and_resumed):

@@ -3,12 +3,14 @@ and the hosts' devices and memory, the devices each engine rank and learner rank
 device kind, and the plan `--dry-run` prints (multi-node engines included)."""
 
 import os
+import shlex
 import subprocess
 import sys
 
 import pytest
 
 from composer.cluster.placement import RANK_CORES_ENV, HostDevices, place_host
+from composer.recipes.errors import UserError
 from composer.recipes.loader import RecipeError, load_recipe
 from tests.conftest import RECIPES, REPO, run_composer
 from tests.integration.test_cluster_plan import flat
@@ -168,13 +170,62 @@ def test_cpu_workarounds_are_forced_on_cpus_only():
     from composer.rollout.engines.vllm_engine import engine_options
 
     section = recipe_with("rollout.parallelism.tp=2").rollout
-    cpu = engine_options("/m", section, "cpu", seed=0, routed_experts=True, tokenizer=True, cpu_backend="CPU_MLA")
+    section = section.model_copy(update={"dtype": "float32"})
+    cpu = engine_options("/m", MLA_CONFIG, section, "cpu", seed=0, routed_experts=True, tokenizer=True)
     assert cpu["enforce_eager"] is True and cpu["enable_chunked_prefill"] is False and cpu["attention_backend"] == "CPU_MLA"
-    gpu = engine_options("/m", section, "gpu", seed=0, routed_experts=True, tokenizer=True)
+    gpu = engine_options("/m", MLA_CONFIG, section, "gpu", seed=0, routed_experts=True, tokenizer=True)
     assert not {"enforce_eager", "enable_chunked_prefill", "attention_backend"} & set(gpu)  # vLLM's defaults
     assert gpu["tensor_parallel_size"] == 2 and gpu["distributed_executor_backend"] == "mp"
     eager = section.model_copy(update={"enforce_eager": True})
-    assert engine_options("/m", eager, "gpu", seed=0, routed_experts=True, tokenizer=True)["enforce_eager"] is True
+    assert engine_options("/m", {}, eager, "gpu", seed=0, routed_experts=True, tokenizer=True)["enforce_eager"] is True
+    bf16 = section.model_copy(update={"dtype": "bfloat16"})
+    assert "attention_backend" not in engine_options("/m", MLA_CONFIG, bf16, "cpu", seed=0, routed_experts=True, tokenizer=True)
+
+
+MLA_CONFIG = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+"""The config.json keys that decide a CPU engine's attention backend (an MLA model vLLM's CPU kernels serve)."""
+
+
+def test_a_remote_engine_gets_every_cpu_setting_a_local_one_gets():
+    """A remote host's server command (one of an engine over two hosts, fp32 MLA) carries what a local server gets."""
+    from composer.rl.rollout_hosts import engine_command
+    from composer.rollout.engines.vllm_engine import engine_options, server_args, server_env
+
+    recipe = recipe_with("rollout.engine=server", "rollout.dtype=float32", "rollout.parallelism.tp=2", "rollout.hosts=[h1, h2]")
+    placement = place_host("h2", HostDevices("cpu", (0,), 8.0), recipe, node_rank=1)
+    [engine] = placement.engines
+    command = engine_command(
+        recipe.rollout,
+        placement,
+        engine,
+        python="/py",
+        weights="/w",
+        config=MLA_CONFIG,
+        seed=0,
+        routed_experts=False,
+        tokenizer=True,
+        port=None,
+        head="h1",
+        head_port=9,
+    )
+    assert "--attention-backend CPU_MLA" in command and "--enforce-eager" in command and "--no-enable-chunked-prefill" in command
+    assert command.startswith("env VLLM_SERVER_DEV_MODE=1 VLLM_CPU_OMP_THREADS_BIND=0 ")
+    local = engine_options("/w", MLA_CONFIG, recipe.rollout, "cpu", seed=0, routed_experts=False, tokenizer=True)
+    assert shlex.join(server_args(local, None)) in command  # the same flags as a server started here
+    assert all(f"{key}={value}" in command for key, value in server_env(engine).items())
+    with pytest.raises(UserError, match="vLLM cannot serve /w on CPU: .*kv_lora_rank=256 \\(needs 512\\)"):
+        engine_command(
+            recipe.rollout,
+            placement,
+            engine,
+            python="/py",
+            weights="/w",
+            config={**MLA_CONFIG, "kv_lora_rank": 256},
+            seed=0,
+            routed_experts=False,
+            tokenizer=True,
+            port=None,
+        )
 
 
 def test_a_learner_rank_binds_itself_to_its_planned_cores():
