@@ -581,6 +581,9 @@ class RolloutSection(Section):
     An engine larger than one host spans consecutive hosts of this list (rollout.parallelism)."""
     engines_per_host: int = Field(default=1, gt=0)
     """vLLM engines per rollout host (1 when an engine spans several hosts)."""
+    server_start_seconds: float = Field(default=300.0, gt=0)
+    """How long a vLLM server (every part of an engine over several hosts) may take to answer its health check after
+    it starts: loading the model, and on a busy CPU host importing vLLM, can pass the default."""
     parallelism: EngineParallelismSection = Field(default_factory=EngineParallelismSection)
     """How each engine splits the model (tp x pp x dp devices per engine)."""
     devices: RolloutDevicesSection | None = None

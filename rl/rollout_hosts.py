@@ -46,7 +46,6 @@ from composer.recipes.schema import Recipe, RolloutSection, SSHSection, SyncSect
 from composer.rl.protocol import RLRunFiles, sync_section
 from composer.rollout.engines import server_guard
 from composer.rollout.engines.vllm_engine import (
-    SERVER_START_SECONDS,
     Engine,
     RankReports,
     ServerEngine,
@@ -331,7 +330,7 @@ class RemoteHost:
             part = self.start_server(server, f"vllm-{engine.number}.log")
             starting.append((part, f"http://127.0.0.1:{self.ssh.forward(port)}"))
         for part, url in starting:
-            wait_healthy(url, part.running, SERVER_START_SECONDS, part.where)
+            wait_healthy(url, part.running, rollout.server_start_seconds, part.where)
         reports = self.rank_reports(rollout.parallelism.devices) if rollout.parallelism.dp > 1 else None
         engines: list[Engine] = [ServerEngine(url, rollout, model=weights, reports=reports) for _, url in starting]
         self.engine_versions.started(engines, self._pulled[0])
@@ -461,7 +460,9 @@ class EngineHosts:
                 )
                 parts.append(member.start_server(command, f"vllm-{engine.number}-node{engine.node_rank}.log"))
             url = f"http://127.0.0.1:{head.ssh.forward(api_port)}"
-            wait_healthy(url, lambda: all(part.running() for part in parts), SERVER_START_SECONDS, ", ".join(p.where for p in parts))
+            wait_healthy(
+                url, lambda: all(part.running() for part in parts), rollout.server_start_seconds, ", ".join(p.where for p in parts)
+            )
         except UserError as e:
             exited = [part.where for part in parts if not part.running()]
             stop_parts(parts)

@@ -547,9 +547,6 @@ def _server_completion(prompt: list[int], choice: dict) -> Completion:
     )
 
 
-SERVER_START_SECONDS = 300
-
-
 def local_placement(rollout: RolloutSection) -> EnginePlacement:
     """The first engine's devices on this machine when no host placement is given (its engines alone here)."""
     devices = local_devices()
@@ -584,7 +581,7 @@ def build_engines(
     ]
     try:
         for server in servers:
-            server.wait_ready(SERVER_START_SECONDS)
+            server.wait_ready(rollout.server_start_seconds)
     except BaseException:
         for server in servers:
             server.stop()

@@ -51,6 +51,7 @@ def engine_over_hosts(hosts, parallelism: str) -> list[str]:
         "rollout.engine=server",
         "rollout.max_context=256",
         "rollout.sampling.max_tokens=8",
+        "rollout.server_start_seconds=900",  # vLLM imports on one busy core can take minutes
         f"rollout.parallelism.{parallelism}",
         f"rollout.hosts=[{hosts.names[0]}, {hosts.names[1]}]",
         f"rollout.remote_dir={hosts.dir / 'remote'}",
