@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests import netns_hosts  # noqa: E402  (the namespaced hosts of the tests)
+from tests.helpers import netns_hosts  # noqa: E402  (the namespaced hosts of the tests)
 
 
 def composer(*args: str) -> float:

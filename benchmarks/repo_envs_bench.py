@@ -29,7 +29,7 @@ from composer.rollout.tasks.repository.build import build_repo_tasks, set_dir  #
 from composer.rollout.tasks.repository.remote import RemoteRepoWorkspace  # noqa: E402
 from composer.rollout.tasks.repository.shipping import pack  # noqa: E402
 from composer.rollout.tasks.repository.task_set import load_tasks, open_workspace, repo_tests
-from tests import netns_hosts  # noqa: E402
+from tests.helpers import netns_hosts  # noqa: E402
 from tests.helpers.user_project import make_project  # noqa: E402
 
 LIMITS = dict(cpu_seconds=60, wall_seconds=120, memory_mb=2048)
