@@ -131,7 +131,6 @@ def test_the_episode_reward_reaches_the_summary_tokens(parts):
     """The summary is generated in the segment it ends (loss mask on, the request before it off) and restarts the
     next; the learner's loss gives every segment its episode's advantage: the summaries that kept the codes are
     pushed up, those that dropped them down, and no observation token gets a gradient."""
-    import torch
 
     from composer.rl.learner_main import learner_sequences
     from composer.rollout.agent.loop import SUMMARY_HEADER, SUMMARY_REQUEST
@@ -156,12 +155,39 @@ def test_the_episode_reward_reaches_the_summary_tokens(parts):
     sequences = learner_sequences([[good, bad]], RLSection(advantage="group_mean"), step=0)
     gap = (good.reward - bad.reward) / 2
     assert gap > 0 and [s.advantage for s in sequences] == pytest.approx([gap] * len(good.segments) + [-gap] * len(bad.segments))
-    rollout, mask = _aligned(sequences, max(len(s.tokens) for s in sequences))
+    rollout, mask, advantages = _aligned(sequences, max(len(s.tokens) for s in sequences))
     logprobs = rollout.clone().requires_grad_(True)
-    loss, _ = policy_gradient_loss(logprobs, rollout, torch.tensor([s.advantage for s in sequences]), mask, RLSection(), 1.0)
+    loss, _ = policy_gradient_loss(logprobs, rollout, advantages, mask, RLSection(), 1.0)
     loss.backward()
     assert (logprobs.grad[~mask] == 0).all()
     for n, i, start, end in summary_spans:
         row = i if n == 0 else len(good.segments) + i
         pushed = -logprobs.grad[row, start - 1 : end - 1]  # entry t predicts token t + 1
         assert ((pushed > 0) if n == 0 else (pushed < 0)).all()
+
+
+def test_the_shaped_summary_term_reaches_only_the_summaries_and_follows_what_they_kept(parts):
+    """`rl.summary_reward`: the episodes record per summary the share of the codes still needed that it kept; with
+    equal episode rewards (no signal from the task) the summary that kept the codes is still pushed up and the one
+    that dropped them down, by the weight times the difference from the group's mean, and no other token moves."""
+    from composer.rl.learner_main import learner_sequences
+
+    (good, _), (bad, _) = play(parts, keeps_codes=True), play(parts, keeps_codes=False)
+    # (None: a summary with nothing to carry, every code read so far still in the observation it restarts with)
+    assert set(good.info["summary_kept"]) - {None} == {1.0} and set(bad.info["summary_kept"]) - {None} == {0.0}
+    good.reward = bad.reward = 0.5
+    off = learner_sequences([[good, bad]], RLSection(), step=0)
+    assert all(s.advantage == 0.0 and s.bonus is None for s in off)
+    shaped = learner_sequences([[good, bad]], RLSection(summary_reward=0.4), step=0)
+    assert [s.advantage for s in shaped] == [0.0] * len(shaped)
+    kept = [k for t in (good, bad) for k in t.info["summary_kept"] if k is not None]
+    rows = [(t, i) for t in (good, bad) for i in range(len(t.segments))]
+    for sequence, (t, i) in zip(shaped, rows):
+        if i >= t.info["summaries"] or t.info["summary_kept"][i] is None:
+            assert sequence.bonus is None  # the last segment ends without a summary
+            continue
+        length = t.info["summary_tokens"][i]
+        assert (sequence.bonus[: len(sequence.tokens) - length] == 0).all()
+        assert sequence.bonus[len(sequence.tokens) - length :] == pytest.approx(
+            0.4 * (t.info["summary_kept"][i] - np.mean(kept)) * np.ones(length)
+        )
