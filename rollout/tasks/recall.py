@@ -2,8 +2,11 @@
 the final answer, so an episode longer than its context succeeds only if what it keeps of earlier turns (a summary)
 still holds them.
 
-Task i (seeded by i, the same on every machine): `parts` files `notes/part_<k>.txt`, each a few lines of log-like
-filler with numbers in it and, on a line of its own at a seeded position, the part's code (a 3-digit number). The
+Task i (seeded by i, the same on every machine): `parts` files `notes/part_<k>.txt`, each `filler_lines` lines of
+log-like filler with numbers in it, `decoys` lines naming revoked codes of the part, and, on a line of its own at a
+seeded position, the part's code (a 3-digit number). The three are the difficulty knobs: facts to keep, tokens per
+turn (how many turns fit a context, so how far back a fact was read when the context fills), look-alikes to tell
+apart. The
 policy reads the files with the tools harness's `read_file`, then writes `answer()` in solution.py returning the
 codes in order, and calls finish. The hidden tests check the list's type and each code (partial credit per code);
 the graded program runs in a fresh sandbox directory without the notes, so only codes the episode kept in its
@@ -52,17 +55,21 @@ def _filler_line(rng: random.Random) -> str:
 
 
 def recall_task(index: int, settings: RecallSettings) -> Task:
-    rng = random.Random(f"recall/{index}/{settings.parts}/{settings.filler_lines}")
+    decoys = f"/{settings.decoys}" if settings.decoys else ""  # tasks without decoys stay what they were
+    rng = random.Random(f"recall/{index}/{settings.parts}/{settings.filler_lines}{decoys}")
     codes = rng.sample(range(100, 1000), settings.parts)
+    others = [n for n in range(100, 1000) if n not in codes]
     files = []
     for k, code in enumerate(codes, 1):
         lines = [_filler_line(rng) for _ in range(settings.filler_lines)]
+        for _ in range(settings.decoys):
+            lines.insert(rng.randrange(len(lines) + 1), f"revoked code of part {k}: {rng.choice(others)}")
         lines.insert(rng.randrange(len(lines) + 1), f"CODE of part {k}: {code}")
         files.append((part_path(k), "\n".join(lines) + "\n"))
     n = settings.parts
     prompt = (
         f"Your workspace holds {n} files, {part_path(1)} to {part_path(n)}. Each holds one line `CODE of part K: "
-        f"NUMBER` among log lines. Read the files in order, one per turn, with read_file. When your context fills up "
+        f"NUMBER` among log lines{' (revoked codes do not count)' if settings.decoys else ''}. Read the files in order, one per turn, with read_file. When your context fills up "
         f"you will be asked to summarize your work: keep every code you have read in the summary. After reading all "
         f"{n} files, write solution.py so that `answer()` returns the list of the {n} codes in order of the parts, "
         f"for example `def answer():\n    return [{', '.join(f'code{k}' for k in range(1, min(n, 3) + 1))}{', ...' if n > 3 else ''}]`, "

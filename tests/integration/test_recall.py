@@ -191,3 +191,38 @@ def test_the_shaped_summary_term_reaches_only_the_summaries_and_follows_what_the
         assert sequence.bonus[len(sequence.tokens) - length :] == pytest.approx(
             0.4 * (t.info["summary_kept"][i] - np.mean(kept)) * np.ones(length)
         )
+
+
+def test_decoys_name_other_numbers_and_tasks_without_them_stay_the_same():
+    import hashlib
+
+    from composer.rollout.tasks.recall import recall_task
+
+    plain = recall_task(3, RecallSettings(parts=4))
+    # as the family made it before decoys existed: earlier runs' held-out tasks are still the same tasks
+    assert plain.facts == ("783", "850", "507", "695")
+    assert hashlib.sha256(repr((plain.files, plain.prompt)).encode()).hexdigest()[:16] == "86486a1fca9bf705"
+    hard = recall_task(3, RecallSettings(parts=4, decoys=3))
+    assert "revoked codes do not count" in hard.prompt and "revoked" not in plain.prompt
+    for k, (_, text) in enumerate(hard.files, 1):
+        revoked = re.findall(rf"revoked code of part {k}: (\d+)", text)
+        assert len(revoked) == 3 and hard.facts[k - 1] not in revoked
+        assert re.findall(r"CODE of part (\d+): (\d+)", text) == [(str(k), hard.facts[k - 1])]
+
+
+def test_the_reference_episode_reads_every_part_in_turn_then_answers_what_it_read(parts):
+    """The `references` SFT source on recall: one read_file a turn, in order, each shown the real file; then the
+    codes written, the tests run, finish; the workspace grades 1.0."""
+    from composer.rl.sft_references import reference_messages
+    from composer.rollout.agent.harness import ToolBox
+
+    _, env = parts
+    task = env.pool.task(0, 0)
+    messages = reference_messages(env, task, ToolBox(shell_seconds=10))
+    assert messages is not None
+    calls = [m["tool_calls"][0]["function"] for m in messages if m["role"] == "assistant"]
+    assert [c["name"] for c in calls] == ["read_file"] * PARTS + ["write_file", "run_tests", "finish"]
+    assert [c["arguments"]["path"] for c in calls[:PARTS]] == [f"notes/part_{k}.txt" for k in range(1, PARTS + 1)]
+    shown = [m["content"] for m in messages if m["role"] == "tool"][:PARTS]
+    assert all(f"CODE of part {k}: {code}" in text for k, (code, text) in enumerate(zip(task.facts, shown), 1))
+    assert str([int(c) for c in task.facts]) in calls[PARTS]["arguments"]["content"]
