@@ -226,3 +226,30 @@ def test_the_reference_episode_reads_every_part_in_turn_then_answers_what_it_rea
     shown = [m["content"] for m in messages if m["role"] == "tool"][:PARTS]
     assert all(f"CODE of part {k}: {code}" in text for k, (code, text) in enumerate(zip(task.facts, shown), 1))
     assert str([int(c) for c in task.facts]) in calls[PARTS]["arguments"]["content"]
+
+
+def test_the_repository_layout_puts_the_codes_in_modules_the_reference_reads_first(tmp_path):
+    """`recall.layout: repository`: the codes are constants of source modules app/part_K.py (valid Python, decoys
+    named REVOKED_); the reference episode reads them in turn and its answer grades 1.0 in the sandbox."""
+    from composer.rl.sft_references import reference_messages
+    from composer.rollout.agent.environment import CodingEnvironment
+    from composer.rollout.agent.harness import ToolBox
+    from composer.rollout.tasks.recall import recall_task
+
+    settings = RecallSettings(parts=3, layout="repository", decoys=1)
+    task = recall_task(0, settings)
+    assert task.id == "recall/repository/3/0" and "write the numbers themselves" in task.prompt
+    for k, (path, text) in enumerate(task.files, 1):
+        namespace: dict = {}
+        exec(compile(text, path, "exec"), namespace)  # a module of the task's own making, not the agent's
+        assert path == f"app/part_{k}.py" and namespace[f"PART_{k}_CODE"] == int(task.facts[k - 1])
+        assert namespace[f"REVOKED_PART_{k}_CODE"] != namespace[f"PART_{k}_CODE"]
+    env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="recall", recall=settings)]), seed=0, sandbox_root=tmp_path)
+    try:
+        messages = reference_messages(env, env.pool.task(0, 0), ToolBox(shell_seconds=10))
+    finally:
+        env.close()
+    assert messages is not None
+    calls = [m["tool_calls"][0]["function"] for m in messages if m["role"] == "assistant"]
+    reads = [c["arguments"]["path"] for c in calls if c["name"] == "read_file"]
+    assert reads == ["app/part_1.py", "app/part_2.py", "app/part_3.py"]
