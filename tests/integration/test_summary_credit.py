@@ -45,8 +45,10 @@ def learner(tmp_path_factory):
     checkpoint = init_hf_checkpoint(model, root / "init", tokenizer_bytes=2**16)
     model = model.model_copy(update={"checkpoint": str(checkpoint)})
     rl = RLSection(group_size=2, advantage="group_mean", skip_uniform_groups=False)
-    train = TrainSection(steps=3, micro_batch_size=4, global_batch_size=4)
-    yield RLLearner(model, ParallelismSection(), OptimSection(lr=3e-3, weight_decay=0.0), train, rl, root / "checkpoints")
+    train = TrainSection(steps=6, micro_batch_size=4, global_batch_size=4)  # the two tests take 3 steps each
+    yield RLLearner(
+        model, ParallelismSection(), OptimSection(lr=3e-3, weight_decay=0.0, schedule="constant"), train, rl, root / "checkpoints"
+    )
     shutdown_distributed()
 
 
@@ -135,3 +137,31 @@ def test_summary_tokens_are_trained_in_their_own_context_by_the_episode_reward(l
     }
     assert after[0] > before[0] + 1.0  # the rewarded episode's summary, in its own context, became more likely
     assert after[1] < before[1] - 1.0  # the unrewarded one's less
+
+
+def test_the_shaped_summary_term_trains_summaries_when_the_episode_rewards_tie(learner):
+    """`rl.summary_reward`: both episodes score the same, so the task gives no signal; the summary that kept the facts
+    still needed (share 1) is pushed up and the one that lost them (share 0), through the per-token advantage."""
+    from composer.rl.learner_main import learner_sequences
+
+    rng = np.random.default_rng(1)
+    shared = {
+        k: span(rng, n) for k, n in (("task", 12), ("reply", 6), ("seen", 10), ("request", 5), ("header", 4), ("later", 8), ("reply2", 6))
+    }
+    kept, kept_span = episode(learner, rng, "k-0", shared, span(rng, 8), reward=0.5)
+    lost, lost_span = episode(learner, rng, "k-1", shared, span(rng, 8), reward=0.5)
+    kept.info["summary_kept"], lost.info["summary_kept"] = [1.0], [0.0]
+    rl = learner.rl.model_copy(update={"summary_reward": 1.0})
+    sequences = learner_sequences([[kept, lost]], rl, step=5)
+    assert [s.advantage for s in sequences] == [0.0] * 4 and sequences[1].bonus is None and sequences[3].bonus is None
+    before = [
+        logprobs_in(learner, t.segments[0].token_ids, t.segments[0].routed_experts)[s].sum()
+        for t, s in ((kept, kept_span), (lost, lost_span))
+    ]
+    for _ in range(3):
+        learner.train_step(sequences)
+    after = [
+        logprobs_in(learner, t.segments[0].token_ids, t.segments[0].routed_experts)[s].sum()
+        for t, s in ((kept, kept_span), (lost, lost_span))
+    ]
+    assert after[0] > before[0] + 1.0 and after[1] < before[1] - 1.0
