@@ -90,7 +90,7 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
         "train": {
             "steps": args.sft_steps,
             "micro_batch_size": 1,
-            "global_batch_size": 8,
+            "global_batch_size": args.sft_batch,
             "checkpoint_every": args.sft_steps,
             "eval_every": args.sft_steps,
             "eval_batches": 1,
@@ -206,8 +206,9 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, help="SmolLM2 HF checkpoint (default: composer model import-smollm2 into WORK)")
     parser.add_argument("--sft-tasks", type=int, default=224, help="training recall tasks (SFT demonstrations and RL prompts)")
     parser.add_argument("--held-out", type=int, default=32, help="held-out recall tasks (evaluated, never demonstrated or trained on)")
-    parser.add_argument("--sft-steps", type=int, default=24, help="SFT steps (global batch 8)")
-    parser.add_argument("--sft-max-length", type=int, default=2048, help="SFT sequence length")
+    parser.add_argument("--sft-steps", type=int, default=24, help="SFT steps")
+    parser.add_argument("--sft-batch", type=int, default=8, help="SFT global batch (conversations per step; even: 2 ranks)")
+    parser.add_argument("--sft-max-length", type=int, default=2048, help="SFT sequence length (every sample is padded to it)")
     parser.add_argument("--rl-steps", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=2)
