@@ -74,10 +74,12 @@ def eval_command(
                 if f"eval_{name}_{k}" in s["record"]
             ]
             extra.append(f"infra failures {s['infra_failures']}, flagged episodes {s['flagged_episodes']}")
-            if "compaction_error" in s:
-                extra.append(
-                    f"compaction error {s['compaction_error']:.3f} over {s['compactions']} summaries of {s['summary_tokens_mean']:.0f} tokens"
-                )
+            if "compaction_error" in s:  # summaries, or (drop_oldest) compactions without one
+                extra.append(f"compaction error {s['compaction_error']:.3f} over {s['compactions']} compactions")
+            if "summary_tokens_mean" in s:
+                extra.append(f"summaries of {s['summary_tokens_mean']:.0f} tokens")
+            if "tokens_per_episode" in s:
+                extra.append(f"{s['tokens_per_episode']:.0f} tokens per episode")
             console.print(f"{escape(name)} {role}: " + "; ".join(extra), highlight=False)
             if len(s["kinds"]) > 1:
                 console.print(

@@ -113,6 +113,13 @@ class RecallSettings(Section):
     """Files of each task, one code each: all needed for the answer."""
     filler_lines: int = Field(default=4, ge=0, le=400)
     """Log lines around the code in each file (a file's tokens, and so how soon the context fills)."""
+    layout: Literal["notes", "repository"] = "notes"
+    """Where the codes are: log files `notes/part_K.txt` (a line `CODE of part K: N` among log lines), or source modules
+    `app/part_K.py` the agent reads first (`PART_K_CODE = N` among functions and constants)."""
+    decoys: int = Field(default=0, ge=0, le=20)
+    """Lines in each file that name another number for the part (`revoked code of part K: N`): a reader, and a
+    summary, must keep the part's CODE and not these. With `parts` (how many facts, and turns before the answer) and
+    `filler_lines` (tokens a turn, so how many turns a context holds), the family's difficulty knobs."""
 
 
 TaskSetName = Literal["humaneval", "codeio", "rgym", "smoke", "repo", "recall"]

@@ -689,6 +689,11 @@ class RLSection(Section):
     skip_uniform_groups: bool = True
     """Leave out of the step the groups whose rewards are all equal: their group-relative advantages are zero, so
     they carry no signal and would only dilute the others' gradient (when no group of a step has signal, all stay)."""
+    summary_reward: float = Field(default=0.0, ge=0)
+    """Weight of a shaped term for self-summarization, off at 0: on the tokens of each summary only, the advantage
+    gains this weight times how much more of the facts the task still needs (tasks that know their facts, the
+    `recall` family) the summary kept than the group's summaries did on average. The episode's reward, and so every
+    other token's advantage and the pass rate, stay the task's own (docs/rl.md, Self-summarization)."""
     alarm_ratio_error: float = Field(default=0.05, gt=0)
     """Alarm (a log line and `alarm_ratio_error` = 1 in metrics.jsonl) when |mean probability ratio - 1| over the
     step's on-policy tokens exceeds this: learner and engine then disagree on the same weights (above ~0.05 is a bug)."""

@@ -416,6 +416,8 @@ def set_summary(s: EvalSet, greedy: list[GradedEpisode], sampled: list[list[Grad
     compactions = [x for g in greedy for x in g.compaction_errors]
     lengths = [n for g in greedy for n in g.summary_tokens]
     summary["summaries_per_episode"] = float(np.mean([g.summaries for g in greedy])) if greedy else 0.0
+    if greedy and any(g.tokens for g in greedy):  # logs graded before episodes recorded their tokens have none
+        summary["tokens_per_episode"] = float(np.mean([g.tokens for g in greedy]))
     if lengths:
         summary["summary_tokens_mean"] = float(np.mean(lengths))
     if compactions:

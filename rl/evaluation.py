@@ -137,6 +137,10 @@ class GradedEpisode:
     """Of those, the ones the harness could not parse or that its schemas refuse."""
     tests_run: int = 0
     """Times the policy ran the tests (run_tests)."""
+    tokens: int = 0
+    """Tokens of the episode's context windows together (every segment, when compacted): what it cost to run."""
+    generated_tokens: int = 0
+    """Of those, the policy's own (replies and summaries)."""
 
     @property
     def key(self) -> tuple[str, str, str, int]:
@@ -164,6 +168,8 @@ class GradedEpisode:
             i.get("tool_calls", 0),
             i.get("malformed_calls", 0),
             i.get("tests_run", 0),
+            t.num_tokens,
+            sum(int(s.loss_mask.sum()) for s in t.segments),
         )
 
 

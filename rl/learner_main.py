@@ -39,20 +39,25 @@ MODULE = __spec__.name
 
 
 def learner_sequences(groups: list[list[Trajectory]], rl: RLSection, step: int) -> list[LearnerSequence]:
-    """Every segment of every trajectory becomes a sequence carrying its episode's group-relative advantage.
-    With `rl.skip_uniform_groups`, groups without reward variance are left out, unless no group has any: then they
+    """Every segment of every trajectory becomes a sequence carrying its episode's group-relative advantage (plus,
+    with `rl.summary_reward`, the shaped term on its summary's tokens: `summary_bonuses`).
+    With `rl.skip_uniform_groups`, groups without signal are left out, unless no group has any: then they
     stay (zero advantages, no gradient) so the optimizer still steps and its state stays whole for checkpoints."""
     sequences = []
     # An infrastructure failure's reward says nothing about the policy: out of the statistics, advantage 0.
     valid = [np.array([not t.info.get("infra_failure", False) for t in g]) for g in groups]
-    informative = [has_signal(np.array([t.reward for t in g])[ok]) for g, ok in zip(groups, valid)]
-    for trajectories, ok, signal in zip(groups, valid, informative):
+    bonuses = [summary_bonuses(g, ok, rl.summary_reward) for g, ok in zip(groups, valid)]
+    informative = [
+        has_signal(np.array([t.reward for t in g])[ok]) or any(b is not None for per_t in bonus for b in per_t)
+        for g, ok, bonus in zip(groups, valid, bonuses)
+    ]
+    for trajectories, ok, signal, bonus in zip(groups, valid, informative, bonuses):
         rewards = np.array([t.reward for t in trajectories])
         if rl.skip_uniform_groups and not signal and any(informative):
             continue
         advantages = group_advantages(rewards, rl.advantage, valid=ok)
-        for trajectory, advantage in zip(trajectories, advantages):
-            for s in trajectory.segments:
+        for trajectory, advantage, per_segment in zip(trajectories, advantages, bonus):
+            for s, extra in zip(trajectory.segments, per_segment):
                 sequences.append(
                     LearnerSequence(
                         s.token_ids,
@@ -62,9 +67,34 @@ def learner_sequences(groups: list[list[Trajectory]], rl: RLSection, step: int) 
                         s.routed_experts,
                         episode=trajectory.id,
                         on_policy=trajectory.policy_version == step,
+                        bonus=extra,
                     )
                 )
     return sequences
+
+
+def summary_bonuses(group: list[Trajectory], valid: np.ndarray, weight: float) -> list[list[np.ndarray | None]]:
+    """Per trajectory and segment, the shaped summary term added to each token's advantage, or None.
+
+    Segment i of a summarized episode ends with its summary i (`summary_tokens[i]` tokens). A summary's term is
+    `weight` x (the share of the facts still needed that it kept - the mean of that share over the group's
+    summaries): centred like the advantages, so summaries are pushed apart only where they differ, and nothing at
+    all when every summary of the group kept as much."""
+    kept = [t.info.get("summary_kept", []) if ok else [] for t, ok in zip(group, valid)]
+    known = [k for per_t in kept for k in per_t if k is not None]
+    out: list[list[np.ndarray | None]] = [[None] * len(t.segments) for t in group]
+    if weight <= 0 or len(set(known)) < 2:
+        return out
+    mean = sum(known) / len(known)
+    for t, (trajectory, shares) in enumerate(zip(group, kept)):
+        for i, share in enumerate(shares):
+            if share is None:
+                continue
+            segment, length = trajectory.segments[i], trajectory.info["summary_tokens"][i]
+            extra = np.zeros(len(segment.token_ids), dtype=np.float32)
+            extra[len(extra) - length :] = weight * (share - mean)
+            out[t][i] = extra
+    return out
 
 
 def rollout_stats(groups: list[list[Trajectory]], step: int, max_context: int) -> dict[str, float]:

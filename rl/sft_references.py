@@ -4,6 +4,8 @@ A task's known-good answer is played through the harness's own tools on a fresh 
 sandbox, and recorded as the conversation an agent would have had: every observation is the tool's real output.
 
 - A function task: `write_file` solution.py with the reference solution, `run_tests`, `finish`.
+- A `recall` task: `read_file` each part in order, one a turn, as its prompt asks, then as a function task (the
+  codes written are the ones the reads showed: the demonstration never answers what it did not read).
 - A repository task: for each file the task changed (its layer), `search` for the definition of each function of the
   task's scope (where it names functions), `read_file` the lines around each change, then `edit` calls that turn the
   file into the reference's version (the original of a bug, feature or multi task, the commit's source of a history
@@ -125,6 +127,9 @@ def reference_messages(env: CodingEnvironment, task: Task, toolbox: ToolBox) -> 
     try:
         if isinstance(task.tests, RepoTests):
             steps = repo_reference_calls(task.tests, workspace.read_file)
+        elif task.family == "recall":
+            reads = [ToolCall("read_file", {"path": path}) for path, _ in task.files]
+            steps = [*reads, ToolCall("write_file", {"path": SOLUTION_FILE, "content": task.reference})]
         else:
             steps = [ToolCall("write_file", {"path": SOLUTION_FILE, "content": task.reference})]
         for call in [*steps, ToolCall("run_tests", {}), ToolCall("finish", {})]:

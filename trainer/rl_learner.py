@@ -36,6 +36,8 @@ class LearnerSequence:
     """The episode it is a segment of (sequence-mean aggregation weighs episodes, not segments, equally)."""
     on_policy: bool = False
     """Made by the weights this step trains (no policy change since): the train/inference mismatch metrics."""
+    bonus: np.ndarray | None = None
+    """float [T], added to `advantage` per token (the shaped summary term on a summary's tokens); none when unset."""
 
 
 class RLLearner:
@@ -114,8 +116,7 @@ class RLLearner:
             scope = routing(ddp, replay) if replay is not None else contextlib.nullcontext()
             with scope as used:
                 logprobs = sequence_logprobs(ddp, layout, tokens, temperature=self.temperature)
-                rollout, mask = _aligned(chunk, logprobs.shape[1] + 1)
-                advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
+                rollout, mask, advantages = _aligned(chunk, logprobs.shape[1] + 1)
                 on_policy = torch.tensor([s.on_policy for s in chunk])
                 loss, micro_stats = policy_gradient_loss(logprobs, rollout, advantages, mask, rl, norms, reference, on_policy)
                 (loss * loss_scale).backward()
@@ -153,15 +154,18 @@ def _padding_like(seq: LearnerSequence) -> LearnerSequence:
     return LearnerSequence(seq.tokens, np.zeros_like(seq.loss_mask), seq.rollout_logprobs, 0.0, seq.routes)
 
 
-def _aligned(chunk: list[LearnerSequence], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rollout logprobs and masks shifted to the learner's [B, S-1] (entry t predicts token t+1)."""
+def _aligned(chunk: list[LearnerSequence], seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rollout logprobs, masks and per-token advantages shifted to the learner's [B, S-1] (entry t predicts token t+1)."""
     rollout = torch.zeros(len(chunk), seq_len - 1)
     mask = torch.zeros(len(chunk), seq_len - 1, dtype=torch.bool)
+    advantages = torch.tensor([[s.advantage] for s in chunk], dtype=torch.float32).repeat(1, seq_len - 1)
     for b, s in enumerate(chunk):
         n = len(s.tokens)
         rollout[b, : n - 1] = torch.from_numpy(np.asarray(s.rollout_logprobs[1:], dtype=np.float32))
         mask[b, : n - 1] = torch.from_numpy(np.asarray(s.loss_mask[1:], dtype=bool))
-    return rollout, mask
+        if s.bonus is not None:
+            advantages[b, : n - 1] += torch.from_numpy(np.asarray(s.bonus[1:], dtype=np.float32))
+    return rollout, mask, advantages
 
 
 def _all_reduce_stats(stats: PolicyLossStats, loss_sum: float) -> dict[str, float]:

@@ -130,14 +130,14 @@ def policy_gradient_loss(
     """Loss of a micro-batch of sequences [B, T].
 
     logprobs: the learner's log-probabilities of the sampled tokens (with grad);
-    rollout_logprobs: the engine's; advantages: [B] per sequence; loss_mask: tokens the policy generated;
+    rollout_logprobs: the engine's; advantages: [B] per sequence, or [B, T] per token; loss_mask: tokens the policy generated;
     normaliser: what each sequence's token sum is divided by (a float for all, or [B]; see `rl.loss_aggregation`);
     on_policy: [B] bool, sequences made by the weights being trained (for the mismatch metrics).
     """
     mask = loss_mask.to(logprobs.dtype)
     log_ratio = (logprobs.detach() - rollout_logprobs) * mask
     weight, ratio, kept = importance_weights(log_ratio, mask, rl)
-    per_token = -weight * advantages.unsqueeze(-1) * logprobs
+    per_token = -weight * (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * logprobs
     kl = torch.zeros_like(logprobs)
     if rl.kl_coeff > 0 and ref_logprobs is not None:
         delta = ref_logprobs - logprobs

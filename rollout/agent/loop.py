@@ -101,6 +101,8 @@ class _Episode:
     turns: int = 0
     summaries: int = 0
     summary_tokens: list[int] = field(default_factory=list)
+    summary_kept: list[float | None] = field(default_factory=list)
+    """Per summary, the share of the facts it had to carry that the context it restarts kept (None: nothing to carry)."""
     compactions: int = 0
     compaction_errors: list[float] = field(default_factory=list)
     tool_calls: int = 0
@@ -300,7 +302,7 @@ class EpisodeRunner:
         fresh = _SegmentBuilder()
         closing = self.chat.after_reply(summary.token_ids, [])[0] if self.tools else []
         fresh.observe(e.prompt_ids + self._summary_header + summary.token_ids + closing + e.last_observation)
-        self._compacted(e, e.current.tokens[: len(e.current.tokens) - len(summary.token_ids)], fresh)
+        e.summary_kept.append(self._compacted(e, e.current.tokens[: len(e.current.tokens) - len(summary.token_ids)], fresh))
         if len(fresh.tokens) + self.cfg.sampling.max_tokens > self.cfg.max_context:
             self._end(e, "summary_too_long")
 
@@ -319,16 +321,19 @@ class EpisodeRunner:
         if len(fresh.tokens) + self.cfg.sampling.max_tokens > self.cfg.max_context:
             self._end(e, "context_full")
 
-    def _compacted(self, e: _Episode, old_tokens: list[int], fresh: _SegmentBuilder) -> None:
-        """`fresh` continues the episode; its compaction error is recorded when the task knows its facts."""
+    def _compacted(self, e: _Episode, old_tokens: list[int], fresh: _SegmentBuilder) -> float | None:
+        """`fresh` continues the episode; when the task knows its facts, the compaction error is recorded and the
+        share of the facts to carry that `fresh` kept is returned (None when there was nothing to carry)."""
         e.segments.append(fresh)
         e.compactions += 1
         if not e.task.facts:
-            return
+            return None
         to_carry = self._facts_in(e.task, old_tokens) - self._facts_in(e.task, e.last_observation)
-        if to_carry:
-            kept = self._facts_in(e.task, fresh.tokens) & to_carry
-            e.compaction_errors.append(1 - len(kept) / len(to_carry))
+        if not to_carry:
+            return None
+        kept = len(self._facts_in(e.task, fresh.tokens) & to_carry) / len(to_carry)
+        e.compaction_errors.append(1 - kept)
+        return kept
 
     def _facts_in(self, task: Task, tokens: list[int]) -> set[str]:
         text = self.tok.decode(tokens)
@@ -353,6 +358,7 @@ class EpisodeRunner:
                 "turns": e.turns,
                 "summaries": e.summaries,
                 "summary_tokens": e.summary_tokens,
+                "summary_kept": e.summary_kept,
                 "compactions": e.compactions,
                 "compaction_errors": e.compaction_errors,
                 "tool_calls": e.tool_calls,

@@ -131,7 +131,6 @@ def test_the_episode_reward_reaches_the_summary_tokens(parts):
     """The summary is generated in the segment it ends (loss mask on, the request before it off) and restarts the
     next; the learner's loss gives every segment its episode's advantage: the summaries that kept the codes are
     pushed up, those that dropped them down, and no observation token gets a gradient."""
-    import torch
 
     from composer.rl.learner_main import learner_sequences
     from composer.rollout.agent.loop import SUMMARY_HEADER, SUMMARY_REQUEST
@@ -156,12 +155,101 @@ def test_the_episode_reward_reaches_the_summary_tokens(parts):
     sequences = learner_sequences([[good, bad]], RLSection(advantage="group_mean"), step=0)
     gap = (good.reward - bad.reward) / 2
     assert gap > 0 and [s.advantage for s in sequences] == pytest.approx([gap] * len(good.segments) + [-gap] * len(bad.segments))
-    rollout, mask = _aligned(sequences, max(len(s.tokens) for s in sequences))
+    rollout, mask, advantages = _aligned(sequences, max(len(s.tokens) for s in sequences))
     logprobs = rollout.clone().requires_grad_(True)
-    loss, _ = policy_gradient_loss(logprobs, rollout, torch.tensor([s.advantage for s in sequences]), mask, RLSection(), 1.0)
+    loss, _ = policy_gradient_loss(logprobs, rollout, advantages, mask, RLSection(), 1.0)
     loss.backward()
     assert (logprobs.grad[~mask] == 0).all()
     for n, i, start, end in summary_spans:
         row = i if n == 0 else len(good.segments) + i
         pushed = -logprobs.grad[row, start - 1 : end - 1]  # entry t predicts token t + 1
         assert ((pushed > 0) if n == 0 else (pushed < 0)).all()
+
+
+def test_the_shaped_summary_term_reaches_only_the_summaries_and_follows_what_they_kept(parts):
+    """`rl.summary_reward`: the episodes record per summary the share of the codes still needed that it kept; with
+    equal episode rewards (no signal from the task) the summary that kept the codes is still pushed up and the one
+    that dropped them down, by the weight times the difference from the group's mean, and no other token moves."""
+    from composer.rl.learner_main import learner_sequences
+
+    (good, _), (bad, _) = play(parts, keeps_codes=True), play(parts, keeps_codes=False)
+    # (None: a summary with nothing to carry, every code read so far still in the observation it restarts with)
+    assert set(good.info["summary_kept"]) - {None} == {1.0} and set(bad.info["summary_kept"]) - {None} == {0.0}
+    good.reward = bad.reward = 0.5
+    off = learner_sequences([[good, bad]], RLSection(), step=0)
+    assert all(s.advantage == 0.0 and s.bonus is None for s in off)
+    shaped = learner_sequences([[good, bad]], RLSection(summary_reward=0.4), step=0)
+    assert [s.advantage for s in shaped] == [0.0] * len(shaped)
+    kept = [k for t in (good, bad) for k in t.info["summary_kept"] if k is not None]
+    rows = [(t, i) for t in (good, bad) for i in range(len(t.segments))]
+    for sequence, (t, i) in zip(shaped, rows):
+        if i >= t.info["summaries"] or t.info["summary_kept"][i] is None:
+            assert sequence.bonus is None  # the last segment ends without a summary
+            continue
+        length = t.info["summary_tokens"][i]
+        assert (sequence.bonus[: len(sequence.tokens) - length] == 0).all()
+        assert sequence.bonus[len(sequence.tokens) - length :] == pytest.approx(
+            0.4 * (t.info["summary_kept"][i] - np.mean(kept)) * np.ones(length)
+        )
+
+
+def test_decoys_name_other_numbers_and_tasks_without_them_stay_the_same():
+    import hashlib
+
+    from composer.rollout.tasks.recall import recall_task
+
+    plain = recall_task(3, RecallSettings(parts=4))
+    # as the family made it before decoys existed: earlier runs' held-out tasks are still the same tasks
+    assert plain.facts == ("783", "850", "507", "695")
+    assert hashlib.sha256(repr((plain.files, plain.prompt)).encode()).hexdigest()[:16] == "86486a1fca9bf705"
+    hard = recall_task(3, RecallSettings(parts=4, decoys=3))
+    assert "revoked codes do not count" in hard.prompt and "revoked" not in plain.prompt
+    for k, (_, text) in enumerate(hard.files, 1):
+        revoked = re.findall(rf"revoked code of part {k}: (\d+)", text)
+        assert len(revoked) == 3 and hard.facts[k - 1] not in revoked
+        assert re.findall(r"CODE of part (\d+): (\d+)", text) == [(str(k), hard.facts[k - 1])]
+
+
+def test_the_reference_episode_reads_every_part_in_turn_then_answers_what_it_read(parts):
+    """The `references` SFT source on recall: one read_file a turn, in order, each shown the real file; then the
+    codes written, the tests run, finish; the workspace grades 1.0."""
+    from composer.rl.sft_references import reference_messages
+    from composer.rollout.agent.harness import ToolBox
+
+    _, env = parts
+    task = env.pool.task(0, 0)
+    messages = reference_messages(env, task, ToolBox(shell_seconds=10))
+    assert messages is not None
+    calls = [m["tool_calls"][0]["function"] for m in messages if m["role"] == "assistant"]
+    assert [c["name"] for c in calls] == ["read_file"] * PARTS + ["write_file", "run_tests", "finish"]
+    assert [c["arguments"]["path"] for c in calls[:PARTS]] == [f"notes/part_{k}.txt" for k in range(1, PARTS + 1)]
+    shown = [m["content"] for m in messages if m["role"] == "tool"][:PARTS]
+    assert all(f"CODE of part {k}: {code}" in text for k, (code, text) in enumerate(zip(task.facts, shown), 1))
+    assert str([int(c) for c in task.facts]) in calls[PARTS]["arguments"]["content"]
+
+
+def test_the_repository_layout_puts_the_codes_in_modules_the_reference_reads_first(tmp_path):
+    """`recall.layout: repository`: the codes are constants of source modules app/part_K.py (valid Python, decoys
+    named REVOKED_); the reference episode reads them in turn and its answer grades 1.0 in the sandbox."""
+    from composer.rl.sft_references import reference_messages
+    from composer.rollout.agent.environment import CodingEnvironment
+    from composer.rollout.agent.harness import ToolBox
+    from composer.rollout.tasks.recall import recall_task
+
+    settings = RecallSettings(parts=3, layout="repository", decoys=1)
+    task = recall_task(0, settings)
+    assert task.id == "recall/repository/3/0" and "write the numbers themselves" in task.prompt
+    for k, (path, text) in enumerate(task.files, 1):
+        namespace: dict = {}
+        exec(compile(text, path, "exec"), namespace)  # a module of the task's own making, not the agent's
+        assert path == f"app/part_{k}.py" and namespace[f"PART_{k}_CODE"] == int(task.facts[k - 1])
+        assert namespace[f"REVOKED_PART_{k}_CODE"] != namespace[f"PART_{k}_CODE"]
+    env = CodingEnvironment(EnvSection(tasks=[TaskSet(name="recall", recall=settings)]), seed=0, sandbox_root=tmp_path)
+    try:
+        messages = reference_messages(env, env.pool.task(0, 0), ToolBox(shell_seconds=10))
+    finally:
+        env.close()
+    assert messages is not None
+    calls = [m["tool_calls"][0]["function"] for m in messages if m["role"] == "assistant"]
+    reads = [c["arguments"]["path"] for c in calls if c["name"] == "read_file"]
+    assert reads == ["app/part_1.py", "app/part_2.py", "app/part_3.py"]

@@ -61,3 +61,16 @@ def test_a_reply_counts_the_test_runs_it_made():
     reply = '<tool_call>{"name": "run_tests", "arguments": {}}</tool_call><tool_call>{"name": "finish", "arguments": {}}</tool_call>'
     turn = run_reply(reply, Tests(), ToolBox(10), CharTokenizer(), 4000)
     assert (turn.calls, turn.tests_run, turn.finished) == (2, 1, True) and "3 passed" in turn.messages[0]["content"]
+
+
+def test_a_compacted_episode_counts_every_segments_tokens_and_drop_oldest_has_no_summary_length():
+    import numpy as np
+
+    from composer.rollout.agent.trajectory import Segment, Trajectory
+
+    segments = [Segment(np.arange(10), np.arange(10) >= 6, np.zeros(10)), Segment(np.arange(7), np.arange(7) >= 5, np.zeros(7))]
+    info = {"end_reason": "finished", "summaries": 0, "summary_tokens": [], "compaction_errors": [0.5], "compactions": 1}
+    graded = GradedEpisode.of("recall", "greedy", 0, Trajectory("e", "g", "recall/4/0", 0, 0.5, segments, info))
+    assert (graded.tokens, graded.generated_tokens) == (17, 6)
+    s = set_summary(EvalSet("recall", [], 0), [graded], [], [])
+    assert s["tokens_per_episode"] == 17 and s["compaction_error"] == 0.5 and "summary_tokens_mean" not in s
