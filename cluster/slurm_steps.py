@@ -1,0 +1,188 @@
+"""Programs composer keeps running as SLURM job steps, one `srun` each, talked to over the step's stdin/stdout (the
+sandbox servers of `env.sandbox.slurm`).
+
+The steps run in the driver's own job when it runs inside one (SLURM_JOB_ID), sharing its nodes' CPUs with the job's
+other steps (`--overlap`), or else in a job of their own that `salloc` holds for as long as this process lives: its
+command waits for the end of its stdin, which is this process's pipe, so even a driver killed with -9 gives the
+nodes back. Each `srun` gets SIGTERM when this process dies, and srun cancels its step then.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+from composer.cluster.slurm import allocation_nodes, in_allocation, require
+from composer.recipes.env_schema import SandboxServersOnSlurm
+from composer.recipes.errors import UserError
+from composer.runtime.processes import die_with_parent
+
+LOST_STATES = ("down", "drain", "drng", "fail", "maint", "unk")
+"""sinfo's short node states in which a node takes no more steps (a trailing `*`: not responding, too)."""
+STOP_SECONDS = 30
+WANTED_BY = "env.sandbox.slurm starts sandbox servers"
+
+
+class StepChannel:
+    """One srun step's stdin/stdout as the channel a sandbox host's frames cross (the calls of an SSH channel that
+    `rollout.sandbox.hosts.RemoteSandboxHost` makes), its stderr as the server's log."""
+
+    def __init__(self, process: subprocess.Popen, node: str, job: str):
+        self.process, self.node, self.job = process, node, job
+        self.where = f"SLURM step of job {job} on {node}"
+        self._timeout: float | None = None
+
+    def settimeout(self, seconds: float | None) -> None:
+        self._timeout = seconds
+
+    def recv(self, size: int) -> bytes:
+        fd = self.process.stdout.fileno()
+        if self._timeout is not None and not select.select([fd], [], [], self._timeout)[0]:
+            raise TimeoutError(f"no answer within {self._timeout:.0f} s")
+        return os.read(fd, size)
+
+    def recv_stderr(self, size: int) -> bytes:
+        return os.read(self.process.stderr.fileno(), size)
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.process.stdin.fileno(), view) :]
+
+    def shutdown_write(self) -> None:
+        self.process.stdin.close()
+
+    def exit_status_ready(self) -> bool:
+        return self.process.poll() is not None
+
+    def close(self) -> None:
+        """End the step: srun cancels it on SIGTERM."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+    def explain(self, error: Exception) -> UserError:
+        return UserError(f"{self.where}: {type(error).__name__}: {error}")
+
+
+class StepJob:
+    """The SLURM job the steps run in, its nodes, and which of them are lost."""
+
+    def __init__(self, settings: SandboxServersOnSlurm, name: str):
+        self.settings, self.name = settings, name
+        self._srun = require("srun", WANTED_BY)
+        self._holder: subprocess.Popen | None = None
+        self.lost: set[str] = set()
+        self._lock = threading.Lock()
+        # The kernel signals a process started with die_with_parent when the *thread* that started it ends: srun and
+        # salloc are started by this one thread, which lives as long as the job.
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slurm-spawner")
+        if in_allocation():
+            self.job, self.nodes = os.environ["SLURM_JOB_ID"], allocation_nodes()
+        else:
+            self.job = self._allocate()
+            self.nodes = _hostnames(_squeue(self.job, "%N"))
+
+    def _allocate(self) -> str:
+        """A job of their own: `salloc` holding `nodes` nodes while its command (`cat`, reading our pipe) runs."""
+        s = self.settings
+        argv = [require("salloc", WANTED_BY), f"--nodes={s.nodes or s.servers}", f"--job-name={self.name}"]
+        for flag, value in (("partition", s.partition), ("account", s.account), ("time", s.time_limit)):
+            if value:
+                argv.append(f"--{flag}={value}")
+        self._holder = self._spawn([*argv, "cat"], stdout=subprocess.DEVNULL, text=True)  # salloc gives the nodes back on SIGTERM
+        said = []
+        for line in self._holder.stderr:  # salloc waits in the queue until SLURM grants the nodes
+            said.append(line.strip())
+            if granted := re.search(r"Granted job allocation (\d+)", line):
+                threading.Thread(target=self._holder.stderr.read, daemon=True, name="salloc-stderr").start()
+                return granted.group(1)
+        self._holder.wait()
+        raise UserError(f"env.sandbox.slurm: salloc {' '.join(argv[1:])} got no nodes: {' | '.join(said) or 'no output'}")
+
+    def place(self, busy: dict[str, int], previous: str | None) -> str:
+        """The node for a server: not lost, with the fewest servers, and another than `previous` (where the server
+        was lost) when there is one."""
+        with self._lock:
+            if previous is not None and _node_lost(previous):
+                self.lost.add(previous)
+            usable = [node for node in self.nodes if node not in self.lost]
+        if not usable:
+            raise UserError(f"env.sandbox.slurm: every node of SLURM job {self.job} is lost ({', '.join(sorted(self.lost))})")
+        return min(usable, key=lambda node: (busy.get(node, 0), node == previous, self.nodes.index(node)))
+
+    def start(self, node: str, step_name: str, argv: list[str]) -> StepChannel:
+        """`argv` as a step of one task on `node`, unbuffered, its stdin and stdout the channel."""
+        cpus = self.settings.cpus_per_server
+        srun = [
+            self._srun,
+            f"--jobid={self.job}",
+            "--overlap",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={node}",
+            f"--job-name={step_name}",
+            "--unbuffered",
+            "--kill-on-bad-exit=1",
+            *([f"--cpus-per-task={cpus}"] if cpus else []),
+        ]
+        return StepChannel(
+            self._spawn([*srun, *argv], stdout=subprocess.PIPE, bufsize=0), node, self.job
+        )  # srun cancels its step on SIGTERM
+
+    def _spawn(self, argv: list[str], **options) -> subprocess.Popen:
+        """`argv` started by the spawner thread, to get SIGTERM when this process ends."""
+        start = partial(subprocess.Popen, argv, stdin=subprocess.PIPE, stderr=subprocess.PIPE, **options)
+        return self._spawner.submit(start, preexec_fn=lambda: die_with_parent(signal.SIGTERM)).result()
+
+    def close(self, step_names: set[str]) -> None:
+        """Cancel the steps named `step_names` that are still there, and give a job of their own back."""
+        steps = subprocess.run(["squeue", "-h", "-s", "-j", self.job, "-o", "%i %j"], capture_output=True, text=True).stdout
+        left = [line.split()[0] for line in steps.splitlines() if len(line.split()) == 2 and line.split()[1] in step_names]
+        if left:
+            subprocess.run(["scancel", *left], capture_output=True)
+        if self._holder is not None:
+            self._holder.stdin.close()  # its `cat` ends, and salloc gives the nodes back
+            try:
+                self._holder.wait(timeout=STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                subprocess.run(["scancel", self.job], capture_output=True)
+                self._holder.terminate()
+                self._holder.wait()
+        self._spawner.shutdown()
+
+
+def _squeue(job: str, field: str) -> str:
+    result = subprocess.run(["squeue", "-h", "-j", job, "-o", field], capture_output=True, text=True)
+    if result.returncode != 0 or not result.stdout.strip():
+        raise UserError(f"env.sandbox.slurm: squeue does not show SLURM job {job}: {result.stderr.strip()}")
+    return result.stdout.strip()
+
+
+def _hostnames(nodelist: str) -> list[str]:
+    result = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise UserError(f"scontrol show hostnames {nodelist} failed: {result.stderr.strip()}")
+    return result.stdout.split()
+
+
+def _node_lost(node: str) -> bool:
+    """Whether SLURM says `node` takes no more steps (down, drained, failed, not responding, or gone)."""
+    result = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%t"], capture_output=True, text=True)
+    states = result.stdout.split()
+    return result.returncode != 0 or not states or any(s.endswith("*") or s.rstrip("*~#!%$@^-+").startswith(LOST_STATES) for s in states)

@@ -1,0 +1,109 @@
+"""Sandbox servers that composer starts itself through SLURM (`env.sandbox.slurm`), on the real one-node test
+cluster (tests/helpers/slurm_cluster.py): as steps of a job of their own outside an allocation, registered with the
+fleet as they come up, a killed step replaced and its runs retried, nothing left in the queue after the fleet
+closes; and an RL smoke run inside `salloc` whose episodes are all graded by servers running as steps of its job.
+
+The test cluster has one node (one slurmd on this machine), so a replacement lands on the same node: "another node
+when one is left" is the placement rule of `cluster.slurm_steps.StepJob.place`, with no second node to show it here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from tests.helpers import slurm_cluster
+
+pytestmark = pytest.mark.skipif(slurm_cluster.why_not() is not None, reason=str(slurm_cluster.why_not()))
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def slurm_env(slurm, monkeypatch):
+    """This process as a login node of the test cluster, outside any allocation."""
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
+    return slurm
+
+
+def squeue(*args: str) -> list[list[str]]:
+    out = subprocess.run(["squeue", "-h", *args], capture_output=True, text=True, check=True).stdout
+    return [line.split() for line in out.splitlines() if line.strip()]
+
+
+def server_steps() -> dict[str, str]:
+    """The sandbox servers' steps in the queue (named composer-sandbox-PID-SERVER): server name -> step id."""
+    steps = squeue("-s", "-o", "%i %j")
+    return {name.split("-sandbox-")[1].split("-", 1)[1]: step for step, name in steps if "-sandbox-" in name}
+
+
+def numbered(i: int, seconds: float):
+    """A program returning `i` after `seconds`, and tests that pass only for `i`: a result is its own run's."""
+    from composer.rollout.sandbox.results import AssertionTests
+
+    program = f"import time\n\ndef answer():\n    time.sleep({seconds})\n    return {i}\n"
+    return program, AssertionTests(entry_point="answer", setup="", cases=(f"assert candidate() == {i}",))
+
+
+def wait_until(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_servers_started_as_steps_grade_and_a_killed_step_is_replaced(slurm_env, tmp_path):
+    from composer.recipes.env_schema import SandboxSection
+    from composer.recipes.schema import SSHSection
+    from composer.rollout.sandbox.hosts import SandboxFleet
+    from composer.rollout.sandbox.wire import RunRequest
+
+    config = SandboxSection(
+        hosts=[],
+        slurm={"servers": 2, "nodes": 1},
+        sandboxes_per_host=2,
+        cpu_seconds=5,
+        wall_seconds=30,
+        retry_backoff_seconds=0.05,
+        readmit_seconds=1.0,
+    )
+    fleet = SandboxFleet(config, SSHSection(), root=tmp_path)
+    try:
+        [(job, name)] = [row for row in squeue("-o", "%i %j")]
+        assert name.startswith("composer-sandbox-")  # a job of their own: this process is in no allocation
+        wait_until(lambda: len(fleet.capacities) == 2, 120, "the second server never joined")
+        steps = server_steps()
+        assert sorted(steps) == ["slurm-0", "slurm-1"] and all(step.startswith(f"{job}.") for step in steps.values())
+
+        futures = [fleet.submit(RunRequest(*numbered(i, 3))) for i in range(8)]
+        wait_until(lambda: fleet.metrics()["sandbox_running"] == 4, 60, "the runs never started on both servers")
+        subprocess.run(["scancel", steps["slurm-0"]], check=True)
+        results = [future.result(timeout=300) for future in futures]
+        assert [r.reward for r in results] == [1.0] * 8 and not any(r.infra_failure for r in results)
+        figures = fleet.metrics()
+        assert figures["sandbox_failures"].get("connection_lost", 0) >= 1 and figures["sandbox_infra_failures"] == 0
+
+        # slurm-0 comes back as a new step of the same job and takes runs again
+        wait_until(lambda: fleet.metrics()["sandbox_hosts_up"] == 2, 120, "the killed server was not started again")
+        replaced = server_steps()
+        assert replaced["slurm-0"] != steps["slurm-0"] and replaced["slurm-0"].startswith(f"{job}.")
+        before = fleet.metrics()["sandbox_host_runs"]["slurm-0"]
+        again = [fleet.submit(RunRequest(*numbered(i, 1))) for i in range(8)]
+        assert [f.result(timeout=300).reward for f in again] == [1.0] * 8
+        assert fleet.metrics()["sandbox_host_runs"]["slurm-0"] > before
+    finally:
+        fleet.close()
+    assert squeue() == []  # the steps and the job of their own are gone
