@@ -116,15 +116,14 @@ class StepJob:
         raise UserError(f"env.sandbox.slurm: salloc {' '.join(argv[1:])} got no nodes: {' | '.join(said) or 'no output'}")
 
     def place(self, busy: dict[str, int], previous: str | None) -> str:
-        """The node for a server: not lost, with the fewest servers, and another than `previous` (where the server
-        was lost) when there is one."""
+        """The node for a server (`pick_node`), after asking SLURM whether `previous`, where its step died, is lost."""
         with self._lock:
             if previous is not None and _node_lost(previous):
                 self.lost.add(previous)
-            usable = [node for node in self.nodes if node not in self.lost]
-        if not usable:
+            node = pick_node(self.nodes, self.lost, busy, previous)
+        if node is None:
             raise UserError(f"env.sandbox.slurm: every node of SLURM job {self.job} is lost ({', '.join(sorted(self.lost))})")
-        return min(usable, key=lambda node: (busy.get(node, 0), node == previous, self.nodes.index(node)))
+        return node
 
     def start(self, node: str, step_name: str, argv: list[str]) -> StepChannel:
         """`argv` as a step of one task on `node`, unbuffered, its stdin and stdout the channel."""
@@ -165,6 +164,13 @@ class StepJob:
                 self._holder.terminate()
                 self._holder.wait()
         self._spawner.shutdown()
+
+
+def pick_node(nodes: list[str], lost: set[str], busy: dict[str, int], previous: str | None) -> str | None:
+    """Of `nodes` not `lost`: another than `previous` (where a server's step just died) while there is one, then the
+    one with the fewest servers (`busy`), then the first in the job's order; None when every node is lost."""
+    usable = [node for node in nodes if node not in lost]
+    return min(usable, key=lambda node: (node == previous, busy.get(node, 0), nodes.index(node)), default=None)
 
 
 def _squeue(job: str, field: str) -> str:

@@ -278,6 +278,15 @@ class SandboxPool:
             self._release(host)
             self._pump()
 
+    def host_lost(self, name: str, detail: str) -> None:
+        """`name`'s connection ended between runs: removed now, not at its next run (re-admitted by a probe later)."""
+        with self._lock:
+            host = self.hosts.get(name)
+            if host is None or self._closed:
+                return
+            self._host_failed(host, Failure("connection_lost", detail))
+            self._pump()
+
     # --- submitting ---
 
     def submit(self, request: SandboxRequest, task_set: str, done: Callable[[SandboxResult], None], wait: bool = True) -> bool:

@@ -72,6 +72,8 @@ class SandboxHost(ABC):
     name: str
     capacity: int
     isolation: Isolation
+    on_lost: Callable[[str, str], None] | None = None
+    """Told (name, why) when the host's connection ends by itself, between runs too: the fleet removes it at once."""
 
     @abstractmethod
     def start(self, number: int, request: SandboxRequest, started: Callable[[], None], done: Callable[[Outcome], None]) -> None: ...
@@ -263,12 +265,15 @@ class RemoteSandboxHost(SandboxHost):
     def _lost(self, channel, reason: str) -> None:
         """`channel` is gone: the runs sent on it fail (a newer connection's runs are not its)."""
         with self._lock:
-            if self._channel is channel:
+            current = self._channel is channel
+            if current:
                 self._channel = None
             lost = [n for n, (sent_on, _, _) in self._pending.items() if sent_on is channel]
             callbacks = [self._pending.pop(n)[2] for n in lost]
         for done in callbacks:
             done(Failure("connection_lost", f"{self.where}: {reason}"))
+        if current and self.on_lost is not None:
+            self.on_lost(self.name, f"{self.where}: {reason}")
 
     def start(self, number: int, request: SandboxRequest | dict, started: Callable[[], None], done: Callable[[Outcome], None]) -> None:
         """Send a run (or, as a dict, another operation with its id) on the current connection."""
@@ -497,6 +502,8 @@ class SandboxFleet:
         self.clock = RealClock()
         with self._joining:
             self.pool = self._pool(config, weights)
+            for host in self.provider.by_name.values():
+                host.on_lost = self.pool.host_lost
 
     def _pool(self, config: SandboxSection, weights: dict[str, float] | None) -> SandboxPool:
         return SandboxPool(
@@ -522,6 +529,7 @@ class SandboxFleet:
             self.isolations = {**self.isolations, host.name: host.isolation}
             self.capacities = {**self.capacities, host.name: host.capacity}
             if self.pool is not None:
+                host.on_lost = self.pool.host_lost
                 self.pool.add_host(host.name, host.capacity)
 
     @property

@@ -9,6 +9,7 @@ when one is left" is the placement rule of `cluster.slurm_steps.StepJob.place`, 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -38,14 +39,14 @@ def slurm_env(slurm, monkeypatch):
     return slurm
 
 
-def squeue(*args: str) -> list[list[str]]:
-    out = subprocess.run(["squeue", "-h", *args], capture_output=True, text=True, check=True).stdout
+def squeue(slurm, *args: str) -> list[list[str]]:
+    out = subprocess.run(["squeue", "-h", *args], capture_output=True, text=True, check=True, env=slurm.env).stdout
     return [line.split() for line in out.splitlines() if line.strip()]
 
 
-def server_steps() -> dict[str, str]:
+def server_steps(slurm) -> dict[str, str]:
     """The sandbox servers' steps in the queue (named composer-sandbox-PID-SERVER): server name -> step id."""
-    steps = squeue("-s", "-o", "%i %j")
+    steps = squeue(slurm, "-s", "-o", "%i %j")
     return {name.split("-sandbox-")[1].split("-", 1)[1]: step for step, name in steps if "-sandbox-" in name}
 
 
@@ -82,10 +83,10 @@ def test_servers_started_as_steps_grade_and_a_killed_step_is_replaced(slurm_env,
     )
     fleet = SandboxFleet(config, SSHSection(), root=tmp_path)
     try:
-        [(job, name)] = [row for row in squeue("-o", "%i %j")]
+        [(job, name)] = [row for row in squeue(slurm_env, "-o", "%i %j")]
         assert name.startswith("composer-sandbox-")  # a job of their own: this process is in no allocation
         wait_until(lambda: len(fleet.capacities) == 2, 120, "the second server never joined")
-        steps = server_steps()
+        steps = server_steps(slurm_env)
         assert sorted(steps) == ["slurm-0", "slurm-1"] and all(step.startswith(f"{job}.") for step in steps.values())
 
         futures = [fleet.submit(RunRequest(*numbered(i, 3))) for i in range(8)]
@@ -98,7 +99,7 @@ def test_servers_started_as_steps_grade_and_a_killed_step_is_replaced(slurm_env,
 
         # slurm-0 comes back as a new step of the same job and takes runs again
         wait_until(lambda: fleet.metrics()["sandbox_hosts_up"] == 2, 120, "the killed server was not started again")
-        replaced = server_steps()
+        replaced = server_steps(slurm_env)
         assert replaced["slurm-0"] != steps["slurm-0"] and replaced["slurm-0"].startswith(f"{job}.")
         before = fleet.metrics()["sandbox_host_runs"]["slurm-0"]
         again = [fleet.submit(RunRequest(*numbered(i, 1))) for i in range(8)]
@@ -106,4 +107,59 @@ def test_servers_started_as_steps_grade_and_a_killed_step_is_replaced(slurm_env,
         assert fleet.metrics()["sandbox_host_runs"]["slurm-0"] > before
     finally:
         fleet.close()
-    assert squeue() == []  # the steps and the job of their own are gone
+    assert squeue(slurm_env) == []  # the steps and the job of their own are gone
+
+
+@pytest.mark.slow
+@pytest.mark.engines
+def test_an_rl_run_inside_salloc_is_graded_by_servers_of_its_job_and_a_killed_one_is_replaced(slurm, tmp_path):
+    from composer.recipes.loader import load_recipe
+    from composer.trainer.checkpoint_init import init_hf_checkpoint
+    from tests.conftest import RECIPES
+    from tests.integration.test_rl import STEPS, metrics, start
+
+    checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)
+    run = tmp_path / "runs" / "smoke-rl"
+    servers = ["--set", "env.sandbox.hosts=[]", "--set", "env.sandbox.slurm.servers=2", "--set", "env.sandbox.readmit_seconds=2"]
+    driver = start(
+        tmp_path / "runs",
+        checkpoint,
+        *servers,
+        "--set",
+        "rl.eval=null",
+        prefix=("salloc", "--nodes=1", "--job-name=composer-rl"),
+        env={**slurm.env, "COLUMNS": "200"},
+    )
+    seen: dict[str, set[str]] = {}
+
+    def watch() -> dict[str, str]:
+        steps = server_steps(slurm)
+        for name, step in steps.items():
+            seen.setdefault(name, set()).add(step)
+        return steps
+
+    try:
+        wait_until(lambda: driver.poll() is not None or (len(metrics(run)) >= 1 and len(watch()) == 2), 600, "no trained step")
+        assert driver.poll() is None, driver.stdout.read()[-3000:]
+        [(job, _)] = [row for row in squeue(slurm, "-o", "%i %j") if row[1] == "composer-rl"]
+        steps = watch()
+        assert all(step.startswith(f"{job}.") for step in steps.values())  # steps of the run's own job
+        subprocess.run(["scancel", steps["slurm-0"]], env=slurm.env, check=True)
+        while driver.poll() is None:
+            watch()
+            time.sleep(0.5)
+        output = driver.stdout.read()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == 0, output[-3000:]
+    assert [r["step"] for r in metrics(run)] == list(range(1, STEPS + 1))
+    assert len(seen["slurm-0"]) == 2 and len(seen["slurm-1"]) == 1  # the killed server's step was replaced
+    groups = [json.loads(line) for line in (run / "rollout_metrics.jsonl").read_text().splitlines()]
+    last = groups[-1]
+    assert last["sandbox_failures"].get("connection_lost", 0) >= 1
+    assert last["sandbox_infra_failures"] == 0  # every episode got its own grade
+    assert set(last["sandbox_host_runs"]) == {"slurm-0", "slurm-1"} and all(last["sandbox_host_runs"].values())
+    assert last["sandbox_completed"] >= 4 * len(groups)  # rl.group_size episodes a group, each graded once
+    assert squeue(slurm) == []  # the run's job ended, its steps with it

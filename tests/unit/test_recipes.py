@@ -334,3 +334,20 @@ def test_held_out_and_num_tasks_are_checked_against_the_set_size_known_at_valida
         )
         == []
     )
+
+
+def test_sandbox_servers_started_by_slurm_are_a_strict_section_of_their_own():
+    rl = RECIPES / "smoke-rl.yaml"
+    recipe = load_recipe(rl, ["env.sandbox.hosts=[]", "env.sandbox.slurm.servers=2", "env.sandbox.slurm.cpus_per_server=4"])
+    assert recipe.env.sandbox.hosts == [] and recipe.env.sandbox.slurm.servers == 2 and recipe.env.sandbox.slurm.nodes is None
+    assert problems_of(rl, ["env.sandbox.hosts=[]"]) == {
+        "env.sandbox": "hosts: empty, and no slurm servers: nothing would run the sandboxes"
+    }
+    assert (
+        "slurm-1 is the name of a sandbox server"
+        in problems_of(rl, ["env.sandbox.hosts=[slurm-1]", "env.sandbox.slurm.servers=2"])["env.sandbox"]
+    )
+    assert problems_of(rl, ["env.sandbox.slurm.nodes=2"])["env.sandbox.slurm.servers"] == "required, but missing"
+    assert problems_of(rl, ["env.sandbox.slurm.servers=1", "env.sandbox.slurm.node=2"]) == {
+        "env.sandbox.slurm.node": "unknown key; did you mean 'nodes'?"
+    }
