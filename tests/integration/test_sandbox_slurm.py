@@ -16,13 +16,14 @@ import time
 
 import pytest
 
+from tests.conftest import RECIPES
 from tests.helpers import slurm_cluster
-
-pytestmark = pytest.mark.skipif(slurm_cluster.why_not() is not None, reason=str(slurm_cluster.why_not()))
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
+    if reason := slurm_cluster.why_not():
+        pytest.skip(reason)
     cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
         yield cluster
@@ -63,6 +64,28 @@ def wait_until(condition, seconds: float, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.2)
+
+
+def test_without_srun_the_run_stops_with_one_line(tmp_path, monkeypatch, composer):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no SLURM here
+    done = composer("env", "check", str(RECIPES / "smoke-rl.yaml"), "--set", "env.sandbox.hosts=[]", "--set", "env.sandbox.slurm.servers=1")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "error: env.sandbox.slurm starts sandbox servers but `srun` is not on PATH; run on a SLURM login node"
+
+
+def test_servers_that_cannot_start_are_one_clear_error_and_leave_nothing_in_the_queue(slurm_env, tmp_path):
+    from composer.recipes.env_schema import SandboxSection
+    from composer.recipes.errors import UserError
+    from composer.recipes.schema import SSHSection
+    from composer.rollout.sandbox.hosts import SandboxFleet
+
+    config = SandboxSection(hosts=[], slurm={"servers": 2}, remote_python=str(tmp_path / "no-python"))
+    with pytest.raises(UserError) as error:
+        SandboxFleet(config, SSHSection(), root=tmp_path)
+    message = str(error.value)
+    assert message.startswith("env.sandbox.slurm: no sandbox server started (slurm-")
+    assert "no-python" in message and "env.sandbox.remote_python names the Python" in message
+    wait_until(lambda: squeue(slurm_env) == [], 30, "the job of their own was left in the queue")
 
 
 @pytest.mark.slow
@@ -115,7 +138,6 @@ def test_servers_started_as_steps_grade_and_a_killed_step_is_replaced(slurm_env,
 def test_an_rl_run_inside_salloc_is_graded_by_servers_of_its_job_and_a_killed_one_is_replaced(slurm, tmp_path):
     from composer.recipes.loader import load_recipe
     from composer.trainer.checkpoint_init import init_hf_checkpoint
-    from tests.conftest import RECIPES
     from tests.integration.test_rl import STEPS, metrics, start
 
     checkpoint = init_hf_checkpoint(load_recipe(RECIPES / "smoke-rl.yaml").model, tmp_path / "init", tokenizer_bytes=2**20)
