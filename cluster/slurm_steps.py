@@ -9,7 +9,9 @@ nodes back. Each `srun` gets SIGTERM when this process dies, and srun cancels it
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import re
 import select
 import signal
@@ -26,6 +28,10 @@ from composer.runtime.processes import die_with_parent
 LOST_STATES = ("down", "drain", "drng", "fail", "maint", "unk")
 """sinfo's short node states in which a node takes no more steps (a trailing `*`: not responding, too)."""
 STOP_SECONDS = 30
+QUEUE_CHECK_SECONDS = 5.0
+NEVER_STARTS = ("PartitionNodeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount", "InvalidQOS", "AccountNotAllowed")
+"""Reasons squeue gives for a pending job that no amount of waiting will start."""
+log = logging.getLogger("composer.fleet")
 WANTED_BY = "env.sandbox.slurm starts sandbox servers"
 
 
@@ -88,15 +94,20 @@ class StepJob:
         self._srun = require("srun", WANTED_BY)
         self._holder: subprocess.Popen | None = None
         self.lost: set[str] = set()
+        self.job = ""
         self._lock = threading.Lock()
         # The kernel signals a process started with die_with_parent when the *thread* that started it ends: srun and
         # salloc are started by this one thread, which lives as long as the job.
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slurm-spawner")
-        if in_allocation():
-            self.job, self.nodes = os.environ["SLURM_JOB_ID"], allocation_nodes()
-        else:
-            self.job = self._allocate()
-            self.nodes = _hostnames(_squeue(self.job, "%N"))
+        try:
+            if in_allocation():
+                self.job, self.nodes = os.environ["SLURM_JOB_ID"], allocation_nodes()
+            else:
+                self.job = self._allocate()
+                self.nodes = _hostnames(_squeue(self.job, "%N"))
+        except BaseException:
+            self.close(set())
+            raise
 
     def _allocate(self) -> str:
         """A job of their own: `salloc` holding `nodes` nodes while its command (`cat`, reading our pipe) runs."""
@@ -106,11 +117,21 @@ class StepJob:
             if value:
                 argv.append(f"--{flag}={value}")
         self._holder = self._spawn([*argv, "cat"], stdout=subprocess.DEVNULL, text=True)  # salloc gives the nodes back on SIGTERM
-        said = []
-        for line in self._holder.stderr:  # salloc waits in the queue until SLURM grants the nodes
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=_lines_into, args=(self._holder.stderr, lines), daemon=True, name="salloc-stderr").start()
+        said, pending = [], None
+        while (line := _next_line(lines)) is not None:  # salloc waits in the queue until SLURM grants the nodes
+            if line == "":  # nothing said for a while: a job that can never start would wait for ever
+                if pending is not None and (reason := _pending_reason(pending)) in NEVER_STARTS:
+                    subprocess.run(["scancel", pending], capture_output=True)
+                    self._holder.wait()
+                    raise UserError(f"env.sandbox.slurm: SLURM will never start job {pending} (salloc {' '.join(argv[1:])}): {reason}")
+                continue
             said.append(line.strip())
+            if queued := re.search(r"Pending job allocation (\d+)", line):
+                pending = queued.group(1)
+                log.info("sandbox servers: waiting for SLURM to start job %s", pending)
             if granted := re.search(r"Granted job allocation (\d+)", line):
-                threading.Thread(target=self._holder.stderr.read, daemon=True, name="salloc-stderr").start()
                 return granted.group(1)
         self._holder.wait()
         raise UserError(f"env.sandbox.slurm: salloc {' '.join(argv[1:])} got no nodes: {' | '.join(said) or 'no output'}")
@@ -151,16 +172,16 @@ class StepJob:
 
     def close(self, step_names: set[str]) -> None:
         """Cancel the steps named `step_names` that are still there, and give a job of their own back."""
-        steps = subprocess.run(["squeue", "-h", "-s", "-j", self.job, "-o", "%i %j"], capture_output=True, text=True).stdout
-        left = [line.split()[0] for line in steps.splitlines() if len(line.split()) == 2 and line.split()[1] in step_names]
-        if left:
-            subprocess.run(["scancel", *left], capture_output=True)
+        if step_names and self.job:
+            steps = subprocess.run(["squeue", "-h", "-s", "-j", self.job, "-o", "%i %j"], capture_output=True, text=True).stdout
+            left = [line.split()[0] for line in steps.splitlines() if len(line.split()) == 2 and line.split()[1] in step_names]
+            if left:
+                subprocess.run(["scancel", *left], capture_output=True)
         if self._holder is not None:
             self._holder.stdin.close()  # its `cat` ends, and salloc gives the nodes back
             try:
-                self._holder.wait(timeout=STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                subprocess.run(["scancel", self.job], capture_output=True)
+                self._holder.wait(timeout=STOP_SECONDS if self.job else 0)
+            except subprocess.TimeoutExpired:  # still waiting in the queue, or stuck: SIGTERM revokes the job
                 self._holder.terminate()
                 self._holder.wait()
         self._spawner.shutdown()
@@ -171,6 +192,24 @@ def pick_node(nodes: list[str], lost: set[str], busy: dict[str, int], previous: 
     one with the fewest servers (`busy`), then the first in the job's order; None when every node is lost."""
     usable = [node for node in nodes if node not in lost]
     return min(usable, key=lambda node: (node == previous, busy.get(node, 0), nodes.index(node)), default=None)
+
+
+def _lines_into(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def _next_line(lines: queue.Queue) -> str | None:
+    """The next line, "" when none came for a few seconds, None at the end."""
+    try:
+        return lines.get(timeout=QUEUE_CHECK_SECONDS)
+    except queue.Empty:
+        return ""
+
+
+def _pending_reason(job: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%r"], capture_output=True, text=True).stdout.strip()
 
 
 def _squeue(job: str, field: str) -> str:

@@ -1,7 +1,8 @@
 """Sandbox servers that composer starts itself through SLURM (`env.sandbox.slurm`), on the real one-node test
 cluster (tests/helpers/slurm_cluster.py): as steps of a job of their own outside an allocation, registered with the
 fleet as they come up, a killed step replaced and its runs retried, nothing left in the queue after the fleet
-closes; and an RL smoke run inside `salloc` whose episodes are all graded by servers running as steps of its job.
+closes or its driver is killed with -9, servers that cannot start and a job that can never start as one clear error;
+and an RL smoke run inside `salloc` whose episodes are all graded by servers running as steps of its job.
 
 The test cluster has one node (one slurmd on this machine), so a replacement lands on the same node: "another node
 when one is left" is the placement rule of `cluster.slurm_steps.StepJob.place`, with no second node to show it here.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -79,13 +81,25 @@ def test_servers_that_cannot_start_are_one_clear_error_and_leave_nothing_in_the_
     from composer.recipes.schema import SSHSection
     from composer.rollout.sandbox.hosts import SandboxFleet
 
-    config = SandboxSection(hosts=[], slurm={"servers": 2}, remote_python=str(tmp_path / "no-python"))
+    config = SandboxSection(hosts=[], slurm={"servers": 2, "nodes": 1}, remote_python=str(tmp_path / "no-python"))
     with pytest.raises(UserError) as error:
         SandboxFleet(config, SSHSection(), root=tmp_path)
     message = str(error.value)
     assert message.startswith("env.sandbox.slurm: no sandbox server started (slurm-")
     assert "no-python" in message and "env.sandbox.remote_python names the Python" in message
     wait_until(lambda: squeue(slurm_env) == [], 30, "the job of their own was left in the queue")
+
+
+def test_a_job_of_their_own_that_slurm_will_never_start_is_one_clear_error(slurm_env, tmp_path):
+    from composer.recipes.env_schema import SandboxSection
+    from composer.recipes.errors import UserError
+    from composer.recipes.schema import SSHSection
+    from composer.rollout.sandbox.hosts import SandboxFleet
+
+    # two nodes (one per server) from a one-node cluster: a job that would wait in the queue for ever
+    with pytest.raises(UserError, match=r"SLURM will never start job \d+ \(salloc --nodes=2 .*\): PartitionNodeLimit"):
+        SandboxFleet(SandboxSection(hosts=[], slurm={"servers": 2}), SSHSection(), root=tmp_path)
+    assert squeue(slurm_env) == []
 
 
 @pytest.mark.slow
@@ -185,3 +199,27 @@ def test_an_rl_run_inside_salloc_is_graded_by_servers_of_its_job_and_a_killed_on
     assert set(last["sandbox_host_runs"]) == {"slurm-0", "slurm-1"} and all(last["sandbox_host_runs"].values())
     assert last["sandbox_completed"] >= 4 * len(groups)  # rl.group_size episodes a group, each graded once
     assert squeue(slurm) == []  # the run's job ended, its steps with it
+
+
+DRIVER = """
+import sys, time
+from pathlib import Path
+from composer.recipes.env_schema import SandboxSection
+from composer.recipes.schema import SSHSection
+from composer.rollout.sandbox.hosts import SandboxFleet
+
+fleet = SandboxFleet(SandboxSection(hosts=[], slurm={"servers": 1}), SSHSection(), root=Path(sys.argv[1]))
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_driver_killed_with_9_leaves_no_step_and_no_job_behind(slurm_env, tmp_path):
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        assert driver.stdout.readline() == "up\n"
+        assert len(server_steps(slurm_env)) == 1
+    finally:
+        driver.kill()
+        driver.wait()
+    wait_until(lambda: squeue(slurm_env) == [], 60, "the server's step or the job of their own outlived the driver")
