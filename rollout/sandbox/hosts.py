@@ -421,10 +421,10 @@ class SlurmServers:
                     self._settled.notify_all()
                 self._closed.wait(self.config.readmit_seconds)
                 continue
+            if self._closed.is_set():
+                break
+            self._register(host)  # a close from now on closes it with the others
             with self._lock:
-                if self._closed.is_set():
-                    break
-                self._register(host)
                 self._up += 1
                 self._settled.notify_all()
             log.info("sandbox server %s is up on %s (%d at once)", host.name, host.where, host.capacity)
