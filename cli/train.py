@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from composer.cluster.plan import check_fits
+from composer.recipes.env_schema import slurm_server_names
 from composer.recipes.errors import UserError
 from composer.recipes.loader import load_recipe, recipe_to_yaml
 from composer.runtime.run_dir import RunDir
@@ -168,8 +169,10 @@ def rl(
         )
         print_rollout_plan(rollout_plan(recipe), recipe.rollout.engine, console)
         sandbox = recipe.env.sandbox  # check_rl_recipe: an RL recipe has an env
+        slurm_servers = slurm_server_names(sandbox.slurm.servers) if sandbox.slurm else []
         console.print(
-            f"sandbox hosts: {', '.join(sandbox.hosts)} ({sandbox.sandboxes_per_host or 'CPU count'} sandboxes per host); the learner:",
+            f"sandbox hosts: {', '.join([*sandbox.hosts, *slurm_servers])} ({sandbox.sandboxes_per_host or 'CPU count'} sandboxes per host"
+            f"{'; slurm-* are started as SLURM job steps' if slurm_servers else ''}); the learner:",
             highlight=False,
         )
         _dry_run("rl", recipe, *learner_launch(recipe), resume)

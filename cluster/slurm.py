@@ -48,10 +48,10 @@ def allocation_nodes() -> list[str]:
     return result.stdout.split()
 
 
-def _require(tool: str) -> str:
+def require(tool: str, wanted_by: str = "cluster.launcher is slurm") -> str:
     path = shutil.which(tool)
     if path is None:
-        raise UserError(f"cluster.launcher is slurm but `{tool}` is not on PATH; run on a SLURM login node")
+        raise UserError(f"{wanted_by} but `{tool}` is not on PATH; run on a SLURM login node")
     return path
 
 
@@ -119,14 +119,14 @@ class SlurmLauncher(Launcher):
                 "cluster.launcher is slurm but this is not inside a SLURM allocation (no SLURM_JOB_ID): "
                 "pass --submit to run it as a batch job, or start it inside salloc"
             )
-        _require("srun")
+        require("srun")
         self.nodes()
 
     def start(self, module: str, args: list[str], run: RunDir, console: Console | None = None) -> Job:
         self.check_startable()
         nodes = self.nodes()
         argv = self.srun_argv(module, args, f"{run.root.name}-{os.environ['SLURM_JOB_ID']}", nodes)
-        argv[0] = _require("srun")
+        argv[0] = require("srun")
         clear_rank_errors(run)
         process = SrunProcess(argv, {**os.environ, **rank_environment(self.cluster)}, nodes, run, console, self.cluster.procs_per_host)
         return Job(run, [process])
@@ -226,7 +226,7 @@ def submit(launcher: SlurmLauncher, kind: str, recipe_yaml: str, run: RunDir, re
     """Write the resolved recipe and an sbatch script into RUN/slurm/ and submit it; returns (job id, script)."""
     if in_allocation():
         raise UserError("--submit: this is already inside a SLURM allocation; run the command without --submit")
-    sbatch = _require("sbatch")
+    sbatch = require("sbatch")
     script = run.root / "slurm" / "job.sbatch"
     atomic_write_text(run.root / "slurm" / "recipe.yaml", recipe_yaml)
     atomic_write_text(script, batch_script(launcher, kind, run, resume))

@@ -152,6 +152,25 @@ class TaskSet(Section):
         return self
 
 
+class SandboxServersOnSlurm(Section):
+    """Sandbox servers that composer starts itself as SLURM job steps (srun), one per node while nodes last."""
+
+    servers: int = Field(gt=0)
+    """Sandbox servers to keep running, named `slurm-0`, `slurm-1`, ... in the fleet. Inside a SLURM job (the driver
+    sees SLURM_JOB_ID) they are steps of that job on its nodes; otherwise of a job of their own (`nodes` nodes)."""
+    nodes: int | None = Field(default=None, gt=0)
+    """Nodes of the job of their own (outside a SLURM job); `servers` when unset. Unused inside a SLURM job."""
+    cpus_per_server: int | None = Field(default=None, gt=0)
+    """CPUs of each server's step (srun --cpus-per-task); SLURM's default for a step when unset. Set it where the
+    cluster binds steps to their CPUs, or the sandboxes share one core."""
+    partition: str | None = None
+    """Partition of the job of their own; the cluster's default when unset."""
+    account: str | None = None
+    """Account of the job of their own; the user's default when unset."""
+    time_limit: str | None = None
+    """Wall-clock limit of the job of their own (salloc --time, e.g. 2-00:00:00); the partition's default when unset."""
+
+
 class SandboxSection(Section):
     cpu_seconds: int = Field(default=10, gt=0)
     """CPU time limit per execution: per process, and (as root, where the host has cgroups) for all its processes together."""
@@ -183,10 +202,13 @@ class SandboxSection(Section):
     """Retries of a run that failed because of the sandbox or the host, not the program (with backoff, on any
     host of the fleet); after them the run is marked infra_failure, never scored."""
     # --- the sandbox fleet (rollout/sandbox/fleet.py) ---
-    hosts: list[str] = Field(default_factory=lambda: ["localhost"], min_length=1)
+    hosts: list[str] = Field(default_factory=lambda: ["localhost"])
     """Sandbox hosts: `localhost` runs sandboxes here; any other host is reached over SSH (cluster.ssh, host keys
     checked) and runs one sandbox server (its composer, `remote_python`) that grades there. Every host must be
-    reachable at start."""
+    reachable at start. May be empty when `slurm` starts the servers."""
+    slurm: SandboxServersOnSlurm | None = None
+    """Sandbox servers started by SLURM as job steps, in the fleet beside `hosts`: each joins once it is ready, and
+    one that is lost (its step or node gone) is started again on another node of the job."""
     sandboxes_per_host: int | None = Field(default=None, gt=0)
     """Sandboxes each host runs at once; the host's CPU count when unset."""
     max_concurrent: int | None = Field(default=None, gt=0)
@@ -206,7 +228,16 @@ class SandboxSection(Section):
     def _hosts_once(self) -> SandboxSection:
         if repeated := sorted({h for h in self.hosts if self.hosts.count(h) > 1}):
             raise ValueError(f"hosts: {', '.join(repeated)} listed more than once (sandboxes_per_host sets how many each runs)")
+        if not self.hosts and self.slurm is None:
+            raise ValueError("hosts: empty, and no slurm servers: nothing would run the sandboxes")
+        if self.slurm is not None and (taken := [h for h in self.hosts if h in slurm_server_names(self.slurm.servers)]):
+            raise ValueError(f"hosts: {', '.join(taken)} is the name of a sandbox server that slurm starts")
         return self
+
+
+def slurm_server_names(servers: int) -> list[str]:
+    """The fleet's names of the sandbox servers that `env.sandbox.slurm` starts."""
+    return [f"slurm-{index}" for index in range(servers)]
 
 
 class GuardsSection(Section):

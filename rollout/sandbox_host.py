@@ -74,9 +74,10 @@ def main() -> None:
         send({"op": Op.REFUSED, "error": f"{type(e).__name__}: {e}"[:2000]})
         return
     threads = hello.get("threads")
-    send({"op": Op.READY, "cpus": os.cpu_count() or 1, "isolation": dataclasses.asdict(sandbox.isolation)})
+    cpus = len(os.sched_getaffinity(0))  # those it may use: a SLURM step bound to some of the node's CPUs has only those
+    send({"op": Op.READY, "cpus": cpus, "isolation": dataclasses.asdict(sandbox.isolation)})
     # the fleet sends at most `threads` runs at once, and a health probe may come on top
-    workers = ThreadPoolExecutor(max_workers=(threads if isinstance(threads, int) and threads > 0 else os.cpu_count() or 1) + 1)
+    workers = ThreadPoolExecutor(max_workers=(threads if isinstance(threads, int) and threads > 0 else cpus) + 1)
 
     def run(number: int, request: SandboxRequest) -> None:
         send({"op": Op.STARTED, "id": number})

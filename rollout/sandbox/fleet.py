@@ -238,6 +238,7 @@ class SandboxPool:
             raise ValueError("a pool needs hosts")
         self.provider, self.clock = provider, clock
         self.hosts = {name: _Host(name, capacity) for name, capacity in hosts.items()}
+        self._concurrent_limit = max_concurrent
         self.max_concurrent = max_concurrent or sum(hosts.values())
         self.max_queued, self.retries, self.backoff_seconds = max_queued, retries, backoff_seconds
         self.probe_after_failures, self.readmit_seconds, self.request_timeout = probe_after_failures, readmit_seconds, request_timeout
@@ -264,6 +265,27 @@ class SandboxPool:
         self._waiting = 0
         self._pumping = self._pump_again = False
         self._closed = False
+
+    def add_host(self, name: str, capacity: int) -> None:
+        """A host that joins after the pool started (a sandbox server that came up later): it takes runs at once."""
+        with self._lock:
+            if self._closed or name in self.hosts:
+                return
+            host = self.hosts[name] = _Host(name, capacity)
+            self._alive += 1
+            if self._concurrent_limit is None:
+                self.max_concurrent += capacity
+            self._release(host)
+            self._pump()
+
+    def host_lost(self, name: str, detail: str) -> None:
+        """`name`'s connection ended between runs: removed now, not at its next run (re-admitted by a probe later)."""
+        with self._lock:
+            host = self.hosts.get(name)
+            if host is None or self._closed:
+                return
+            self._host_failed(host, Failure("connection_lost", detail))
+            self._pump()
 
     # --- submitting ---
 

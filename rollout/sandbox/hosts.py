@@ -3,6 +3,14 @@
 checked), each running one sandbox server program (`rollout.sandbox_host`, spoken to in `rollout.sandbox.wire`)
 with its own composer, which grades there and ends with the connection. The scheduling is
 `rollout.sandbox.fleet.SandboxPool`'s.
+
+The servers of `env.sandbox.slurm` are started by composer as SLURM job steps (`cluster.slurm_steps`), on a node of
+the driver's own job or of a job of their own, and speak the same protocol over the step's stdin/stdout. A server
+joins the fleet once it has greeted the driver (its `ready` frame is its registration: CPUs and isolation); the
+fleet starts with the first one up and takes the others as they come. A server whose step ends (killed, cancelled,
+its node drained or dead) is a lost host: its runs fail as `connection_lost` and are retried on the others, and the
+pool's re-admission probe (`readmit_seconds` later) starts it again, on another node while one is left (fewest
+servers first); a node SLURM reports down or drained is not used again.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from composer.recipes.env_schema import SandboxSection
+from composer.cluster.slurm_steps import StepJob
+from composer.recipes.env_schema import SandboxSection, slurm_server_names
 from composer.recipes.errors import UserError
 from composer.recipes.schema import SSHSection
 from composer.rollout.sandbox.fleet import Failure, Outcome, Provider, RealClock, SandboxPool
@@ -63,6 +72,8 @@ class SandboxHost(ABC):
     name: str
     capacity: int
     isolation: Isolation
+    on_lost: Callable[[str, str], None] | None = None
+    """Told (name, why) when the host's connection ends by itself, between runs too: the fleet removes it at once."""
 
     @abstractmethod
     def start(self, number: int, request: SandboxRequest, started: Callable[[], None], done: Callable[[Outcome], None]) -> None: ...
@@ -117,8 +128,9 @@ class RemoteSandboxHost(SandboxHost):
     """A host over SSH (cluster.ssh, host keys checked), running one server program (`wire.SERVER_MODULE`) started
     with its composer; runs are frames over the session's stdin/stdout, answered by id. The server ends with the connection."""
 
-    def __init__(self, name: str, config: SandboxSection, ssh: SSHSection, python: str, capacity: int | None):
+    def __init__(self, name: str, config: SandboxSection, ssh: SSHSection, python: str, capacity: int | None, connect: bool = True):
         self.name, self._config, self._ssh, self._python, self._asked = name, config, ssh, python, capacity
+        self.where = name
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         """One frame at a time on the channel (runs and probes are sent from different threads)."""
@@ -129,27 +141,46 @@ class RemoteSandboxHost(SandboxHost):
         """Numbers of workspace and shipping operations (never a run's)."""
         self._host = self._channel = None
         self._errors: deque[str] = deque(maxlen=20)
-        self._connect()
-        self.capacity = capacity or self._cpus
+        if connect:
+            self.connect()
 
-    def _connect(self) -> None:
-        """SSH to the host, start its server and wait for it to be ready (UserError when it cannot be)."""
+    def connect(self) -> None:
+        """Start the host's server and wait for it to be ready (UserError when it cannot be)."""
+        self._connect()
+        self.capacity = self._asked or self._cpus
+
+    def _start_server(self):
+        """The server program started on the host: (what holds it, with `where`, `close` and `explain`; its channel)."""
         from composer.cluster.ssh import SSHHost
 
         host = SSHHost(self.name, self._ssh)
-        self.where = host.where
         try:
             channel = host.conn.client.get_transport().open_session()
-            channel.exec_command(shlex.join([self._python, "-m", SERVER_MODULE]))
+            channel.exec_command(shlex.join(self.server_argv()))
+        except Exception as e:
+            host.close()
+            raise self._start_error(host, e) from None
+        return host, channel
+
+    def server_argv(self) -> list[str]:
+        return [self._python, "-m", SERVER_MODULE]
+
+    def _start_error(self, host, error: Exception) -> UserError:
+        if isinstance(error, (OSError, ProtocolError)):
+            return UserError(f"sandbox host {host.where}: its sandbox server did not start ({error}) {self._said()}")
+        return host.explain(error)
+
+    def _connect(self) -> None:
+        host, channel = self._start_server()
+        self.where = host.where
+        try:
             channel.settimeout(CONNECT_SECONDS)
             channel.sendall(frame_bytes({"op": Op.HELLO, "sandbox": self._config.model_dump(), "threads": self._asked}))
             threading.Thread(target=self._drain_errors, args=(channel,), daemon=True, name=f"sandbox-{self.name}-stderr").start()
             reply = read_frame(exact_reader(channel.recv))
         except Exception as e:
             host.close()
-            if isinstance(e, (OSError, ProtocolError)):
-                raise UserError(f"sandbox host {self.where}: its sandbox server did not start ({e}) {self._said()}") from None
-            raise host.explain(e) from None
+            raise self._start_error(host, e) from None
         if reply is None or reply["op"] != Op.READY:
             host.close()
             said = reply.get("error") if reply else self._said()
@@ -234,12 +265,15 @@ class RemoteSandboxHost(SandboxHost):
     def _lost(self, channel, reason: str) -> None:
         """`channel` is gone: the runs sent on it fail (a newer connection's runs are not its)."""
         with self._lock:
-            if self._channel is channel:
+            current = self._channel is channel
+            if current:
                 self._channel = None
             lost = [n for n, (sent_on, _, _) in self._pending.items() if sent_on is channel]
             callbacks = [self._pending.pop(n)[2] for n in lost]
         for done in callbacks:
             done(Failure("connection_lost", f"{self.where}: {reason}"))
+        if current and self.on_lost is not None:
+            self.on_lost(self.name, f"{self.where}: {reason}")
 
     def start(self, number: int, request: SandboxRequest | dict, started: Callable[[], None], done: Callable[[Outcome], None]) -> None:
         """Send a run (or, as a dict, another operation with its id) on the current connection."""
@@ -331,6 +365,90 @@ class RemoteSandboxHost(SandboxHost):
             self._lost(channel, "the fleet closed")
 
 
+class SlurmSandboxHost(RemoteSandboxHost):
+    """One server of `env.sandbox.slurm`: a job step whose stdin/stdout is the channel; started again on a node the
+    job places it on whenever it reconnects."""
+
+    def __init__(self, name: str, config: SandboxSection, python: str, servers: SlurmServers):
+        super().__init__(name, config, SSHSection(), python, config.sandboxes_per_host, connect=False)
+        self._servers = servers
+        self.node: str | None = None
+
+    def _start_server(self):
+        node = self._servers.place(self)
+        step = self._servers.job.start(node, self._servers.step_name(self.name), self.server_argv())
+        log.info("sandbox server %s: starting on %s", self.name, step.where)
+        return step, step
+
+
+class SlurmServers:
+    """Starts every server of `config.slurm` (in parallel) and hands each to `register` once it is ready."""
+
+    def __init__(self, config: SandboxSection, python: str, register: Callable[[SlurmSandboxHost], None]):
+        assert config.slurm is not None
+        self.config, self._register = config, register
+        self._prefix = f"composer-sandbox-{os.getpid()}"
+        self.job = StepJob(config.slurm, self._prefix)
+        self.hosts = [SlurmSandboxHost(name, config, python, self) for name in slurm_server_names(config.slurm.servers)]
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._settled = threading.Condition(self._lock)
+        self._up = 0
+        self._first_errors: dict[str, str] = {}
+        for host in self.hosts:
+            threading.Thread(target=self._bring_up, args=(host,), daemon=True, name=f"sandbox-{host.name}-start").start()
+
+    def step_name(self, server: str) -> str:
+        return f"{self._prefix}-{server}"
+
+    def place(self, host: SlurmSandboxHost) -> str:
+        """The node for `host`'s next step (see `StepJob.place`)."""
+        with self._lock:
+            busy = Counter(other.node for other in self.hosts if other is not host and other.connected)
+        host.node = self.job.place(busy, previous=host.node)
+        return host.node
+
+    def _bring_up(self, host: SlurmSandboxHost) -> None:
+        """Start `host` until it is ready (a try every `readmit_seconds`), then register it; the pool's probes
+        restart it from then on."""
+        while not self._closed.is_set():
+            try:
+                host.connect()
+            except UserError as e:
+                log.warning("sandbox server %s did not start: %s", host.name, e)
+                with self._lock:
+                    self._first_errors.setdefault(host.name, str(e))
+                    self._settled.notify_all()
+                self._closed.wait(self.config.readmit_seconds)
+                continue
+            if self._closed.is_set():
+                break
+            self._register(host)  # a close from now on closes it with the others
+            with self._lock:
+                self._up += 1
+                self._settled.notify_all()
+            log.info("sandbox server %s is up on %s (%d at once)", host.name, host.where, host.capacity)
+            return
+        host.close()
+
+    def wait_for_one(self) -> None:
+        """Wait until a server is up; UserError when every one failed its first start (the same mistake, most likely:
+        a wrong remote_python, a partition that refuses the steps)."""
+        with self._lock:
+            while not self._up and len(self._first_errors) < len(self.hosts):
+                self._settled.wait()
+            if not self._up:
+                name, error = next(iter(self._first_errors.items()))
+                raise UserError(f"env.sandbox.slurm: no sandbox server started ({name}: {error})")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed.set()
+        for host in self.hosts:
+            host.close()
+        self.job.close({self.step_name(host.name) for host in self.hosts})
+
+
 class HostsProvider(Provider):
     """The provider of real hosts: each run goes to its host's `SandboxHost`."""
 
@@ -365,14 +483,32 @@ class SandboxFleet:
         self.provider = HostsProvider(hosts)
         self.isolations = {host.name: host.isolation for host in hosts}
         self.capacities = {host.name: host.capacity for host in hosts}
+        self.pool: SandboxPool | None = None
+        self._joining = threading.Lock()
+        self.slurm: SlurmServers | None = None
+        if config.slurm is not None:
+            try:
+                self.slurm = SlurmServers(config, config.remote_python or sys.executable, self._join)
+                self.slurm.wait_for_one()
+            except BaseException:
+                self.provider.close()
+                if self.slurm is not None:
+                    self.slurm.close()
+                raise
         self.open_workspaces: Counter[str] = Counter()
         """Repository workspaces open on each host (`rollout.tasks.repository.remote` places episodes by it)."""
         self.shipped_bytes: Counter[str] = Counter()
         """Bytes of trees shipped to each host (project files, environments, tasks' changed files)."""
         self.clock = RealClock()
-        self.pool = SandboxPool(
+        with self._joining:
+            self.pool = self._pool(config, weights)
+            for host in self.provider.by_name.values():
+                host.on_lost = self.pool.host_lost
+
+    def _pool(self, config: SandboxSection, weights: dict[str, float] | None) -> SandboxPool:
+        return SandboxPool(
             self.provider,
-            self.capacities,
+            dict(self.capacities),
             self.clock,
             max_concurrent=config.max_concurrent,
             max_queued=config.max_queued,
@@ -384,6 +520,17 @@ class SandboxFleet:
             request_timeout=3 * config.wall_seconds + 60,
             weights=weights,
         )
+
+    def _join(self, host: SandboxHost) -> None:
+        """A host that came up after the fleet opened (a SLURM-started server): in the maps, then in the pool."""
+        with self._joining:
+            # new dicts, not changed ones: readers iterate them without a lock
+            self.provider.by_name = {**self.provider.by_name, host.name: host}
+            self.isolations = {**self.isolations, host.name: host.isolation}
+            self.capacities = {**self.capacities, host.name: host.capacity}
+            if self.pool is not None:
+                host.on_lost = self.pool.host_lost
+                self.pool.add_host(host.name, host.capacity)
 
     @property
     def max_concurrent(self) -> int:
@@ -412,6 +559,8 @@ class SandboxFleet:
     def close(self) -> None:
         self.pool.close()
         self.clock.close()
+        if self.slurm is not None:
+            self.slurm.close()
         self.provider.close()
 
 
@@ -419,6 +568,8 @@ def _open_hosts(config: SandboxSection, ssh: SSHSection, root: Path | None) -> l
     """Every host of `config.hosts`, connected in parallel; a host that cannot be reached is an error (a wrong
     host list should stop the run, not shrink the fleet without a word), and the others are closed again."""
     names = config.hosts
+    if not names:
+        return []
     python = config.remote_python or sys.executable
 
     def open_one(name: str) -> SandboxHost:

@@ -187,6 +187,36 @@ def test_a_lost_connection_removes_the_host_at_once_and_a_silent_host_times_out(
     assert [t for t, h in provider.probes if h == "lost"] == [pytest.approx(0.5 + 30.0)] and pool.hosts["lost"].state == "down"
 
 
+def test_a_host_that_joins_later_takes_the_queued_runs_and_widens_the_limit():
+    clock = SimulatedClock()
+    provider = FakeProvider(clock, {"first": always(OK), "later": always(OK)})
+    pool = pool_of(provider, {"first": 2})
+    results = submit_all(pool, 12)
+    clock.run(until=0.5)
+    assert pool.snapshot()["sandbox_running"] == 2 and pool.queued == 10
+    pool.add_host("later", 4)  # a SLURM-started server that came up after the fleet opened
+    assert pool.snapshot()["sandbox_running"] == 6 and pool.max_concurrent == 6
+    clock.run()
+    assert results == [OK] * 12 and pool.snapshot()["sandbox_host_runs"] == {"first": 4, "later": 8}
+    assert clock.now() == pytest.approx(2.5)  # without it: 6.0 (12 runs of 1 s, 2 at a time)
+
+
+def test_a_host_lost_between_runs_is_removed_at_once_and_probed_after_its_cool_down():
+    clock = SimulatedClock()
+    provider = FakeProvider(clock, {"a": always(OK), "b": always(OK)})
+    pool = pool_of(provider, {"a": 1, "b": 1}, readmit_seconds=5.0)
+    pool.host_lost("a", "its SLURM step ended")
+    assert pool.hosts["a"].state == "down" and pool.snapshot()["sandbox_failures"] == {"connection_lost": 1}
+    results = submit_all(pool, 4)
+    clock.run(until=4.0)
+    assert results == [OK] * 4 and all(host == "b" for _, host, _ in provider.starts)  # nothing sent to the lost host
+    clock.run(until=6.0)
+    assert provider.probes == [(5.0, "a")] and pool.hosts["a"].state == "up"  # the probe that starts it again passed
+    pool.close()
+    pool.host_lost("b", "the fleet closed")  # after close: nothing changes
+    assert pool.hosts["b"].state == "up"
+
+
 def test_a_finished_run_is_not_held_until_its_timeout():
     """A driver with 100k sandboxes finishes thousands of runs a second: what a finished run held (its callback,
     its program) must be freed then, not when its request timeout would have fired."""

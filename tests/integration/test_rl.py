@@ -20,8 +20,10 @@ STEPS, PROMPTS = 5, 2
 TEMPERATURE = 0.7  # not 1: engine and learner must both score the tempered distribution the tokens came from
 
 
-def start(run_dir, checkpoint, *extra):
+def start(run_dir, checkpoint, *extra, prefix=(), env=None):
+    """`composer train rl` of the smoke recipe, made small; `prefix` runs it under another program (salloc)."""
     args = [
+        *prefix,
         *COMPOSER,
         "train",
         "rl",
@@ -48,7 +50,7 @@ def start(run_dir, checkpoint, *extra):
         f"rollout.sampling.temperature={TEMPERATURE}",
         *extra,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**(env or os.environ), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
 

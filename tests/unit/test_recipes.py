@@ -342,3 +342,20 @@ def test_the_shaped_summary_reward_needs_self_summarization(write_recipe):
     assert "set rollout.summarize_at" in problems_of(path)["rl.summary_reward"]
     assert "rl.summary_reward" in problems_of(path, ["rollout.summarize_at=0.5", "rollout.compaction=drop_oldest"])
     assert load_recipe(path, ["rollout.summarize_at=0.5"]).rl.summary_reward == 0.5
+
+
+def test_sandbox_servers_started_by_slurm_are_a_strict_section_of_their_own():
+    rl = RECIPES / "smoke-rl.yaml"
+    recipe = load_recipe(rl, ["env.sandbox.hosts=[]", "env.sandbox.slurm.servers=2", "env.sandbox.slurm.cpus_per_server=4"])
+    assert recipe.env.sandbox.hosts == [] and recipe.env.sandbox.slurm.servers == 2 and recipe.env.sandbox.slurm.nodes is None
+    assert problems_of(rl, ["env.sandbox.hosts=[]"]) == {
+        "env.sandbox": "hosts: empty, and no slurm servers: nothing would run the sandboxes"
+    }
+    assert (
+        "slurm-1 is the name of a sandbox server"
+        in problems_of(rl, ["env.sandbox.hosts=[slurm-1]", "env.sandbox.slurm.servers=2"])["env.sandbox"]
+    )
+    assert problems_of(rl, ["env.sandbox.slurm.nodes=2"])["env.sandbox.slurm.servers"] == "required, but missing"
+    assert problems_of(rl, ["env.sandbox.slurm.servers=1", "env.sandbox.slurm.node=2"]) == {
+        "env.sandbox.slurm.node": "unknown key; did you mean 'nodes'?"
+    }

@@ -179,10 +179,10 @@ def build_repo_tasks(
 ) -> BuildReport:
     """Build (or finish building) the task set: at least `num_tasks` validated tasks, or every candidate tried; the
     surveys and validations spread over `workers` processes here (when localhost is among the sandbox's hosts) and
-    the sandbox's remote hosts (reached with `ssh`)."""
+    the sandbox's remote hosts (reached with `ssh`, or started by SLURM: those up when the build starts)."""
     build = _Build(settings, sandbox, sandbox_root, on_progress)
     remote = [name for name in sandbox.hosts if name != LOCALHOST]
-    fleet = SandboxFleet(sandbox, ssh or SSHSection(), root=sandbox_root) if remote else None
+    fleet = SandboxFleet(sandbox, ssh or SSHSection(), root=sandbox_root) if remote or sandbox.slurm else None
     try:
         runners = Runners(sandbox, sandbox_root, workers, fleet)
         try:

@@ -241,7 +241,8 @@ class Runners:
         self.slots: queue.Queue = queue.Queue()
         for _ in range(local):
             self.slots.put(LOCALHOST)
-        remote = [name for name in sandbox.hosts if name != LOCALHOST] if fleet is not None else []
+        # the fleet's hosts as the build starts (SLURM-started servers that come up later take no build jobs)
+        remote = [name for name in fleet.capacities if name != LOCALHOST] if fleet is not None else []
         for name in remote:
             for _ in range(fleet.capacities[name]):
                 self.slots.put(name)
