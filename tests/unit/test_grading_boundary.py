@@ -181,6 +181,8 @@ def counted(function_name):
         calls.append(args)
         return function(*args), len(calls)
 
+    wrapper.calls = calls
+    wrapper.info = lambda: {"calls": len(calls)}
     return wrapper
 
 
@@ -218,6 +220,10 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
     # a function the episode returns (a decorator's wrapper) stays there: each call of it crosses, its state kept
     wrapped = crossing.call("shapes", "counted", ("len",), {})
     assert wrapped("ab") == (2, 1) and wrapped([1, 2, 3]) == (3, 2)
+    # and its public attributes are read there (cachetools' `cache_info()`), as data or as its other functions
+    assert wrapped.calls == [("ab",), ([1, 2, 3],)] and wrapped.info() == {"calls": 2}
+    with pytest.raises(AttributeError):
+        getattr(wrapped, "__closure__")  # noqa: B009
 
 
 HOSTILE_ANSWERS = {

@@ -328,15 +328,28 @@ def _apply_after(module, args, kwargs, sent, answer):
     return copies.get(id(result), result)
 
 
+class EpisodeFunction:
+    """The grader's stand-in for a function the episode returned (a decorator's wrapper): each call crosses to the
+    episode's process, and so does each read of a public attribute (`cache_info`); the answers cross as data or as
+    other such functions. It has no other behaviour: it compares, hashes and converts as any plain object."""
+
+    __slots__ = ("_module", "_number")
+
+    def __init__(self, module, number):
+        self._module, self._number = module, number
+
+    def __call__(self, *args, **kwargs):
+        return call(self._module, f"$callback:{self._number}", args, kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return call(self._module, f"$attribute:{self._number}", (name,), {})
+
+
 def _returned(module, number):
-    """The grader's proxy for a function the episode returned: each call crosses to the episode's process."""
-    if number not in _episode_functions:
-
-        def returned(*args, **kwargs):
-            return call(module, f"$callback:{number}", args, kwargs)
-
-        _episode_functions[number] = returned
-    return _episode_functions[number]
+    """The grader's stand-in for the episode's function `number` (one per function: identity holds)."""
+    return _episode_functions.setdefault(number, EpisodeFunction(module, number))
 
 
 # --- the episode's side -------------------------------------------------------------------------
@@ -464,6 +477,12 @@ def _ask(reference, op, /, *args, **kwargs):
     return decode(answer["return"], _episode_codec())
 
 
+def _public_attribute(function, name):
+    if type(name) is not str or name.startswith("_"):
+        raise AttributeError(name)
+    return getattr(function, name)
+
+
 def _answer(request):
     """The episode's answer to one call: its function run on the arguments decoded."""
     previous = _own[0]
@@ -479,8 +498,9 @@ def _answer_call(request):
     try:
         module, qualname = request["call"]
         _own[0] = module.partition(".")[0]
-        if qualname.startswith("$callback:"):
+        if qualname.startswith(("$callback:", "$attribute:")):
             function = _episode["returned"][int(qualname.partition(":")[2])]
+            function = function if qualname.startswith("$callback:") else functools.partial(_public_attribute, function)
         else:
             function = importlib.import_module(module)
             for part in qualname.split("."):
