@@ -19,7 +19,7 @@ import networkx as nx
 import pytest
 
 from composer.rollout.tasks.repository import crossing
-from composer.rollout.tasks.repository.boundary import module_name, proxied
+from composer.rollout.tasks.repository.boundary import crossing_text, module_name, proxied
 
 
 def crossed(value):
@@ -181,6 +181,8 @@ def counted(function_name):
         calls.append(args)
         return function(*args), len(calls)
 
+    wrapper.calls = calls
+    wrapper.info = lambda: {"calls": len(calls)}
     return wrapper
 
 
@@ -218,6 +220,10 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
     # a function the episode returns (a decorator's wrapper) stays there: each call of it crosses, its state kept
     wrapped = crossing.call("shapes", "counted", ("len",), {})
     assert wrapped("ab") == (2, 1) and wrapped([1, 2, 3]) == (3, 2)
+    # and its public attributes are read there (cachetools' `cache_info()`), as data or as its other functions
+    assert wrapped.calls == [("ab",), ([1, 2, 3],)] and wrapped.info() == {"calls": 2}
+    with pytest.raises(AttributeError):
+        getattr(wrapped, "__closure__")  # noqa: B009
 
 
 HOSTILE_ANSWERS = {
@@ -247,9 +253,12 @@ HOSTILE_ANSWERS = {
     "an enum member of no enum": b'{"return": {"$enum": ["networkx", "Graph", "RED"]}}',
     "a malformed date": b'{"return": {"$value": ["datetime", "yesterday"]}}',
     # the protocol misused
-    "a callback never passed": b'{"callback": 3, "args": {"$tuple": []}, "kwargs": {"$dict": []}}',
-    "an argument turned into another type": b'{"return": 1, "changed": {"0": "now a string"}}',
-    "a mutation of an argument not passed": b'{"return": 1, "changed": {"nope": [1]}}',
+    "a reference never given, used": b'{"ref": 1000000000, "op": "call", "args": [], "kwargs": {"$dict": []}}',
+    "a reference never given, returned": b'{"return": {"$ref": 1000000000}}',
+    "an operation not of the list": b'{"ref": 0, "op": "globals", "args": [], "kwargs": {"$dict": []}}',
+    "a back-reference to nothing met": b'{"return": [{"$same": 5}]}',
+    "an argument turned into another type": b'{"return": 1, "after": {"args": ["now a string"], "kwargs": {}}}',
+    "a mutation of an argument not passed": b'{"return": 1, "after": {"args": [[0]], "kwargs": {"nope": [1]}}}',
     "no return": b'{"changed": {}}',
 }
 
@@ -278,3 +287,292 @@ def test_whatever_the_episode_answers_the_grader_raises_an_ordinary_exception(an
         os.close(ask)
         del nx.SkipTest
     assert type(raised.value).__module__ in ("builtins", "json.decoder") and items == [0], repr(raised.value)
+
+
+def test_shared_structures_and_cycles_cross_as_one_graph():
+    """An item and its parent container (tomlkit's), a list passed twice, a dict holding itself: each structure is
+    sent once and met again by number, so the other side gets the same shape, back-references kept."""
+    shared = [1, 2]
+    value = crossed({"a": shared, "b": (shared, [shared])})
+    assert value == {"a": [1, 2], "b": ([1, 2], [[1, 2]])} and value["a"] is value["b"][0] is value["b"][1][0]
+    looped = {"name": "root", "children": []}
+    looped["children"].append({"name": "leaf", "parent": looped})
+    back = crossed(looped)
+    assert back["children"][0]["parent"] is back and back["children"][0]["name"] == "leaf"
+    chain = [0]
+    for _ in range(300):
+        chain = [chain]
+    with pytest.raises(crossing.NotCrossable, match="nesting"):  # the depth bound holds for what does not repeat
+        crossing.encode(chain)
+
+
+TREES = """class Node:
+    def __init__(self, name, parent=None):
+        self.name, self.parent, self.children = name, parent, []
+        if parent is not None:
+            parent.children.append(self)
+
+
+def adopt(parent, name):
+    child = object.__new__(Node)
+    child.name, child.parent, child.children = name, parent, []
+    parent.children.append(child)
+    return child
+"""
+
+
+def test_objects_with_back_references_cross_and_come_back_whole(tmp_path, monkeypatch):
+    (tmp_path / "trees").mkdir()
+    (tmp_path / "trees" / "__init__.py").write_text(TREES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import trees
+
+    _serve_over_pipes()
+    root = trees.Node("root")
+    for i in range(300):  # deeper than the nesting bound as a chain of parents, shallow as a graph
+        trees.Node(f"c{i}", root)
+    child = crossing.call("trees", "adopt", (root,), {"name": "new"})
+    assert child.parent is root and root.children[-1] is child and len(root.children) == 301
+    assert all(c.parent is root for c in root.children)
+
+
+REFERENCES = """import copy
+
+
+def lookup(mapping, keys, default):
+    found = [mapping[k] if k in mapping else default for k in keys]
+    return found, len(mapping), sorted(mapping), mapping == {"a": 1, "b": 2}, default
+
+
+def take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+def draw(rng, n):
+    return [rng.randint(0, 100) for _ in range(n)]
+
+
+def fill(factory, items):
+    made = factory()
+    for k, v in items:
+        made[k].append(v)
+    return made
+
+
+def compare(a, b):
+    try:
+        return a == b, hash(a) == hash(b), a < b
+    except TypeError as e:
+        return "TypeError", str(e)
+
+
+def parameters(signature):
+    return [(name, p.kind.name, p.default is p.empty) for name, p in signature.parameters.items()]
+
+
+def give_back(obj):
+    return {"same": obj, "copy": copy.copy(obj)}
+
+
+def apply(function, value):
+    return function(value) + 1
+"""
+
+
+class CustomMapping(dict):
+    """As toolz's tests define one: a mapping the function must keep using as given."""
+
+    def __getitem__(self, key):
+        return dict.__getitem__(self, key) * 10
+
+
+class NoCompare:
+    def __eq__(self, other):
+        raise TypeError("NoCompare cannot be compared")
+
+    __hash__ = object.__hash__
+
+
+def test_the_graders_objects_cross_by_reference_and_answer_in_the_grader(tmp_path, monkeypatch):
+    """What the tests pass that is not data (their own classes, `object()` sentinels, `random.Random`, iterators,
+    `defaultdict` factories, `inspect.Signature`) stays in the grader: the episode's function uses it across the
+    boundary, the grader's object answers, and what the episode gives back is the grader's own object."""
+    import inspect
+    import itertools
+    import random
+
+    (tmp_path / "uses.py").write_text(REFERENCES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _serve_over_pipes()
+    sentinel = object()
+    found, size, keys, equal, default = crossing.call("uses", "lookup", (CustomMapping(a=1, b=2), ["a", "z"], sentinel), {})
+    assert found[0] == 10 and found[1] is sentinel and default is sentinel  # the grader's __getitem__, its own object
+    assert (size, keys, equal) == (2, ["a", "b"], True)
+    counter = itertools.count(5)
+    assert crossing.call("uses", "take", (counter, 3), {}) == [5, 6, 7] and next(counter) == 8  # consumed here
+    rng, same = random.Random(4), random.Random(4)
+    assert crossing.call("uses", "draw", (rng, 5), {}) == [same.randint(0, 100) for _ in range(5)]
+    assert rng.random() == same.random()  # the grader's generator advanced by the episode's draws
+    made = crossing.call("uses", "fill", (lambda: collections.defaultdict(list), [("a", 1), ("a", 2)]), {})
+    assert type(made) is collections.defaultdict and made == {"a": [1, 2]}
+    assert crossing.call("uses", "compare", (NoCompare(), 1), {}) == ("TypeError", "NoCompare cannot be compared")
+    signature = inspect.signature(lambda a, *, b=2: None)
+    assert crossing.call("uses", "parameters", (signature,), {}) == [("a", "POSITIONAL_OR_KEYWORD", True), ("b", "KEYWORD_ONLY", False)]
+    mapping = CustomMapping(a=1)
+    back = crossing.call("uses", "give_back", (mapping,), {})
+    assert back["same"] is mapping and type(back["copy"]) is CustomMapping and back["copy"] is not mapping
+    assert crossing.call("uses", "apply", (len, "abc"), {}) == 4
+
+
+WALKS = """def walk(obj, *steps):
+    value = obj
+    for step in steps:
+        value = value() if step == "()" else getattr(value, step)
+    return value
+
+
+def swallow(obj):
+    try:
+        obj.check()
+    except BaseException as e:
+        return "swallowed " + type(e).__name__
+    return "nothing"
+
+
+def plant(obj):
+    class Anything:
+        def __eq__(self, other):
+            return True
+
+    obj.expected = Anything()
+"""
+
+
+def _outcome_failure():
+    pytest.fail("the grader's own object fails the test")
+
+
+class Holder:
+    """What a test might pass, with a public surface that leads to what the episode must never reach."""
+
+    def __init__(self):
+        self.module, self.run, self.getter, self.check = os, os.system, getattr, _outcome_failure
+        self.generator = (i for i in range(3))
+        self._secret = "hidden"
+        self.expected = 1
+
+    def method(self):
+        return "ok"
+
+
+class SomeTest(unittest.TestCase):
+    def runTest(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        ("__dict__",),
+        ("__class__",),
+        ("_secret",),
+        ("method", "__globals__"),
+        ("method", "__self__"),
+        ("module",),
+        ("run",),
+        ("getter",),
+        ("generator", "gi_frame"),
+        ("generator", "gi_code"),
+        ("check", "__globals__"),
+        ("method", "__func__"),
+    ],
+)
+def test_the_episode_walking_a_reference_gets_an_ordinary_exception_and_nothing_else(tmp_path, monkeypatch, steps):
+    """The episode may use only a reference's public surface, and what it gets back crosses by the same rules: no
+    `_` name, no module, frame or code, no function of the interpreter's or the system's. However it walks, the call
+    ends in an exception of the grader's builtins (refused uses counted as refusals), never with anything reached."""
+    (tmp_path / "walker.py").write_text(WALKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _serve_over_pipes()
+    holder = Holder()
+    assert crossing.call("walker", "walk", (holder, "method", "()"), {}) == "ok"  # the public surface answers
+    with pytest.raises(Exception) as raised:
+        crossing.call("walker", "walk", (holder, *steps), {})
+    assert type(raised.value).__module__ == "builtins", repr(raised.value)
+    assert holder._secret == "hidden" and holder.module is os
+
+
+def test_the_grader_keeps_its_outcomes_and_takes_no_object_of_the_episodes(tmp_path, monkeypatch):
+    (tmp_path / "walker.py").write_text(WALKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _serve_over_pipes()
+    holder = Holder()
+    # the grader's object fails the test: the episode catching it does not keep it from the test
+    with pytest.raises(pytest.fail.Exception, match="fails the test"):
+        crossing.call("walker", "swallow", (holder,), {})
+    # an always-equal object of the episode's set on the grader's object: refused, the attribute unchanged
+    with pytest.raises(RuntimeError, match="cannot cross"):
+        crossing.call("walker", "plant", (holder,), {})
+    assert holder.expected == 1
+    # a test case (its assertions, its outcome) is never given, even by reference
+    with pytest.raises(RuntimeError, match="cannot cross"):
+        crossing.call("walker", "walk", (SomeTest(),), {})
+
+
+READS = """import os
+import platform
+import sys
+
+
+def environment():
+    return platform.mac_ver()[0], os.environ.get("CROSSING_PATCHED"), sys.implementation.name
+"""
+
+
+def _serve_in_a_process(root):
+    """The episode's side as its own process (`python -c <codec and crossing> ROOT`, descriptors 4 in and 3 out), as
+    the sandbox starts it: what the grader's process patches is not patched there unless the call carries it."""
+    import subprocess
+    import sys
+
+    asked, ask = os.pipe()
+    heard, hear = os.pipe()
+    answered, answer = os.pipe()
+    program = f"import os\nos.dup2({heard}, 4)\nos.dup2({answer}, 3)\nexec(compile({crossing_text()!r}, 'crossing', 'exec'))"
+    episode = subprocess.Popen([sys.executable, "-c", program, str(root)], pass_fds=(heard, answer))
+    os.close(heard)
+    os.close(answer)
+
+    def host():
+        with os.fdopen(asked, "rb") as lines:
+            for line in lines:
+                os.write(hear, line[5:])
+        os.close(hear)
+
+    threading.Thread(target=host, daemon=True).start()
+    crossing.connect(ask, answered)
+    return episode, ask
+
+
+def test_the_tests_monkeypatches_hold_in_the_episodes_process_during_each_call(tmp_path):
+    """packaging's tests patch `platform.mac_ver`, `sys.implementation` and the environment: the call carries the
+    patches in force, the episode's process makes them for the call (a patched function is called back in the
+    grader) and undoes them after."""
+    import platform
+    import sys
+    import types
+
+    (tmp_path / "reads.py").write_text(READS)
+    episode, ask = _serve_in_a_process(tmp_path)
+    try:
+        unpatched = crossing.call("reads", "environment", (), {})
+        assert unpatched == (platform.mac_ver()[0], None, sys.implementation.name)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(platform, "mac_ver", lambda: ("10.15", ("", "", ""), "x86_64"))
+            patch.setattr(sys, "implementation", types.SimpleNamespace(name="pypy"))
+            patch.setenv("CROSSING_PATCHED", "yes")
+            assert crossing.call("reads", "environment", (), {}) == ("10.15", "yes", "pypy")
+        assert crossing.call("reads", "environment", (), {}) == unpatched  # undone in both processes
+    finally:
+        os.close(ask)
+        episode.wait(timeout=30)

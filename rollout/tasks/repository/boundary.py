@@ -6,7 +6,7 @@ trusted package in which each function of the task's scope keeps its trusted sig
 checks and conversions stay the grader's) but its body is one call, `crossing.call(module, name, args, kwargs)`,
 answered by the episode's version of the function in a sandboxed process of its own (`crossing.serve`, as another
 uid, with the package and the episode's change and without the tests). What crosses is data
-(`rollout/tasks/repository/crossing.py`). Every task is graded this way (every kind's scope names functions);
+(`rollout/tasks/repository/codec.py`, `crossing.py`). Every task is graded this way (every kind's scope names functions);
 `env build` keeps a task only when its original passes its expected tests this way and its change fails its
 fail-to-pass ones.
 """
@@ -18,7 +18,14 @@ from pathlib import Path, PurePosixPath
 
 from composer.rollout.tasks.repository.grading_policy import Scope, definitions
 
-CROSSING_SOURCE = Path(__file__).with_name("crossing.py")
+CROSSING_SOURCES = (Path(__file__).with_name("codec.py"), Path(__file__).with_name("crossing.py"))
+
+
+def crossing_text() -> str:
+    """Both sides' program, stdlib only: the encoding of what crosses, then the calls and references."""
+    return "\n".join(path.read_text() for path in CROSSING_SOURCES)
+
+
 # The module name under which the grader's entry installs `crossing` (what the proxies' bodies import).
 CROSSING_MODULE = "_composer_crossing"
 

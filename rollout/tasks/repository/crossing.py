@@ -1,395 +1,113 @@
-"""Calls across the grading boundary of repository tasks: both sides of it, stdlib only, run as text.
+"""Calls across the grading boundary of repository tasks: both sides of it, stdlib only, run as text (after
+`codec.py`'s text, which encodes what crosses).
 
 The grader's pytest imports the trusted package with the task's functions replaced by proxies (`boundary.proxied`)
 whose body is `crossing.call(module, name, args, kwargs)`: the arguments go, as data, one line on the run's channel
 (`CALL {json}`) that the host forwards to the episode's process, which runs `serve`: it calls its own version of the
-function and answers one line, the result, the arguments as they are after the call (their mutations) or the
-exception's type name and message. Arguments that are functions (a weight function) are called back: the episode's
-process asks for them by number, and the grader calls them on data and answers, before the call's own answer comes.
+function and answers one line: the result, the arguments as they are after the call (when it changed them) or the
+exception's type name and message.
 
-What crosses is JSON with tags, decoded by each side into plain types and its own classes only:
-  None, bool, int, float, str, list   as JSON; {"$float": "nan" | "inf" | "-inf"}
-  bytes                               {"$bytes": hex}; NotImplemented (a comparison's), Ellipsis {"$const": name}
-  tuple, set, frozenset, dict, range  {"$tuple": [...]}, {"$set": [...]}, {"$frozenset": [...]}, {"$dict": [[k, v]...]},
-                                      {"$range": [start, stop, step]}
-  an iterator (a generator's values)  {"$iter": [...]} (decoded as an iterator over them; an argument's are taken
-                                      as the function would take them)
-  a networkx graph                    {"$graph": [class, graph attributes, [[node, attributes]...],
-                                      [[node, [[neighbour, edge attributes or {key: attributes}]...]]...],
-                                      the predecessors' order of a directed graph or null]}
-  a function                          {"$callback": number}: a function the grader passes is called back in the
-                                      grader; one the episode returns (a decorator's wrapper) stays in the episode's
-                                      process, and the grader's proxy for it calls it there across the boundary
-  an instance of the project's own class  {"$object": [module, qualname, its builtin base's value or null,
-                                      [[attribute, value]...]]}; an enum member {"$enum": [module, qualname, name]}
-  a standard library value            {"$value": [name, data]}: datetime's date, time, datetime (with a fixed
-                                      offset or none), timedelta; Decimal, Fraction, PurePosixPath and PosixPath, UUID
-  a class                             {"$type": [module, qualname]}: a builtin one or a `collections` one
-                                      (`factory=dict`), or the project's own
-The graph classes are the decoding side's own (`Graph`, `DiGraph`, `MultiGraph`, `MultiDiGraph` of its networkx),
-filled in the neighbours' order as sent. An object of the project's package (the package of the called function's
-module: a `Version`, a cache, a tuple subclass) crosses as its state: the decoding side makes an instance of its own
-copy of that class without running its constructor and sets the attributes (instances of module-level classes only;
-a member of an enum is the side's own member). Anything else cannot cross (`NotCrossable`); the grader never
-unpickles and never calls an object of the episode's.
+An argument the grader cannot send as data (a function, an object of a test module's class, an `object()`
+sentinel, a `random.Random`, an iterator) stays in the grader's process and goes as a reference ({"$ref": number}):
+the episode's side gets a `Reference` whose every use (a public attribute read or set, a call, the protocol's
+operators: `[]`, `iter`, `len`, `in`, `==`, `hash`, arithmetic...) asks the grader, before the call's own answer
+comes, and the grader's object answers on data; what it answers crosses by the same rules (data, or another
+reference). A reference the episode gives back is the grader's own object again (identity kept). Only the public
+surface crosses (no `_` name), and never a module, a frame, code, a test framework's object (a `TestCase`,
+pytest's), nor a function of the interpreter's or the system's (`exec`, `getattr`, `os.system`, `sys.exit`): those
+are refused. The other direction is data only: a function the episode returns (a decorator's wrapper) stays in the
+episode's process ({"$callback": number}) and each call of it from the grader crosses like the task's own; no other
+object of the episode's ever reaches the grader, which never unpickles and never runs the episode's code.
 """
 
+import functools
 import json
-import math
+import operator
 import os
 import sys
 import threading
+import types
 import unittest
 
-MAX_DEPTH = 200
-MAX_ITEMS = 1_000_000
-GRAPHS = ("Graph", "DiGraph", "MultiGraph", "MultiDiGraph")
-# Exceptions an answer may name, re-raised as the grader's own (besides the trusted package's own exceptions).
-BUILTIN_EXCEPTIONS = (
-    "ArithmeticError",
-    "AssertionError",
-    "AttributeError",
-    "IndexError",
-    "KeyError",
-    "LookupError",
-    "NotImplementedError",
-    "OverflowError",
-    "RecursionError",
-    "RuntimeError",
-    "StopIteration",
-    "TypeError",
-    "ValueError",
-    "ZeroDivisionError",
-)
+if __name__ == "composer.rollout.tasks.repository.crossing":  # imported; shipped, codec.py's text precedes this one
+    from composer.rollout.tasks.repository.codec import (
+        BUILTIN_EXCEPTIONS,
+        Codec,
+        NotCrossable,
+        _own,
+        apply_mutation,
+        decode,
+        dumps,
+        encode,
+        replace_copies,
+    )
 
-
-OBJECT_BASES = (tuple, list, dict, set, frozenset, str, int, float)
-"""Builtin bases whose value an object of the project's own class carries besides its attributes."""
-SHARED_CLASSES = {
-    "builtins": (
-        *("bool", "bytes", "dict", "float", "frozenset", "int", "list", "object", "set", "str", "tuple", "NoneType"),
-        *("map", "filter", "zip", "range", "enumerate", "reversed", "Exception", "BaseException", *BUILTIN_EXCEPTIONS),
-    ),
-    "collections": ("Counter", "OrderedDict", "defaultdict", "deque"),
+_BINARY = {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "truediv": operator.truediv,
+    "floordiv": operator.floordiv,
+    "mod": operator.mod,
+    "pow": operator.pow,
+    "matmul": operator.matmul,
+    "and": operator.and_,
+    "or": operator.or_,
+    "xor": operator.xor,
+    "lshift": operator.lshift,
+    "rshift": operator.rshift,
 }
-"""Classes that cross by name (`factory=dict`, `exceptions=(ValueError,)`), besides the project's own."""
-_own = [""]
-"""The top-level package whose classes cross as their state: the called function's (set per call, on each side)."""
+_COMPARISONS = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge}
+_UNARY = {
+    **{"neg": operator.neg, "pos": operator.pos, "abs": abs, "invert": operator.invert, "len": len, "iter": iter},
+    **{"next": next, "reversed": reversed, "bool": bool, "hash": hash, "str": str, "repr": repr, "int": int},
+    **{"float": float, "index": operator.index},
+}
+OPERATIONS = {
+    **_UNARY,
+    **_COMPARISONS,
+    **_BINARY,
+    **{"r" + name: functools.partial(lambda f, target, other: f(other, target), f) for name, f in _BINARY.items()},
+    **{"getitem": operator.getitem, "setitem": operator.setitem, "delitem": operator.delitem, "contains": operator.contains},
+    **{"format": format, "call": lambda target, *args, **kwargs: target(*args, **kwargs)},
+    **{"getattr": getattr, "setattr": setattr, "delattr": delattr},
+    **{"copy": lambda target: __import__("copy").copy(target), "deepcopy": lambda target: __import__("copy").deepcopy(target)},
+}
+"""What the episode may do with a reference: each runs in the grader on its object, with the episode's data."""
+FRAMEWORKS = ("pytest", "_pytest", "pluggy", "unittest", "_composer_crossing")
+SYSTEM = (
+    *("os", "posix", "sys", "subprocess", "shutil", "importlib", "ctypes", "gc", "signal", "socket", "threading"),
+    *("_thread", "multiprocessing", "runpy", "pickle", "_pickle", "marshal", "io", "_io", "code", "pdb", "inspect"),
+    *("types", "site", "sysconfig", "atexit", "faulthandler", "tempfile", "builtins"),
+)
+SAFE_BUILTINS = (
+    *("abs", "all", "any", "ascii", "bin", "bool", "bytes", "callable", "chr", "dict", "divmod", "enumerate", "filter"),
+    *("float", "format", "frozenset", "hash", "hex", "id", "int", "isinstance", "issubclass", "iter", "len", "list"),
+    *("map", "max", "min", "next", "oct", "ord", "pow", "range", "repr", "reversed", "round", "set", "slice", "sorted"),
+    *("str", "sum", "tuple", "zip", "object", "print", "complex", "bytearray"),
+)
+"""The interpreter's functions and classes a reference may be (a key function `len`, a factory `list`): none that
+reaches names, modules, files or code (`getattr`, `vars`, `open`, `exec`, `type`)."""
 
 
-def _values():
-    """The standard library's value classes that cross as data: name -> (class, to data, from data)."""
-    import datetime
-    import decimal
-    import fractions
-    import pathlib
-    import uuid
-
-    def fixed_offset(value):
-        if value.tzinfo is not None and type(value.tzinfo) is not datetime.timezone:
-            raise NotCrossable(f"a time zone {type(value.tzinfo).__name__}")
-        return value.isoformat()
-
-    return {
-        "datetime": (datetime.datetime, fixed_offset, datetime.datetime.fromisoformat),
-        "date": (datetime.date, datetime.date.isoformat, datetime.date.fromisoformat),
-        "time": (datetime.time, fixed_offset, datetime.time.fromisoformat),
-        "timedelta": (
-            datetime.timedelta,
-            lambda v: [v.days, v.seconds, v.microseconds],
-            lambda d: datetime.timedelta(days=d[0], seconds=d[1], microseconds=d[2]),
-        ),
-        "Decimal": (decimal.Decimal, str, decimal.Decimal),
-        "Fraction": (fractions.Fraction, lambda v: [v.numerator, v.denominator], lambda d: fractions.Fraction(d[0], d[1])),
-        "PurePosixPath": (pathlib.PurePosixPath, str, pathlib.PurePosixPath),
-        "PosixPath": (pathlib.PosixPath, str, pathlib.PosixPath),
-        "UUID": (uuid.UUID, str, uuid.UUID),
-    }
-
-
-VALUES = _values()
-_VALUE_NAMES = {cls: name for name, (cls, _, _) in VALUES.items()}
-
-
-class NotCrossable(TypeError):
-    """A value that cannot cross the boundary as data."""
-
-
-def _graph_class(value):
-    kind = type(value)
-    if kind.__name__ in GRAPHS and kind.__module__.startswith("networkx.classes."):
-        return kind.__name__
+def _hazard(value):
+    """Why the grader's `value` must not be given to the episode, even as a reference (None when it may)."""
+    if isinstance(value, (types.ModuleType, types.FrameType, types.CodeType, types.TracebackType, types.CellType)):
+        return f"a {type(value).__name__}"
+    owner = getattr(value, "__self__", None) if isinstance(value, (types.MethodType, types.BuiltinMethodType)) else None
+    if owner is not None and not isinstance(owner, types.ModuleType):
+        return _hazard(owner)  # a bound method is as safe as its object
+    classes = value.__mro__ if isinstance(value, type) else type(value).__mro__
+    if any(cls.__module__.partition(".")[0] in FRAMEWORKS for cls in classes):
+        return f"a {classes[0].__module__}.{classes[0].__qualname__}"
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, functools.partial)):
+        function = value.func if isinstance(value, functools.partial) else value
+        module = getattr(function, "__module__", None) or "builtins"
+        name = getattr(function, "__qualname__", "")
+        system = SYSTEM if not isinstance(value, type) else [m for m in SYSTEM if m != "inspect"]  # (`Parameter.empty`)
+        if module.partition(".")[0] in system and not (module == "builtins" and name in SAFE_BUILTINS):
+            return f"a {module}.{name}"
     return None
-
-
-def encode(value, callbacks=None, depth=0):
-    """`value` as tagged JSON; `callbacks` (a list) takes the functions among the arguments (grader side only)."""
-    if depth > MAX_DEPTH:
-        raise NotCrossable(f"nesting deeper than {MAX_DEPTH}")
-    kind = type(value)
-    if value is None or kind in (bool, int, str):
-        return value
-    if kind is float:
-        return value if math.isfinite(value) else {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-    if kind.__module__ == "numpy":
-        for base in (bool, int, float, str):
-            if isinstance(value, base) or (base is bool and kind.__name__ == "bool"):
-                return encode(base(value), callbacks, depth)
-        if kind.__name__.startswith(("int", "uint")):
-            return int(value)
-        if kind.__name__.startswith("float"):
-            return encode(float(value), callbacks, depth)
-    if value is NotImplemented or value is Ellipsis:
-        return {"$const": "NotImplemented" if value is NotImplemented else "Ellipsis"}
-    if kind is bytes:
-        return {"$bytes": value.hex()}
-    if kind is list:
-        return [encode(v, callbacks, depth + 1) for v in value]
-    if kind in (tuple, set, frozenset):
-        return {"$" + kind.__name__: [encode(v, callbacks, depth + 1) for v in value]}
-    if kind is dict:
-        return {"$dict": [[encode(k, callbacks, depth + 1), encode(v, callbacks, depth + 1)] for k, v in value.items()]}
-    if kind is range:
-        return {"$range": [value.start, value.stop, value.step]}
-    name = _graph_class(value)
-    if name is not None:
-        directed = "Di" in name
-        adjacency = [[encode(u, callbacks, depth + 1), encode_neighbours(nbrs, callbacks, depth)] for u, nbrs in value._adj.items()]
-        predecessors = (
-            [[encode(v, callbacks, depth + 1), [encode(u, callbacks, depth + 1) for u in preds]] for v, preds in value._pred.items()]
-            if directed
-            else None
-        )
-        nodes = [[encode(n, callbacks, depth + 1), encode(dict(a), callbacks, depth + 1)] for n, a in value._node.items()]
-        return {"$graph": [name, encode(dict(value.graph), callbacks, depth + 1), nodes, adjacency, predecessors]}
-    if callbacks is not None and kind.__name__ in ("function", "builtin_function_or_method", "method", "partial"):
-        callbacks.append(value)
-        return {"$callback": len(callbacks) - 1}
-    if kind in _VALUE_NAMES:
-        name = _VALUE_NAMES[kind]
-        return {"$value": [name, VALUES[name][1](value)]}
-    if kind is type or isinstance(value, type):
-        if value.__qualname__ in SHARED_CLASSES.get(value.__module__, ()) or (
-            _own[0] and value.__module__.partition(".")[0] == _own[0] and "<" not in value.__qualname__
-        ):
-            return {"$type": [value.__module__, value.__qualname__]}
-        raise NotCrossable(f"the class {value.__module__}.{value.__qualname__}")
-    if _own[0] and kind.__module__.partition(".")[0] == _own[0] and "<" not in kind.__qualname__:
-        return encode_object(value, callbacks, depth)
-    if hasattr(value, "__next__") and hasattr(value, "__iter__"):
-        # A generator's values (an argument is consumed as the function would consume it).
-        items = []
-        for item in value:
-            items.append(encode(item, callbacks, depth + 1))
-            if len(items) > MAX_ITEMS:
-                raise NotCrossable(f"an iterator of more than {MAX_ITEMS} values")
-        return {"$iter": items}
-    raise NotCrossable(f"a {kind.__module__}.{kind.__qualname__}")
-
-
-def _attributes(value):
-    """An object's attributes: its __dict__ and its __slots__ that are set."""
-    found = dict(vars(value)) if hasattr(value, "__dict__") else {}
-    for cls in type(value).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__"):
-                mangled = f"_{cls.__name__.lstrip('_')}{name}" if name.startswith("__") and not name.endswith("__") else name
-                try:
-                    found[mangled] = object.__getattribute__(value, mangled)
-                except AttributeError:
-                    pass
-    return found
-
-
-def encode_object(value, callbacks, depth):
-    kind = type(value)
-    import enum
-
-    if isinstance(value, enum.Enum):
-        return {"$enum": [kind.__module__, kind.__qualname__, value.name]}
-    base = next((b for b in kind.__mro__ if b in OBJECT_BASES), None)
-    carried = encode(base(value), callbacks, depth + 1) if base is not None else None
-    attributes = [[name, encode(v, callbacks, depth + 1)] for name, v in _attributes(value).items()]
-    return {"$object": [kind.__module__, kind.__qualname__, carried, attributes]}
-
-
-def _own_class(module, qualname):
-    """This side's class `module.qualname` of the project's package (ValueError for anything else)."""
-    import importlib
-
-    if type(module) is not str or type(qualname) is not str or not _own[0] or module.partition(".")[0] != _own[0]:
-        raise ValueError(f"not a class of the project's package: {str(module)[:80]}")
-    found = importlib.import_module(module)
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-    if not isinstance(found, type) or found.__module__.partition(".")[0] != _own[0]:
-        raise ValueError(f"not a class of the project's package: {module}.{qualname}"[:120])  # nor one it imports
-    return found
-
-
-def decode_object(body, make_callback, depth):
-    """An instance of this side's own class, its constructor not run: the builtin base's value, then the attributes."""
-    module, qualname, carried, attributes = body
-    cls = _own_class(module, qualname)
-    base = next((b for b in cls.__mro__ if b in OBJECT_BASES), None)
-    if (carried is None) != (base is None) or type(attributes) is not list:
-        raise ValueError("malformed $object")
-    if base is None:
-        made = object.__new__(cls)
-    elif base in (list, dict, set):
-        made = base.__new__(cls)
-        base.__init__(made, decode(carried, make_callback, depth + 1))
-    else:
-        made = base.__new__(cls, decode(carried, make_callback, depth + 1))
-    set_attributes(made, attributes, make_callback, depth)
-    return made
-
-
-def set_attributes(target, attributes, make_callback, depth):
-    for pair in attributes:
-        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str or pair[0].startswith("__"):
-            raise ValueError("malformed $object attributes")  # (no `__class__`, `__dict__`: the state, never the type)
-        object.__setattr__(target, pair[0], decode(pair[1], make_callback, depth + 1))
-
-
-def encode_neighbours(neighbours, callbacks, depth):
-    return [[encode(v, callbacks, depth + 2), encode(dict(d), callbacks, depth + 2)] for v, d in neighbours.items()]
-
-
-def decode(node, make_callback=None, depth=0):
-    """The value `node` encodes, built of plain types and this side's own graph classes; ValueError on any other
-    shape."""
-    if depth > MAX_DEPTH:
-        raise ValueError("nesting too deep")
-    kind = type(node)
-    if node is None or kind in (bool, int, str, float):
-        if kind is float and not math.isfinite(node):
-            raise ValueError("a bare non-finite float")
-        return node
-    if kind is list:
-        return [decode(v, make_callback, depth + 1) for v in node]
-    if kind is not dict or len(node) != 1:
-        raise ValueError(f"not crossable data: {str(node)[:80]}")
-    ((tag, body),) = node.items()
-    if tag == "$float" and body in ("nan", "inf", "-inf"):
-        return float(body)
-    if tag == "$const" and body in ("NotImplemented", "Ellipsis"):
-        return NotImplemented if body == "NotImplemented" else Ellipsis
-    if tag == "$bytes" and type(body) is str:
-        return bytes.fromhex(body)
-    if tag == "$callback" and type(body) is int and make_callback is not None:
-        return make_callback(body)
-    if type(body) is not list:
-        raise ValueError(f"malformed {tag}")
-    if tag in ("$tuple", "$set", "$frozenset", "$iter"):
-        items = [decode(v, make_callback, depth + 1) for v in body]
-        return {"$tuple": tuple, "$set": set, "$frozenset": frozenset, "$iter": iter}[tag](items)
-    if tag == "$dict":
-        if not all(type(pair) is list and len(pair) == 2 for pair in body):
-            raise ValueError("malformed $dict")
-        return {decode(k, make_callback, depth + 1): decode(v, make_callback, depth + 1) for k, v in body}
-    if tag == "$range" and len(body) == 3 and all(type(v) is int for v in body):
-        return range(*body)
-    if tag == "$object" and len(body) == 4:
-        return decode_object(body, make_callback, depth)
-    if tag == "$value" and len(body) == 2 and body[0] in VALUES:
-        data = body[1]
-        if not (type(data) is str or (type(data) is list and all(type(v) is int for v in data))):
-            raise ValueError("malformed $value")
-        try:
-            return VALUES[body[0]][2](data)
-        except (TypeError, ValueError, ArithmeticError) as e:
-            raise ValueError(f"malformed $value: {e}") from None
-    if tag == "$type" and len(body) == 2:
-        if body[0] in SHARED_CLASSES and body[1] in SHARED_CLASSES[body[0]]:
-            return type(None) if body[1] == "NoneType" else getattr(__import__(body[0]), body[1])
-        return _own_class(*body)
-    if tag == "$enum" and len(body) == 3:
-        import enum
-
-        cls = _own_class(body[0], body[1])
-        if not issubclass(cls, enum.Enum) or type(body[2]) is not str or body[2] not in cls.__members__:
-            raise ValueError("malformed $enum")
-        return cls[body[2]]
-    if tag == "$graph" and len(body) == 5 and body[0] in GRAPHS:
-        import networkx
-
-        graph = getattr(networkx, body[0])()
-        fill_graph(graph, body, make_callback, depth)
-        return graph
-    raise ValueError(f"not crossable data: {tag}")
-
-
-def fill_graph(graph, body, make_callback, depth):
-    """Fill an empty graph of this side's class from its data, in the order sent (neighbours' dicts shared between
-    the two directions of an edge, as networkx keeps them)."""
-    name, attributes, nodes, adjacency, predecessors = body
-    multi, directed = name.startswith("Multi"), "Di" in name
-    graph.graph.update(decode(attributes, make_callback, depth + 1))
-    for item in nodes:
-        node, data = decode(item[0], make_callback, depth + 1), decode(item[1], make_callback, depth + 1)
-        if type(data) is not dict:
-            raise ValueError("malformed node attributes")
-        graph._node[node] = graph.node_attr_dict_factory()
-        graph._node[node].update(data)
-        graph._adj[node] = graph.adjlist_inner_dict_factory()
-        if directed:
-            graph._pred[node] = graph.adjlist_inner_dict_factory()
-    for u_data, neighbours in adjacency:
-        u = decode(u_data, make_callback, depth + 1)
-        for v_data, d in neighbours:
-            v = decode(v_data, make_callback, depth + 1)
-            value = decode(d, make_callback, depth + 1)
-            if u not in graph._node or v not in graph._node or type(value) is not dict:
-                raise ValueError("malformed adjacency")
-            if not directed and u in graph._adj.get(v, {}):
-                graph._adj[u][v] = graph._adj[v][u]
-                continue
-            if multi:
-                keys = graph.edge_key_dict_factory()
-                for key, data in value.items():
-                    keys[key] = graph.edge_attr_dict_factory()
-                    keys[key].update(data)
-                graph._adj[u][v] = keys
-            else:
-                graph._adj[u][v] = graph.edge_attr_dict_factory()
-                graph._adj[u][v].update(value)
-    if directed:
-        for v_data, preds in predecessors or ():
-            v = decode(v_data, make_callback, depth + 1)
-            for u_data in preds:
-                u = decode(u_data, make_callback, depth + 1)
-                graph._pred[v][u] = graph._adj[u][v]
-
-
-def apply_mutation(target, after, make_callback=None):
-    """Make the grader's argument `target` what the episode's call left its copy as (lists, dicts, sets and graphs
-    are changed in place; nothing else can be)."""
-    value = decode(after, make_callback)
-    kind = type(target)
-    if _graph_class(target) is not None and type(after) is dict and "$graph" in after and after["$graph"][0] == kind.__name__:
-        target.clear()
-        fill_graph(target, after["$graph"], make_callback, 0)
-    elif type(after) is dict and "$object" in after and type(value) is kind:
-        # An object of the project's (a method's `self`): its state replaced by the episode's.
-        base = next((b for b in kind.__mro__ if b in OBJECT_BASES), None)
-        if base in (list, dict, set):
-            base.clear(target)
-            (base.extend if base is list else base.update)(target, value)
-        elif base is not None and base(target) != base(value):
-            raise RuntimeError(f"the call changed an immutable {kind.__name__}")
-        for name in set(_attributes(target)) - set(_attributes(value)):
-            object.__delattr__(target, name)
-        for name, attribute in _attributes(value).items():
-            object.__setattr__(target, name, attribute)
-    elif kind is list and type(value) is list:
-        target[:] = value
-    elif kind in (dict, set) and type(value) is kind:
-        target.clear()
-        target.update(value)
-    else:
-        raise RuntimeError(f"the call changed an argument of type {kind.__name__} into {type(value).__name__}")
 
 
 # --- the grader's side --------------------------------------------------------------------------
@@ -399,15 +117,73 @@ _lock = threading.RLock()
 refusals = {}
 """Why calls could not cross, and how often (the grader's report carries it: a task whose reference needs one is
 rejected at build)."""
+_held = []
+"""The grader's objects given to the episode as references, by number (kept for the session: identity holds)."""
+_numbers = {}
+_monkeypatches = []
+"""A weak set of pytest's `MonkeyPatch` objects, once the grader watches them."""
+_episode_functions = {}
+"""number -> the grader's proxy of a function the episode returned (given back to it as it came)."""
 
 
 def connect(out_fd, in_fd):
     """The grader's ends: lines out on the run's channel, answers in on its call descriptor."""
     _link["out"], _link["in"] = out_fd, os.fdopen(in_fd, "rb", buffering=1 << 16)
+    _watch_monkeypatches()
+
+
+def _watch_monkeypatches():
+    """Keep (weakly) each pytest `MonkeyPatch` the tests make: what they patch in the grader's process is patched in
+    the episode's during each call (the function reads `platform.mac_ver` or `os.environ` there)."""
+    try:
+        from _pytest.monkeypatch import MonkeyPatch
+    except ImportError:
+        return
+    if _monkeypatches:
+        return
+    import weakref
+
+    _monkeypatches.append(weakref.WeakSet())
+    made = MonkeyPatch.__init__
+
+    def watched(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        _monkeypatches[0].add(self)
+
+    MonkeyPatch.__init__ = watched
+
+
+def _where(target):
+    """A patched module or module-level class as the episode's process finds it: [module, qualname or ""]."""
+    if isinstance(target, types.ModuleType):
+        return [target.__name__, ""]
+    if isinstance(target, type) and "<" not in target.__qualname__:
+        return [target.__module__, target.__qualname__]
+    return None
+
+
+def _patches():
+    """The monkeypatches in force that the episode's process can make too: [where, name, deleted, value] (each value
+    encoded alone, by the rules of any argument; one that cannot cross is left out: the build sees the difference)
+    and the environment's patched variables."""
+    found, environment = [], {}
+    for patch in list(_monkeypatches[0]) if _monkeypatches else ():
+        for target, name, _ in patch._setattr:
+            where = _where(target)
+            try:
+                if where is not None and type(name) is str:
+                    present = name in vars(target)
+                    found.append([where, name, not present, encode(vars(target)[name], _grader_codec(where[0])) if present else None])
+            except NotCrossable:
+                continue
+        for mapping, key, _ in patch._setitem:
+            if mapping is os.environ and type(key) is str:
+                environment[key] = os.environ.get(key)
+    return {"patches": found, "environment": environment} if found or environment else {}
 
 
 def _exchange(message):
-    data = b"CALL " + json.dumps(message, allow_nan=False, separators=(",", ":")).encode() + b"\n"
+    data = b"CALL " + dumps(message)
     while data:
         data = data[os.write(_link["out"], data) :]
     line = _link["in"].readline()
@@ -422,6 +198,32 @@ def _exchange(message):
 def _refused(reason):
     refusals[reason] = refusals.get(reason, 0) + 1
     return RuntimeError(f"cannot cross the grading boundary: {reason}")
+
+
+def _refer(value):
+    """The grader's object `value` as a reference the episode may use (NotCrossable for what it must not reach)."""
+    for number, returned in _episode_functions.items():
+        if returned is value:
+            return {"$callback": number}
+    reason = _hazard(value)
+    if reason is not None:
+        raise NotCrossable(reason)
+    number = _numbers.get(id(value))
+    if number is None:
+        number = _numbers[id(value)] = len(_held)
+        _held.append(value)
+    return {"$ref": number}
+
+
+def _grader_codec(module):
+    def resolve(tag, number):
+        if tag == "$callback":
+            return _returned(module, number)
+        if not 0 <= number < len(_held):
+            raise ValueError("a reference that was never given")
+        return _held[number]
+
+    return Codec(_refer, resolve)
 
 
 def _exception(module, name, message):
@@ -443,67 +245,301 @@ def _exception(module, name, message):
 def call(module, qualname, args, kwargs):
     """The episode's `module.qualname(*args, **kwargs)`, run in its process; the arguments' mutations applied here."""
     with _lock:
-        _own[0] = module.partition(".")[0]
+        previous, _own[0] = _own[0], module.partition(".")[0]
         try:
             return _call(module, qualname, args, kwargs)
         finally:
-            _own[0] = ""
+            _own[0] = previous
 
 
 def _call(module, qualname, args, kwargs):
-    """`call` with its package set: the arguments out, callbacks answered, the answer decoded."""
-    callbacks = []
+    """`call` with its package set: the arguments out, the uses of references answered, the answer decoded."""
+    codec = _grader_codec(module)
     try:
-        sent_args = [encode(a, callbacks) for a in args]
-        sent_kwargs = {k: encode(v, callbacks) for k, v in kwargs.items()}
+        sent = {"args": [encode(a, codec) for a in args], "kwargs": {k: encode(v, codec) for k, v in kwargs.items()}}
     except NotCrossable as e:
         raise _refused(f"argument: {e}") from None
-    answer = _exchange({"call": [module, qualname], "args": sent_args, "kwargs": sent_kwargs})
-    while "callback" in answer:
-        number = answer["callback"]
-        if type(number) is not int or not 0 <= number < len(callbacks):
-            raise ValueError("a callback that was not passed")
-        try:
-            result = callbacks[number](*decode(answer.get("args")), **decode(answer.get("kwargs")))
-            reply = {"return": encode(result)}
-        except NotCrossable as e:
-            raise _refused(f"callback result: {e}") from None
-        except Exception as e:
-            reply = {"raise": type(e).__name__, "message": str(e)[:2000]}
-        answer = _exchange(reply)
+    problems = []  # what the grader's objects raised past `Exception` (a test's `pytest.fail`), refusals
+    answer = _exchange({"call": [module, qualname], **sent, **_patches()})
+    while "ref" in answer:
+        answer = _exchange(_operate(module, answer, problems))
+    if problems:
+        raise problems[0]  # after the call: the episode cannot keep it from the test
     if "refused" in answer:
         raise _refused(str(answer["refused"])[:200])
     if "raise" in answer:
         raise _exception(module, str(answer["raise"]), str(answer.get("message", "")))
     if "return" not in answer:
         raise ValueError("a malformed answer")
-    changed = answer.get("changed", {})
-    for key, after in changed.items() if type(changed) is dict else ():
-        target = args[int(key)] if key.isdigit() and int(key) < len(args) else kwargs.get(key)
-        apply_mutation(target, after)
-    return decode(answer["return"], lambda number: _returned(module, number))
+    if "after" in answer:
+        return _apply_after(module, args, kwargs, sent, answer)
+    return decode(answer["return"], _grader_codec(module))
+
+
+def _operate(module, request, problems):
+    """One use of a reference by the episode, answered by the grader's object."""
+    number, op = request.get("ref"), request.get("op")
+    if type(number) is not int or not 0 <= number < len(_held) or op not in OPERATIONS:
+        raise ValueError("a malformed use of a reference")
+    codec = _grader_codec(module)
+    args, kwargs = decode(request.get("args"), codec), decode(request.get("kwargs"), codec)
+    if type(args) is not list or type(kwargs) is not dict or not all(type(k) is str for k in kwargs):
+        raise ValueError("a malformed use of a reference")
+    if op.endswith("attr") and (not args or type(args[0]) is not str or args[0].startswith("_")):
+        return {"raise": "AttributeError", "message": "only public attributes cross the grading boundary"}
+    try:
+        result = OPERATIONS[op](_held[number], *args, **kwargs)
+    except Exception as e:
+        return {"raise": type(e).__name__, "message": str(e)[:2000]}
+    except BaseException as e:
+        problems.append(e)  # the grader's own object ended the test: raised in the test once the call is over
+        return {"raise": "RuntimeError", "message": f"the grader's object raised {type(e).__name__}"}
+    try:
+        if op in ("getitem", "getattr") and type(result) in (list, dict, set):
+            return {"return": _refer(result)}  # a container the object holds: changed in place, not as a copy
+        return {"return": encode(result, _grader_codec(module))}
+    except NotCrossable as e:
+        problems.append(_refused(f"{op} result: {e}"))
+        return {"raise": "TypeError", "message": f"cannot cross the grading boundary: {e}"}
+
+
+def _apply_after(module, args, kwargs, sent, answer):
+    """The arguments as the episode's call left them (all of them, then the result: one memo), applied where they
+    changed; what referred to an argument's copy refers to the grader's argument itself (an item's parent)."""
+    after = answer["after"]
+    if type(after) is not dict or type(after.get("args")) is not list or len(after["args"]) != len(args):
+        raise ValueError("malformed arguments after the call")
+    if type(after.get("kwargs")) is not dict or set(after["kwargs"]) != set(kwargs):
+        raise ValueError("malformed arguments after the call")
+    codec = _grader_codec(module)
+    values = [decode(a, codec) for a in after["args"]]
+    named = {k: decode(after["kwargs"][k], codec) for k in sent["kwargs"]}
+    result = decode(answer["return"], codec)
+    targets = [
+        *zip(args, sent["args"], after["args"], values),
+        *((kwargs[k], sent["kwargs"][k], after["kwargs"][k], named[k]) for k in kwargs),
+    ]
+    copies = {id(value): target for target, _, _, value in targets if type(value) is type(target)}
+    for structure in codec.met:
+        replace_copies(structure, copies)
+    for target, before, now, value in targets:
+        if now != before and value is not target:  # (a reference: the grader's object, changed in place already)
+            apply_mutation(target, value)
+    return copies.get(id(result), result)
+
+
+class EpisodeFunction:
+    """The grader's stand-in for a function the episode returned (a decorator's wrapper): each call crosses to the
+    episode's process, and so does each read of a public attribute (`cache_info`); the answers cross as data or as
+    other such functions. It has no other behaviour: it compares, hashes and converts as any plain object."""
+
+    __slots__ = ("_module", "_number")
+
+    def __init__(self, module, number):
+        self._module, self._number = module, number
+
+    def __call__(self, *args, **kwargs):
+        return call(self._module, f"$callback:{self._number}", args, kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return call(self._module, f"$attribute:{self._number}", (name,), {})
 
 
 def _returned(module, number):
-    """The grader's proxy for a function the episode returned: each call crosses to the episode's process."""
-
-    def returned(*args, **kwargs):
-        return call(module, f"$callback:{number}", args, kwargs)
-
-    return returned
+    """The grader's stand-in for the episode's function `number` (one per function: identity holds)."""
+    return _episode_functions.setdefault(number, EpisodeFunction(module, number))
 
 
 # --- the episode's side -------------------------------------------------------------------------
 
+_episode = {"proxies": {}, "returned": [], "numbers": {}}
+"""The episode's process: its ends of the link, its references to the grader's objects, the functions it gave."""
 
-def serve(in_fd, out_fd):
-    """Answer calls until the grader is gone: one line in, one line out (callbacks asked before the answer)."""
+
+class Reference:
+    """The episode's stand-in for an object the grader keeps: each use crosses back and the grader's object answers."""
+
+    __slots__ = ("_number",)
+
+    def __init__(self, number):
+        object.__setattr__(self, "_number", number)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _ask(self, "getattr", name)
+
+    def __setattr__(self, name, value):
+        _ask(self, "setattr", name, value)
+
+    def __delattr__(self, name):
+        _ask(self, "delattr", name)
+
+    def __call__(self, *args, **kwargs):
+        return _ask(self, "call", *args, **kwargs)
+
+    def __copy__(self):
+        return _ask(self, "copy")
+
+    def __deepcopy__(self, memo):
+        return _ask(self, "deepcopy")
+
+
+def _forward(op):
+    def use(self, *args):
+        return _ask(self, op, *args)
+
+    use.__name__ = f"__{op}__"
+    return use
+
+
+for _op in ("getitem", "setitem", "delitem", "contains", "format", *_UNARY, *_COMPARISONS, *_BINARY, *("r" + b for b in _BINARY)):
+    setattr(Reference, f"__{_op}__", _forward(_op))
+
+
+def _episode_codec():
+    def refer(value):
+        if type(value) is Reference:
+            return {"$ref": object.__getattribute__(value, "_number")}
+        if type(value).__name__ in ("function", "builtin_function_or_method", "method", "partial"):
+            number = _episode["numbers"].get(id(value))
+            if number is None:
+                number = _episode["numbers"][id(value)] = len(_episode["returned"])
+                _episode["returned"].append(value)
+            return {"$callback": number}
+        return None
+
+    def resolve(tag, number):
+        if tag == "$callback":
+            if not 0 <= number < len(_episode["returned"]):
+                raise ValueError("a function that was never given")
+            return _episode["returned"][number]
+        return _episode["proxies"].setdefault(number, Reference(number))
+
+    return Codec(refer, resolve)
+
+
+def _raised(answer):
+    """The grader's exception as the episode's own builtin one of that name (OSError from a patched `os.confstr`)."""
+    name, message = str(answer.get("raise")), str(answer.get("message", ""))
+    found = getattr(__import__("builtins"), name, None)
+    if isinstance(found, type) and issubclass(found, Exception):
+        try:
+            return found(message)
+        except TypeError:
+            pass
+    return RuntimeError(f"{name}: {message}")
+
+
+def _patch(request, undo):
+    """The grader's monkeypatches made in this process for the call; `undo` takes (target, name, value before)."""
     import importlib
 
+    for (module, qualname), name, deleted, value in request.get("patches", ()):
+        target = importlib.import_module(module)
+        for part in qualname.split(".") if qualname else ():
+            target = getattr(target, part)
+        undo.append((target, name, vars(target).get(name, undo)))  # (`undo` itself: it was not there)
+        if deleted:
+            if name in vars(target):
+                delattr(target, name)
+        else:
+            setattr(target, name, decode(value, _episode_codec()))
+    for key, value in request.get("environment", {}).items():
+        undo.append((os.environ, key, os.environ.get(key, undo)))
+        os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+
+
+def _unpatch(undo):
+    for target, name, before in reversed(undo):
+        if target is os.environ:
+            os.environ.pop(name, None) if before is undo else os.environ.__setitem__(name, before)
+        elif before is undo:
+            if name in vars(target):
+                delattr(target, name)
+        else:
+            setattr(target, name, before)
+
+
+def _ask(reference, op, /, *args, **kwargs):
+    """A use of the grader's object: asked, and answered (the grader's object may call the task's functions first)."""
+    codec = _episode_codec()
+    number = object.__getattribute__(reference, "_number")
+    _episode["send"]({"ref": number, "op": op, "args": encode(list(args), codec), "kwargs": encode(kwargs, codec)})
+    answer = _episode["receive"]()
+    while "call" in answer:
+        _episode["send"](_answer(answer))
+        answer = _episode["receive"]()
+    if "raise" in answer:
+        raise _raised(answer)
+    return decode(answer["return"], _episode_codec())
+
+
+def _public_attribute(function, name):
+    if type(name) is not str or name.startswith("_"):
+        raise AttributeError(name)
+    return getattr(function, name)
+
+
+def _answer(request):
+    """The episode's answer to one call: its function run on the arguments decoded."""
+    previous = _own[0]
+    try:
+        return _answer_call(request)
+    finally:
+        _own[0] = previous
+
+
+def _answer_call(request):
+    import importlib
+
+    try:
+        module, qualname = request["call"]
+        _own[0] = module.partition(".")[0]
+        if qualname.startswith(("$callback:", "$attribute:")):
+            function = _episode["returned"][int(qualname.partition(":")[2])]
+            function = function if qualname.startswith("$callback:") else functools.partial(_public_attribute, function)
+        else:
+            function = importlib.import_module(module)
+            for part in qualname.split("."):
+                function = getattr(function, part)
+            while hasattr(function, "__wrapped__"):
+                function = function.__wrapped__
+        codec = _episode_codec()
+        args = [decode(a, codec) for a in request["args"]]
+        kwargs = {k: decode(v, codec) for k, v in request["kwargs"].items()}
+    except Exception as e:
+        return {"raise": type(e).__name__, "message": str(e)[:2000]}
+    undo = []
+    try:
+        _patch(request, undo)
+        result = function(*args, **kwargs)
+    except NotCrossable as e:
+        return {"refused": f"argument to the grader's object: {e}"}
+    except BaseException as e:
+        return {"raise": type(e).__name__, "message": str(e)[:2000]}
+    finally:
+        _unpatch(undo)
+    try:
+        codec = _episode_codec()
+        after = {"args": [encode(a, codec) for a in args], "kwargs": {k: encode(v, codec) for k, v in kwargs.items()}}
+        if after == {"args": request["args"], "kwargs": request["kwargs"]}:
+            return {"return": encode(result, _episode_codec())}
+        return {"after": after, "return": encode(result, codec)}  # one memo: the result may hold the arguments
+    except NotCrossable as e:
+        return {"refused": f"result: {e}"}
+    except BaseException as e:
+        return {"raise": type(e).__name__, "message": str(e)[:2000]}
+
+
+def serve(in_fd, out_fd):
+    """Answer calls until the grader is gone: one line in, one line out (uses of references asked before the answer)."""
     reader = os.fdopen(in_fd, "rb", buffering=1 << 16)
 
     def send(message):
-        data = json.dumps(message, allow_nan=False, separators=(",", ":")).encode() + b"\n"
+        data = dumps(message)
         while data:
             data = data[os.write(out_fd, data) :]
 
@@ -513,58 +549,13 @@ def serve(in_fd, out_fd):
             os._exit(0)
         return json.loads(line)
 
-    def make_callback(number):
-        def callback(*args, **kwargs):
-            send({"callback": number, "args": encode(list(args)), "kwargs": encode(kwargs)})
-            answer = receive()
-            if "raise" in answer:
-                raise RuntimeError(f"{answer['raise']}: {answer.get('message', '')}")
-            return decode(answer["return"])
-
-        return callback
-
-    returned = []  # the functions answers returned, by number (the grader calls them by it)
+    _episode.update(send=send, receive=receive)
     while True:
-        request = receive()
-        try:
-            module, qualname = request["call"]
-            _own[0] = module.partition(".")[0]
-            if qualname.startswith("$callback:"):
-                function = returned[int(qualname.partition(":")[2])]
-            else:
-                function = importlib.import_module(module)
-                for part in qualname.split("."):
-                    function = getattr(function, part)
-                while hasattr(function, "__wrapped__"):
-                    function = function.__wrapped__
-            args = [decode(a, make_callback) for a in request["args"]]
-            kwargs = {k: decode(v, make_callback) for k, v in request["kwargs"].items()}
-        except Exception as e:
-            send({"raise": type(e).__name__, "message": str(e)[:2000]})
-            continue
-        try:
-            result = function(*args, **kwargs)
-            answer = {"return": encode(result, returned)}
-            changed = {}
-            for key, before, now in [
-                *((str(i), request["args"][i], a) for i, a in enumerate(args)),
-                *((k, request["kwargs"][k], v) for k, v in kwargs.items()),
-            ]:
-                if type(before) is dict and ("$callback" in before or "$iter" in before):
-                    continue  # a callback; an iterator the call consumed
-                after = encode(now)
-                if after != before:
-                    changed[key] = after
-            answer["changed"] = changed
-        except NotCrossable as e:
-            answer = {"refused": f"result: {e}"}
-        except BaseException as e:
-            answer = {"raise": type(e).__name__, "message": str(e)[:2000]}
-        send(answer)
+        send(_answer(receive()))
 
 
 if __name__ == "__main__":
-    # python -c <this file> SOURCE_ROOT: the episode's process (descriptors 4 in, 3 out).
+    # python -c <codec's text and this file's> SOURCE_ROOT: the episode's process (descriptors 4 in, 3 out).
     sys.path.insert(0, os.path.realpath(sys.argv[1]))
     del sys.argv[1:]
     serve(4, 3)

@@ -36,7 +36,7 @@ from composer.rollout.sandbox.results import CommandResult, RewardMode, RunEnvir
 from composer.rollout.sandbox.runs import CALL_FD, CHANNEL_FD, Sandbox
 from composer.rollout.sandbox.session import InfraError
 from composer.rollout.sandbox.trees import remove_tree, walk_files
-from composer.rollout.tasks.repository.boundary import CROSSING_SOURCE, crosses, module_name, proxied
+from composer.rollout.tasks.repository.boundary import crosses, crossing_text, module_name, proxied
 from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE, Scope, is_protected, keep_change
 from composer.rollout.tasks.workspace import (
     Workspace,
@@ -282,7 +282,7 @@ def run_tests_guarded(
         os.chmod(config_dir / "pytest.ini", 0o644)
         crossing = []
         if calls is not None:
-            shutil.copyfile(CROSSING_SOURCE, config_dir / "crossing.py")
+            (config_dir / "crossing.py").write_text(crossing_text())
             os.chmod(config_dir / "crossing.py", 0o644)
             crossing = [f"--crossing=config/crossing.py:{CALL_FD}"]
         command = " ".join(
@@ -361,7 +361,7 @@ def run_tests_across(sandbox: Sandbox, tests: RepoTests, episode: dict[str, byte
         changes = {**episode, **_without_tests(tests.grading_base, tests.package, tests.test_files)}
         mounted = _open_view(work / "repo", work / "layer", tests.grading_base, changes)
         root = str(PurePosixPath("repo") / tests.source) if tests.source else "repo"
-        command = shlex.join(["python", "-s", "-P", "-B", "-c", CROSSING_SOURCE.read_text(), root])
+        command = shlex.join(["python", "-s", "-P", "-B", "-c", crossing_text(), root])
         try:
             with sandbox.serving(command, work, tests.timeout_s, tests.hidden, tests.run_environment("repo")) as server:
 
