@@ -159,7 +159,7 @@ def changed_files(grading: Path, candidate: Candidate) -> dict[str, str] | None:
 def _kind_of(refused: dict[str, int]) -> str:
     """What kind of value could not cross, from the most frequent refusal ("argument: a networkx...View")."""
     reason = sorted(refused, key=refused.get)[-1]
-    return reason.partition(": a ")[2].split(".")[-1][:60] or reason[:60]
+    return reason.partition(": a ")[2].split(".")[-1][:60] or reason.partition(": ")[2][:60] or reason[:60]
 
 
 def validate_with(
