@@ -68,7 +68,7 @@ def run_name(parallelism: str) -> str:
 
 
 @pytest.mark.timeout(1800)  # two engine starts of ~3 min each and the learner on a busy 2-core machine
-@pytest.mark.parametrize("parallelism", ["dp=2"])
+@pytest.mark.parametrize("parallelism", ["dp=2", "tp=2"])
 def test_a_run_survives_kill_9_of_an_engine_host_and_trains_each_group_once(hosts, checkpoint, parallelism, tmp_path):
     run = tmp_path / "runs" / run_name(parallelism)
     driver = start(tmp_path / "runs", checkpoint, *engine_over_hosts(hosts, parallelism))
