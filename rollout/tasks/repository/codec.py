@@ -139,6 +139,20 @@ def _is_own(cls):
     return bool(_own[0]) and cls.__module__.partition(".")[0] == _own[0] and "<" not in cls.__qualname__
 
 
+def _class_path(cls):
+    """The name the other side finds `cls` by in its module: its qualname, or the module-level name a factory bound
+    it to (`_CacheInfo = namedtuple("CacheInfo", ...)`)."""
+    import sys
+
+    module = sys.modules.get(cls.__module__)
+    found = module
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    if found is cls or module is None:
+        return cls.__qualname__
+    return next((name for name, value in sorted(vars(module).items()) if value is cls), cls.__qualname__)
+
+
 def encode(value, codec=None, depth=0):
     """`value` as tagged JSON (one message: its structures numbered in `codec`)."""
     codec = Codec() if codec is None else codec
@@ -181,7 +195,7 @@ def encode(value, codec=None, depth=0):
         return {"$value": [name, VALUES[name][1](value)]}
     if kind is type or isinstance(value, type):
         if value.__qualname__ in SHARED_CLASSES.get(value.__module__, ()) or _is_own(value):
-            return {"$type": [value.__module__, value.__qualname__]}
+            return {"$type": [value.__module__, _class_path(value) if _is_own(value) else value.__qualname__]}
     elif _is_own(kind):
         return encode_object(value, codec, depth)
     tag = codec.refer(value) if codec.refer is not None else None
@@ -234,14 +248,14 @@ def encode_object(value, codec, depth):
     import enum
 
     if isinstance(value, enum.Enum):
-        return {"$enum": [kind.__module__, kind.__qualname__, value.name]}
+        return {"$enum": [kind.__module__, _class_path(kind), value.name]}
     same = codec.first(value)
     if same is not None:
         return same
     base = next((b for b in kind.__mro__ if b in OBJECT_BASES), None)
     carried = encode(base(value), codec, depth + 1) if base is not None else None
     attributes = [[name, encode(v, codec, depth + 1)] for name, v in _attributes(value).items()]
-    return {"$object": [kind.__module__, kind.__qualname__, carried, attributes]}
+    return {"$object": [kind.__module__, _class_path(kind), carried, attributes]}
 
 
 def _own_class(module, qualname):
