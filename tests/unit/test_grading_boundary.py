@@ -14,6 +14,7 @@ import pathlib
 import threading
 import unittest
 import uuid
+import warnings
 
 import networkx as nx
 import pytest
@@ -198,6 +199,18 @@ _Info = collections.namedtuple("Info", ["hits", "misses"])  # bound to another n
 
 def info(hits):
     return _Info(hits, 0)
+
+
+class ShapeWarning(UserWarning):
+    pass
+
+
+def old_area(side):
+    import warnings
+
+    warnings.warn("old_area is deprecated", DeprecationWarning)
+    warnings.warn("sides are rounded", ShapeWarning)
+    return side * side
 """
 
 
@@ -218,6 +231,14 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
     key = crossing.call("shapes", "Bag.add", (bag, "a"), {})
     assert type(key) is shapes.Key and key == ("a", 1)
     assert bag.items == ["a"] and bag.count == 1  # the method's change of `self`, applied to the grader's object
+    # the warnings the call issues there are issued here, in their categories (a test's catch_warnings sees them)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert crossing.call("shapes", "old_area", (3,), {}) == 9
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (DeprecationWarning, "old_area is deprecated"),
+        (shapes.ShapeWarning, "sides are rounded"),
+    ]
     # a class bound under another name than its own (a namedtuple made by a factory) is found by that name
     assert crossing.call("shapes", "info", (3,), {}) == (3, 0) and type(crossing.call("shapes", "info", (3,), {})) is shapes._Info
     with pytest.raises(ValueError):  # a class outside the called function's package is not built
@@ -270,6 +291,12 @@ HOSTILE_ANSWERS = {
     "an argument turned into another type": b'{"return": 1, "after": {"args": ["now a string"], "kwargs": {}}}',
     "a mutation of an argument not passed": b'{"return": 1, "after": {"args": [[0]], "kwargs": {"nope": [1]}}}',
     "no return": b'{"changed": {}}',
+    # warnings the episode says the call issued
+    "a warning whose class is no warning": b'{"return": 1, "warnings": [["networkx.classes.graph:Graph", "x"]]}',
+    "a warning of a class outside the package": b'{"return": 1, "warnings": [["os:PathLike", "x"]]}',
+    "a warning named as an exit": b'{"return": 1, "warnings": [["SystemExit", "x"]]}',
+    "a malformed warning": b'{"return": 1, "warnings": [[1, 2]]}',
+    "more warnings than the bound": b'{"return": 1, "warnings": [' + b",".join([b'["UserWarning", "x"]'] * 21) + b"]}",
 }
 
 

@@ -5,7 +5,7 @@ The grader's pytest imports the trusted package with the task's functions replac
 whose body is `crossing.call(module, name, args, kwargs)`: the arguments go, as data, one line on the run's channel
 (`CALL {json}`) that the host forwards to the episode's process, which runs `serve`: it calls its own version of the
 function and answers one line: the result, the arguments as they are after the call (when it changed them) or the
-exception's type name and message.
+exception's type name and message, and the warnings the call issued (issued again in the grader).
 
 An argument the grader cannot send as data (a function, an object of a test module's class, an `object()`
 sentinel, a `random.Random`, an iterator) stays in the grader's process and goes as a reference ({"$ref": number}):
@@ -28,13 +28,17 @@ import sys
 import threading
 import types
 import unittest
+import warnings
 
 if __name__ == "composer.rollout.tasks.repository.crossing":  # imported; shipped, codec.py's text precedes this one
     from composer.rollout.tasks.repository.codec import (
         BUILTIN_EXCEPTIONS,
         Codec,
         NotCrossable,
+        _class_path,
+        _is_own,
         _own,
+        _own_class,
         apply_mutation,
         decode,
         dumps,
@@ -265,6 +269,7 @@ def _call(module, qualname, args, kwargs):
         answer = _exchange(_operate(module, answer, problems))
     if problems:
         raise problems[0]  # after the call: the episode cannot keep it from the test
+    _warn_again(answer.get("warnings", []))
     if "refused" in answer:
         raise _refused(str(answer["refused"])[:200])
     if "raise" in answer:
@@ -274,6 +279,32 @@ def _call(module, qualname, args, kwargs):
     if "after" in answer:
         return _apply_after(module, args, kwargs, sent, answer)
     return decode(answer["return"], _grader_codec(module))
+
+
+WARNINGS = (
+    *("Warning", "UserWarning", "DeprecationWarning", "PendingDeprecationWarning", "FutureWarning", "RuntimeWarning"),
+    *("SyntaxWarning", "ImportWarning", "UnicodeWarning", "BytesWarning", "ResourceWarning", "EncodingWarning"),
+)
+MAX_WARNINGS = 20
+
+
+def _warn_again(warned):
+    """The warnings the call issued in the episode's process, issued here (a test's `catch_warnings`, `pytest.warns`,
+    `filterwarnings = error` see them): a builtin category or the package's own, by name; anything else is refused."""
+    if type(warned) is not list or len(warned) > MAX_WARNINGS:
+        raise ValueError("a malformed answer")
+    for entry in warned:
+        if type(entry) is not list or len(entry) != 2 or not all(type(x) is str for x in entry):
+            raise ValueError("a malformed answer")
+        name, message = entry
+        module, _, qualname = name.rpartition(":")
+        if not module and qualname in WARNINGS:
+            category = getattr(sys.modules["builtins"], qualname)
+        else:
+            category = _own_class(module, qualname)  # ValueError unless a class of the package
+            if not issubclass(category, Warning):
+                raise ValueError(f"not a warning: {name}"[:120])
+        warnings.warn(message[:2000], category, stacklevel=4)  # at the test's line that called the function
 
 
 def _operate(module, request, problems):
@@ -513,6 +544,25 @@ def _answer_call(request):
     except Exception as e:
         return {"raise": type(e).__name__, "message": str(e)[:2000]}
     undo = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the grader's filters decide what each one does there
+        answer = _run(function, args, kwargs, request, undo)
+    if caught:
+        answer["warnings"] = [[_warning_name(w.category), str(w.message)[:2000]] for w in caught[:MAX_WARNINGS]]
+    return answer
+
+
+def _warning_name(category):
+    """A warning's category as the grader names it: a builtin one by name, the package's own as `module:qualname`
+    (another class of warning crosses as UserWarning)."""
+    if category.__module__ == "builtins" and category.__qualname__ in WARNINGS:
+        return category.__qualname__
+    if _is_own(category):
+        return f"{category.__module__}:{_class_path(category)}"
+    return "UserWarning"
+
+
+def _run(function, args, kwargs, request, undo):
     try:
         _patch(request, undo)
         result = function(*args, **kwargs)
