@@ -167,18 +167,25 @@ class RemoteSandboxHost(SandboxHost):
 
     def _start_error(self, host, error: Exception) -> UserError:
         if isinstance(error, (OSError, ProtocolError)):
-            return UserError(f"sandbox host {host.where}: its sandbox server did not start ({error}) {self._said()}")
+            return UserError(
+                f"sandbox host {host.where}: its sandbox server did not start ({error}) {self._said()}; "
+                "env.sandbox.remote_python names the Python of the composer installed there"
+            )
         return host.explain(error)
 
     def _connect(self) -> None:
         host, channel = self._start_server()
         self.where = host.where
+        # the server's stderr is read from the start: a server that dies at once (no such Python) says why there
+        errors = threading.Thread(target=self._drain_errors, args=(channel,), daemon=True, name=f"sandbox-{self.name}-stderr")
         try:
             channel.settimeout(CONNECT_SECONDS)
+            errors.start()
             channel.sendall(frame_bytes({"op": Op.HELLO, "sandbox": self._config.model_dump(), "threads": self._asked}))
-            threading.Thread(target=self._drain_errors, args=(channel,), daemon=True, name=f"sandbox-{self.name}-stderr").start()
             reply = read_frame(exact_reader(channel.recv))
         except Exception as e:
+            if isinstance(e, (OSError, ProtocolError)) and errors.ident is not None:
+                errors.join(timeout=5)  # a server gone has closed its stderr: its last words are in once it ends
             host.close()
             raise self._start_error(host, e) from None
         if reply is None or reply["op"] != Op.READY:
