@@ -94,6 +94,7 @@ def wait_for_nothing_running(hosts, pattern: str, seconds: float = 20) -> list[s
     return left
 
 
+@pytest.mark.slow  # a minute here; the RL learner on two hosts below keeps a multi-host run in the default suite
 @pytest.mark.engines
 def test_two_hosts_by_two_processes_train_like_one_host_by_four(hosts, init, tmp_path):
     runs = tmp_path / "runs"
