@@ -124,7 +124,7 @@ def composer(log: Path, *args: str) -> float:
         out.flush()
         done = subprocess.run([sys.executable, "-m", "composer.cli", *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        sys.exit(f"composer {args[0]} {args[1] if len(args) > 1 else ''} failed (exit {done.returncode}); see {log}")
+        sys.exit(f"composer {' '.join(args[:2])} failed (exit {done.returncode}); see {log}:\n" + log.read_text()[-3000:])
     return time.monotonic() - started
 
 

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +38,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.sft_effect import composer  # noqa: E402  (run one stage, its output in the log)
 from composer.rl.evaluation import bootstrap_interval  # noqa: E402
 
 POLICIES = ("summarize", "drop_oldest", "large_context")
@@ -101,18 +100,6 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     for path, recipe in zip(paths, (rl_recipe, sft_recipe)):
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return paths
-
-
-def composer(log: Path, *args: str) -> float:
-    """Run `composer ARGS`, its output appended to `log`; its wall seconds (exits when it fails)."""
-    started = time.monotonic()
-    with log.open("a") as out:
-        out.write(f"\n$ composer {' '.join(args)}\n")
-        out.flush()
-        done = subprocess.run([sys.executable, "-m", "composer.cli", *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        sys.exit(f"composer {' '.join(args[:2])} failed (exit {done.returncode}); see {log}:\n" + log.read_text()[-3000:])
-    return time.monotonic() - started
 
 
 def graded(out: Path) -> dict[str, dict]:
