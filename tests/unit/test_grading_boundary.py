@@ -124,19 +124,21 @@ def test_a_call_crosses_with_mutations_callbacks_and_exceptions(tmp_path, monkey
     assert any(reason.startswith("result") for reason in crossing.refusals)
 
 
+def _relay(asked: int, hear: int) -> None:
+    """The host between the two sides: each `CALL {json}` line the grader writes goes to the episode as `{json}`."""
+    with os.fdopen(asked, "rb") as lines:
+        for line in lines:
+            os.write(hear, line[5:])
+    os.close(hear)
+
+
 def _serve_over_pipes() -> None:
     """The grader's ends connected to an episode's `serve` in a thread, as the sandbox's session forwards them."""
     asked, ask = os.pipe()
     heard, hear = os.pipe()
     answered, answer = os.pipe()
 
-    def host():
-        with os.fdopen(asked, "rb") as lines:
-            for line in lines:
-                os.write(hear, line[5:])
-        os.close(hear)
-
-    threading.Thread(target=host, daemon=True).start()
+    threading.Thread(target=_relay, args=(asked, hear), daemon=True).start()
     threading.Thread(target=crossing.serve, args=(heard, answer), daemon=True).start()
     crossing.connect(ask, answered)
 
@@ -580,13 +582,7 @@ def _serve_in_a_process(root):
     os.close(heard)
     os.close(answer)
 
-    def host():
-        with os.fdopen(asked, "rb") as lines:
-            for line in lines:
-                os.write(hear, line[5:])
-        os.close(hear)
-
-    threading.Thread(target=host, daemon=True).start()
+    threading.Thread(target=_relay, args=(asked, hear), daemon=True).start()
     crossing.connect(ask, answered)
     return episode, ask
 
