@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -67,3 +70,14 @@ def checkpoint_files(directory: Path) -> dict[str, bytes]:
 
 
 run_cli = run_composer
+
+
+def kill_once_chunks_are_written(proc, chunk_dir, chunks: int, timeout_s: float) -> None:
+    """kill -9 the pushing process as soon as `chunks` chunk files are in the store (before its manifest)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if chunk_dir.is_dir() and sum(not n.startswith(".") for n in os.listdir(chunk_dir)) >= chunks:
+            break
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the push finished before it could be killed"

@@ -20,7 +20,7 @@ from composer.sync.pusher import push_version
 from composer.sync.rebuild import WrongBaseError, verify
 from composer.sync.receiver import pull, relay
 from composer.sync.store import CHUNKS, MANIFESTS, Store, VersionTakenError
-from tests.helpers.sync_testing import REPO, TrainingRun, checkpoint_files, sync_section, to_bf16
+from tests.helpers.sync_testing import REPO, TrainingRun, checkpoint_files, kill_once_chunks_are_written, sync_section, to_bf16
 
 
 @pytest.fixture
@@ -140,13 +140,7 @@ def test_push_killed_midway_publishes_nothing_and_a_rerun_skips_existing_chunks(
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     chunk_dir = store_dir / CHUNKS
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        if chunk_dir.is_dir() and sum(not n.startswith(".") for n in os.listdir(chunk_dir)) >= kill_after_chunks:
-            break
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the push finished before it could be killed"
+    kill_once_chunks_are_written(proc, chunk_dir, kill_after_chunks, 60)
     with Store.open(str(store_dir)) as store:
         assert store.versions() == []  # the manifest comes last: no visible version
     before = {e.name: (e.inode(), e.stat().st_mtime_ns) for e in os.scandir(chunk_dir) if not e.name.startswith(".")}

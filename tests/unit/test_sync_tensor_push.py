@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from composer.sync.manifest import Manifest
 from composer.sync.pusher import TensorPusher, push_version
 from composer.sync.receiver import pull
 from composer.sync.store import CHUNKS, MANIFESTS, Store
-from tests.helpers.sync_testing import REPO, checkpoint_files, sync_section
+from tests.helpers.sync_testing import REPO, checkpoint_files, kill_once_chunks_are_written, sync_section
 
 FILES = {
     "model-00001-of-00002.safetensors": ["model.embed.weight", "model.layers.0.mlp.weight", "model.layers.0.mlp.weight_scale_inv"],
@@ -227,13 +225,7 @@ def test_a_push_killed_midway_publishes_nothing_and_its_rerun_writes_the_same_ch
     proc = subprocess.Popen(
         [sys.executable, "-c", KILLED_PUSH, str(store_dir), str(tmp_path / "c1"), str(other)], env={**os.environ, "PYTHONPATH": str(REPO)}
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if chunk_dir.is_dir() and sum(not n.startswith(".") for n in os.listdir(chunk_dir)) >= 3:
-            break
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the push finished before it could be killed"
+    kill_once_chunks_are_written(proc, chunk_dir, 3, 120)
     with Store.open(str(store_dir)) as store:
         assert store.versions() == []  # the manifest comes last: no visible version
     before = {e.name: e.stat().st_mtime_ns for e in os.scandir(chunk_dir) if not e.name.startswith(".")}
