@@ -15,7 +15,7 @@ from composer.rollout.sandbox.results import CommandResult
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.repository import pytest_report
 from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE, Scope, function_scope, keep_change, splice
-from composer.rollout.tasks.repository.workspace import read_report, run_tests_guarded, sentinel_tests
+from composer.rollout.tasks.repository.workspace import RepoTests, read_report, run_tests_across, run_tests_guarded, sentinel_tests
 from tests.helpers.repo_cheats import CLASSES, PAYLOADS, payloads, pyc
 from tests.helpers.toy_package import toy_package
 
@@ -492,3 +492,70 @@ def test_unittest_subtests_are_outcomes_not_tampering(sandbox, tmp_path):
     assert report.complete and not report.flags, (report.detail, report.flags)
     assert report.outcomes[f"{test_file}::DoubleTest::test_small"] == "failed"  # double(x) is 2x + 1: its subtests fail
     assert report.outcomes[f"{test_file}::DoubleTest::test_one"] == "passed"
+
+
+# --- across the boundary: the files a test gives the function ------------------------------------
+
+NOTES = """import os
+
+
+def first_line(path):
+    with open(path) as f:
+        return f.readline().rstrip("\\n")
+
+
+def save(path, lines):
+    with open(path, "w") as f:
+        f.write("\\n".join(lines) + "\\n")
+    os.makedirs(os.path.join(os.path.dirname(path), "backup"), exist_ok=True)
+    os.replace(path, os.path.join(os.path.dirname(path), "backup", os.path.basename(path)))
+    with open(path, "w") as f:
+        f.write("\\n".join(lines) + "\\n")
+"""
+NOTES_TESTS = """from toy.core import first_line, save
+
+
+def test_reads_the_file_the_test_wrote(tmp_path):
+    (tmp_path / "notes.txt").write_text("title\\nbody\\n")
+    assert first_line(str(tmp_path / "notes.txt")) == "title"
+
+
+def test_overwrites_the_file_the_test_wrote(tmp_path):
+    (tmp_path / "notes.txt").write_text("old\\n")
+    save(str(tmp_path / "notes.txt"), ["new", "body"])
+    assert (tmp_path / "notes.txt").read_text() == "new\\nbody\\n"
+    assert (tmp_path / "backup" / "notes.txt").read_text() == "new\\nbody\\n"
+
+
+def test_a_directory_of_the_factory(tmp_path_factory):
+    where = tmp_path_factory.mktemp("data") / "made.txt"
+    save(str(where), ["made"])
+    assert first_line(str(where)) == "made"
+"""
+
+
+def test_the_files_a_test_writes_are_the_ones_the_episode_reads_and_writes(sandbox, tmp_path):
+    """pytest's `tmp_path` is at one path in the grader's and the episode's processes (other uids): a function that
+    reads the file a test wrote, or writes one the test then reads, behaves as in pytest's own process."""
+    root = toy_package(tmp_path / "base", NOTES, {"test_notes.py": NOTES_TESTS})
+    test_file = "toy/tests/test_notes.py"
+    tests = RepoTests(
+        package="toy",
+        test_files=(test_file,),
+        fail_to_pass=(),
+        pass_to_pass=(),
+        pytest_args=(),
+        timeout_s=60,
+        scope=(Scope("toy/core.py", ("first_line", "save")),),
+        layer=Path(),
+        episode_base=root,
+        grading_base=root,
+        hidden=(),
+    )
+    report = run_tests_across(sandbox, tests, {}, tmp_path / "views")
+    assert report.complete and not report.flags and not report.refused, (report.detail, report.output[-2000:])
+    names = ("test_reads_the_file_the_test_wrote", "test_overwrites_the_file_the_test_wrote", "test_a_directory_of_the_factory")
+    assert [report.outcomes.get(f"{test_file}::{name}") for name in names] == ["passed"] * 3, report.output[-3000:]
+    broken = {"toy/core.py": NOTES.replace("f.readline()", "f.readline().upper()").encode()}
+    report = run_tests_across(sandbox, tests, broken, tmp_path / "views")
+    assert report.outcomes[f"{test_file}::test_reads_the_file_the_test_wrote"] == "failed"

@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import threading
+import types
 import unittest
 import uuid
 import warnings
@@ -144,6 +145,8 @@ def _serve_over_pipes() -> None:
 
 
 SHAPES = """import collections
+import collections.abc
+import datetime
 import enum
 
 
@@ -213,6 +216,67 @@ def old_area(side):
     warnings.warn("old_area is deprecated", DeprecationWarning)
     warnings.warn("sides are rounded", ShapeWarning)
     return side * side
+
+
+class ShapeError(ValueError):
+    def __init__(self, line, col, message=None):
+        self.line, self.col = line, col
+        super().__init__(message or f"bad shape at {line}:{col}")
+
+
+def parse_shape(text):
+    raise ShapeError(1, len(text))
+
+
+class Stamp(datetime.datetime):  # a value class of the package's (tomlkit's DateTime), its constructor not the base's
+    def __new__(cls, year, month, day, raw):
+        made = datetime.datetime.__new__(cls, year, month, day)
+        made.raw = raw
+        return made
+
+    def isoformat(self):
+        raise AssertionError("never run by the boundary")
+
+
+def next_day(stamp):
+    return Stamp(stamp.year, stamp.month, stamp.day + 1, stamp.raw + "+1")
+
+
+class Row(list):  # assignment is the project's behaviour (tomlkit's Array), not how its state is set
+    def __setitem__(self, index, value):
+        raise NotImplementedError("rows are appended to")
+
+    def add(self, item):
+        list.append(self, item)
+        self.size = len(self)
+        return self
+
+    def __iter__(self):  # (a MutableSequence's iteration, through the class's own `__getitem__`)
+        return iter(["not", "the", "items"])
+
+    @classmethod
+    def of(cls, *items):
+        made = cls()
+        list.extend(made, items)
+        return made
+
+    @staticmethod
+    def width(item):
+        return len(str(item))
+
+    @property
+    def first(self):
+        return list.__getitem__(self, 0)
+
+    @first.setter
+    def first(self, value):
+        list.__setitem__(self, 0, value)
+
+
+def keys_of(mapping):
+    if not isinstance(mapping, collections.abc.Mapping):
+        raise TypeError("a mapping is wanted")
+    return sorted(mapping.keys()), dict(mapping), mapping.get("zz", "none")
 """
 
 
@@ -257,6 +321,29 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
     assert wrapped.calls == [("ab",), ([1, 2, 3],)] and wrapped.info() == {"calls": 2}
     with pytest.raises(AttributeError):
         getattr(wrapped, "__closure__")  # noqa: B009
+    # the package's exception, with the arguments and attributes the episode's had (its constructor takes others)
+    with pytest.raises(shapes.ShapeError, match="bad shape at 1:3") as raised:
+        crossing.call("shapes", "parse_shape", ("abc",), {})
+    assert type(raised.value) is shapes.ShapeError and (raised.value.line, raised.value.col) == (1, 3)
+    # a class of the package derived from a value class: its base's value and its attributes
+    after = crossing.call("shapes", "next_day", (shapes.Stamp(2024, 2, 28, "a"),), {})
+    assert type(after) is shapes.Stamp and dt.datetime.__repr__(after) == "Stamp(2024, 2, 29, 0, 0)" and after.raw == "a+1"
+    # a list subclass whose assignment raises, changed by its method and returned: the grader's own object, changed
+    row = shapes.Row([1])
+    assert crossing.call("shapes", "Row.add", (row, 5), {}) is row and list(list.__iter__(row)) == [1, 5] and row.size == 2
+    # a classmethod's proxy passes its class; a staticmethod's does not
+    made = crossing.call("shapes", "Row.of", (shapes.Row, 1, 2), {})
+    assert type(made) is shapes.Row and list(list.__iter__(made)) == [1, 2]
+    assert crossing.call("shapes", "Row.width", (123,), {}) == 3
+    # a property's getter and setter (the proxies keep `@property` and `@first.setter`)
+    assert crossing.call("shapes", "Row.first", (made,), {}) == 1
+    crossing.call("shapes", "Row.first", (made, 7), {})
+    assert list(list.__iter__(made)) == [7, 2]
+    # an object the grader keeps is a Mapping in the episode when it is one here; its methods are its own
+    proxy = types.MappingProxyType({"b": 1, "a": 2})
+    assert crossing.call("shapes", "keys_of", (proxy,), {}) == (["a", "b"], {"b": 1, "a": 2}, "none")
+    with pytest.raises(TypeError, match="a mapping is wanted"):
+        crossing.call("shapes", "keys_of", (iter([1]),), {})
 
 
 HOSTILE_ANSWERS = {
@@ -298,6 +385,12 @@ HOSTILE_ANSWERS = {
     "a warning of a class outside the package": b'{"return": 1, "warnings": [["os:PathLike", "x"]]}',
     "a warning named as an exit": b'{"return": 1, "warnings": [["SystemExit", "x"]]}',
     "a malformed warning": b'{"return": 1, "warnings": [[1, 2]]}',
+    # exceptions of the package named with their state
+    "an exception's class outside the package": b'{"raise": "Exit", "class": ["_pytest.outcomes", "Exit"], "state": {"args": [], "attributes": []}}',
+    "an exception's class that is no exception": b'{"raise": "Graph", "class": ["networkx.classes.graph", "Graph"], "state": {"args": [], "attributes": []}}',
+    "an exception's state naming its type": b'{"raise": "NetworkXError", "class": ["networkx.exception", "NetworkXError"], "state": {"args": [], "attributes": [["__class__", {"$type": ["builtins", "SystemExit"]}]]}}',
+    "an exception's malformed arguments": b'{"raise": "NetworkXError", "class": ["networkx.exception", "NetworkXError"], "state": {"args": {"$pickle": "x"}, "attributes": []}}',
+    "a reference in the grader's form, returned": b'{"return": {"$ref": [0, ["Mapping"]]}}',
     "more warnings than the bound": b'{"return": 1, "warnings": [' + b",".join([b'["UserWarning", "x"]'] * 21) + b"]}",
 }
 

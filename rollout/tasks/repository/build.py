@@ -71,7 +71,7 @@ from composer.runtime.run_dir import atomic_write_text
 log = logging.getLogger("composer.repo_tasks")
 
 # Bump when candidates, validation or records change: it is part of every set's cache key.
-ENGINE_VERSION = 7
+ENGINE_VERSION = 8
 # Bump when a survey's record or the runner that makes it changes.
 SURVEY_VERSION = 1
 

@@ -19,8 +19,8 @@ Each message is JSON with tags, decoded by each side into plain types and its ow
                                       offset or none), timedelta; Decimal, Fraction, PurePosixPath and PosixPath, UUID
   a class                             {"$type": [module, qualname]}: a builtin one or a `collections` one
                                       (`factory=dict`), or the project's own
-  anything else                       what the side's `Codec.refer` makes of it (`crossing.py`: {"$ref": number}, an
-                                      object the grader keeps; {"$callback": number}, a function the episode keeps),
+  anything else                       what the side's `Codec.refer` makes of it (`crossing.py`: {"$ref": number} or
+                                      {"$ref": [number, interfaces]}, an object the grader keeps; {"$callback": number}, a function the episode keeps),
                                       or `NotCrossable`
 The graph classes are the decoding side's own (`Graph`, `DiGraph`, `MultiGraph`, `MultiDiGraph` of its networkx),
 filled in the neighbours' order as sent. An object of the project's package (the package of the called function's
@@ -29,13 +29,17 @@ copy of that class without running its constructor and sets the attributes (inst
 a member of an enum is the side's own member).
 """
 
+import datetime
+import decimal
 import json
 import math
 
 MAX_DEPTH = 200
 MAX_ITEMS = 1_000_000
 GRAPHS = ("Graph", "DiGraph", "MultiGraph", "MultiDiGraph")
-OBJECT_BASES = (tuple, list, dict, set, frozenset, str, int, float)
+REDUCED_BASES = (datetime.datetime, datetime.date, datetime.time, datetime.timedelta, decimal.Decimal)
+"""Value classes a project's class may derive from (tomlkit's `DateTime`): made from what their `__reduce__` gives."""
+OBJECT_BASES = (tuple, list, dict, set, frozenset, str, int, float, *REDUCED_BASES)
 """Builtin bases whose value an object of the project's own class carries besides its attributes."""
 # Exceptions an answer may name, re-raised as the receiving side's own (the grader also takes the trusted
 # package's own exceptions).
@@ -69,8 +73,6 @@ _own = [""]
 
 def _values():
     """The standard library's value classes that cross as data: name -> (class, to data, from data)."""
-    import datetime
-    import decimal
     import fractions
     import pathlib
     import uuid
@@ -252,10 +254,26 @@ def encode_object(value, codec, depth):
     same = codec.first(value)
     if same is not None:
         return same
-    base = next((b for b in kind.__mro__ if b in OBJECT_BASES), None)
-    carried = encode(base(value), codec, depth + 1) if base is not None else None
+    base = _base_of(kind)
+    carried = encode(_base_value(value, base), codec, depth + 1) if base is not None else None
     attributes = [[name, encode(v, codec, depth + 1)] for name, v in _attributes(value).items()]
     return {"$object": [kind.__module__, _class_path(kind), carried, attributes]}
+
+
+def _base_of(cls):
+    return next((b for b in cls.__mro__ if b in OBJECT_BASES), None)
+
+
+def _base_value(value, base):
+    """An object's builtin base's value, as a plain `base`, read by the base's own methods: a subclass's are the
+    project's behaviour (tomlkit's `Array` iterates its booleans as `bool`s, its `DateTime` formats itself)."""
+    if base in REDUCED_BASES:
+        return base(*base.__reduce__(value)[1])
+    if base is dict:
+        return dict(dict.items(value))
+    if base in (list, tuple, set, frozenset):
+        return base(base.__iter__(value))
+    return {str: str.__str__, int: int.__int__, float: float.__float__}[base](value)
 
 
 def _own_class(module, qualname):
@@ -278,7 +296,7 @@ def decode_object(body, codec, depth):
     slot = len(codec.met)
     codec.made(None)  # numbered before what it holds; a back-reference to it while unbuilt is refused
     cls = _own_class(module, qualname)
-    base = next((b for b in cls.__mro__ if b in OBJECT_BASES), None)
+    base = _base_of(cls)
     if (carried is None) != (base is None) or type(attributes) is not list:
         raise ValueError("malformed $object")
     if base is None:
@@ -287,7 +305,10 @@ def decode_object(body, codec, depth):
         made = codec.met[slot] = base.__new__(cls)
         base.__init__(made, decode(carried, codec, depth + 1))
     else:
-        made = codec.met[slot] = base.__new__(cls, decode(carried, codec, depth + 1))
+        value = decode(carried, codec, depth + 1)
+        if type(value) is not base:
+            raise ValueError("malformed $object")
+        made = codec.met[slot] = base.__new__(cls, *(base.__reduce__(value)[1] if base in REDUCED_BASES else (value,)))
     set_attributes(made, attributes, codec, depth)
     return made
 
@@ -325,8 +346,11 @@ def decode(node, codec=None, depth=0):
         return bytes.fromhex(body)
     if tag == "$same" and type(body) is int and 0 <= body < len(codec.met) and codec.met[body] is not None:
         return codec.met[body]
-    if tag in ("$ref", "$callback") and type(body) is int and codec.resolve is not None:
-        return codec.resolve(tag, body)
+    if tag in ("$ref", "$callback") and codec.resolve is not None:
+        # {"$ref": [number, interfaces]}: the grader's object is a Mapping, a Sequence... (`crossing.INTERFACES`)
+        number, interfaces = (body[0], body[1]) if tag == "$ref" and type(body) is list and len(body) == 2 else (body, [])
+        if type(number) is int and type(interfaces) is list and all(type(i) is str for i in interfaces):
+            return codec.resolve(tag, number, tuple(interfaces))
     if type(body) is not list:
         raise ValueError(f"malformed {tag}")
     if tag in ("$set", "$dict"):
@@ -430,11 +454,11 @@ def apply_mutation(target, value):
             target._pred.update(value._pred)
     elif _is_own(kind) and type(value) is kind:
         # An object of the project's (a method's `self`): its state replaced by the episode's.
-        base = next((b for b in kind.__mro__ if b in OBJECT_BASES), None)
+        base = _base_of(kind)
         if base in (list, dict, set):
             base.clear(target)
-            (base.extend if base is list else base.update)(target, value)
-        elif base is not None and base(target) != base(value):
+            (base.extend if base is list else base.update)(target, _base_value(value, base))
+        elif base is not None and _base_value(target, base) != _base_value(value, base):
             raise RuntimeError(f"the call changed an immutable {kind.__name__}")
         for name in set(_attributes(target)) - set(_attributes(value)):
             object.__delattr__(target, name)
@@ -455,9 +479,10 @@ def replace_copies(structure, copies):
     if not copies:
         return
     if type(structure) is list or (isinstance(structure, list) and _is_own(type(structure))):
-        structure[:] = [copies.get(id(v), v) for v in structure]
+        # list's own assignment: a subclass's `__setitem__` (tomlkit's `Array`) is the project's behaviour, not state
+        list.__setitem__(structure, slice(None), [copies.get(id(v), v) for v in list.__iter__(structure)])
     elif isinstance(structure, dict):
-        for key, value in list(structure.items()):
+        for key, value in list(dict.items(structure)):
             if id(value) in copies:
                 dict.__setitem__(structure, key, copies[id(value)])
     if _is_own(type(structure)):

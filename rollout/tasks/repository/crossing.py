@@ -20,6 +20,7 @@ episode's process ({"$callback": number}) and each call of it from the grader cr
 object of the episode's ever reaches the grader, which never unpickles and never runs the episode's code.
 """
 
+import collections.abc
 import functools
 import json
 import operator
@@ -35,6 +36,7 @@ if __name__ == "composer.rollout.tasks.repository.crossing":  # imported; shippe
         BUILTIN_EXCEPTIONS,
         Codec,
         NotCrossable,
+        _attributes,
         _class_path,
         _is_own,
         _own,
@@ -44,6 +46,7 @@ if __name__ == "composer.rollout.tasks.repository.crossing":  # imported; shippe
         dumps,
         encode,
         replace_copies,
+        set_attributes,
     )
 
 _BINARY = {
@@ -92,6 +95,9 @@ SAFE_BUILTINS = (
 )
 """The interpreter's functions and classes a reference may be (a key function `len`, a factory `list`): none that
 reaches names, modules, files or code (`getattr`, `vars`, `open`, `exec`, `type`)."""
+INTERFACES = ("MutableMapping", "Mapping", "MutableSequence", "Sequence", "MutableSet", "Set")
+"""The abstract classes a reference is an instance of in the episode when the grader's object is (a function that
+checks `isinstance(data, Mapping)` given a `MappingProxyType`), the more specific first."""
 
 
 def _hazard(value):
@@ -130,10 +136,34 @@ _episode_functions = {}
 """number -> the grader's proxy of a function the episode returned (given back to it as it came)."""
 
 
-def connect(out_fd, in_fd):
-    """The grader's ends: lines out on the run's channel, answers in on its call descriptor."""
+def connect(out_fd, in_fd, shared_tmp=None):
+    """The grader's ends: lines out on the run's channel, answers in on its call descriptor; `shared_tmp`: the
+    directory of pytest's temporary directories, which the episode's process sees at the same path."""
     _link["out"], _link["in"] = out_fd, os.fdopen(in_fd, "rb", buffering=1 << 16)
+    if shared_tmp:
+        _link["tmp"], _link["opened"] = os.path.join(shared_tmp, "basetemp"), set()
+        os.umask(0)  # what the tests write there, the episode's process (another uid) may read and change
     _watch_monkeypatches()
+
+
+def _open_tmp():
+    """pytest makes its temporary directories for its own uid (0700): opened to the episode's process before each
+    call (the base and each test's directory; what a test makes inside is open already, under umask 0)."""
+    base = _link.get("tmp")
+    if base is None or not os.path.isdir(base):
+        return
+    for path in [base, *(entry.path for entry in os.scandir(base) if entry.is_dir(follow_symlinks=False))]:
+        if path in _link["opened"]:
+            continue
+        try:  # never through a link the episode put in place of a directory
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            os.fchmod(fd, 0o1777 if path == base else 0o777)  # (sticky: the tests' directories stay where pytest put them)
+        finally:
+            os.close(fd)
+        _link["opened"].add(path)
 
 
 def _watch_monkeypatches():
@@ -216,34 +246,58 @@ def _refer(value):
     if number is None:
         number = _numbers[id(value)] = len(_held)
         _held.append(value)
-    return {"$ref": number}
+    interfaces = []
+    for name in INTERFACES:
+        interface = getattr(collections.abc, name)
+        if isinstance(value, interface) and not any(issubclass(getattr(collections.abc, i), interface) for i in interfaces):
+            interfaces.append(name)
+    return {"$ref": [number, interfaces]} if interfaces else {"$ref": number}
 
 
 def _grader_codec(module):
-    def resolve(tag, number):
+    def resolve(tag, number, interfaces=()):
         if tag == "$callback":
             return _returned(module, number)
-        if not 0 <= number < len(_held):
+        if interfaces or not 0 <= number < len(_held):  # (interfaces: only the grader names them)
             raise ValueError("a reference that was never given")
         return _held[number]
 
     return Codec(_refer, resolve)
 
 
-def _exception(module, name, message):
-    """The grader's own exception class named `name`: a builtin one of the allow-list, or an exception class of the
-    trusted package (its top-level namespace, the task's module), never one a test runner reads as an outcome
-    (unittest's SkipTest, which pytest reports as a skip); RuntimeError otherwise."""
+def _exception(module, answer):
+    """The grader's own exception for the episode's: a builtin one of the allow-list, or an exception class of the
+    trusted package (named by the episode, or found by name in its top-level namespace and the task's module), never
+    one a test runner reads as an outcome (unittest's SkipTest, which pytest reports as a skip); RuntimeError
+    otherwise. A class of the package is made with the episode's arguments and attributes, its constructor not run
+    (tomlkit's `ParseError(line, col, message)` keeps only its message in `args`)."""
+    name, message = str(answer["raise"]), str(answer.get("message", ""))
     if name in BUILTIN_EXCEPTIONS:
         return getattr(__import__("builtins"), name)(message)
-    for where in (sys.modules.get(module.split(".")[0]), sys.modules.get(module)):
+    try:
+        found = _own_class(*answer["class"]) if "class" in answer else None
+    except (TypeError, ValueError, ImportError):
+        found = None
+    for where in (sys.modules.get(module.split(".")[0]), sys.modules.get(module)) if found is None else ():
         found = getattr(where, name, None) if where is not None else None
-        if isinstance(found, type) and issubclass(found, Exception) and not issubclass(found, unittest.SkipTest):
-            try:
-                return found(message)
-            except Exception:
-                break
-    return RuntimeError(f"{name}: {message}")
+        if found is not None:
+            break
+    if not isinstance(found, type) or not issubclass(found, Exception) or issubclass(found, unittest.SkipTest):
+        return RuntimeError(f"{name}: {message}")
+    state = answer.get("state")
+    if type(state) is dict and type(state.get("attributes")) is list:
+        codec = _grader_codec(module)
+        args = decode(state.get("args"), codec)
+        if type(args) is list:
+            builtin = next(c for c in found.__mro__ if c.__module__ == "builtins")
+            made = builtin.__new__(found)
+            made.args = tuple(args)
+            set_attributes(made, state["attributes"], codec, 0)
+            return made
+    try:
+        return found(message)
+    except Exception:
+        return RuntimeError(f"{name}: {message}")
 
 
 def call(module, qualname, args, kwargs):
@@ -251,6 +305,7 @@ def call(module, qualname, args, kwargs):
     with _lock:
         previous, _own[0] = _own[0], module.partition(".")[0]
         try:
+            _open_tmp()
             return _call(module, qualname, args, kwargs)
         finally:
             _own[0] = previous
@@ -273,7 +328,7 @@ def _call(module, qualname, args, kwargs):
     if "refused" in answer:
         raise _refused(str(answer["refused"])[:200])
     if "raise" in answer:
-        raise _exception(module, str(answer["raise"]), str(answer.get("message", "")))
+        raise _exception(module, answer)
     if "return" not in answer:
         raise ValueError("a malformed answer")
     if "after" in answer:
@@ -430,9 +485,32 @@ for _op in ("getitem", "setitem", "delitem", "contains", "format", *_UNARY, *_CO
     setattr(Reference, f"__{_op}__", _forward(_op))
 
 
+def _reference_class(interfaces):
+    """`Reference`, or a subclass that is also each of `interfaces` (`INTERFACES`), whose public methods (`get`,
+    `keys`, `append`) are the grader's object's, not the abstract class's mixins."""
+    bases = tuple(getattr(collections.abc, name) for name in interfaces if name in INTERFACES)
+    if not bases:
+        return Reference
+    if bases not in _reference_classes:
+        public = {name for base in bases for name in dir(base) if not name.startswith("_")}
+        namespace = {name: property(functools.partial(_public_use, name)) for name in public}
+        try:
+            _reference_classes[bases] = type("Reference", (Reference, *bases), {"__slots__": (), **namespace})
+        except TypeError:
+            raise ValueError(f"malformed interfaces: {interfaces}"[:120]) from None
+    return _reference_classes[bases]
+
+
+_reference_classes = {}
+
+
+def _public_use(name, reference):
+    return _ask(reference, "getattr", name)
+
+
 def _episode_codec():
     def refer(value):
-        if type(value) is Reference:
+        if isinstance(value, Reference):
             return {"$ref": object.__getattribute__(value, "_number")}
         if type(value).__name__ in ("function", "builtin_function_or_method", "method", "partial"):
             number = _episode["numbers"].get(id(value))
@@ -442,12 +520,14 @@ def _episode_codec():
             return {"$callback": number}
         return None
 
-    def resolve(tag, number):
+    def resolve(tag, number, interfaces=()):
         if tag == "$callback":
             if not 0 <= number < len(_episode["returned"]):
                 raise ValueError("a function that was never given")
             return _episode["returned"][number]
-        return _episode["proxies"].setdefault(number, Reference(number))
+        if number not in _episode["proxies"]:
+            _episode["proxies"][number] = _reference_class(interfaces)(number)
+        return _episode["proxies"][number]
 
     return Codec(refer, resolve)
 
@@ -523,6 +603,25 @@ def _answer(request):
         _own[0] = previous
 
 
+def _function(module, parts):
+    """The episode's function `parts` of `module`, as the grader's proxy calls it: a method's function (the proxy,
+    under the same `classmethod` or `staticmethod`, passes the class itself when it takes one), decorators' wrappers
+    taken off (the proxy keeps the grader's)."""
+    owner = module
+    for part in parts[:-1]:
+        owner = getattr(owner, part)
+    function = getattr(owner, parts[-1])
+    if isinstance(owner, type):
+        defined = next((vars(c)[parts[-1]] for c in owner.__mro__ if parts[-1] in vars(c)), None)
+        if isinstance(defined, (classmethod, staticmethod)):
+            function = defined.__func__
+        elif isinstance(defined, property):
+            function = defined
+    while hasattr(function, "__wrapped__"):
+        function = function.__wrapped__
+    return function
+
+
 def _answer_call(request):
     import importlib
 
@@ -533,14 +632,12 @@ def _answer_call(request):
             function = _episode["returned"][int(qualname.partition(":")[2])]
             function = function if qualname.startswith("$callback:") else functools.partial(_public_attribute, function)
         else:
-            function = importlib.import_module(module)
-            for part in qualname.split("."):
-                function = getattr(function, part)
-            while hasattr(function, "__wrapped__"):
-                function = function.__wrapped__
+            function = _function(importlib.import_module(module), qualname.split("."))
         codec = _episode_codec()
         args = [decode(a, codec) for a in request["args"]]
         kwargs = {k: decode(v, codec) for k, v in request["kwargs"].items()}
+        if isinstance(function, property):  # the proxy of a getter passes the object, of a setter the value too
+            function = function.fget if len(args) == 1 else function.fset
     except Exception as e:
         return {"raise": type(e).__name__, "message": str(e)[:2000]}
     undo = []
@@ -569,7 +666,7 @@ def _run(function, args, kwargs, request, undo):
     except NotCrossable as e:
         return {"refused": f"argument to the grader's object: {e}"}
     except BaseException as e:
-        return {"raise": type(e).__name__, "message": str(e)[:2000]}
+        return _raise_answer(e)
     finally:
         _unpatch(undo)
     try:
@@ -582,6 +679,21 @@ def _run(function, args, kwargs, request, undo):
         return {"refused": f"result: {e}"}
     except BaseException as e:
         return {"raise": type(e).__name__, "message": str(e)[:2000]}
+
+
+def _raise_answer(error):
+    """The exception the episode's function raised: its type's name and message; for a class of the package, where
+    the grader finds it and its arguments and attributes as data (what cannot cross is left out)."""
+    answer = {"raise": type(error).__name__, "message": str(error)[:2000]}
+    if _is_own(type(error)):
+        answer["class"] = [type(error).__module__, _class_path(type(error))]
+        try:
+            codec = _episode_codec()
+            attributes = [[k, encode(v, codec)] for k, v in _attributes(error).items() if not k.startswith("__")]
+            answer["state"] = {"args": encode(list(error.args), codec), "attributes": attributes}
+        except Exception:
+            pass
+    return answer
 
 
 def serve(in_fd, out_fd):

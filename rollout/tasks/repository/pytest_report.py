@@ -276,7 +276,10 @@ def main() -> None:
             exec(compile(f.read(), path, "exec"), crossing.__dict__)
         answers = fcntl.fcntl(int(calls), fcntl.F_DUPFD_CLOEXEC, 240)
         os.close(int(calls))
-        crossing.connect(fd, answers)
+        shared_tmp = args.pop(0).partition("=")[2] if args and args[0].startswith("--shared-tmp=") else None
+        if shared_tmp:
+            args.insert(0, f"--basetemp={shared_tmp}/basetemp")
+        crossing.connect(fd, answers, shared_tmp)
         sys.modules["_composer_crossing"] = crossing
     with open(key_path, "rb") as f:
         send = _sender(fd, bytes.fromhex(f.read().decode().strip()))

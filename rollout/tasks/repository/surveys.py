@@ -195,8 +195,16 @@ def validate_with(
             reason = sorted(crossed.refused, key=crossed.refused.get)[-1].split(":")[0]
             return {"verdict": "rejected", "reason": f"cannot cross the grading boundary ({reason}: {_kind_of(crossed.refused)})"}
         outcomes = crossed.outcomes if crossed.complete else {}
-        if any(outcomes.get(i) != "passed" for i in passing) or any(outcomes.get(i) == "passed" for i in expected if i not in passing):
-            return {"verdict": "rejected", "reason": "behaves otherwise across the grading boundary"}
+        differing = [i for i in expected if (outcomes.get(i) == "passed") != (i in passing)]
+        if differing:
+            first = differing[0]
+            seen = outcomes.get(first, "not run" if crossed.complete else "an incomplete run")
+            detail = f"{first}: {seen} across the boundary, {'passed' if first in passing else 'failed'} in pytest's process ({len(differing)} tests differ)"
+            return {
+                "verdict": "rejected",
+                "reason": "behaves otherwise across the grading boundary",
+                "detail": f"{detail}\n{crossed.detail}\n{crossed.output[-3000:]}".strip(),
+            }
     return {
         "verdict": "validated",
         "fail_to_pass": fail_to_pass,

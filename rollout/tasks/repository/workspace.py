@@ -245,11 +245,13 @@ def run_tests_guarded(
     area: Path,
     environment: RunEnvironment | None = None,
     calls: Callable[[bytes], bytes | None] | None = None,
+    shared_tmp: Path | None = None,
 ) -> TestReport:
     """Run pytest on `test_files` (with sentinel tests) in the sandbox over a fresh read-only view of
     `grading_base` with `changes` (trusted tests and configuration: the caller passes only changes it grades), and
     read the trusted plugin's report from the run's channel; `environment`: the project's own; `calls`: the
-    answers to the proxies' calls (`run_tests_across`). Alone: the build's runs of the project's and the task's own
+    answers to the proxies' calls (`run_tests_across`), `shared_tmp` the directory both processes see, where pytest's
+    temporary directories go. Alone: the build's runs of the project's and the task's own
     code (surveys, a candidate's change); with `calls`: every grade and the build's checks across the boundary."""
     area.mkdir(parents=True, exist_ok=True)
     reclaim(area)
@@ -284,7 +286,7 @@ def run_tests_guarded(
         if calls is not None:
             (config_dir / "crossing.py").write_text(crossing_text())
             os.chmod(config_dir / "crossing.py", 0o644)
-            crossing = [f"--crossing=config/crossing.py:{CALL_FD}"]
+            crossing = [f"--crossing=config/crossing.py:{CALL_FD}", *([f"--shared-tmp={shared_tmp}"] if shared_tmp else [])]
         command = " ".join(
             shlex.quote(a)
             for a in [
@@ -355,15 +357,25 @@ def run_tests_across(sandbox: Sandbox, tests: RepoTests, episode: dict[str, byte
         grader[scope.path] = proxied(text, scope.functions, module_name(scope.path, tests.source)).encode()
     area.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="episode-", dir=area))
-    mounted = False
+    mounted = capped = False
     try:
         os.chmod(work, 0o755)
+        # The tests' temporary directories (pytest's `tmp_path`), at one path in both processes: a test writes a
+        # file there and gives the function its path. A tmpfs of the write cap, the episode's writes counted.
+        shared_tmp = work / "tmp"
+        shared_tmp.mkdir()
+        if overlay_supported(area):
+            mount_capped(shared_tmp, sandbox.config.max_write_mb << 20, sandbox.config.max_inodes)
+            capped = True
+        os.chmod(shared_tmp, 0o1777)
+        environment = tests.run_environment("repo") or RunEnvironment()
+        environment = dataclasses.replace(environment, writable=(*environment.writable, str(shared_tmp)))
         changes = {**episode, **_without_tests(tests.grading_base, tests.package, tests.test_files)}
         mounted = _open_view(work / "repo", work / "layer", tests.grading_base, changes)
         root = str(PurePosixPath("repo") / tests.source) if tests.source else "repo"
         command = shlex.join(["python", "-s", "-P", "-B", "-c", crossing_text(), root])
         try:
-            with sandbox.serving(command, work, tests.timeout_s, tests.hidden, tests.run_environment("repo")) as server:
+            with sandbox.serving(command, work, tests.timeout_s, tests.hidden, environment) as server:
 
                 def answer(line: bytes) -> bytes:
                     reply = server.exchange(line)
@@ -378,14 +390,17 @@ def run_tests_across(sandbox: Sandbox, tests: RepoTests, episode: dict[str, byte
                     tests.timeout_s,
                     tests.hidden,
                     area,
-                    tests.run_environment("repo"),
+                    environment,
                     calls=answer,
+                    shared_tmp=shared_tmp,
                 )
         except InfraError as e:
             return TestReport({}, False, (), str(e), "", "infra", 0.0, 0.0, infra_failure=True)
     finally:
         if mounted:
             unmount(work / "repo")
+        if capped:
+            unmount(shared_tmp)
         remove_tree(work)  # the episode's process wrote here: at any depth, never following a link
 
 
