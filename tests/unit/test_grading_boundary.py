@@ -218,6 +218,11 @@ def old_area(side):
     return side * side
 
 
+def file_under(index, key, item):
+    index[key].append(item)
+    return index[key]
+
+
 class ShapeError(ValueError):
     def __init__(self, line, col, message=None):
         self.line, self.col = line, col
@@ -294,9 +299,15 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
     result, colour = crossing.call("shapes", "moved", (point, 3), {})
     assert type(result) is shapes.Point and (result.x, result.y) == (4, 2) and colour is shapes.Colour.BLUE
     bag = shapes.Bag()
+    items = bag.items
     key = crossing.call("shapes", "Bag.add", (bag, "a"), {})
     assert type(key) is shapes.Key and key == ("a", 1)
     assert bag.items == ["a"] and bag.count == 1  # the method's change of `self`, applied to the grader's object
+    assert bag.items is items  # in place, at any depth: what the test (or an item's parent) holds sees the change
+    inner = ["x"]
+    index = {"a": inner, "b": (inner,)}
+    assert crossing.call("shapes", "file_under", (index, "a", "y"), {}) is inner
+    assert index == {"a": ["x", "y"], "b": (["x", "y"],)} and index["a"] is inner and index["b"][0] is inner
     # the warnings the call issues there are issued here, in their categories (a test's catch_warnings sees them)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -378,6 +389,8 @@ HOSTILE_ANSWERS = {
     "an operation not of the list": b'{"ref": 0, "op": "globals", "args": [], "kwargs": {"$dict": []}}',
     "a back-reference to nothing met": b'{"return": [{"$same": 5}]}',
     "an argument turned into another type": b'{"return": 1, "after": {"args": ["now a string"], "kwargs": {}}}',
+    "an argument said to be another structure": b'{"return": 1, "after": {"args": [{"$was": [0, {"$dict": []}]}], "kwargs": {}}}',
+    "a structure never sent, said changed": b'{"return": {"$was": [99, [1]]}}',
     "a mutation of an argument not passed": b'{"return": 1, "after": {"args": [[0]], "kwargs": {"nope": [1]}}}',
     "no return": b'{"changed": {}}',
     # warnings the episode says the call issued

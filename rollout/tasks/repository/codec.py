@@ -9,6 +9,9 @@ Each message is JSON with tags, decoded by each side into plain types and its ow
   the same list, dict, set or object  {"$same": number}: the structures of a message are numbered in the order they
   met again (shared, or a cycle)      are met (depth first, a structure before what it holds), like pickle's memo, so
                                       an item and its parent container arrive as one graph, back-references kept
+  a structure the grader sent, as the  {"$was": [its number in the call's message, its encoding]} (the episode's answer
+  episode's call left it                only): the grader changes its own structure in place (what refers to it, a
+                                      test's variable or an item's parent, sees the change)
   an iterator (a generator's values)  {"$iter": [...]} (the episode's results only: decoded as an iterator over them)
   a networkx graph                    {"$graph": [class, graph attributes, [[node, attributes]...],
                                       [[node, [[neighbour, edge attributes or {key: attributes}]...]]...],
@@ -108,14 +111,27 @@ class NotCrossable(TypeError):
 
 
 class Codec:
-    """One message's encoding or decoding: its memo (the structures met so far, numbered in the order met) and how
-    this side stands for what is not data (`refer`: value -> a tag or None; `resolve`: (tag, number) -> value)."""
+    """One message's encoding or decoding: its memo (the structures met so far, numbered in the order met), how
+    this side stands for what is not data (`refer`: value -> a tag or None; `resolve`: (tag, number, interfaces) ->
+    value) and, for an answer to a call, which structures are the call's arguments' (`origin`: the episode's, id ->
+    number in the call; `originals`: the grader's, number -> the structure it sent)."""
 
-    def __init__(self, refer=None, resolve=None):
+    def __init__(self, refer=None, resolve=None, origin=None, originals=None):
         self.numbers = {}  # encoding: id -> (number, the structure, kept alive so that its id is not reused)
         self.met = []  # decoding: number -> the structure (None while it is being built)
         self.refer = refer
         self.resolve = resolve
+        self.origin = origin or {}
+        self.originals = originals or {}
+
+    def sent(self):
+        """The structures this message numbered, by number (the grader's `originals` for the answer)."""
+        return {number: structure for number, structure in self.numbers.values()}
+
+    def was(self, value, body):
+        """`body`, marked as the call's argument structure it is (an answer's encoding)."""
+        number = self.origin.get(id(value))
+        return body if number is None else {"$was": [number, body]}
 
     def first(self, value):
         """{"$same": number} when `value` was met before in this message; else None, and it is numbered."""
@@ -181,12 +197,12 @@ def encode(value, codec=None, depth=0):
         same = codec.first(value)
         if same is not None:
             return same
-    if kind is list:
-        return [encode(v, codec, depth + 1) for v in value]
-    if kind in (tuple, set, frozenset):
+        if kind is dict:
+            return codec.was(value, {"$dict": [[encode(k, codec, depth + 1), encode(v, codec, depth + 1)] for k, v in value.items()]})
+        items = [encode(v, codec, depth + 1) for v in value]
+        return codec.was(value, items if kind is list else {"$set": items})
+    if kind in (tuple, frozenset):
         return {"$" + kind.__name__: [encode(v, codec, depth + 1) for v in value]}
-    if kind is dict:
-        return {"$dict": [[encode(k, codec, depth + 1), encode(v, codec, depth + 1)] for k, v in value.items()]}
     if kind is range:
         return {"$range": [value.start, value.stop, value.step]}
     name = _graph_class(value)
@@ -257,7 +273,7 @@ def encode_object(value, codec, depth):
     base = _base_of(kind)
     carried = encode(_base_value(value, base), codec, depth + 1) if base is not None else None
     attributes = [[name, encode(v, codec, depth + 1)] for name, v in _attributes(value).items()]
-    return {"$object": [kind.__module__, _class_path(kind), carried, attributes]}
+    return codec.was(value, {"$object": [kind.__module__, _class_path(kind), carried, attributes]})
 
 
 def _base_of(cls):
@@ -290,15 +306,22 @@ def _own_class(module, qualname):
     return found
 
 
-def decode_object(body, codec, depth):
-    """An instance of this side's own class, its constructor not run: the builtin base's value, then the attributes."""
+def decode_object(body, codec, depth, target=None):
+    """An instance of this side's own class, its constructor not run: the builtin base's value, then the attributes;
+    or `target` (the grader's own object, `$was`) given that state in place."""
     module, qualname, carried, attributes = body
     slot = len(codec.met)
-    codec.made(None)  # numbered before what it holds; a back-reference to it while unbuilt is refused
+    codec.made(target)  # numbered before what it holds; a back-reference to it while unbuilt is refused
     cls = _own_class(module, qualname)
     base = _base_of(cls)
-    if (carried is None) != (base is None) or type(attributes) is not list:
+    if (carried is None) != (base is None) or type(attributes) is not list or (target is not None and type(target) is not cls):
         raise ValueError("malformed $object")
+    if target is not None:
+        _set_state(target, base, decode(carried, codec, depth + 1) if base is not None else None)
+        for name in set(_attributes(target)) - {pair[0] for pair in attributes if type(pair) is list and pair}:
+            object.__delattr__(target, name)
+        set_attributes(target, attributes, codec, depth)
+        return target
     if base is None:
         made = codec.met[slot] = object.__new__(cls)
     elif base in (list, dict, set):
@@ -311,6 +334,42 @@ def decode_object(body, codec, depth):
         made = codec.met[slot] = base.__new__(cls, *(base.__reduce__(value)[1] if base in REDUCED_BASES else (value,)))
     set_attributes(made, attributes, codec, depth)
     return made
+
+
+def _set_state(target, base, value):
+    """The grader's object's builtin base's value made `value` (decoded): a container's contents replaced by the
+    base's own methods; an immutable one's must be what it was."""
+    if base is None:
+        return
+    if base in (list, dict, set) and type(value) is base:
+        base.clear(target)
+        (base.extend if base is list else base.update)(target, value)
+    elif type(value) is not base or _base_value(target, base) != value:
+        raise RuntimeError(f"the call changed an immutable {type(target).__name__}")
+
+
+def decode_into(target, node, codec, depth):
+    """The grader's structure `target` made what the episode's call left its copy as (`node`), in place."""
+    if type(target) is list and type(node) is list:
+        codec.made(target)
+        items = [decode(v, codec, depth + 1) for v in node]
+        target[:] = items
+        return target
+    ((tag, body),) = node.items() if type(node) is dict and len(node) == 1 else (("", None),)
+    if tag == "$object" and type(body) is list and len(body) == 4:
+        return decode_object(body, codec, depth, target)
+    if type(body) is not list or tag != {dict: "$dict", set: "$set"}.get(type(target)):
+        raise ValueError("malformed $was")
+    codec.made(target)
+    if tag == "$set":
+        items = [decode(v, codec, depth + 1) for v in body]
+    elif all(type(item) is list and len(item) == 2 for item in body):
+        items = [(decode(k, codec, depth + 1), decode(v, codec, depth + 1)) for k, v in body]
+    else:
+        raise ValueError("malformed $dict")
+    target.clear()
+    target.update(items)
+    return target
 
 
 def set_attributes(target, attributes, codec, depth):
@@ -346,6 +405,8 @@ def decode(node, codec=None, depth=0):
         return bytes.fromhex(body)
     if tag == "$same" and type(body) is int and 0 <= body < len(codec.met) and codec.met[body] is not None:
         return codec.met[body]
+    if tag == "$was" and type(body) is list and len(body) == 2 and type(body[0]) is int and body[0] in codec.originals:
+        return decode_into(codec.originals[body[0]], body[1], codec, depth)
     if tag in ("$ref", "$callback") and codec.resolve is not None:
         # {"$ref": [number, interfaces]}: the grader's object is a Mapping, a Sequence... (`crossing.INTERFACES`)
         number, interfaces = (body[0], body[1]) if tag == "$ref" and type(body) is list and len(body) == 2 else (body, [])
@@ -441,54 +502,17 @@ def fill_graph(graph, body, codec, depth):
                 graph._pred[v][u] = graph._adj[u][v]
 
 
-def apply_mutation(target, value):
-    """Make the grader's argument `target` what the episode's call left its copy as (`value`, decoded): lists, dicts,
-    sets, graphs and objects of the project's classes are changed in place; nothing else can be."""
-    kind = type(target)
-    if _graph_class(target) is not None and type(value) is kind:
-        target.clear()
-        target.graph.update(value.graph)
-        target._node.update(value._node)
-        target._adj.update(value._adj)
-        if target.is_directed():
-            target._pred.update(value._pred)
-    elif _is_own(kind) and type(value) is kind:
-        # An object of the project's (a method's `self`): its state replaced by the episode's.
-        base = _base_of(kind)
-        if base in (list, dict, set):
-            base.clear(target)
-            (base.extend if base is list else base.update)(target, _base_value(value, base))
-        elif base is not None and _base_value(target, base) != _base_value(value, base):
-            raise RuntimeError(f"the call changed an immutable {kind.__name__}")
-        for name in set(_attributes(target)) - set(_attributes(value)):
-            object.__delattr__(target, name)
-        for name, attribute in _attributes(value).items():
-            object.__setattr__(target, name, attribute)
-    elif kind is list and type(value) is list:
-        target[:] = value
-    elif kind in (dict, set) and type(value) is kind:
-        target.clear()
-        target.update(value)
-    else:
-        raise RuntimeError(f"the call changed an argument of type {kind.__name__} into {type(value).__name__}")
-
-
-def replace_copies(structure, copies):
-    """In a decoded list, dict, set or object: each value that is a key's copy (`copies`: id -> the original)
-    replaced by its original."""
-    if not copies:
-        return
-    if type(structure) is list or (isinstance(structure, list) and _is_own(type(structure))):
-        # list's own assignment: a subclass's `__setitem__` (tomlkit's `Array`) is the project's behaviour, not state
-        list.__setitem__(structure, slice(None), [copies.get(id(v), v) for v in list.__iter__(structure)])
-    elif isinstance(structure, dict):
-        for key, value in list(dict.items(structure)):
-            if id(value) in copies:
-                dict.__setitem__(structure, key, copies[id(value)])
-    if _is_own(type(structure)):
-        for name, value in _attributes(structure).items():
-            if id(value) in copies:
-                object.__setattr__(structure, name, copies[id(value)])
+def refill_graph(target, value):
+    """Make the grader's graph `target` what the episode's call left its copy as (`value`, decoded): graphs cross
+    as their data, not numbered, so they are refilled in place."""
+    if type(value) is not type(target):
+        raise RuntimeError(f"the call changed an argument of type {type(target).__name__} into {type(value).__name__}")
+    target.clear()
+    target.graph.update(value.graph)
+    target._node.update(value._node)
+    target._adj.update(value._adj)
+    if target.is_directed():
+        target._pred.update(value._pred)
 
 
 def dumps(message):

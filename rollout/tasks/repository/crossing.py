@@ -38,14 +38,14 @@ if __name__ == "composer.rollout.tasks.repository.crossing":  # imported; shippe
         NotCrossable,
         _attributes,
         _class_path,
+        _graph_class,
         _is_own,
         _own,
         _own_class,
-        apply_mutation,
         decode,
         dumps,
         encode,
-        replace_copies,
+        refill_graph,
         set_attributes,
     )
 
@@ -254,7 +254,7 @@ def _refer(value):
     return {"$ref": [number, interfaces]} if interfaces else {"$ref": number}
 
 
-def _grader_codec(module):
+def _grader_codec(module, originals=None):
     def resolve(tag, number, interfaces=()):
         if tag == "$callback":
             return _returned(module, number)
@@ -262,7 +262,7 @@ def _grader_codec(module):
             raise ValueError("a reference that was never given")
         return _held[number]
 
-    return Codec(_refer, resolve)
+    return Codec(_refer, resolve, originals=originals)
 
 
 def _exception(module, answer):
@@ -332,8 +332,8 @@ def _call(module, qualname, args, kwargs):
     if "return" not in answer:
         raise ValueError("a malformed answer")
     if "after" in answer:
-        return _apply_after(module, args, kwargs, sent, answer)
-    return decode(answer["return"], _grader_codec(module))
+        return _apply_after(module, args, kwargs, sent, answer, codec.sent())
+    return decode(answer["return"], _grader_codec(module, codec.sent()))
 
 
 WARNINGS = (
@@ -389,29 +389,28 @@ def _operate(module, request, problems):
         return {"raise": "TypeError", "message": f"cannot cross the grading boundary: {e}"}
 
 
-def _apply_after(module, args, kwargs, sent, answer):
-    """The arguments as the episode's call left them (all of them, then the result: one memo), applied where they
-    changed; what referred to an argument's copy refers to the grader's argument itself (an item's parent)."""
+def _apply_after(module, args, kwargs, sent, answer, originals):
+    """The arguments as the episode's call left them (all of them, then the result: one memo): each structure the
+    grader sent (a list, a dict, an object of the package, at any depth) is changed in place as it comes (`$was`),
+    so what refers to it (the test's variables, an item's parent) sees the change; a graph is refilled."""
     after = answer["after"]
     if type(after) is not dict or type(after.get("args")) is not list or len(after["args"]) != len(args):
         raise ValueError("malformed arguments after the call")
     if type(after.get("kwargs")) is not dict or set(after["kwargs"]) != set(kwargs):
         raise ValueError("malformed arguments after the call")
-    codec = _grader_codec(module)
+    codec = _grader_codec(module, originals)
     values = [decode(a, codec) for a in after["args"]]
     named = {k: decode(after["kwargs"][k], codec) for k in sent["kwargs"]}
     result = decode(answer["return"], codec)
-    targets = [
-        *zip(args, sent["args"], after["args"], values),
-        *((kwargs[k], sent["kwargs"][k], after["kwargs"][k], named[k]) for k in kwargs),
-    ]
-    copies = {id(value): target for target, _, _, value in targets if type(value) is type(target)}
-    for structure in codec.met:
-        replace_copies(structure, copies)
-    for target, before, now, value in targets:
-        if now != before and value is not target:  # (a reference: the grader's object, changed in place already)
-            apply_mutation(target, value)
-    return copies.get(id(result), result)
+    numbered = {id(structure) for structure in originals.values()}
+    for target, value in [*zip(args, values), *((kwargs[k], named[k]) for k in kwargs)]:
+        if value is target:
+            continue
+        if _graph_class(target) is not None:
+            refill_graph(target, value)
+        elif id(target) in numbered:  # (the episode's copy of a structure sent is always marked as it)
+            raise ValueError("malformed arguments after the call")
+    return result
 
 
 class EpisodeFunction:
@@ -508,7 +507,7 @@ def _public_use(name, reference):
     return _ask(reference, "getattr", name)
 
 
-def _episode_codec():
+def _episode_codec(origin=None):
     def refer(value):
         if isinstance(value, Reference):
             return {"$ref": object.__getattribute__(value, "_number")}
@@ -529,7 +528,7 @@ def _episode_codec():
             _episode["proxies"][number] = _reference_class(interfaces)(number)
         return _episode["proxies"][number]
 
-    return Codec(refer, resolve)
+    return Codec(refer, resolve, origin=origin)
 
 
 def _raised(answer):
@@ -643,7 +642,9 @@ def _answer_call(request):
     undo = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # the grader's filters decide what each one does there
-        answer = _run(function, args, kwargs, request, undo)
+        # (the decoded structures stay alive in `codec` until the answer is encoded: their ids are not reused)
+        origin = {id(structure): number for number, structure in enumerate(codec.met) if structure is not None}
+        answer = _run(function, args, kwargs, request, undo, origin)
     if caught:
         answer["warnings"] = [[_warning_name(w.category), str(w.message)[:2000]] for w in caught[:MAX_WARNINGS]]
     return answer
@@ -659,7 +660,7 @@ def _warning_name(category):
     return "UserWarning"
 
 
-def _run(function, args, kwargs, request, undo):
+def _run(function, args, kwargs, request, undo, origin):
     try:
         _patch(request, undo)
         result = function(*args, **kwargs)
@@ -670,10 +671,12 @@ def _run(function, args, kwargs, request, undo):
     finally:
         _unpatch(undo)
     try:
-        codec = _episode_codec()
-        after = {"args": [encode(a, codec) for a in args], "kwargs": {k: encode(v, codec) for k, v in kwargs.items()}}
+        plain = _episode_codec()
+        after = {"args": [encode(a, plain) for a in args], "kwargs": {k: encode(v, plain) for k, v in kwargs.items()}}
+        codec = _episode_codec(origin)  # the arguments' structures marked: the grader changes its own in place
         if after == {"args": request["args"], "kwargs": request["kwargs"]}:
-            return {"return": encode(result, _episode_codec())}
+            return {"return": encode(result, codec)}
+        after = {"args": [encode(a, codec) for a in args], "kwargs": {k: encode(v, codec) for k, v in kwargs.items()}}
         return {"after": after, "return": encode(result, codec)}  # one memo: the result may hold the arguments
     except NotCrossable as e:
         return {"refused": f"result: {e}"}
