@@ -53,6 +53,8 @@ PRELOAD = (
 )
 PR_SET_CHILD_SUBREAPER = 36
 FD_NAMES = ("cmd", "reply", "stdout", "stderr", "status")
+MAX_PLAN_BYTES = 1 << 20
+"""A plan is one message on the socket (SOCK_SEQPACKET): a longer one would be cut."""
 
 
 def _preload() -> None:
@@ -81,7 +83,8 @@ def main() -> None:
         if not select.select([sock], [], [], 1.0)[0]:
             continue
         try:
-            message, fds, _, _ = socket.recv_fds(sock, 1 << 16, len(FD_NAMES))
+            # (a plan holds its command: the grading boundary's server is 60 KB of source in `-c`)
+            message, fds, _, _ = socket.recv_fds(sock, MAX_PLAN_BYTES, len(FD_NAMES))
         except OSError:
             break
         if not message:

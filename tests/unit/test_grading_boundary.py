@@ -218,6 +218,24 @@ def old_area(side):
     return side * side
 
 
+_MISSING = object()
+
+
+def pick(value=_MISSING):
+    return "missing" if value is _MISSING else value
+
+
+class Mark:
+    pass
+
+
+Mark.END = Mark()
+
+
+def after_last(mark):
+    return Mark.END if mark is not Mark.END else None
+
+
 def file_under(index, key, item):
     index[key].append(item)
     return index[key]
@@ -304,6 +322,10 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
     assert type(key) is shapes.Key and key == ("a", 1)
     assert bag.items == ["a"] and bag.count == 1  # the method's change of `self`, applied to the grader's object
     assert bag.items is items  # in place, at any depth: what the test (or an item's parent) holds sees the change
+    # the package's constants are each side's own (a default argument's sentinel, a class's end marker): `is` holds
+    assert crossing.call("shapes", "pick", (shapes._MISSING,), {}) == "missing"
+    assert crossing.call("shapes", "after_last", (shapes.Mark(),), {}) is shapes.Mark.END
+    assert crossing.call("shapes", "after_last", (shapes.Mark.END,), {}) is None
     inner = ["x"]
     index = {"a": inner, "b": (inner,)}
     assert crossing.call("shapes", "file_under", (index, "a", "y"), {}) is inner
@@ -391,6 +413,9 @@ HOSTILE_ANSWERS = {
     "an argument turned into another type": b'{"return": 1, "after": {"args": ["now a string"], "kwargs": {}}}',
     "an argument said to be another structure": b'{"return": 1, "after": {"args": [{"$was": [0, {"$dict": []}]}], "kwargs": {}}}',
     "a structure never sent, said changed": b'{"return": {"$was": [99, [1]]}}',
+    "a function named as a constant": b'{"return": {"$named": ["networkx", "is_empty"]}}',
+    "a module named as a constant": b'{"return": {"$named": ["networkx", "utils"]}}',
+    "a constant outside the package": b'{"return": {"$named": ["os", "environ"]}}',
     "a mutation of an argument not passed": b'{"return": 1, "after": {"args": [[0]], "kwargs": {"nope": [1]}}}',
     "no return": b'{"changed": {}}',
     # warnings the episode says the call issued

@@ -20,6 +20,9 @@ Each message is JSON with tags, decoded by each side into plain types and its ow
                                       [[attribute, value]...]]}; an enum member {"$enum": [module, qualname, name]}
   a standard library value            {"$value": [name, data]}: datetime's date, time, datetime (with a fixed
                                       offset or none), timedelta; Decimal, Fraction, PurePosixPath and PosixPath, UUID
+  a constant of the package           {"$named": [module, name]}: a module's or a class's attribute that is an instance of
+                                      the package's class or an `object()` sentinel (tomlkit's `Source.EOF`, a default
+                                      argument's `_MISSING`): each side's own, so `is` holds on both
   a class                             {"$type": [module, qualname]}: a builtin one or a `collections` one
                                       (`factory=dict`), or the project's own
   anything else                       what the side's `Codec.refer` makes of it (`crossing.py`: {"$ref": number} or
@@ -214,6 +217,8 @@ def encode(value, codec=None, depth=0):
     if kind is type or isinstance(value, type):
         if value.__qualname__ in SHARED_CLASSES.get(value.__module__, ()) or _is_own(value):
             return {"$type": [value.__module__, _class_path(value) if _is_own(value) else value.__qualname__]}
+    elif (_is_own(kind) or kind is object) and _constants().get(id(value), (None,))[0] is value:
+        return {"$named": _constants()[id(value)][1]}
     elif _is_own(kind):
         return encode_object(value, codec, depth)
     tag = codec.refer(value) if codec.refer is not None else None
@@ -290,6 +295,53 @@ def _base_value(value, base):
     if base in (list, tuple, set, frozenset):
         return base(base.__iter__(value))
     return {str: str.__str__, int: int.__int__, float: float.__float__}[base](value)
+
+
+_constants_found = {}
+
+
+def _constants():
+    """The package's constants, found once per set of loaded modules: id -> (the value, [module, name]) for each
+    attribute of its modules and their classes that is an instance of one of its classes (not an enum member, which
+    crosses by `$enum`) or a plain `object()` sentinel; the first name found for each."""
+    import sys
+
+    key = (_own[0], len(sys.modules))
+    if key not in _constants_found:
+        found = {}
+        for name, module in sorted(sys.modules.items(), key=lambda item: item[0]):
+            if module is None or name.partition(".")[0] != _own[0] or not _own[0]:
+                continue
+            for attribute, value in list(vars(module).items()):
+                if isinstance(value, type) and value.__module__ == name and "<" not in value.__qualname__:
+                    for inner, held in list(vars(value).items()):
+                        if _is_constant(held):
+                            found.setdefault(id(held), (held, [name, f"{value.__qualname__}.{inner}"]))
+                elif _is_constant(value):
+                    found.setdefault(id(value), (value, [name, attribute]))
+        _constants_found.clear()
+        _constants_found[key] = found
+    return _constants_found[key]
+
+
+def _is_constant(value):
+    import enum
+
+    return type(value) is object or (_is_own(type(value)) and not isinstance(value, (type, enum.Enum)))
+
+
+def _named_constant(module, name):
+    """This side's constant `module.name` of the package (ValueError for anything else)."""
+    import importlib
+
+    if type(module) is not str or type(name) is not str or not _own[0] or module.partition(".")[0] != _own[0]:
+        raise ValueError(f"not a constant of the project's package: {str(module)[:80]}")
+    found = importlib.import_module(module)
+    for part in name.split("."):
+        found = getattr(found, part, None)
+    if _constants().get(id(found), (None,))[0] is not found:
+        raise ValueError(f"not a constant of the project's package: {module}.{name}"[:120])
+    return found
 
 
 def _own_class(module, qualname):
@@ -440,6 +492,8 @@ def decode(node, codec=None, depth=0):
             return VALUES[body[0]][2](data)
         except (TypeError, ValueError, ArithmeticError) as e:
             raise ValueError(f"malformed $value: {e}") from None
+    if tag == "$named" and len(body) == 2:
+        return _named_constant(*body)
     if tag == "$type" and len(body) == 2:
         if body[0] in SHARED_CLASSES and body[1] in SHARED_CLASSES[body[0]]:
             return type(None) if body[1] == "NoneType" else getattr(__import__(body[0]), body[1])
