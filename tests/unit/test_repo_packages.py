@@ -98,6 +98,7 @@ def test_one_package_either_way_is_the_same_project_and_cache(tmp_path):
     )
     assert both.packages == ("src/alpha", "beta") and both.import_names == ("alpha", "beta")
     assert both.tests_key != one.tests_key  # the packages decide which test runs a survey records
+    assert both.digest != one.digest  # and what the environment's install must not leave behind
 
 
 def test_a_file_resolves_against_the_package_that_holds_it():

@@ -221,6 +221,8 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str], index: int |
                 "groups": list(groups),
                 "python": _python_identity(entry),
                 "environment": ENVIRONMENT_VERSION,
+                # which distributions the install leaves is checked per package; one package keeps the digest it had
+                **({"packages": entry.package_paths} if len(entry.package_paths) > 1 else {}),
             },
             sort_keys=True,
         ).encode()
