@@ -1,6 +1,7 @@
-"""A user's repository with several packages (`packages:`): one under `src/`, one at the project root, the second
-importing the first. One `pip install .` installs both (its distribution is removed after, episodes import their
-copies); `env build` makes tasks from the modules of both; each is graded across the boundary with both packages'
+"""A user's repository with several packages (`packages:`): one under `src/`, one at the project root importing the
+first, and a library with a distribution of its own under `libs/`. The install installs all three (both
+distributions are removed after it: episodes import their copies); `env build` makes tasks from the modules of the
+first two (the library has no tests); each is graded across the boundary with both packages'
 directories on sys.path: the task's own change back earns 1.0, no change 0."""
 
 from __future__ import annotations
@@ -61,6 +62,19 @@ def perimeter(points):
         total += ((x2 - x1) ** 2 + (y2 - y1) ** 2) ** 0.5
     return total
 ''',
+    # a distribution of its own inside the project (a monorepo's library), installed by the same command
+    "libs/units/pyproject.toml": """[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "units"
+version = "0.1.0"
+
+[tool.setuptools]
+packages = ["units"]
+""",
+    "libs/units/units/__init__.py": "CM_PER_INCH = 2.54\n",
     "tests/test_stats.py": """import pytest
 
 from tally.stats import clamp, mean
@@ -97,7 +111,7 @@ def written(path: str, text: str) -> str:
     return f"cat > {path} <<'COMPOSER_EOF'\n{text}COMPOSER_EOF"
 
 
-def test_a_project_of_two_packages_makes_and_grades_tasks_from_both(tmp_path):
+def test_a_project_of_several_packages_installs_without_them_and_grades_tasks_from_each(tmp_path):
     repo = tmp_path / "tallygeom"
     for name, text in FILES.items():
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
@@ -109,8 +123,8 @@ def test_a_project_of_two_packages_makes_and_grades_tasks_from_both(tmp_path):
         "name": "tallygeom",
         "path": str(repo),
         "commit": "main",
-        "packages": ["src/tally", "geom"],
-        "install": "pip install . pytest",
+        "packages": ["src/tally", "geom", "libs/units/units"],
+        "install": "pip install . ./libs/units pytest",
     }
     chosen = RepoTaskSettings(projects=[project], kinds=["feature"], num_tasks=4, cache_dir=str(tmp_path / "cache"))
     sandbox_root = tmp_path / "sandboxes"
@@ -122,8 +136,8 @@ def test_a_project_of_two_packages_makes_and_grades_tasks_from_both(tmp_path):
     assert report.validated == report.tried == 2, report.rejected
     assert {(t["paths"][0], t["function"]) for t in tasks} == {("src/tally/stats.py", "clamp"), ("geom/shapes.py", "perimeter")}
     built = load_environment(environment_dir(Path(chosen.cache_dir), resolve_project(chosen.projects[0], chosen.kinds)))
-    assert not any(line.lower().startswith("tallygeom") for line in built.frozen)  # both packages: the episode's copies
-    assert not [p for name in ("tally", "geom") for p in built.venv.rglob(name)]
+    assert not any(line.lower().startswith(("tallygeom", "units")) for line in built.frozen)  # episodes import their copies
+    assert not [p for name in ("tally", "geom", "units") for p in built.venv.rglob(name)]
 
     sandbox = Sandbox(SANDBOX, root=sandbox_root)
     for path in ("src/tally/stats.py", "geom/shapes.py"):  # one task of each package
