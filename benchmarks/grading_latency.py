@@ -73,7 +73,7 @@ def worker(cache_dir: str, num_tasks: int) -> None:
             kept = None
             if keep is not None:
                 started = time.perf_counter()
-                keep(ws.changed(), ws._task_files, tests.grading_base, tests.package, tests.scope)
+                keep(ws.changed(), ws._task_files, tests.grading_base, tests.packages, tests.scope)
                 kept = time.perf_counter() - started
         print(json.dumps({"seconds": seconds, "keep_change": kept, "reward": result.reward, "flags": list(result.flags)}), flush=True)
 

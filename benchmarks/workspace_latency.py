@@ -44,7 +44,7 @@ def main() -> None:
     (layer / relative).parent.mkdir(parents=True)
     (layer / relative).write_text(module.read_text() + "\n# changed\n")
     tests = RepoTests(
-        package=args.project,
+        packages=(args.project,),
         test_files=(),
         fail_to_pass=(),
         pass_to_pass=(),

@@ -5,9 +5,10 @@ Part of the recipe schema (`recipes.schema` holds the other sections and the who
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from composer.recipes.section import Section
 
@@ -24,8 +25,11 @@ class ProjectSettings(Section):
     Relative: to the directory of the recipe file that names it (a `--set` value: to the working directory)."""
     commit: str | None = None
     """The commit of a git checkout (required there; a branch or tag is resolved once and pinned by its hash)."""
-    package: str
+    package: str | None = None
     """The importable package, relative to the project root: `mylib`, or `src/mylib` (its parent goes on sys.path)."""
+    packages: list[str] | None = None
+    """Several importable packages of one repository instead of `package` (exactly one of the two): each entry as
+    `package` (`mylib`, `src/mylib`, `lib/other`); tasks come from all of them, and each one's parent goes on sys.path."""
     install: str = "pip install . pytest"
     """Shell command run in the sandbox, in a copy of the project at `commit`, with the project's fresh virtual
     environment first on PATH and the machine's package index (pip's configuration): it installs the dependencies
@@ -51,11 +55,43 @@ class ProjectSettings(Section):
             raise ValueError(f"{value} is a ready-made project: list it by name (`- {value}`), not as a mapping")
         return value
 
+    @field_validator("packages")
+    @classmethod
+    def _one_package_key(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        # a field validator (`package` comes first, and defaults are validated): the error sits at `packages`
+        name = info.data.get("name", "?")
+        if (info.data.get("package") is None) == (value is None):
+            given = "both" if value is not None else "neither"
+            raise ValueError(f"project {name}: give `package` (one package) or `packages` (a list), not {given}")
+        if value is None:
+            return value
+        if not value:
+            raise ValueError(f"project {name}: `packages` is empty; list the packages, or give `package`")
+        normal = [PurePosixPath(p) for p in value]
+        for i, one in enumerate(normal):
+            for other in normal[:i]:
+                if one.is_relative_to(other) or other.is_relative_to(one):
+                    what = "lists {one} twice" if one == other else f"holds {other} and {one}, one inside the other"
+                    raise ValueError(
+                        f"project {name}: `packages` {what.format(one=one)}; list each package once (its subpackages come with it)"
+                    )
+                if one.name == other.name:
+                    raise ValueError(
+                        f"project {name}: `packages` {other} and {one} are both imported as `{one.name}`: "
+                        "only one of them could be imported; list one"
+                    )
+        return value
+
+    @property
+    def package_paths(self) -> list[str]:
+        """The packages tasks change (`packages`, or `package` alone)."""
+        return list(self.packages) if self.packages is not None else [self.package]
+
 
 class RepoTaskSettings(Section):
     projects: list[Literal["networkx", "sympy"] | ProjectSettings] = Field(default_factory=lambda: ["networkx", "sympy"], min_length=1)
     """Projects whose own test suites make the tasks: `networkx`, `sympy` (installed packages: their version is part
-    of the cache key), or a project of your own (a mapping: name, path, commit, package, install, ...)."""
+    of the cache key), or a project of your own (a mapping: name, path, commit, package or packages, install, ...)."""
     kinds: list[Literal["bug", "feature", "history", "multi"]] = Field(default_factory=lambda: ["bug", "feature"], min_length=1)
     """`bug`: a seeded mutation of a function (comparison, boundary, operator, negated condition, removed branch,
     constant) that some of its tests catch; `feature`: a function's body removed, signature and docstring kept;

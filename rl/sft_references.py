@@ -28,6 +28,7 @@ from pathlib import Path
 from composer.rollout.agent.environment import SOLUTION_FILE, CodingEnvironment
 from composer.rollout.agent.harness import MAX_READ_LINES, ToolBox, ToolCall
 from composer.rollout.tasks.functions import Task
+from composer.rollout.tasks.repository.grading_policy import package_of
 from composer.rollout.tasks.repository.workspace import RepoTests
 
 READ_CONTEXT = 6
@@ -108,7 +109,7 @@ def repo_reference_calls(tests: RepoTests, read: Callable[[str], str]) -> list[T
             continue
         for function in functions.get(path, ()):
             name = function.rsplit(".", 1)[-1]
-            calls.append(ToolCall("search", {"pattern": rf"def {re.escape(name)}\(", "path": tests.package}))
+            calls.append(ToolCall("search", {"pattern": rf"def {re.escape(name)}\(", "path": package_of(path, tests.packages) or path}))
         for start, end in read_ranges(current, _changed_lines(current, target)):
             calls.append(ToolCall("read_file", {"path": path, "start_line": start, "end_line": end}))
         edits = reference_edits(current, target)

@@ -313,15 +313,14 @@ def test_a_repository_task_crosses_the_wire_only_where_its_types_are_spoken():
     from composer.rollout.tasks.repository.workspace import RepoTestPlan
 
     plan = RepoTestPlan(
-        "pkg",
+        ("pkg", "src/other"),
         ("tests/test_a.py",),
         ("tests/test_a.py::t1",),
         (),
         ("-q",),
         60.0,
         "scored",
-        (Scope("pkg/a.py", ("f", "C.g")), Scope("pkg/b.py")),
-        "src",
+        (Scope("pkg/a.py", ("f", "C.g")), Scope("src/other/b.py")),
     )
     task = ShippedTask(plan, ShippedTrees("pkg", False, "a" * 64, "b" * 64, ("/usr",)), "c" * 64, "all_or_nothing")
     wire = json.loads(json.dumps(to_wire(task, WIRE_TYPES)))

@@ -397,7 +397,7 @@ def repo_task(tmp_path_factory):
     for path in [layer, *layer.rglob("*")]:
         path.chmod(0o777 if path.is_dir() else 0o666)  # the episode's commands run as other uids
     tests = RepoTests(
-        package="networkx",
+        packages=("networkx",),
         test_files=(EGO_TESTS,),
         fail_to_pass=(f"{EGO_TESTS}::TestGeneratorEgo::test_ego_distance",),
         pass_to_pass=(f"{EGO_TESTS}::TestGeneratorEgo::test_ego",),

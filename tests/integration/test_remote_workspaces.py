@@ -296,8 +296,7 @@ def test_env_build_spreads_its_surveys_and_validations_over_the_sandbox_hosts(ho
             tests.environment,
             tests.pytest_args,
             False,
-            tests.source,
-            tests.package,
+            tests.packages,
             tests.scope,
         )
         reports = {name: across(files, tests.test_files, 60) for name, files in versions.items()}

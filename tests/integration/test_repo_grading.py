@@ -58,11 +58,11 @@ SCOPE = (Scope("shapes/core.py", ("area",)),)
 
 def test_an_honest_fix_is_taken_as_written_and_nothing_else_is(base):
     fixed = MODULE.replace("math.pi * r * 3  # the bug", "math.pi * r ** 2  # fixed")
-    kept = keep_change({"shapes/core.py": fixed.encode()}, TASK, base, "shapes", SCOPE)
+    kept = keep_change({"shapes/core.py": fixed.encode()}, TASK, base, ("shapes",), SCOPE)
     assert (kept.files, kept.dropped, kept.protected) == ({"shapes/core.py": fixed.encode()}, (), ())
     # Comments and blank lines elsewhere change nothing the tests see: taken without a word.
     styled = fixed.replace("def perimeter(r):", "# a note\n\ndef perimeter(r):")
-    assert keep_change({"shapes/core.py": styled.encode()}, TASK, base, "shapes", SCOPE).dropped == ()
+    assert keep_change({"shapes/core.py": styled.encode()}, TASK, base, ("shapes",), SCOPE).dropped == ()
 
 
 def test_changes_outside_the_tasks_function_are_dropped_and_named(base):
@@ -82,7 +82,7 @@ def test_changes_outside_the_tasks_function_are_dropped_and_named(base):
         },
         TASK,
         base,
-        "shapes",
+        ("shapes",),
         SCOPE,
     )
     text = kept.files["shapes/core.py"].decode()
@@ -99,7 +99,7 @@ def test_what_a_fix_adds_at_module_level_for_its_function_is_kept(base):
         .replace("def area(r):", "_SQUARE = 2\n\n\ndef _square(x):\n    return x ** _SQUARE\n\n\n@lru_cache\ndef area(r):")
         .replace("math.pi * r * 3  # the bug", "math.pi * _square(r)")
     )
-    kept = keep_change({"shapes/core.py": episode.encode()}, TASK, base, "shapes", SCOPE)
+    kept = keep_change({"shapes/core.py": episode.encode()}, TASK, base, ("shapes",), SCOPE)
     namespace = {}
     exec(kept.files["shapes/core.py"].decode(), namespace)
     assert namespace["area"](2) == pytest.approx(4 * 3.141592653589793) and kept.dropped == ()
@@ -115,12 +115,12 @@ def test_only_source_is_taken(base):
         "shapes/tests/__pycache__/x.pyc": b"",
         "shapes/core.py": NOT_A_FILE,
     }
-    kept = keep_change(changed, TASK, base, "shapes", SCOPE)
+    kept = keep_change(changed, TASK, base, ("shapes",), SCOPE)
     assert kept.files == TASK and kept.protected == ()
     assert len(kept.dropped) == 5 and sum("bytecode or a compiled module" in d for d in kept.dropped) == 4
     assert "shapes/core.py: not a regular file (graded as the task left it)" in kept.dropped
-    assert keep_change({"shapes/core.py": None}, TASK, base, "shapes", SCOPE).files == TASK
-    unparsable = keep_change({"shapes/core.py": b"def area(:\n"}, TASK, base, "shapes", SCOPE)
+    assert keep_change({"shapes/core.py": None}, TASK, base, ("shapes",), SCOPE).files == TASK
+    unparsable = keep_change({"shapes/core.py": b"def area(:\n"}, TASK, base, ("shapes",), SCOPE)
     assert unparsable.files == TASK and "does not parse" in unparsable.dropped[0]
 
 
@@ -135,7 +135,7 @@ def test_tests_and_test_configuration_are_never_taken(base):
         "pytest.py": b"",
         "json.py": b"",
     }
-    kept = keep_change(changed, TASK, base, "shapes", SCOPE)
+    kept = keep_change(changed, TASK, base, ("shapes",), SCOPE)
     assert kept.files == TASK and sorted(kept.protected) == sorted(changed)
 
 
@@ -152,14 +152,14 @@ def test_a_scope_of_several_functions_and_files(base):
         {"shapes/core.py": episode.encode(), "shapes/other.py": b"def helper():\n    return 2\n", "shapes/extra.py": b"VALUE = 1\n"},
         TASK,
         base,
-        "shapes",
+        ("shapes",),
         scope,
     )
     text = kept.files["shapes/core.py"].decode()
     assert "math.pi * r * r" in text and "return a ** 3" in text and "return 2 * math.pi * r" in text
     assert kept.files["shapes/other.py"] == b"def helper():\n    return 2\n" and "shapes/extra.py" not in kept.files
     assert len(kept.dropped) == 2 and "outside area, Box.volume" in kept.dropped[0] and kept.dropped[1].startswith("shapes/extra.py")
-    assert keep_change({"shapes/other.py": None}, TASK, base, "shapes", scope).files == TASK  # a deletion is not taken
+    assert keep_change({"shapes/other.py": None}, TASK, base, ("shapes",), scope).files == TASK  # a deletion is not taken
 
 
 # --- a history commit's functions ----------------------------------------------------------------
@@ -540,7 +540,7 @@ def test_the_files_a_test_writes_are_the_ones_the_episode_reads_and_writes(sandb
     root = toy_package(tmp_path / "base", NOTES, {"test_notes.py": NOTES_TESTS})
     test_file = "toy/tests/test_notes.py"
     tests = RepoTests(
-        package="toy",
+        packages=("toy",),
         test_files=(test_file,),
         fail_to_pass=(),
         pass_to_pass=(),

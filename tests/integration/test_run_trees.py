@@ -42,7 +42,7 @@ def toy(tmp_path: Path) -> RepoTests:
     for path in [tmp_path / "episode", *(tmp_path / "episode").rglob("*")]:
         os.chmod(path, 0o777 if path.is_dir() else 0o666)
     return RepoTests(
-        package="toy",
+        packages=("toy",),
         test_files=("toy/tests/test_core.py",),
         fail_to_pass=("toy/tests/test_core.py::test_double",),
         pass_to_pass=(),

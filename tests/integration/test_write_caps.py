@@ -76,7 +76,7 @@ def test_a_workspace_holds_at_most_its_cap(sandbox, tmp_path):
     for path in [tmp_path / "episode", *(tmp_path / "episode").rglob("*")]:
         os.chmod(path, 0o777 if path.is_dir() else 0o666)
     tests = RepoTests(
-        package="pkg",
+        packages=("pkg",),
         test_files=(),
         fail_to_pass=(),
         pass_to_pass=(),

@@ -82,7 +82,11 @@ def test_the_proxy_keeps_signature_and_decorators_and_sends_every_argument():
     assert [ast.unparse(d) for d in f.decorator_list] == ["functools.lru_cache"]
     assert ast.unparse(f.body[0]) == ("return __import__('_composer_crossing').call('pkg.mod', 'f', (a, b, *rest), {'c': c, **more})")
     assert ast.unparse(k.body[0].body[0]) == "return __import__('_composer_crossing').call('pkg.mod', 'K.m', (self, x), {})"
-    assert module_name("src/tally/stats.py", "src") == "tally.stats" and module_name("networkx/__init__.py", "") == "networkx"
+    packages = ("src/tally", "networkx", "lib/other")  # each file resolves against the package that holds it
+    assert module_name("src/tally/stats.py", packages) == "tally.stats" and module_name("networkx/__init__.py", packages) == "networkx"
+    assert module_name("lib/other/sub/core.py", packages) == "other.sub.core"
+    with pytest.raises(ValueError, match="in none of the packages"):
+        module_name("tools/helper.py", packages)
 
 
 def test_a_call_crosses_with_mutations_callbacks_and_exceptions(tmp_path, monkeypatch):

@@ -14,9 +14,9 @@ fail-to-pass ones.
 from __future__ import annotations
 
 import ast
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-from composer.rollout.tasks.repository.grading_policy import Scope, definitions
+from composer.rollout.tasks.repository.grading_policy import Scope, definitions, import_path
 
 CROSSING_SOURCES = (Path(__file__).with_name("codec.py"), Path(__file__).with_name("crossing.py"))
 
@@ -36,10 +36,12 @@ def crosses(scope: tuple[Scope, ...]) -> bool:
     return bool(scope) and all(s.functions and s.path.endswith(".py") for s in scope)
 
 
-def module_name(path: str, source: str) -> str:
-    """The dotted module of a source file `path` (relative to the project root; `source` the directory holding the
-    package, "" for the root)."""
-    relative = PurePosixPath(path).relative_to(source) if source else PurePosixPath(path)
+def module_name(path: str, packages: tuple[str, ...]) -> str:
+    """The dotted module of a source file `path` (relative to the project root), resolved against the one of the
+    project's `packages` that holds it (ValueError when none does)."""
+    relative = import_path(path, packages)
+    if relative is None:
+        raise ValueError(f"{path} is in none of the packages {', '.join(packages)}")
     parts = list(relative.with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()

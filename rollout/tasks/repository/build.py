@@ -199,7 +199,7 @@ def build_repo_tasks(
 
 
 def _setup_of(spec: ProjectSpec, environment) -> TestSetup:
-    return TestSetup(spec.name, spec.pytest_args, spec.hidden, environment.run_environment() if environment else None, spec.source)
+    return TestSetup(spec.name, spec.pytest_args, spec.hidden, environment.run_environment() if environment else None, spec.packages)
 
 
 class _Build:
@@ -325,7 +325,6 @@ class _Build:
                 c.test_files,
                 expected,
                 10 + 3 * sum(s["wall_seconds"] for s in surveys),
-                self.specs[c.project].package,
                 tuple(e.scope for e in c.edits),
             )
             self.in_flight[future] = ("validate", c)
@@ -464,8 +463,7 @@ def _write_index(build: _Build) -> None:
         return  # an earlier build of the same set went further: a smaller num_tasks never shrinks the index
     projects = {
         name: {
-            "package": spec.package,
-            "source": spec.source,
+            "packages": list(spec.packages),
             "pytest_args": list(spec.pytest_args),
             "ready_made": spec.settings is None,
             "digest": spec.digest,

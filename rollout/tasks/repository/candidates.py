@@ -89,9 +89,9 @@ SITES_PER_MODULE = {"bug": 4, "feature": 2, "multi": 2}
 
 
 def _modules(spec: ProjectSpec, kind: str, seed: int, root: Path, include: list[str]) -> list[tuple[str, str]]:
-    """(module, its test file) of the project's package, in a seeded order."""
+    """(module, its test file) of the project's packages, in a seeded order."""
     modules = []
-    for module in sorted((root / spec.package).rglob("*.py")):
+    for module in sorted(m for package in spec.packages for m in (root / package).rglob("*.py")):
         relative = str(module.relative_to(root))
         if "tests" in PurePosixPath(relative).parts or module.name.startswith("test_") or module.name == "conftest.py":
             continue

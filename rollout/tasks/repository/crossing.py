@@ -720,7 +720,8 @@ def serve(in_fd, out_fd):
 
 
 if __name__ == "__main__":
-    # python -c <codec's text and this file's> SOURCE_ROOT: the episode's process (descriptors 4 in, 3 out).
-    sys.path.insert(0, os.path.realpath(sys.argv[1]))
+    # python -c <codec's text and this file's> SOURCE_ROOT...: the episode's process (descriptors 4 in, 3 out); a
+    # root per directory holding one of the project's packages, first on sys.path in their order.
+    sys.path[0:0] = [os.path.realpath(root) for root in sys.argv[1:]]
     del sys.argv[1:]
     serve(4, 3)

@@ -93,11 +93,28 @@ def is_compiled(relative: str) -> bool:
     return "__pycache__" in path.parts or path.suffix in COMPILED_SUFFIXES or ".cpython-" in path.name
 
 
+def package_of(path: str, packages: tuple[str, ...]) -> str | None:
+    """Which of a project's packages (directories relative to its root: `mylib`, `src/mylib`) holds `path`."""
+    return next((p for p in packages if PurePosixPath(path).is_relative_to(p)), None)
+
+
+def import_path(path: str, packages: tuple[str, ...]) -> PurePosixPath | None:
+    """`path` as Python finds it: relative to the directory of the package that holds it (`src/mylib/x.py` ->
+    `mylib/x.py`), None when no package does."""
+    package = package_of(path, packages)
+    return None if package is None else PurePosixPath(path).relative_to(PurePosixPath(package).parent)
+
+
+def package_sources(packages: tuple[str, ...]) -> tuple[str, ...]:
+    """The directories holding the packages, each once (`src`; "" for the project root): what goes on sys.path."""
+    return tuple(dict.fromkeys("" if (parent := str(PurePosixPath(p).parent)) == "." else parent for p in packages))
+
+
 def keep_change(
     changed: dict[str, bytes | None | _NotAFile],
     task_files: dict[str, bytes | None],
     grading_base: Path,
-    package: str,
+    packages: tuple[str, ...],
     scope: tuple[Scope, ...],
 ) -> KeptChange:
     """The part of an episode's `changed` files (path -> new bytes, None when gone) that grading takes: the task's
@@ -120,7 +137,7 @@ def keep_change(
         if is_protected(path):
             protected.append(path)
             continue
-        in_package = PurePosixPath(path).is_relative_to(package)  # package: its directory, `src/name` in a src layout
+        in_package = package_of(path, packages) is not None
         entry = by_path.get(path)
         if entry is None or not entry.functions:
             if in_package and _changes_behaviour(content, trusted(path), path):

@@ -12,7 +12,7 @@ changes anything else in a file (module-level code other than imports, a class b
 function, a new class) cannot be graded that way: its candidate carries the reason (`HistoryCommit.outside`) and
 `env build` rejects it. A file whose syntax tree the commit left as it was (comments, formatting) is not handed back.
 
-A commit is a candidate when, along its first-parent line, it modified `.py` files of the project's package (only
+A commit is a candidate when, along its first-parent line, it modified `.py` files of the project's packages (only
 modified: a commit that adds, deletes or renames a source file has no parent version of it to hand back) and added
 or modified test files under the project's test paths.
 """
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from composer.rollout.tasks.repository.grading_policy import function_scope, is_protected
+from composer.rollout.tasks.repository.grading_policy import function_scope, import_path, is_protected
 from composer.rollout.tasks.repository.projects import ProjectSpec
 
 
@@ -65,11 +65,11 @@ def commit_of(spec: ProjectSpec, commit: str, parent: str) -> HistoryCommit | No
     """The commit as a history task's origin, or None when it does not change source and tests together."""
     sources, tests = [], []
     for status, path in _changes(spec.checkout, parent, commit):
-        in_package = PurePosixPath(path).is_relative_to(spec.package)
+        inside = import_path(path, spec.packages)  # relative to its package's directory: `mylib/core.py`
         if is_test_file(path, spec.test_paths):
             if status in "AM":
                 tests.append(path)
-        elif in_package and path.endswith(".py") and not is_protected(str(PurePosixPath(path).relative_to(spec.source or "."))):
+        elif inside is not None and path.endswith(".py") and not is_protected(str(inside)):
             if status != "M":
                 return None
             sources.append(path)

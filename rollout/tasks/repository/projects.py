@@ -6,10 +6,10 @@ every installed copy of the project hidden. A project of the user's own (`env.ta
 a directory, or a git checkout read at its pinned commit; its environment is a virtual environment of its own, made
 once per digest (the project's files, the install command, the interpreter) by running the install command in the
 sandbox with the machine's package index (pip's configuration, its local indexes and certificates bound read-only),
-then frozen: the project's own distribution removed (episodes import their copy), `pip freeze` recorded, the tree
+then frozen: the project's own distributions removed (episodes import their copy), `pip freeze` recorded, the tree
 made read-only to every run, and its manifest written last (a directory without one is half-made and made again).
 
-Every project becomes a `ProjectSpec`: where its files come from, the package tasks change, where its tests are, its
+Every project becomes a `ProjectSpec`: where its files come from, the packages tasks change, where its tests are, its
 pytest arguments (what its own pytest configuration decides, `rollout.tasks.repository.pytest_config`, then the
 recipe's), and the digest its bases, surveys and tasks are cached under.
 """
@@ -38,6 +38,7 @@ from composer.rollout.sandbox.isolation import installed_copies
 from composer.rollout.sandbox.results import RunEnvironment
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.sandbox.trees import TreeTooLarge, remove_tree, walk_files
+from composer.rollout.tasks.repository.grading_policy import package_of
 from composer.rollout.tasks.repository.pytest_config import config_args, project_config
 from composer.runtime.run_dir import atomic_write_text
 
@@ -70,8 +71,8 @@ class ProjectSpec:
     """One project of a task set, as the build and the workspaces use it."""
 
     name: str
-    package: str
-    """The package tasks change, relative to the project root (`networkx`, `src/mylib`)."""
+    packages: tuple[str, ...]
+    """The packages tasks change, relative to the project root (`networkx`; `src/mylib`, `lib/other`)."""
     version: str
     """What prompts call it: the installed version, or the commit (a short hash) / content digest."""
     digest: str
@@ -90,19 +91,19 @@ class ProjectSpec:
     """The requirements of its `dependency_groups`, installed after its install command."""
 
     @property
-    def source(self) -> str:
-        """The directory holding the package when it is not the project root (`src`), else ""."""
-        parent = str(PurePosixPath(self.package).parent)
-        return "" if parent == "." else parent
+    def import_names(self) -> tuple[str, ...]:
+        return tuple(PurePosixPath(p).name for p in self.packages)
 
-    @property
-    def import_name(self) -> str:
-        return PurePosixPath(self.package).name
+    def package_of(self, path: str) -> str | None:
+        """The package holding `path` (relative to the project root), None outside every package."""
+        return package_of(path, self.packages)
 
     @property
     def tests_key(self) -> str:
-        """Decides what its test runs report beyond its files: the package, the test paths, the pytest arguments."""
-        decided = [self.package, list(self.test_paths), list(self.pytest_args), list(self.skip_files_with)]
+        """Decides what its test runs report beyond its files: the packages, the test paths, the pytest arguments."""
+        # one package as the string it always was: the surveys and sets cached before `packages` stay valid
+        packages = self.packages[0] if len(self.packages) == 1 else list(self.packages)
+        decided = [packages, list(self.test_paths), list(self.pytest_args), list(self.skip_files_with)]
         return hashlib.sha256(json.dumps(decided).encode()).hexdigest()[:8]
 
 
@@ -148,7 +149,7 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str], index: int |
     if isinstance(entry, str):
         project = PROJECTS[entry]
         version = ready_made_version(entry)
-        return ProjectSpec(entry, entry, version, version, project.pytest_args, project.skip_files_with, hidden=installed_copies(entry))
+        return ProjectSpec(entry, (entry,), version, version, project.pytest_args, project.skip_files_with, hidden=installed_copies(entry))
     where = f"env.tasks: project {entry.name}"
     path = Path(entry.path).expanduser().resolve()
     if not path.is_dir():
@@ -180,7 +181,8 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str], index: int |
         files = _tree_digest(path)
         present = lambda relative: (path / relative).is_dir()
         version = files[:12]
-    for relative, what in [(entry.package, "package"), *((p, "test path") for p in entry.test_paths)]:
+    packages = [(p, "package" if entry.packages is None else "packages entry") for p in entry.package_paths]
+    for relative, what in [*packages, *((p, "test path") for p in entry.test_paths)]:
         try:
             found = present(relative)
         except UserError:
@@ -219,13 +221,15 @@ def resolve_project(entry: str | ProjectSettings, kinds: list[str], index: int |
                 "groups": list(groups),
                 "python": _python_identity(entry),
                 "environment": ENVIRONMENT_VERSION,
+                # which distributions the install leaves is checked per package; one package keeps the digest it had
+                **({"packages": entry.package_paths} if len(entry.package_paths) > 1 else {}),
             },
             sort_keys=True,
         ).encode()
     ).hexdigest()[:16]
     return ProjectSpec(
         entry.name,
-        entry.package,
+        tuple(entry.package_paths),
         version,
         digest,
         tuple(args),
@@ -475,9 +479,9 @@ def _make_environment(cache_dir: Path, spec: ProjectSpec, sandbox: SandboxSectio
         own = "; ".join(
             [
                 command,
-                # The project's own distribution goes: episodes import their workspace's copy.
+                # The project's own distributions go: episodes import their workspace's copy of each package.
                 "status=$?; [ $status -ne 0 ] && exit $status",
-                "python - <<'EOF'\n" + _REMOVE_OWN.replace("PACKAGE", entry.package) + "EOF",
+                "python - <<'EOF'\n" + _REMOVE_OWN.replace("PACKAGES", json.dumps(list(spec.packages))) + "EOF",
             ]
         )
         result = installer.run_command(own, Path(work), timeout_s=entry.install_seconds, environment=installing)
@@ -490,7 +494,9 @@ def _make_environment(cache_dir: Path, spec: ProjectSpec, sandbox: SandboxSectio
                 f"{result.exit_code}){': ' + errors[-1][:300] if errors else ''}; change the install command, or make what it "
                 f"needs reachable from this machine's package index (the install log: {log_path})"
             )
-        check = installer.run_command(_CHECK.replace("IMPORT", spec.import_name), Path(work), timeout_s=120, environment=installing)
+        check = installer.run_command(
+            _CHECK.replace("IMPORTS", json.dumps(list(spec.import_names))), Path(work), timeout_s=120, environment=installing
+        )
     if check.exit_code != 0:
         log_path.write_text(log_path.read_text() + f"\n$ (the environment's check)\n{check.output}\n")
         raise UserError(
@@ -536,7 +542,10 @@ def _seal(spec: ProjectSpec, venv: Path) -> None:
 
 
 _REMOVE_OWN = """import json, os, subprocess, sys, sysconfig
+from urllib.parse import unquote
 site = sysconfig.get_paths()["purelib"]
+# a distribution of the project: installed from its root, or from a directory of it that holds one of its packages
+packages = [os.path.realpath(p) for p in PACKAGES]
 mine = []
 for info in os.listdir(site):
     if not info.endswith(".dist-info"):
@@ -545,7 +554,8 @@ for info in os.listdir(site):
         url = json.load(open(os.path.join(site, info, "direct_url.json"))).get("url", "")
     except (OSError, ValueError):
         continue
-    if url.startswith("file://") and os.path.realpath(url[7:]) == os.path.realpath(os.getcwd()):
+    where = os.path.realpath(unquote(url[7:])) if url.startswith("file://") else None
+    if where is not None and (where == os.path.realpath(os.getcwd()) or any(p == where or p.startswith(where + os.sep) for p in packages)):
         mine.append(info.split("-")[0])
 if mine:
     # Run from outside the project: its directory is first on pip's path, and the metadata a build backend leaves
@@ -553,15 +563,18 @@ if mine:
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     sys.exit(subprocess.call([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *mine], cwd="/", env=clean))
 """
-"""Run after the install in its work directory: uninstall the distributions installed from that directory."""
+"""Run after the install in its work directory (PACKAGES: the packages' paths there, as JSON): uninstall the
+distributions installed from that directory or from one of its directories that holds a package."""
 
 _CHECK = """cd /tmp && env -u PYTHONPATH python - <<'EOF'
 import importlib.util, subprocess, sys
-if importlib.util.find_spec("IMPORT") is not None:
-    sys.exit(f"the environment still holds an installed copy of IMPORT ({importlib.util.find_spec('IMPORT').origin}): "
-             "install the project's dependencies, not the project, or install it from its directory")
+for name in IMPORTS:
+    if importlib.util.find_spec(name) is not None:
+        sys.exit(f"the environment still holds an installed copy of {name} ({importlib.util.find_spec(name).origin}): "
+                 "install the project's dependencies, not the project, or install it from its directory")
 if importlib.util.find_spec("pytest") is None:
     sys.exit("the environment has no pytest: the install command must install it (e.g. `pip install . pytest`)")
 sys.exit(subprocess.call([sys.executable, "-m", "pip", "freeze", "--all"]))
 EOF"""
-"""The environment holds pytest and no copy of the project; its frozen requirements on stdout."""
+"""The environment holds pytest and no copy of any of the packages (IMPORTS: their names, as JSON); its frozen
+requirements on stdout."""

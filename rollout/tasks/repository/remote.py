@@ -104,7 +104,11 @@ class RemoteRepoWorkspace(Workspace):
             self._trees.append(env_tree)
             environment = env_tree.digest
         trees = ShippedTrees(
-            project=Path(tests.package).name, ready_made=bool(tests.hidden), grading=grading[0], environment=environment, prefixes=prefixes
+            project=Path(tests.packages[0]).name,
+            ready_made=bool(tests.hidden),
+            grading=grading[0],
+            environment=environment,
+            prefixes=prefixes,
         )
         self._task = ShippedTask(tests=tests.plan, trees=trees, layer=layer[0], reward=reward)
         self._journal: list[tuple[str, dict]] = []
@@ -265,8 +269,7 @@ def remote_test_run(
     environment: RunEnvironment | None,
     pytest_args: tuple[str, ...],
     ready_made: bool,
-    source: str,
-    package: str = "",
+    packages: tuple[str, ...],
     scope: tuple[Scope, ...] = (),
 ):
     """A build's test run on a remote host (`rollout.tasks.repository.surveys.TestRun`, or with `scope` its `AcrossRun`:
@@ -286,12 +289,11 @@ def remote_test_run(
         )
         job = ShippedTests(
             trees=trees,
-            source=source,
+            packages=packages,
             changes=tuple(sorted(changes.items())),
             test_files=test_files,
             pytest_args=pytest_args,
             timeout_s=timeout_s,
-            package=package,
             scope=scope,
         )
         try:

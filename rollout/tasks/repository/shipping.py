@@ -15,7 +15,6 @@ server program (`rollout.sandbox_host`) serves it; `WIRE_TYPES` is what the two 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import itertools
@@ -41,6 +40,7 @@ from composer.rollout.tasks.repository.workspace import (
     RepoTests,
     RepoWorkspace,
     TestReport,
+    packages_environment,
     run_tests_across,
     run_tests_guarded,
 )
@@ -231,12 +231,11 @@ class ShippedTests:
     with `changes` in the episode's process (`run_tests_across`)."""
 
     trees: ShippedTrees
-    source: str
+    packages: tuple[str, ...]
     changes: tuple[tuple[str, str], ...]
     test_files: tuple[str, ...]
     pytest_args: tuple[str, ...]
     timeout_s: float
-    package: str = ""
     scope: tuple[Scope, ...] = ()
 
 
@@ -271,14 +270,13 @@ class WorkspaceService:
         changes = {p: t.encode() for p, t in job.changes}
         if job.scope:
             tests = RepoTests(
-                package=job.package,
+                packages=job.packages,
                 test_files=job.test_files,
                 fail_to_pass=(),
                 pass_to_pass=(),
                 pytest_args=job.pytest_args,
                 timeout_s=job.timeout_s,
                 scope=job.scope,
-                source=job.source,
                 layer=Path(),
                 episode_base=Path(),
                 grading_base=self.store.path(job.trees.grading) / "tree",
@@ -286,8 +284,6 @@ class WorkspaceService:
                 environment=environment,
             )
             return run_tests_across(self.sandbox, tests, changes, views_area(self.sandbox.root))
-        if job.source:
-            environment = dataclasses.replace(environment or RunEnvironment(), pythonpath=(f"repo/{job.source}",))
         return run_tests_guarded(
             self.sandbox,
             self.store.path(job.trees.grading) / "tree",
@@ -297,7 +293,7 @@ class WorkspaceService:
             job.timeout_s,
             self._hidden(job.trees),
             views_area(self.sandbox.root),
-            environment,
+            packages_environment(environment, job.packages, "repo"),
         )
 
     def open(self, task: ShippedTask) -> int:

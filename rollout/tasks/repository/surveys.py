@@ -20,7 +20,7 @@ from composer.rollout.tasks.repository.candidates import Candidate
 from composer.rollout.tasks.repository.grading_policy import Scope
 from composer.rollout.tasks.repository.mutations import changed_module
 from composer.rollout.tasks.repository.remote import remote_test_run
-from composer.rollout.tasks.repository.workspace import RepoTests, TestReport, run_tests_across, run_tests_guarded
+from composer.rollout.tasks.repository.workspace import RepoTests, TestReport, packages_environment, run_tests_across, run_tests_guarded
 from composer.rollout.tasks.workspace import views_area
 
 _worker_sandbox: Sandbox | None = None
@@ -46,7 +46,7 @@ class TestSetup:
     pytest_args: tuple[str, ...]
     hidden: tuple[str, ...]
     environment: RunEnvironment | None
-    source: str
+    packages: tuple[str, ...]
 
     @property
     def ready_made(self) -> bool:
@@ -54,21 +54,7 @@ class TestSetup:
         return self.environment is None and bool(self.hidden)
 
     def grading_environment(self) -> RunEnvironment | None:
-        tests = RepoTests(
-            package="",
-            test_files=(),
-            fail_to_pass=(),
-            pass_to_pass=(),
-            pytest_args=(),
-            layer=Path(),
-            episode_base=Path(),
-            grading_base=Path(),
-            hidden=(),
-            timeout_s=0,
-            environment=self.environment,
-            source=self.source,
-        )
-        return tests.run_environment("repo")
+        return packages_environment(self.environment, self.packages, "repo")
 
 
 TestRun = Callable[[dict[str, str], tuple[str, ...], float], TestReport]
@@ -97,20 +83,19 @@ the original (the grader's view is the original with the task's functions as pro
 
 
 def _local_across(
-    config: dict, sandbox_root: str, bases: str, setup: TestSetup, package: str, scope: tuple[Scope, ...], test_files: tuple[str, ...]
+    config: dict, sandbox_root: str, bases: str, setup: TestSetup, scope: tuple[Scope, ...], test_files: tuple[str, ...]
 ) -> AcrossRun:
     sandbox = worker_sandbox(config, sandbox_root)
 
     def run(episode: dict[str, str], timeout_s: float) -> TestReport:
         tests = RepoTests(
-            package=package,
+            packages=setup.packages,
             test_files=test_files,
             fail_to_pass=(),
             pass_to_pass=(),
             pytest_args=setup.pytest_args,
             timeout_s=timeout_s,
             scope=scope,
-            source=setup.source,
             layer=Path(),
             episode_base=Path(),
             grading_base=Path(bases) / "grading",
@@ -228,11 +213,10 @@ def validate(
     test_files: tuple[str, ...],
     expected: list[str],
     timeout_s: float,
-    package: str,
     scope: tuple[Scope, ...],
 ) -> dict:
     """`validate_with` in a worker process of this machine."""
-    across = _local_across(config, sandbox_root, bases, setup, package, scope, test_files)
+    across = _local_across(config, sandbox_root, bases, setup, scope, test_files)
     return validate_with(_local_run(config, sandbox_root, bases, setup), across, changed, test_files, expected, timeout_s)
 
 
@@ -277,13 +261,13 @@ class Runners:
                 setup.environment,
                 setup.pytest_args,
                 setup.ready_made,
-                setup.source,
+                setup.packages,
             )
             run = remote_test_run(*where)
             if kind == "survey":
                 return survey_with(run, *args)
-            changed, test_files, expected, timeout_s, package, scope = args
-            crossing = remote_test_run(*where, package, scope)
+            changed, test_files, expected, timeout_s, scope = args
+            crossing = remote_test_run(*where, scope)
             across = lambda episode, seconds: crossing(episode, test_files, seconds)
             return validate_with(run, across, changed, test_files, expected, timeout_s)
         finally:

@@ -76,7 +76,7 @@ def repo_tests(record: dict, settings: RepoTaskSettings) -> RepoTests:
             )
         environment = built.run_environment()
     return RepoTests(
-        package=setup["package"],
+        packages=tuple(setup["packages"] if "packages" in setup else [setup["package"]]),  # or an index from before `packages`
         test_files=tuple(record["test_files"]),
         fail_to_pass=tuple(record["fail_to_pass"]),
         pass_to_pass=tuple(record["pass_to_pass"]),
@@ -88,7 +88,6 @@ def repo_tests(record: dict, settings: RepoTaskSettings) -> RepoTests:
         timeout_s=max(60.0, 4 * record["test_seconds"]),
         pass_to_pass_policy=settings.pass_to_pass,
         environment=environment,
-        source=setup["source"],
         scope=scope,
     )
 

@@ -37,7 +37,7 @@ from composer.rollout.sandbox.runs import CALL_FD, CHANNEL_FD, Sandbox
 from composer.rollout.sandbox.session import InfraError
 from composer.rollout.sandbox.trees import remove_tree, walk_files
 from composer.rollout.tasks.repository.boundary import crosses, crossing_text, module_name, proxied
-from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE, Scope, is_protected, keep_change
+from composer.rollout.tasks.repository.grading_policy import NOT_A_FILE, Scope, is_protected, keep_change, package_sources
 from composer.rollout.tasks.workspace import (
     Workspace,
     is_full,
@@ -58,8 +58,9 @@ class RepoTestPlan:
     """A repository task's tests and how to score them: the same on every host (it crosses to a sandbox host as it
     is, inside a `shipping.ShippedTask`)."""
 
-    package: str
-    """The project's package, relative to the project root (`networkx`, `src/mylib`): only changes in it are graded."""
+    packages: tuple[str, ...]
+    """The project's packages, relative to the project root (`networkx`; `src/mylib`, `lib/other`): only changes in
+    them are graded, and the directory holding each is on the runs' sys.path."""
     test_files: tuple[str, ...]
     fail_to_pass: tuple[str, ...]
     pass_to_pass: tuple[str, ...]
@@ -69,8 +70,6 @@ class RepoTestPlan:
     scope: tuple[Scope, ...] = ()
     """The functions the task asks to change, per file: the only part of an episode's change that grading takes
     (`grading_policy.keep_change`), each run across the grading boundary (`run_tests_across`)."""
-    source: str = ""
-    """The directory holding the package, relative to the project root, when it is not the root (`src`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,11 +98,16 @@ class RepoTests(RepoTestPlan):
 
     def run_environment(self, root: str) -> RunEnvironment | None:
         """The environment of a command run whose project root is `root` (relative to the work directory)."""
-        if self.environment is None and not self.source:
-            return None
-        return dataclasses.replace(
-            self.environment or RunEnvironment(), pythonpath=(str(PurePosixPath(root) / self.source),) if self.source else ()
-        )
+        return packages_environment(self.environment, self.packages, root)
+
+
+def packages_environment(environment: RunEnvironment | None, packages: tuple[str, ...], root: str) -> RunEnvironment | None:
+    """`environment` with the directories holding `packages` on PYTHONPATH, for a run whose project root is `root`
+    (relative to its work directory; the root itself is pytest's, on sys.path already)."""
+    sources = [s for s in package_sources(packages) if s]
+    if environment is None and not sources:
+        return None
+    return dataclasses.replace(environment or RunEnvironment(), pythonpath=tuple(str(PurePosixPath(root) / s) for s in sources))
 
 
 def _is_whiteout(st: os.stat_result) -> bool:
@@ -328,14 +332,14 @@ def run_tests_guarded(
         remove_tree(work)
 
 
-def _without_tests(grading_base: Path, package: str, test_files: tuple[str, ...]) -> dict[str, None]:
+def _without_tests(grading_base: Path, packages: tuple[str, ...], test_files: tuple[str, ...]) -> dict[str, None]:
     """Deletions that keep the tests out of the episode's process: the test files and their directories, every test
-    directory, test module and conftest.py of the package."""
+    directory, test module and conftest.py of the packages."""
     gone: dict[str, None] = {}
     for test_file in test_files:
         parent = PurePosixPath(test_file).parent
-        gone[str(parent) if str(parent) not in (".", package) else test_file] = None
-    for directory, dirs, files in os.walk(grading_base / package):
+        gone[str(parent) if str(parent) not in (".", *packages) else test_file] = None
+    for directory, dirs, files in (step for package in packages for step in os.walk(grading_base / package)):
         here = Path(directory).relative_to(grading_base)
         test_dirs = [d for d in dirs if d in ("tests", "testing")]
         for name in [*test_dirs, *files]:
@@ -354,7 +358,7 @@ def run_tests_across(sandbox: Sandbox, tests: RepoTests, episode: dict[str, byte
     grader = {}
     for scope in tests.scope:
         text = (tests.grading_base / scope.path).read_text()
-        grader[scope.path] = proxied(text, scope.functions, module_name(scope.path, tests.source)).encode()
+        grader[scope.path] = proxied(text, scope.functions, module_name(scope.path, tests.packages)).encode()
     area.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="episode-", dir=area))
     mounted = capped = False
@@ -370,10 +374,10 @@ def run_tests_across(sandbox: Sandbox, tests: RepoTests, episode: dict[str, byte
         os.chmod(shared_tmp, 0o1777)
         environment = tests.run_environment("repo") or RunEnvironment()
         environment = dataclasses.replace(environment, writable=(*environment.writable, str(shared_tmp)))
-        changes = {**episode, **_without_tests(tests.grading_base, tests.package, tests.test_files)}
+        changes = {**episode, **_without_tests(tests.grading_base, tests.packages, tests.test_files)}
         mounted = _open_view(work / "repo", work / "layer", tests.grading_base, changes)
-        root = str(PurePosixPath("repo") / tests.source) if tests.source else "repo"
-        command = shlex.join(["python", "-s", "-P", "-B", "-c", crossing_text(), root])
+        roots = [str(PurePosixPath("repo") / source) for source in package_sources(tests.packages)]
+        command = shlex.join(["python", "-s", "-P", "-B", "-c", crossing_text(), *roots])
         try:
             with sandbox.serving(command, work, tests.timeout_s, tests.hidden, environment) as server:
 
@@ -629,7 +633,7 @@ class RepoWorkspace(Workspace):
 
     def grade(self) -> SandboxResult:
         tests = self.tests
-        kept = keep_change(self.changed(), self._task_files, tests.grading_base, tests.package, tests.scope)
+        kept = keep_change(self.changed(), self._task_files, tests.grading_base, tests.packages, tests.scope)
         result = score(run_tests_across(self.sandbox, tests, kept.files, self._area), tests, self.reward)
         for flag, found, why in (
             ("tests_modified", kept.protected, "ignored: graded with the trusted copies"),
