@@ -424,10 +424,16 @@ def decode_into(target, node, codec, depth):
     return target
 
 
+LAYOUT = ("__class__", "__dict__", "__weakref__", "__slots__")
+"""Attribute names that are an object's type or layout, never its state."""
+
+
 def set_attributes(target, attributes, codec, depth):
+    """The attributes an object's state names (its `__doc__`, `__wrapped__` or `__signature__` too: toolz's `curry`
+    keeps them in its `__dict__`), set without the class's `__setattr__`."""
     for pair in attributes:
-        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str or pair[0].startswith("__"):
-            raise ValueError("malformed $object attributes")  # (no `__class__`, `__dict__`: the state, never the type)
+        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str or pair[0] in LAYOUT:
+            raise ValueError("malformed $object attributes")
         object.__setattr__(target, pair[0], decode(pair[1], codec, depth + 1))
 
 

@@ -155,8 +155,11 @@ def validate_with(
     expected: list[str],
     timeout_s: float,
 ) -> dict:
-    """The changed files alone (`run`, in pytest's process: the task's own change): which expected tests fail now;
-    then the same through the grading boundary (`across`), where episodes are graded."""
+    """The changed files alone (`run`, in pytest's process: the task's own change) must fail some expected tests:
+    the project's tests catch it. Then through the grading boundary (`across`), where episodes are graded: the
+    original must pass every expected test there, and the change must fail some of the tests it failed here; the
+    task's tests are split by what the change does there (a test whose outcome on the change differs across the
+    boundary is graded as it is there: the original passes it there, so a fix can)."""
     if changed is None:
         return {"verdict": "rejected", "reason": "the change does not parse or changes nothing"}
     report = run(changed, test_files, timeout_s)
@@ -166,36 +169,43 @@ def validate_with(
         return {"verdict": "rejected", "reason": "timeout" if report.status == "timeout" else "incomplete test run"}
     if report.flags:
         return {"verdict": "rejected", "reason": "flagged test run"}
-    fail_to_pass = [i for i in expected if report.outcomes.get(i) != "passed"]
-    pass_to_pass = [i for i in expected if report.outcomes.get(i) == "passed"]
-    if not fail_to_pass:
+    failing_here = [i for i in expected if report.outcomes.get(i) != "passed"]
+    if not failing_here:
         return {"verdict": "rejected", "reason": "no test fails"}
-    # Graded across the boundary, the task must behave there as here: the original passes every expected test, the
-    # change fails its fail-to-pass tests and passes the others.
-    for episode, passing in (({}, expected), (changed, pass_to_pass)):
+    passing_across = {}
+    for episode in ({}, changed):
         crossed = across(episode, timeout_s)
         if crossed.infra_failure:
             return {"verdict": "infra", "reason": "sandbox failure"}
         if crossed.refused:
             reason = sorted(crossed.refused, key=crossed.refused.get)[-1].split(":")[0]
             return {"verdict": "rejected", "reason": f"cannot cross the grading boundary ({reason}: {_kind_of(crossed.refused)})"}
-        outcomes = crossed.outcomes if crossed.complete else {}
-        differing = [i for i in expected if (outcomes.get(i) == "passed") != (i in passing)]
-        if differing:
-            first = differing[0]
-            seen = outcomes.get(first, "not run" if crossed.complete else "an incomplete run")
-            detail = f"{first}: {seen} across the boundary, {'passed' if first in passing else 'failed'} in pytest's process ({len(differing)} tests differ)"
-            return {
-                "verdict": "rejected",
-                "reason": "behaves otherwise across the grading boundary",
-                "detail": f"{detail}\n{crossed.detail}\n{crossed.output[-3000:]}".strip(),
-            }
-    return {
+        if crossed.flags or not crossed.complete:
+            return _otherwise(f"the run across the boundary {'was flagged' if crossed.flags else 'is incomplete'}", crossed)
+        passing_across[bool(episode)] = {i for i in expected if crossed.outcomes.get(i) == "passed"}
+        if not episode and len(passing_across[False]) < len(expected):
+            first = next(i for i in expected if i not in passing_across[False])
+            return _otherwise(f"{first}: {crossed.outcomes.get(first, 'not run')} on the original across the boundary", crossed)
+    fail_to_pass = [i for i in expected if i not in passing_across[True]]
+    if not set(fail_to_pass) & set(failing_here):
+        return _otherwise(f"none of the {len(failing_here)} tests the change fails here fails across the boundary", crossed)
+    verdict = {
         "verdict": "validated",
         "fail_to_pass": fail_to_pass,
-        "pass_to_pass": pass_to_pass,
+        "pass_to_pass": [i for i in expected if i in passing_across[True]],
         "changed_files": changed,
         "wall_seconds": report.wall_seconds,
+    }
+    if set(fail_to_pass) != set(failing_here):
+        verdict["detail"] = f"{len(set(fail_to_pass) ^ set(failing_here))} tests graded by their outcome on the change across the boundary"
+    return verdict
+
+
+def _otherwise(what: str, crossed: TestReport) -> dict:
+    return {
+        "verdict": "rejected",
+        "reason": "behaves otherwise across the grading boundary",
+        "detail": f"{what}\n{crossed.detail}\n{crossed.output[-3000:]}".strip(),
     }
 
 
