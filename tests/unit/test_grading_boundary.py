@@ -100,7 +100,8 @@ def test_a_call_crosses_with_mutations_callbacks_and_exceptions(tmp_path, monkey
         "    return (x for x in sorted(G))\n\n\n"
         "def total(values):\n    return sum(values)\n\n\n"
         "def fail(n):\n    raise NodeNotFound(f'no {n}')\n\n\n"
-        "def odd():\n    class Anything:\n        def __eq__(self, other):\n            return True\n    return Anything()\n"
+        "def odd():\n    class Anything:\n        def __eq__(self, other):\n            return True\n    return Anything()\n\n\n"
+        "def kind():\n    class Anything:\n        pass\n    return Anything\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     asked, ask = os.pipe()  # the grader's channel
@@ -124,8 +125,11 @@ def test_a_call_crosses_with_mutations_callbacks_and_exceptions(tmp_path, monkey
     assert crossing.call("episode_mod", "total", ((n * n for n in range(4)),), {}) == 14  # a generator's values
     with pytest.raises(nx.NodeNotFound, match="no 7"):
         crossing.call("episode_mod", "fail", (7,), {})
-    with pytest.raises(RuntimeError, match="cannot cross"):
-        crossing.call("episode_mod", "odd", (), {})
+    # an object of a class the episode made stays there: the grader's stand-in never runs its `__eq__`
+    odd = crossing.call("episode_mod", "odd", (), {})
+    assert type(odd) is crossing.EpisodeObject and odd != 1 and not odd == "anything"  # noqa: SIM201
+    with pytest.raises(RuntimeError, match="cannot cross"):  # and a class it made does not cross
+        crossing.call("episode_mod", "kind", (), {})
     assert any(reason.startswith("result") for reason in crossing.refusals)
 
 
@@ -684,10 +688,10 @@ def test_the_grader_keeps_its_outcomes_and_takes_no_object_of_the_episodes(tmp_p
     # the grader's object fails the test: the episode catching it does not keep it from the test
     with pytest.raises(pytest.fail.Exception, match="fails the test"):
         crossing.call("walker", "swallow", (holder,), {})
-    # an always-equal object of the episode's set on the grader's object: refused, the attribute unchanged
-    with pytest.raises(RuntimeError, match="cannot cross"):
-        crossing.call("walker", "plant", (holder,), {})
-    assert holder.expected == 1
+    # an always-equal object of the episode's set on the grader's object: a stand-in there, which equals nothing
+    crossing.call("walker", "plant", (holder,), {})
+    assert type(holder.expected) is crossing.EpisodeObject
+    assert holder.expected != 1 and not holder.expected == holder.expected.__class__  # noqa: SIM201
     # a test case (its assertions, its outcome) is never given, even by reference
     with pytest.raises(RuntimeError, match="cannot cross"):
         crossing.call("walker", "walk", (SomeTest(),), {})
@@ -744,3 +748,25 @@ def test_the_tests_monkeypatches_hold_in_the_episodes_process_during_each_call(t
     finally:
         os.close(ask)
         episode.wait(timeout=30)
+
+
+def test_a_time_frozen_by_freezegun_in_the_grader_is_frozen_for_the_call(monkeypatch):
+    """freezegun patches the grader's modules itself (not through pytest's monkeypatch): the frozen moment goes with
+    each call and the episode's process freezes the same one while the call runs."""
+    from tests.helpers.user_corpus import CACHE
+
+    wheels = sorted((CACHE / "wheels").glob("*.whl"))
+    for name in ("freezegun", "python_dateutil", "six"):  # pure-Python wheels import from the archive
+        monkeypatch.syspath_prepend(str(next((w for w in wheels if w.name.startswith(name)), CACHE)))
+    freezegun = pytest.importorskip("freezegun", reason="the user-project corpus (scripts/setup.sh) holds freezegun")
+    assert crossing._frozen_time() is None
+    with freezegun.freeze_time("2010-03-02 10:00", tz_offset=-5):
+        assert crossing._frozen_time() == ["2010-03-02T10:00:00", -18000.0]
+        frozen = {"frozen": crossing._frozen_time()}
+    undo = []
+    crossing._patch(frozen, undo)
+    try:
+        assert dt.date.today() == dt.date(2010, 3, 2) and dt.datetime.now() == dt.datetime(2010, 3, 2, 5, 0)
+    finally:
+        crossing._unpatch(undo)
+    assert dt.date.today() != dt.date(2010, 3, 2)

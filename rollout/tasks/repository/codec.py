@@ -26,7 +26,8 @@ Each message is JSON with tags, decoded by each side into plain types and its ow
   a class                             {"$type": [module, qualname]}: a builtin one or a `collections` one
                                       (`factory=dict`), or the project's own
   anything else                       what the side's `Codec.refer` makes of it (`crossing.py`: {"$ref": number} or
-                                      {"$ref": [number, interfaces]}, an object the grader keeps; {"$callback": number}, a function the episode keeps),
+                                      {"$ref": [number, interfaces]}, an object the grader keeps; {"$callback": number},
+                                      an object the episode keeps: a function, a translations catalogue),
                                       or `NotCrossable`
 The graph classes are the decoding side's own (`Graph`, `DiGraph`, `MultiGraph`, `MultiDiGraph` of its networkx),
 filled in the neighbours' order as sent. An object of the project's package (the package of the called function's

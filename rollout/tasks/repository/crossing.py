@@ -15,9 +15,10 @@ comes, and the grader's object answers on data; what it answers crosses by the s
 reference). A reference the episode gives back is the grader's own object again (identity kept). Only the public
 surface crosses (no `_` name), and never a module, a frame, code, a test framework's object (a `TestCase`,
 pytest's), nor a function of the interpreter's or the system's (`exec`, `getattr`, `os.system`, `sys.exit`): those
-are refused. The other direction is data only: a function the episode returns (a decorator's wrapper) stays in the
-episode's process ({"$callback": number}) and each call of it from the grader crosses like the task's own; no other
-object of the episode's ever reaches the grader, which never unpickles and never runs the episode's code.
+are refused. The other direction is data only: what the episode returns that is not data (a decorator's wrapper, a
+`GNUTranslations`) stays in the episode's process ({"$callback": number}) and each call of it or read of its public
+attributes from the grader crosses like the task's own call; no object of the episode's ever reaches the grader,
+which never unpickles and never runs the episode's code.
 """
 
 import collections.abc
@@ -132,8 +133,8 @@ _held = []
 _numbers = {}
 _monkeypatches = []
 """A weak set of pytest's `MonkeyPatch` objects, once the grader watches them."""
-_episode_functions = {}
-"""number -> the grader's proxy of a function the episode returned (given back to it as it came)."""
+_episode_objects = {}
+"""number -> the grader's stand-in for an object the episode returned (given back to it as it came)."""
 
 
 def connect(out_fd, in_fd, shared_tmp=None):
@@ -198,8 +199,8 @@ def _where(target):
 
 def _patches():
     """The monkeypatches in force that the episode's process can make too: [where, name, deleted, value] (each value
-    encoded alone, by the rules of any argument; one that cannot cross is left out: the build sees the difference)
-    and the environment's patched variables."""
+    encoded alone, by the rules of any argument; one that cannot cross is left out: the build sees the difference),
+    the environment's patched variables, and the time freezegun has frozen."""
     found, environment = [], {}
     for patch in list(_monkeypatches[0]) if _monkeypatches else ():
         for target, name, _ in patch._setattr:
@@ -213,7 +214,22 @@ def _patches():
         for mapping, key, _ in patch._setitem:
             if mapping is os.environ and type(key) is str:
                 environment[key] = os.environ.get(key)
-    return {"patches": found, "environment": environment} if found or environment else {}
+    frozen = _frozen_time()
+    return {
+        **({"patches": found, "environment": environment} if found or environment else {}),
+        **({"frozen": frozen} if frozen else {}),
+    }
+
+
+def _frozen_time():
+    """A test under freezegun's `freeze_time` (which patches the grader's modules itself, not through pytest's
+    monkeypatch): [the frozen time (naive, UTC) as ISO text, the zone offset in seconds], for the episode's process
+    to freeze too; None when no time is frozen."""
+    api = sys.modules.get("freezegun.api")
+    if api is None or not getattr(api, "freeze_factories", None):
+        return None
+    offset = api.tz_offsets[-1].total_seconds() if getattr(api, "tz_offsets", None) else 0.0
+    return [api.get_current_time().isoformat(), offset]
 
 
 def _exchange(message):
@@ -236,7 +252,7 @@ def _refused(reason):
 
 def _refer(value):
     """The grader's object `value` as a reference the episode may use (NotCrossable for what it must not reach)."""
-    for number, returned in _episode_functions.items():
+    for number, returned in _episode_objects.items():
         if returned is value:
             return {"$callback": number}
     reason = _hazard(value)
@@ -413,10 +429,11 @@ def _apply_after(module, args, kwargs, sent, answer, originals):
     return result
 
 
-class EpisodeFunction:
-    """The grader's stand-in for a function the episode returned (a decorator's wrapper): each call crosses to the
-    episode's process, and so does each read of a public attribute (`cache_info`); the answers cross as data or as
-    other such functions. It has no other behaviour: it compares, hashes and converts as any plain object."""
+class EpisodeObject:
+    """The grader's stand-in for what the episode returned that is not data (a decorator's wrapper, humanize's
+    `GNUTranslations`): each call crosses to the episode's process, and so does each read of a public attribute
+    (`cache_info`, `gettext`); the answers cross as data or as other such objects. It has no other behaviour: it
+    compares, hashes and converts as any plain object."""
 
     __slots__ = ("_module", "_number")
 
@@ -434,7 +451,7 @@ class EpisodeFunction:
 
 def _returned(module, number):
     """The grader's stand-in for the episode's function `number` (one per function: identity holds)."""
-    return _episode_functions.setdefault(number, EpisodeFunction(module, number))
+    return _episode_objects.setdefault(number, EpisodeObject(module, number))
 
 
 # --- the episode's side -------------------------------------------------------------------------
@@ -511,13 +528,13 @@ def _episode_codec(origin=None):
     def refer(value):
         if isinstance(value, Reference):
             return {"$ref": object.__getattribute__(value, "_number")}
-        if type(value).__name__ in ("function", "builtin_function_or_method", "method", "partial"):
-            number = _episode["numbers"].get(id(value))
-            if number is None:
-                number = _episode["numbers"][id(value)] = len(_episode["returned"])
-                _episode["returned"].append(value)
-            return {"$callback": number}
-        return None
+        if isinstance(value, type) or (hasattr(value, "__next__") and hasattr(value, "__iter__")):
+            return None  # a class does not cross; an iterator crosses as its values
+        number = _episode["numbers"].get(id(value))
+        if number is None:
+            number = _episode["numbers"][id(value)] = len(_episode["returned"])
+            _episode["returned"].append(value)
+        return {"$callback": number}  # it stays here: the grader's stand-in calls it and reads its attributes
 
     def resolve(tag, number, interfaces=()):
         if tag == "$callback":
@@ -560,11 +577,22 @@ def _patch(request, undo):
     for key, value in request.get("environment", {}).items():
         undo.append((os.environ, key, os.environ.get(key, undo)))
         os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    if "frozen" in request:
+        import datetime
+
+        import freezegun  # the grader's process has it: the project's environment, shared, does too
+
+        moment, offset = request["frozen"]
+        freezer = freezegun.freeze_time(moment, tz_offset=datetime.timedelta(seconds=offset))
+        freezer.start()
+        undo.append((freezer, None, undo))
 
 
 def _unpatch(undo):
     for target, name, before in reversed(undo):
-        if target is os.environ:
+        if name is None:  # a freezer
+            target.stop()
+        elif target is os.environ:
             os.environ.pop(name, None) if before is undo else os.environ.__setitem__(name, before)
         elif before is undo:
             if name in vars(target):
