@@ -9,6 +9,8 @@ import datetime as dt
 import decimal
 import fractions
 import json
+import math
+import operator
 import os
 import pathlib
 import threading
@@ -244,6 +246,14 @@ def after_last(mark):
     return Mark.END if mark is not Mark.END else None
 
 
+def arity(function):
+    import inspect
+    import operator
+
+    known = {all: "all", operator.add: "add", str.upper: "upper"}
+    return known.get(function, "unknown"), len(inspect.signature(function).parameters)
+
+
 def file_under(index, key, item):
     index[key].append(item)
     return index[key]
@@ -334,6 +344,9 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
     assert crossing.call("shapes", "pick", (shapes._MISSING,), {}) == "missing"
     assert crossing.call("shapes", "after_last", (shapes.Mark(),), {}) is shapes.Mark.END
     assert crossing.call("shapes", "after_last", (shapes.Mark.END,), {}) is None
+    # the pure standard library's functions are each side's own: identity and signatures hold there
+    assert [crossing.call("shapes", "arity", (f,), {}) for f in (all, operator.add, str.upper)] == [("all", 1), ("add", 2), ("upper", 1)]
+    assert crossing.call("shapes", "arity", (math.floor,), {}) == ("unknown", 1)
     inner = ["x"]
     index = {"a": inner, "b": (inner,)}
     assert crossing.call("shapes", "file_under", (index, "a", "y"), {}) is inner
@@ -424,6 +437,11 @@ HOSTILE_ANSWERS = {
     "a function named as a constant": b'{"return": {"$named": ["networkx", "is_empty"]}}',
     "a module named as a constant": b'{"return": {"$named": ["networkx", "utils"]}}',
     "a constant outside the package": b'{"return": {"$named": ["os", "environ"]}}',
+    "a system function by name": b'{"return": {"$std": ["posix", "system"]}}',
+    "a builtin that reaches names": b'{"return": {"$std": ["builtins", "getattr"]}}',
+    "a private name of a pure module": b'{"return": {"$std": ["operator", "_abs"]}}',
+    "a dunder of a builtin class": b'{"return": {"$std": ["builtins", "object.__subclasses__"]}}',
+    "a name a pure module lacks": b'{"return": {"$std": ["math", "nothing"]}}',
     "a mutation of an argument not passed": b'{"return": 1, "after": {"args": [[0]], "kwargs": {"nope": [1]}}}',
     "no return": b'{"changed": {}}',
     # warnings the episode says the call issued

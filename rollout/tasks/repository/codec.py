@@ -23,6 +23,8 @@ Each message is JSON with tags, decoded by each side into plain types and its ow
   a constant of the package           {"$named": [module, name]}: a module's or a class's attribute that is an instance of
                                       the package's class or an `object()` sentinel (tomlkit's `Source.EOF`, a default
                                       argument's `_MISSING`): each side's own, so `is` holds on both
+  a function or class of a pure        {"$std": [module, qualname]}: `all`, `str.upper`, `operator.add`, `math.floor`, each
+  standard module                     side's own (`PURE_MODULES`, the builtins of `SAFE_BUILTINS`)
   a class                             {"$type": [module, qualname]}: a builtin one or a `collections` one
                                       (`factory=dict`), or the project's own
   anything else                       what the side's `Codec.refer` makes of it (`crossing.py`: {"$ref": number} or
@@ -74,6 +76,21 @@ SHARED_CLASSES = {
     "collections": ("Counter", "OrderedDict", "defaultdict", "deque"),
 }
 """Classes that cross by name (`factory=dict`, `exceptions=(ValueError,)`), besides the project's own."""
+SAFE_BUILTINS = (
+    *("abs", "all", "any", "ascii", "bin", "bool", "bytes", "callable", "chr", "dict", "divmod", "enumerate", "filter"),
+    *("float", "format", "frozenset", "hash", "hex", "id", "int", "isinstance", "issubclass", "iter", "len", "list"),
+    *("map", "max", "min", "next", "oct", "ord", "pow", "range", "repr", "reversed", "round", "set", "slice", "sorted"),
+    *("str", "sum", "tuple", "zip", "object", "print", "complex", "bytearray"),
+)
+"""The interpreter's functions and classes that cross by name (`$std`) or a reference may be (a key function `len`, a factory `list`): none that
+reaches names, modules, files or code (`getattr`, `vars`, `open`, `exec`, `type`)."""
+PURE_MODULES = (
+    *("operator", "_operator", "math", "cmath", "itertools", "functools", "_functools", "collections", "_collections"),
+    *("statistics", "decimal", "_decimal", "fractions", "numbers", "string", "heapq", "_heapq", "bisect", "_bisect"),
+    *("datetime", "_datetime", "unicodedata", "textwrap"),
+)
+"""Standard modules of pure computation whose functions and classes cross by name, each side's own (`operator.add`,
+`math.floor`): a function can inspect its signature or compare it by identity (toolz's `_is_arity(1, all)`)."""
 _own = [""]
 """The top-level package whose classes cross as their state: the called function's (set per call, on each side)."""
 
@@ -222,6 +239,9 @@ def encode(value, codec=None, depth=0):
         return {"$named": _constants()[id(value)][1]}
     elif _is_own(kind):
         return encode_object(value, codec, depth)
+    named = _std_name(value)
+    if named is not None:
+        return {"$std": named}
     tag = codec.refer(value) if codec.refer is not None else None
     if tag is not None:
         return tag
@@ -342,6 +362,36 @@ def _named_constant(module, name):
         found = getattr(found, part, None)
     if _constants().get(id(found), (None,))[0] is not found:
         raise ValueError(f"not a constant of the project's package: {module}.{name}"[:120])
+    return found
+
+
+def _std_name(value):
+    """[module, qualname] of a function, class or method of `SAFE_BUILTINS` or `PURE_MODULES` by which the other side
+    finds its own (`all`, `str.upper`, `operator.add`), else None."""
+    owner = getattr(value, "__objclass__", None)
+    module = getattr(value, "__module__", None) or getattr(owner, "__module__", None)
+    qualname = getattr(value, "__qualname__", None)
+    if type(module) is not str or type(qualname) is not str or not callable(value):
+        return None
+    try:
+        return [module, qualname] if _std(module, qualname) is value else None
+    except ValueError:
+        return None
+
+
+def _std(module, qualname):
+    """This side's `module.qualname` of `SAFE_BUILTINS` or `PURE_MODULES` (ValueError for anything else)."""
+    import importlib
+
+    if type(module) is not str or type(qualname) is not str:
+        raise ValueError("malformed $std")
+    if not (module in PURE_MODULES or (module == "builtins" and qualname.split(".")[0] in SAFE_BUILTINS)):
+        raise ValueError(f"not a function of a pure standard module: {module}.{qualname}"[:120])
+    found = importlib.import_module(module)
+    for part in qualname.split("."):
+        if part.startswith("_"):
+            raise ValueError(f"not a public name: {module}.{qualname}"[:120])
+        found = getattr(found, part)
     return found
 
 
@@ -499,6 +549,11 @@ def decode(node, codec=None, depth=0):
             return VALUES[body[0]][2](data)
         except (TypeError, ValueError, ArithmeticError) as e:
             raise ValueError(f"malformed $value: {e}") from None
+    if tag == "$std" and len(body) == 2:
+        try:
+            return _std(*body)
+        except AttributeError:
+            raise ValueError(f"malformed $std: {str(body)[:80]}") from None
     if tag == "$named" and len(body) == 2:
         return _named_constant(*body)
     if tag == "$type" and len(body) == 2:

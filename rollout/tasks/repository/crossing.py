@@ -35,6 +35,7 @@ import warnings
 if __name__ == "composer.rollout.tasks.repository.crossing":  # imported; shipped, codec.py's text precedes this one
     from composer.rollout.tasks.repository.codec import (
         BUILTIN_EXCEPTIONS,
+        SAFE_BUILTINS,
         Codec,
         NotCrossable,
         _attributes,
@@ -88,14 +89,6 @@ SYSTEM = (
     *("_thread", "multiprocessing", "runpy", "pickle", "_pickle", "marshal", "io", "_io", "code", "pdb", "inspect"),
     *("types", "site", "sysconfig", "atexit", "faulthandler", "tempfile", "builtins"),
 )
-SAFE_BUILTINS = (
-    *("abs", "all", "any", "ascii", "bin", "bool", "bytes", "callable", "chr", "dict", "divmod", "enumerate", "filter"),
-    *("float", "format", "frozenset", "hash", "hex", "id", "int", "isinstance", "issubclass", "iter", "len", "list"),
-    *("map", "max", "min", "next", "oct", "ord", "pow", "range", "repr", "reversed", "round", "set", "slice", "sorted"),
-    *("str", "sum", "tuple", "zip", "object", "print", "complex", "bytearray"),
-)
-"""The interpreter's functions and classes a reference may be (a key function `len`, a factory `list`): none that
-reaches names, modules, files or code (`getattr`, `vars`, `open`, `exec`, `type`)."""
 INTERFACES = ("MutableMapping", "Mapping", "MutableSequence", "Sequence", "MutableSet", "Set")
 """The abstract classes a reference is an instance of in the episode when the grader's object is (a function that
 checks `isinstance(data, Mapping)` given a `MappingProxyType`), the more specific first."""
