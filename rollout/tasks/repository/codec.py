@@ -82,8 +82,8 @@ SAFE_BUILTINS = (
     *("map", "max", "min", "next", "oct", "ord", "pow", "range", "repr", "reversed", "round", "set", "slice", "sorted"),
     *("str", "sum", "tuple", "zip", "object", "print", "complex", "bytearray"),
 )
-"""The interpreter's functions and classes that cross by name (`$std`) or a reference may be (a key function `len`, a factory `list`): none that
-reaches names, modules, files or code (`getattr`, `vars`, `open`, `exec`, `type`)."""
+"""The interpreter's functions and classes that cross by name (`$std`: a key function `len`, a factory `list`), and
+that a reference may be: none that reaches names, modules, files or code (`getattr`, `vars`, `open`, `exec`, `type`)."""
 PURE_MODULES = (
     *("operator", "_operator", "math", "cmath", "itertools", "functools", "_functools", "collections", "_collections"),
     *("statistics", "decimal", "_decimal", "fractions", "numbers", "string", "heapq", "_heapq", "bisect", "_bisect"),
