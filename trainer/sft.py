@@ -156,8 +156,10 @@ class ConversationSamples(torch.utils.data.Dataset):
             tokens[at : at + n], labels[at : at + n], loss_mask[at : at + n] = ids[:-1], ids[1:], mask[1:]
             positions[at : at + n], segments[at : at + n] = np.arange(n), j
             at += n
-        sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions}
-        return {**sample, "segments": segments} if self.pack else sample
+        sample: dict[str, np.ndarray] = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions}
+        if self.pack:
+            sample["segments"] = segments
+        return sample
 
 
 def packing_summary(conversations: TokenizedConversations, length: int, seed: int, pack: bool) -> dict[str, float]:
