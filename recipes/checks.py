@@ -222,6 +222,7 @@ def _check_attention(r: Recipe) -> list[Problem]:
             (f"parallelism.cp={p.cp}", p.cp > 1),
             ("data.attention=document", r.data is not None and r.data.attention == "document"),
             ("rl.pack_sequences", r.rl is not None and r.rl.pack_sequences),
+            ("sft.pack", r.sft is not None and r.sft.pack),
         )
         if used
     ]
@@ -237,6 +238,10 @@ def _check_attention(r: Recipe) -> list[Problem]:
         out.append(Problem("parallelism.cp", f"context parallelism with pipeline parallelism (pp={p.pp}) is not built; use cp=1 or pp=1"))
     if p.pp > 1 and r.data is not None and r.data.attention == "document":
         out.append(Problem("data.attention", f"document attention with pipeline parallelism (pp={p.pp}) is not built; use causal or pp=1"))
+    if p.pp > 1 and r.sft is not None and r.sft.pack:
+        out.append(
+            Problem("sft.pack", f"packed conversations with pipeline parallelism (pp={p.pp}) are not built; set sft.pack: false or pp=1")
+        )
     return out
 
 

@@ -418,7 +418,11 @@ class SftSection(Section):
     sources: list[SftSource] = Field(min_length=1)
     """Where the demonstrations come from; every conversation is rendered in the agent harness's format."""
     max_length: int = Field(gt=0)
-    """Tokens per training sequence: a conversation is one padded sequence of at most this length."""
+    """Tokens per training sample; a longer conversation is cut or refused (`overlong`)."""
+    pack: bool = True
+    """Pack whole conversations, first-fit in each pass's seeded order, into samples of `max_length` positions, each
+    attending only to itself with positions from 0 (packed sequences; needs pp=1 and attention sdpa or auto); false:
+    one conversation per sample, padded after its end."""
     overlong: Literal["cut", "refuse"] = "cut"
     """A conversation longer than `max_length`: `cut` keeps its first `max_length` tokens (one whose first assistant
     token lies beyond is dropped; both counted and printed), `refuse` stops before anything is written, naming it."""

@@ -31,6 +31,7 @@ from composer.recipes.schema import Recipe, SftSource
 from composer.rl.trajectories import decode_group
 from composer.rollout.agent.harness import CALL_CLOSE, CALL_OPEN, CallError, ChatFormat, Tokenizer, parse_tool_calls
 from composer.runtime.sft_examples import SftExamples, TokenizedConversations
+from composer.trainer.sft import packing_summary
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 
@@ -272,15 +273,18 @@ def prepare_sft_examples(recipe: Recipe, console=None) -> SftExamples:
     if held >= n:
         raise UserError(f"sft.held_out={sft.held_out} leaves nothing to train on: {n} conversation(s) in all")
     valid = {int(i) for i in order[:held]}
+    train = TokenizedConversations.of([conv for i, conv in enumerate(conversations) if i not in valid])
+    packing = packing_summary(train, sft.max_length, recipe.train.seed, sft.pack)
     summary = {
         "sources": {name: vars(c) for name, c in counts.items()},
         "train": n - held,
         "held_out": held,
         "max_length": sft.max_length,
         "overlong": sft.overlong,
+        "packing": packing,
     }
     examples = SftExamples(
-        TokenizedConversations.of([conv for i, conv in enumerate(conversations) if i not in valid]),
+        train,
         TokenizedConversations.of([conv for i, conv in enumerate(conversations) if i in valid]),
         renderer.pad,
         str(model.checkpoint),
@@ -296,4 +300,10 @@ def prepare_sft_examples(recipe: Recipe, console=None) -> SftExamples:
                 highlight=False,
             )
         console.print(f"sft: {n - held} conversations for training, {held} held out", highlight=False)
+        console.print(
+            f"sft samples: {packing['samples']} of {sft.max_length} positions in a pass, "
+            f"{packing['conversations_per_sample']:.2f} conversations each, {packing['real_share']:.0%} of positions real tokens"
+            + (f" (one conversation a sample: {packing['real_share_unpacked']:.0%}; sft.pack: true)" if sft.pack else " (sft.pack: false)"),
+            highlight=False,
+        )
     return examples

@@ -43,7 +43,7 @@ from composer.trainer.launch import record_rank_error, redirect_rank_output
 from composer.trainer.logprobs import forward_token_losses
 from composer.trainer.model import causal_mask
 from composer.trainer.optimizer import TrainOptimizer
-from composer.trainer.packing import SequenceLayout, document_lengths
+from composer.trainer.packing import SequenceLayout, document_lengths, segment_lengths
 from composer.trainer.pipeline import forward_backward
 from composer.trainer.weights import check_checkpoint_before_launch
 
@@ -108,7 +108,10 @@ def check_resume(run: RunDir, recipe: Recipe, fixed: tuple[str, ...] = RESUME_FI
 class BatchPlacement:
     """How this rank feeds a micro-batch of samples to the model (`trainer.packing`): the sample rows
     (data.attention=causal) or their documents packed with attention and positions per document (document), this
-    context-parallel rank's share either way."""
+    context-parallel rank's share either way.
+
+    A document ends at the `eod` token, unless the samples carry `segments` (each position's document within its
+    sample, -1 for padding: SFT's packed conversations, which hold EOS tokens inside); their padding is left out."""
 
     def __init__(self, attention: str, eod: int, cp_size: int = 1, cp_rank: int = 0, multiple: int = 1):
         self.by_document, self.eod = attention == "document", eod
@@ -116,9 +119,13 @@ class BatchPlacement:
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict:
         rows, seq = batch["tokens"].shape
-        lengths = document_lengths(batch["tokens"], self.eod) if self.by_document else [seq] * rows
+        keep = slice(None)
+        if self.by_document and "segments" in batch:
+            lengths, keep = segment_lengths(batch["segments"]), batch["segments"].flatten() >= 0
+        else:
+            lengths = document_lengths(batch["tokens"], self.eod) if self.by_document else [seq] * rows
         layout = SequenceLayout.build(lengths, self.by_document, self.cp_size, self.cp_rank, self.multiple)
-        placed = {key: layout.local(batch[key].flatten()) for key in ("tokens", "labels", "loss_mask")}
+        placed = {key: layout.local(batch[key].flatten()[keep]) for key in ("tokens", "labels", "loss_mask")}
         return {**placed, "position_ids": layout.position_ids, "layout": layout}
 
 
@@ -142,9 +149,8 @@ class BatchSource:
         out = []
         for m in range(self.num_micro_batches):
             samples = [self.dataset[first + m * self.micro_batch + i] for i in range(self.micro_batch)]
-            batch = {
-                key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")
-            }
+            keys = ("tokens", "labels", "loss_mask", "position_ids", *(("segments",) if "segments" in samples[0] else ()))
+            batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in keys}
             out.append(self.placement(batch) if self.placement else batch)
         return out
 

@@ -213,3 +213,13 @@ def document_lengths(tokens: torch.Tensor, eod: int) -> list[int]:
         bounds = [0, *[e for e in ends if e < len(row)], len(row)]
         lengths += [b - a for a, b in zip(bounds, bounds[1:])]
     return lengths
+
+
+def segment_lengths(segments: torch.Tensor) -> list[int]:
+    """Lengths of the documents of samples `[B, S]` that say each position's document (consecutive equal ids;
+    -1: padding, left out) in stream order."""
+    lengths = []
+    for row in segments:
+        ids, counts = torch.unique_consecutive(row, return_counts=True)
+        lengths += counts[ids >= 0].tolist()
+    return lengths

@@ -3,12 +3,14 @@
     python -m composer.trainer.sft train RUN_DIR [--resume]     (started by `composer train sft`)
     python -m composer.trainer.sft export RUN_DIR OUT_DIR       (started by `composer export`)
 
-`composer train sft` renders the conversations (`rl.sft_data`) into RUN_DIR/sft-examples/ before the launch; here
-each becomes one sample of `sft.max_length` positions, padded after its end (causal attention: the padding never
-reaches a real token, and its loss mask is 0). Everything else (model, optimizer, steps, evaluation, checkpoints,
-`--resume`, export) is mid-training's (`trainer.midtrain`). Sample `k` of training is conversation
-`order(k // n)[k % n]` with a fresh seeded permutation per pass over the n conversations: a pure function of `k`, so a
-resumed run reads exactly the data an uninterrupted one would.
+`composer train sft` renders the conversations (`rl.sft_data`) into RUN_DIR/sft-examples/ before the launch. Here
+`sft.pack: true` puts whole conversations first-fit into samples of `sft.max_length` positions, each attending only
+to itself with positions from 0 (mid-training's document placement, the conversations' bounds carried in the sample:
+an EOS inside a conversation bounds nothing); `false` makes each conversation one sample, padded after its end
+(causal attention: the padding never reaches a real token, and its loss mask is 0). Everything else (model,
+optimizer, steps, evaluation, checkpoints, `--resume`, export) is mid-training's (`trainer.midtrain`). Pass p over
+the training conversations is a fresh seeded permutation, packed in that order; sample `k` is found by counting
+the passes' samples: a pure function of `k`, so a resumed run reads exactly the data an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -71,34 +73,105 @@ def check_resume(run: RunDir, recipe: Recipe) -> None:
     midtrain.check_resume(run, recipe, fixed=RESUME_FIXED)
 
 
+def first_fit(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Items of `sizes` (each at most `capacity`), in order, each into the first bin with room for it (a new bin when
+    none has): lists of item indices per bin, in the order the bins opened. O(n log n): a max-tree over the bins' room,
+    where bins not yet opened have all of it, so the leftmost bin with room is the first fit or the next new bin."""
+    leaves = 1
+    while leaves < len(sizes):
+        leaves *= 2
+    room = [capacity] * (2 * leaves)
+    bins: list[list[int]] = []
+    for item, need in enumerate(sizes):
+        if need > capacity:
+            raise ValueError(f"item {item} of size {need} exceeds the bins' capacity {capacity}")
+        node = 1
+        while node < leaves:
+            node = 2 * node if room[2 * node] >= need else 2 * node + 1
+        b = node - leaves
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(item)
+        room[node] -= need
+        while node > 1:
+            node //= 2
+            room[node] = max(room[2 * node], room[2 * node + 1])
+    return bins
+
+
 class ConversationSamples(torch.utils.data.Dataset):
     """Samples of `length` positions (tokens, labels, loss_mask, position_ids) over conversations; `shuffle`: a new
-    seeded order every pass (training), else the stored order over and over (held-out)."""
+    seeded order every pass (training), else the stored order over and over (held-out).
 
-    def __init__(self, conversations: TokenizedConversations, length: int, pad: int, seed: int, shuffle: bool):
-        self.conversations, self.length, self.pad, self.seed, self.shuffle = conversations, length, pad, seed, shuffle
-        self._orders: dict[int, np.ndarray] = {}
+    `pack`: the pass's conversations go, in its order, first-fit into samples (bins) of `length` positions, whole;
+    each position's conversation within its sample is `segments` (-1: padding), which the placement turns into
+    attention and positions per conversation (the EOS a conversation may hold inside is no boundary). Else each
+    conversation is a sample of its own. Sample `k` is bin `k - start(p)` of pass p, where pass p holds samples
+    [start(p), start(p+1)): a pure function of `k`.
+    """
 
-    def __len__(self) -> int:
-        return len(self.conversations)
+    def __init__(self, conversations: TokenizedConversations, length: int, pad: int, seed: int, shuffle: bool, pack: bool = False):
+        self.conversations, self.length, self.pad, self.seed, self.shuffle, self.pack = conversations, length, pad, seed, shuffle, pack
+        self._positions = np.diff(conversations.offsets) - 1  # the last token of a conversation is only a label
+        self._starts = [0]  # first sample of each pass packed so far, and where the last one ends
+        self._pass: tuple[int, list[list[int]]] | None = None
 
-    def _conversation(self, k: int) -> int:
-        n = len(self.conversations)
-        if not self.shuffle:
-            return k % n
-        epoch = k // n
-        if epoch not in self._orders:
-            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(n)}
-        return int(self._orders[epoch][k % n])
+    def bins(self, p: int) -> list[list[int]]:
+        """The conversations of each sample of pass `p`."""
+        p = p if self.shuffle else 0  # the held-out samples are the same every pass
+        if self._pass is None or self._pass[0] != p:
+            n = len(self.conversations)
+            order = np.random.default_rng([self.seed, p]).permutation(n) if self.shuffle else np.arange(n)
+            if self.pack:
+                bins = [[int(order[i]) for i in b] for b in first_fit(self._positions[order].tolist(), self.length)]
+            else:
+                bins = [[int(i)] for i in order]
+            self._pass = (p, bins)
+        return self._pass[1]
+
+    def locate(self, k: int) -> tuple[int, int]:
+        """(pass, sample of the pass) of sample `k`; the passes before are packed once to count their samples."""
+        while self._starts[-1] <= k:
+            self._starts.append(self._starts[-1] + len(self.bins(len(self._starts) - 1)))
+        p = int(np.searchsorted(self._starts, k, side="right")) - 1
+        return p, k - self._starts[p]
+
+    def sample_conversations(self, k: int) -> list[int]:
+        p, i = self.locate(k)
+        return self.bins(p)[i]
 
     def __getitem__(self, k: int) -> dict[str, np.ndarray]:
-        ids, mask = self.conversations[self._conversation(k)]
-        s, n = self.length, len(ids) - 1  # the last token is only a label
+        s = self.length
         tokens = np.full(s, self.pad, dtype=np.int64)
         labels = np.full(s, self.pad, dtype=np.int64)
         loss_mask = np.zeros(s, dtype=np.float32)
-        tokens[:n], labels[:n], loss_mask[:n] = ids[:-1], ids[1:], mask[1:]
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": np.arange(s, dtype=np.int64)}
+        positions = np.arange(s, dtype=np.int64)
+        segments = np.full(s, -1, dtype=np.int64)
+        at = 0
+        for j, c in enumerate(self.sample_conversations(k)):
+            ids, mask = self.conversations[c]
+            n = len(ids) - 1
+            # labels are the conversation's own next tokens: its last position predicts its last token, never the
+            # first token of the conversation after it
+            tokens[at : at + n], labels[at : at + n], loss_mask[at : at + n] = ids[:-1], ids[1:], mask[1:]
+            positions[at : at + n], segments[at : at + n] = np.arange(n), j
+            at += n
+        sample: dict[str, np.ndarray] = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions}
+        if self.pack:
+            sample["segments"] = segments
+        return sample
+
+
+def packing_summary(conversations: TokenizedConversations, length: int, seed: int, pack: bool) -> dict[str, float]:
+    """Samples of the first training pass, conversations per sample and the share of positions that hold a token."""
+    count = len(ConversationSamples(conversations, length, 0, seed, shuffle=True, pack=pack).bins(0))
+    real = int((np.diff(conversations.offsets) - 1).sum())
+    return {
+        "samples": count,
+        "conversations_per_sample": round(len(conversations) / count, 2),
+        "real_share": round(real / (count * length), 4),
+        "real_share_unpacked": round(real / (len(conversations) * length), 4),
+    }
 
 
 def conversation_batches(recipe: Recipe, run: RunDir) -> midtrain.MidtrainData:
@@ -106,15 +179,16 @@ def conversation_batches(recipe: Recipe, run: RunDir) -> midtrain.MidtrainData:
     from megatron.core import parallel_state
 
     examples = SftExamples.read(run.root)
-    length, seed = recipe.sft.max_length, recipe.train.seed
-    train = ConversationSamples(examples.train, length, examples.pad, seed, shuffle=True)
-    valid = ConversationSamples(examples.valid, length, examples.pad, seed, shuffle=False)
+    length, seed, pack = recipe.sft.max_length, recipe.train.seed, recipe.sft.pack
+    train = ConversationSamples(examples.train, length, examples.pad, seed, shuffle=True, pack=pack)
+    valid = ConversationSamples(examples.valid, length, examples.pad, seed, shuffle=False, pack=pack)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     placement = None
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:  # the pipeline schedule takes the sample rows
+    # the pipeline schedule takes the sample rows (recipes.checks refuses sft.pack with pp > 1)
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         p = recipe.parallelism
         placement = midtrain.BatchPlacement(
-            "causal",
+            "document" if pack else "causal",
             examples.pad,
             parallel_state.get_context_parallel_world_size(),
             parallel_state.get_context_parallel_rank(),

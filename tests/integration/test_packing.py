@@ -7,6 +7,8 @@
   packed row holds several sequences.
 - Mid-training's document attention (`data.attention: document`): every document of a packed sample gets the
   logprobs it gets on its own.
+- SFT's packed conversations (`sft.pack`): every conversation of a packed sample gets the losses it gets as a sample
+  of its own, the EOS tokens inside it notwithstanding.
 """
 
 from __future__ import annotations
@@ -153,3 +155,50 @@ def test_document_attention_equals_each_document_alone(checkpoints):
     alone = torch.cat(alone)
     assert float((packed - alone).abs().max()) <= 1e-5
     assert float((causal - alone).abs().max()) > 1e-3  # attending across documents is another function
+
+
+def test_packed_conversations_each_get_the_losses_they_get_alone(checkpoints):
+    """SFT's packed samples (`sft.pack`): conversations holding EOS tokens inside, first-fit into three samples of 64
+    positions; every token's loss equals its loss when its conversation is a padded sample of its own, and attention
+    across the sample (causal rows) is another function."""
+    from composer.runtime.sft_examples import TokenizedConversations
+    from composer.trainer.distributed import init_distributed, shutdown_distributed
+    from composer.trainer.midtrain import BatchPlacement, BatchSource, _token_losses
+    from composer.trainer.model import build_model
+    from composer.trainer.sft import ConversationSamples
+    from composer.trainer.weights import load_hf_into
+
+    torch.set_num_threads(1)
+    eos = 0
+    m = model_section_from_hf(checkpoints["qwen3_moe"])
+    rng = np.random.default_rng(2)
+    conversations = []
+    for n in (30, 12, 41, 9, 25, 17, 33, 6, 20):
+        tokens = rng.integers(1, m.vocab_size, n)
+        tokens[rng.choice(n - 1, 2, replace=False)] = eos  # the end of assistant turns inside the conversation
+        conversations.append((tokens.tolist(), [True] * n))
+    data = TokenizedConversations.of(conversations)
+    packed = ConversationSamples(data, 64, eos, seed=0, shuffle=True, pack=True)
+    members = [packed.sample_conversations(k) for k in range(3)]
+    assert sorted(c for b in members for c in b) == list(range(9))  # one pass in three samples
+    alone = ConversationSamples(data, 64, eos, seed=0, shuffle=False, pack=False)  # sample c: conversation c
+    init_distributed(ParallelismSection())
+    try:
+        model = build_model(m, ParallelismSection()).eval()
+        load_hf_into(model, m, checkpoints["qwen3_moe"])
+        with torch.no_grad():
+            placed = BatchSource(packed, 3, 3, 0, 1, BatchPlacement("document", eos)).micro_batches(0)[0]
+            layout = placed["layout"]
+            assert layout.lengths == tuple(len(conversations[c][0]) - 1 for b in members for c in b)
+            got = layout.stream(_token_losses(model, placed))
+            want = []
+            for c in (c for b in members for c in b):
+                single = BatchSource(alone, 1, 1, 0, 1, BatchPlacement("causal", eos)).micro_batches(c)[0]
+                want.append(_token_losses(model, single).flatten()[: len(conversations[c][0]) - 1])
+            rows = BatchSource(packed, 3, 3, 0, 1, BatchPlacement("causal", eos)).micro_batches(0)[0]
+            causal = _token_losses(model, rows)[rows["loss_mask"] > 0]  # every real position is trained here
+    finally:
+        shutdown_distributed()
+    want = torch.cat(want)
+    assert float((got - want).abs().max()) <= 1e-5
+    assert float((causal - want).abs().max()) > 1e-3

@@ -1,7 +1,8 @@
 """`composer train sft` end to end: real torchrun ranks, real Megatron-Core, the shipped smoke recipe shortened.
 
 One uninterrupted run is the reference: held-out loss falls and it exports; a run killed with SIGKILL at a random
-step then resumed must reproduce its every metric (the same conversations in the same order).
+step then resumed must reproduce its every metric (the same conversations in the same order). A packed run (three
+conversations a sample) trains three times the tokens a sample, learns and exports.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,6 +66,8 @@ def reference(workspace) -> Path:
     result = run_composer(*sft_args(workspace, "reference"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sft source demonstrations: 60 conversations" in result.stdout and "54 conversations for training, 6 held out" in result.stdout
+    # sft.pack's default, but 640 positions hold one of these ~570-token conversations
+    assert "sft samples: 54 of 640 positions in a pass, 1.00 conversations each" in result.stdout
     return workspace / "runs" / "reference"
 
 
@@ -73,6 +78,32 @@ def test_held_out_loss_falls_and_the_run_exports(reference):
     export = reference / "export"
     assert json.loads((export / "config.json").read_text())["num_local_experts"] == 8
     assert (export / "tokenizer.json").is_file() and list(export.glob("model-*.safetensors"))
+
+
+def test_packed_samples_hold_several_conversations_and_the_run_learns_and_exports(workspace, reference):
+    """sft.pack with room for three conversations a sample (max_length 1920, on the same model given 2048 positions):
+    the preparation reports the packing, each step trains about three times the tokens a sample of the reference
+    (one conversation a sample at 640), held-out loss falls and the run exports."""
+    init = workspace / "init-2048"
+    if not init.exists():
+        shutil.copytree(workspace / "init", init)
+        config = json.loads((init / "config.json").read_text())
+        (init / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    steps = ["train.steps=6", "train.eval_every=3", "train.checkpoint_every=6", "train.global_batch_size=4", "train.micro_batch_size=2"]
+    packed = ["sft.pack=true", "sft.max_length=1920", f"model.checkpoint={init}", "model.max_position_embeddings=2048", *steps]
+    result = run_composer(*sft_args(workspace, "packed", *packed))
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = re.search(
+        r"sft samples: (\d+) of 1920 positions in a pass, ([\d.]+) conversations each, (\d+)% of positions real", result.stdout
+    )
+    assert line and int(line[1]) == 18 and float(line[2]) == 3.0 and int(line[3]) > 80, result.stdout[-2000:]
+    run = workspace / "runs" / "packed"
+    per_sample = [r["tokens"] / 4 for r in records(run) if "tokens" in r]
+    alone = [r["tokens"] / 8 for r in records(reference) if "tokens" in r]
+    assert len(per_sample) == 6 and min(per_sample) > 2.5 * max(alone)
+    evals = [r["eval_loss"] for r in records(run) if "eval_loss" in r]
+    assert len(evals) == 3 and evals[-1] < evals[0] - 0.5
+    assert (run / "export" / "config.json").is_file() and list((run / "export").glob("model-*.safetensors"))
 
 
 @pytest.mark.slow

@@ -150,13 +150,17 @@ def test_rewarded_episodes_of_an_rl_run_are_a_source(tmp_path, tokenizer):
 
 def test_samples_shift_labels_mask_the_padding_and_follow_a_seeded_order(tmp_path, tokenizer):
     path = write_demonstrations(tmp_path / "demos.jsonl", 8)
-    examples = prepare_sft_examples(sft_recipe(tmp_path, tokenizer, [{"name": "demos", "paths": [str(path)]}]))
+    examples = prepare_sft_examples(sft_recipe(tmp_path, tokenizer, [{"name": "demos", "paths": [str(path)]}], pack=False))
     samples = ConversationSamples(examples.train, 1024, examples.pad, seed=5, shuffle=True)
     n = len(examples.train)
-    first_pass = [samples._conversation(k) for k in range(n)]
-    assert sorted(first_pass) == list(range(n)) and first_pass != [samples._conversation(k) for k in range(n, 2 * n)]
+
+    def order(s, ks):
+        return [s.sample_conversations(k)[0] for k in ks]
+
+    first_pass = order(samples, range(n))
+    assert sorted(first_pass) == list(range(n)) and first_pass != order(samples, range(n, 2 * n))
     fresh = ConversationSamples(examples.train, 1024, examples.pad, seed=5, shuffle=True)
-    assert [fresh._conversation(k) for k in range(3 * n)][::-1] == [samples._conversation(k) for k in reversed(range(3 * n))]
+    assert order(fresh, range(3 * n))[::-1] == order(samples, reversed(range(3 * n)))
     ids, mask = examples.train[first_pass[0]]
     sample = samples[0]
     assert sample["tokens"][: len(ids) - 1].tolist() == ids[:-1].tolist() and sample["labels"][: len(ids) - 1].tolist() == ids[1:].tolist()
