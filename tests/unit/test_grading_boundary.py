@@ -269,6 +269,10 @@ def parse_shape(text):
     raise ShapeError(1, len(text))
 
 
+def validate_shapes(texts):
+    raise ExceptionGroup("invalid shapes", [ShapeError(i, len(t)) for i, t in enumerate(texts)] + [KeyError("none")])
+
+
 class Stamp(datetime.datetime):  # a value class of the package's (tomlkit's DateTime), its constructor not the base's
     def __new__(cls, year, month, day, raw):
         made = datetime.datetime.__new__(cls, year, month, day)
@@ -379,6 +383,13 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
     with pytest.raises(shapes.ShapeError, match="bad shape at 1:3") as raised:
         crossing.call("shapes", "parse_shape", ("abc",), {})
     assert type(raised.value) is shapes.ShapeError and (raised.value.line, raised.value.col) == (1, 3)
+    with pytest.raises(ExceptionGroup, match="invalid shapes") as group:  # (packaging's metadata validation)
+        crossing.call("shapes", "validate_shapes", (["ab", "c"],), {})
+    assert [(type(e), getattr(e, "col", None)) for e in group.value.exceptions] == [
+        (shapes.ShapeError, 2),
+        (shapes.ShapeError, 1),
+        (KeyError, None),
+    ]
     # a class of the package derived from a value class: its base's value and its attributes
     after = crossing.call("shapes", "next_day", (shapes.Stamp(2024, 2, 28, "a"),), {})
     assert type(after) is shapes.Stamp and dt.datetime.__repr__(after) == "Stamp(2024, 2, 29, 0, 0)" and after.raw == "a+1"
@@ -449,6 +460,9 @@ HOSTILE_ANSWERS = {
     "a warning of a class outside the package": b'{"return": 1, "warnings": [["os:PathLike", "x"]]}',
     "a warning named as an exit": b'{"return": 1, "warnings": [["SystemExit", "x"]]}',
     "a malformed warning": b'{"return": 1, "warnings": [[1, 2]]}',
+    "an exception group of exits": b'{"raise": "ExceptionGroup", "message": "g", "group": [{"raise": "SystemExit"}, {"raise": "Skipped"}]}',
+    "exception groups nested deep": b'{"raise": "ExceptionGroup", "group": [' * 50 + b'{"raise": "ValueError"}' + b"]}" * 50,
+    "an empty exception group": b'{"raise": "ExceptionGroup", "message": "g", "group": []}',
     # exceptions of the package named with their state
     "an exception's class outside the package": b'{"raise": "Exit", "class": ["_pytest.outcomes", "Exit"], "state": {"args": [], "attributes": []}}',
     "an exception's class that is no exception": b'{"raise": "Graph", "class": ["networkx.classes.graph", "Graph"], "state": {"args": [], "attributes": []}}',

@@ -274,7 +274,7 @@ def _grader_codec(module, originals=None):
     return Codec(_refer, resolve, originals=originals)
 
 
-def _exception(module, answer):
+def _exception(module, answer, depth=0):
     """The grader's own exception for the episode's: a builtin one of the allow-list, or an exception class of the
     trusted package (named by the episode, or found by name in its top-level namespace and the task's module), never
     one a test runner reads as an outcome (unittest's SkipTest, which pytest reports as a skip); RuntimeError
@@ -283,6 +283,15 @@ def _exception(module, answer):
     name, message = str(answer["raise"]), str(answer.get("message", ""))
     if name in BUILTIN_EXCEPTIONS:
         return getattr(__import__("builtins"), name)(message)
+    group = answer.get("group")
+    if (
+        name == "ExceptionGroup"
+        and depth < 2
+        and type(group) is list
+        and 0 < len(group) <= MAX_GROUP
+        and all(type(e) is dict for e in group)
+    ):
+        return ExceptionGroup(message, [_exception(module, {"raise": "RuntimeError", **e}, depth + 1) for e in group])
     try:
         found = _own_class(*answer["class"]) if "class" in answer else None
     except (TypeError, ValueError, ImportError):
@@ -345,6 +354,8 @@ def _call(module, qualname, args, kwargs):
     return decode(answer["return"], _grader_codec(module, codec.sent()))
 
 
+MAX_GROUP = 100
+"""The most exceptions of an `ExceptionGroup` that cross."""
 WARNINGS = (
     *("Warning", "UserWarning", "DeprecationWarning", "PendingDeprecationWarning", "FutureWarning", "RuntimeWarning"),
     *("SyntaxWarning", "ImportWarning", "UnicodeWarning", "BytesWarning", "ResourceWarning", "EncodingWarning"),
@@ -705,9 +716,16 @@ def _run(function, args, kwargs, request, undo, origin):
         return {"raise": type(e).__name__, "message": str(e)[:2000]}
 
 
-def _raise_answer(error):
+def _raise_answer(error, depth=0):
     """The exception the episode's function raised: its type's name and message; for a class of the package, where
-    the grader finds it and its arguments and attributes as data (what cannot cross is left out)."""
+    the grader finds it and its arguments and attributes as data (what cannot cross is left out); for an
+    `ExceptionGroup` (packaging's metadata validation), its message and its exceptions."""
+    if type(error) is ExceptionGroup and depth < 2:
+        return {
+            "raise": "ExceptionGroup",
+            "message": error.message[:2000],
+            "group": [_raise_answer(e, depth + 1) for e in error.exceptions[:MAX_GROUP]],
+        }
     answer = {"raise": type(error).__name__, "message": str(error)[:2000]}
     if _is_own(type(error)):
         answer["class"] = [type(error).__module__, _class_path(type(error))]
