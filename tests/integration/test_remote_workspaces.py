@@ -284,7 +284,7 @@ def test_env_build_spreads_its_surveys_and_validations_over_the_sandbox_hosts(ho
     versions = {
         "the commit's": {},
         "the parent's": {scope.path: (tests.layer / scope.path).read_text()},
-        "an object for an answer": {scope.path: in_function(text, scope.functions[0], [], ("", "return object()\n"))},
+        "a class for an answer": {scope.path: in_function(text, scope.functions[0], [], ("", "class Made:\n    pass\n\nreturn Made\n"))},
     }
     fleet = fleet_of(hosts, hosts.names)
     try:
@@ -306,7 +306,7 @@ def test_env_build_spreads_its_surveys_and_validations_over_the_sandbox_hosts(ho
     assert not any(r.infra_failure for r in reports.values())
     assert all(reports["the commit's"].outcomes.get(i) == "passed" for i in expected) and not reports["the commit's"].refused
     assert [reports["the parent's"].outcomes.get(i) for i in tests.fail_to_pass] == ["failed"] * len(tests.fail_to_pass)
-    refused = reports["an object for an answer"].refused
+    refused = reports["a class for an answer"].refused
     assert refused and all(reason.startswith("result: ") for reason in refused), refused
 
 
