@@ -269,6 +269,14 @@ def parse_shape(text):
     raise ShapeError(1, len(text))
 
 
+def plain_failure(text):
+    raise Exception(text)
+
+
+def stamp_of(moment):
+    return type(moment).__name__, moment.isoformat()
+
+
 def validate_shapes(texts):
     raise ExceptionGroup("invalid shapes", [ShapeError(i, len(t)) for i, t in enumerate(texts)] + [KeyError("none")])
 
@@ -383,6 +391,15 @@ def test_objects_of_the_projects_own_classes_cross_as_their_state(tmp_path, monk
     with pytest.raises(shapes.ShapeError, match="bad shape at 1:3") as raised:
         crossing.call("shapes", "parse_shape", ("abc",), {})
     assert type(raised.value) is shapes.ShapeError and (raised.value.line, raised.value.col) == (1, 3)
+    with pytest.raises(Exception) as plain:  # noqa: PT011 (a plain Exception's message, as it was)
+        crossing.call("shapes", "plain_failure", ("cannot parse",), {})
+    assert type(plain.value) is Exception and str(plain.value) == "cannot parse"
+    # a value class's subclass from outside the package (freezegun's FakeDatetime) crosses as its value
+
+    class Frozen(dt.datetime):
+        pass
+
+    assert crossing.call("shapes", "stamp_of", (Frozen(2010, 2, 2),), {}) == ("datetime", "2010-02-02T00:00:00")
     with pytest.raises(ExceptionGroup, match="invalid shapes") as group:  # (packaging's metadata validation)
         crossing.call("shapes", "validate_shapes", (["ab", "c"],), {})
     assert [(type(e), getattr(e, "col", None)) for e in group.value.exceptions] == [

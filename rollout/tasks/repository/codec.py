@@ -53,25 +53,16 @@ OBJECT_BASES = (tuple, list, dict, set, frozenset, str, int, float, *REDUCED_BAS
 # Exceptions an answer may name, re-raised as the receiving side's own (the grader also takes the trusted
 # package's own exceptions).
 BUILTIN_EXCEPTIONS = (
-    "ArithmeticError",
-    "AssertionError",
-    "AttributeError",
-    "IndexError",
-    "KeyError",
-    "LookupError",
-    "NotImplementedError",
-    "OverflowError",
-    "RecursionError",
-    "RuntimeError",
-    "StopIteration",
-    "TypeError",
-    "ValueError",
-    "ZeroDivisionError",
+    *("Exception", "ArithmeticError", "AssertionError", "AttributeError", "IndexError", "KeyError", "LookupError"),
+    *("NotImplementedError", "OverflowError", "RecursionError", "RuntimeError", "StopIteration", "TypeError"),
+    *("ValueError", "ZeroDivisionError", "UnicodeError", "EOFError", "ImportError", "ModuleNotFoundError", "NameError"),
+    *("OSError", "FileNotFoundError", "FileExistsError", "IsADirectoryError", "NotADirectoryError", "PermissionError"),
+    "TimeoutError",
 )
 SHARED_CLASSES = {
     "builtins": (
         *("bool", "bytes", "dict", "float", "frozenset", "int", "list", "object", "set", "str", "tuple", "NoneType"),
-        *("map", "filter", "zip", "range", "enumerate", "reversed", "Exception", "BaseException", *BUILTIN_EXCEPTIONS),
+        *("map", "filter", "zip", "range", "enumerate", "reversed", "BaseException", *BUILTIN_EXCEPTIONS),
     ),
     "collections": ("Counter", "OrderedDict", "defaultdict", "deque"),
 }
@@ -229,9 +220,12 @@ def encode(value, codec=None, depth=0):
     name = _graph_class(value)
     if name is not None:
         return {"$graph": encode_graph(name, value, codec, depth)}
-    if kind in _VALUE_NAMES:
-        name = _VALUE_NAMES[kind]
-        return {"$value": [name, VALUES[name][1](value)]}
+    value_base = None if kind in _VALUE_NAMES or _is_own(kind) else next((b for b in REDUCED_BASES if isinstance(value, b)), None)
+    if kind in _VALUE_NAMES or value_base is not None:
+        # (a value class's subclass from outside the package, freezegun's `FakeDatetime`: its value, as the base's)
+        plain = value if value_base is None else _base_value(value, value_base)
+        name = _VALUE_NAMES[type(plain)]
+        return {"$value": [name, VALUES[name][1](plain)]}
     if kind is type or isinstance(value, type):
         if value.__qualname__ in SHARED_CLASSES.get(value.__module__, ()) or _is_own(value):
             return {"$type": [value.__module__, _class_path(value) if _is_own(value) else value.__qualname__]}
