@@ -32,8 +32,8 @@ def test_a_real_project_builds_into_tasks_of_every_kind(project, tmp_path, monke
     report, settings = built.report, built.settings
     tasks = load_tasks(settings)
     assert {kind for _, kind in report.tried_by_project_kind} == set(KINDS)  # candidates of every kind
-    # bug tasks and history tasks validate on every project (feature and multi tasks of a project whose functions
-    # return functions, cachetools' decorators, cannot cross the grading boundary: rejected with that reason)
+    # bug tasks and history tasks validate on every project (feature and multi tasks too on most: benchmarks/
+    # user_projects.py counts them per project and kind)
     assert {"bug", "history"} <= {t["kind"] for t in tasks}, (report.by_project_kind, report.rejected)
 
     # history: exactly the commits that fixed a seeded regression, each with tests that fail until it is fixed
