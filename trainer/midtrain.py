@@ -86,12 +86,13 @@ RESUME_FIXED = (
 the optimizer whose state the checkpoints hold."""
 
 
-def check_resume(run: RunDir, recipe: Recipe, fixed: tuple[str, ...] = RESUME_FIXED) -> None:
-    """Refuse a resume whose recipe does not fit the run's checkpoints or changes a key in `fixed` (its data order)."""
+def check_resume(run: RunDir, recipe: Recipe, fixed: tuple[str, ...] = RESUME_FIXED, saved: Recipe | None = None) -> None:
+    """Refuse a resume whose recipe does not fit the run's checkpoints or changes a key in `fixed` (its data order)
+    from the run's (`saved`: its recipe.yaml as the caller reads it; else loaded here)."""
     if not run.recipe_path.is_file():
         return  # RunDir.prepare reports the missing run
     refuse_resume_changes(
-        load_recipe(run.recipe_path),
+        saved or load_recipe(run.recipe_path),
         recipe,
         [*fixed, *(f"model.{key}" for key in ARCHITECTURE_FIELDS)],
         str(run.recipe_path),

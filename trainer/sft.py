@@ -70,7 +70,17 @@ def check_recipe(recipe: Recipe) -> None:
 
 
 def check_resume(run: RunDir, recipe: Recipe) -> None:
-    midtrain.check_resume(run, recipe, fixed=RESUME_FIXED)
+    saved = None
+    if run.recipe_path.is_file():
+        import yaml
+
+        from composer.recipes.loader import load_recipe
+
+        saved = load_recipe(run.recipe_path)
+        if saved.sft is not None and "pack" not in ((yaml.safe_load(run.recipe_path.read_text()) or {}).get("sft") or {}):
+            # a run started before `sft.pack` trained one conversation a sample: resumed so, or refused
+            saved = saved.model_copy(update={"sft": saved.sft.model_copy(update={"pack": False})})
+    midtrain.check_resume(run, recipe, fixed=RESUME_FIXED, saved=saved)
 
 
 def first_fit(sizes: list[int], capacity: int) -> list[list[int]]:

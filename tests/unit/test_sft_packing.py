@@ -156,3 +156,23 @@ def test_pack_with_pipeline_parallelism_or_local_attention_is_refused_by_name():
     assert load_recipe(RECIPES / "smoke-sft.yaml", [*base, "parallelism.pp=2", "sft.pack=false"]).parallelism.pp == 2
     with pytest.raises(RecipeError, match="sft.pack need attention sdpa"):
         load_recipe(RECIPES / "smoke-sft.yaml", [*base, "model.kernels.attention=local"])
+
+
+def test_a_run_started_before_packing_resumes_only_unpacked(tmp_path):
+    """A run whose recipe.yaml has no `sft.pack` trained one conversation a sample: resuming it packed would change
+    its data order, so it is refused with the setting that resumes it."""
+    import yaml
+
+    from composer.recipes.errors import UserError
+    from composer.runtime.run_dir import RunDir
+    from composer.trainer.sft import check_resume
+
+    recipe = load_recipe(RECIPES / "smoke-sft.yaml")
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir(parents=True)
+    saved = recipe.model_dump(mode="json")
+    del saved["sft"]["pack"]
+    run.recipe_path.write_text(yaml.safe_dump(saved))
+    with pytest.raises(UserError, match=r"pack=False.* -> .*pack=True"):
+        check_resume(run, recipe)
+    check_resume(run, load_recipe(RECIPES / "smoke-sft.yaml", ["sft.pack=false"]))
