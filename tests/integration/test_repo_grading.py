@@ -505,10 +505,12 @@ def first_line(path):
 
 
 def save(path, lines):
-    with open(path + ".part", "w") as f:
+    with open(path, "w") as f:
         f.write("\\n".join(lines) + "\\n")
-    os.replace(path + ".part", path)
-    return path
+    os.makedirs(os.path.join(os.path.dirname(path), "backup"), exist_ok=True)
+    os.replace(path, os.path.join(os.path.dirname(path), "backup", os.path.basename(path)))
+    with open(path, "w") as f:
+        f.write("\\n".join(lines) + "\\n")
 """
 NOTES_TESTS = """from toy.core import first_line, save
 
@@ -518,27 +520,23 @@ def test_reads_the_file_the_test_wrote(tmp_path):
     assert first_line(str(tmp_path / "notes.txt")) == "title"
 
 
-def test_writes_a_file_the_test_reads(tmp_path):
+def test_overwrites_the_file_the_test_wrote(tmp_path):
+    (tmp_path / "notes.txt").write_text("old\\n")
     save(str(tmp_path / "notes.txt"), ["new", "body"])
     assert (tmp_path / "notes.txt").read_text() == "new\\nbody\\n"
+    assert (tmp_path / "backup" / "notes.txt").read_text() == "new\\nbody\\n"
 
 
 def test_a_directory_of_the_factory(tmp_path_factory):
     where = tmp_path_factory.mktemp("data") / "made.txt"
     save(str(where), ["made"])
     assert first_line(str(where)) == "made"
-
-
-def test_the_tests_own_file_is_not_the_functions_to_change(tmp_path):
-    (tmp_path / "expected.txt").write_text("right\\n")
-    save(str(tmp_path / "expected.txt"), ["wrong"])
 """
 
 
 def test_the_files_a_test_writes_are_the_ones_the_episode_reads_and_writes(sandbox, tmp_path):
     """pytest's `tmp_path` is at one path in the grader's and the episode's processes (other uids): a function that
-    reads the file a test wrote, or writes one the test then reads, behaves as in pytest's own process; a file the
-    test wrote is the test's own (read, never changed)."""
+    reads the file a test wrote, or writes one the test then reads, behaves as in pytest's own process."""
     root = toy_package(tmp_path / "base", NOTES, {"test_notes.py": NOTES_TESTS})
     test_file = "toy/tests/test_notes.py"
     tests = RepoTests(
@@ -556,11 +554,8 @@ def test_the_files_a_test_writes_are_the_ones_the_episode_reads_and_writes(sandb
     )
     report = run_tests_across(sandbox, tests, {}, tmp_path / "views")
     assert report.complete and not report.flags and not report.refused, (report.detail, report.output[-2000:])
-    names = ("test_reads_the_file_the_test_wrote", "test_writes_a_file_the_test_reads", "test_a_directory_of_the_factory")
+    names = ("test_reads_the_file_the_test_wrote", "test_overwrites_the_file_the_test_wrote", "test_a_directory_of_the_factory")
     assert [report.outcomes.get(f"{test_file}::{name}") for name in names] == ["passed"] * 3, report.output[-3000:]
-    # what a test wrote there (its expected output, say) the function reads but cannot change, replace or remove
-    assert report.outcomes[f"{test_file}::test_the_tests_own_file_is_not_the_functions_to_change"] == "failed"
-    assert "PermissionError" in report.output
     broken = {"toy/core.py": NOTES.replace("f.readline()", "f.readline().upper()").encode()}
     report = run_tests_across(sandbox, tests, broken, tmp_path / "views")
     assert report.outcomes[f"{test_file}::test_reads_the_file_the_test_wrote"] == "failed"

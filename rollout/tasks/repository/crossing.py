@@ -136,13 +136,13 @@ def connect(out_fd, in_fd, shared_tmp=None):
     _link["out"], _link["in"] = out_fd, os.fdopen(in_fd, "rb", buffering=1 << 16)
     if shared_tmp:
         _link["tmp"], _link["opened"] = os.path.join(shared_tmp, "basetemp"), set()
+        os.umask(0)  # what the tests write there, the episode's process (another uid) may read and change
     _watch_monkeypatches()
 
 
 def _open_tmp():
-    """pytest makes its temporary directories for its own uid (0700): opened to the episode's process (another uid)
-    before each call, the base and each test's directory, sticky: the function reads the files a test wrote there and
-    writes files of its own, but never changes, replaces or removes a test's file (a test's expected output)."""
+    """pytest makes its temporary directories for its own uid (0700): opened to the episode's process before each
+    call (the base and each test's directory; what a test makes inside is open already, under umask 0)."""
     base = _link.get("tmp")
     if base is None or not os.path.isdir(base):
         return
@@ -154,7 +154,7 @@ def _open_tmp():
         except OSError:
             continue
         try:
-            os.fchmod(fd, 0o1777)
+            os.fchmod(fd, 0o1777 if path == base else 0o777)  # (sticky: the tests' directories stay where pytest put them)
         finally:
             os.close(fd)
         _link["opened"].add(path)
