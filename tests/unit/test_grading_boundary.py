@@ -812,10 +812,13 @@ def test_a_time_frozen_by_freezegun_in_the_grader_is_frozen_for_the_call(monkeyp
     with freezegun.freeze_time("2010-03-02 10:00", tz_offset=-5):
         assert crossing._frozen_time() == ["2010-03-02T10:00:00", -18000.0]
         frozen = {"frozen": crossing._frozen_time()}
-    undo = []
-    crossing._patch(frozen, undo)
     try:
-        assert dt.date.today() == dt.date(2010, 3, 2) and dt.datetime.now() == dt.datetime(2010, 3, 2, 5, 0)
+        for _ in range(2):  # one freezer, kept while the moment holds
+            crossing._patch(frozen, [])
+            assert dt.date.today() == dt.date(2010, 3, 2) and dt.datetime.now() == dt.datetime(2010, 3, 2, 5, 0)
+        held = crossing._episode["frozen"][1]
+        crossing._patch(frozen, [])
+        assert crossing._episode["frozen"][1] is held
     finally:
-        crossing._unpatch(undo)
-    assert dt.date.today() != dt.date(2010, 3, 2)
+        crossing._patch({}, [])  # a call with no time frozen
+    assert dt.date.today() != dt.date(2010, 3, 2) and crossing._episode["frozen"] is None

@@ -568,6 +568,7 @@ def _patch(request, undo):
     """The grader's monkeypatches made in this process for the call; `undo` takes (target, name, value before)."""
     import importlib
 
+    _freeze(request.get("frozen"))
     for (module, qualname), name, deleted, value in request.get("patches", ()):
         target = importlib.import_module(module)
         for part in qualname.split(".") if qualname else ():
@@ -581,22 +582,32 @@ def _patch(request, undo):
     for key, value in request.get("environment", {}).items():
         undo.append((os.environ, key, os.environ.get(key, undo)))
         os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
-    if "frozen" in request:
+
+
+def _freeze(frozen):
+    """The grader's frozen time (`_frozen_time`), or none, in force here for a call: one freezer kept from call to
+    call while the moment holds (starting one patches every loaded module; a test file's hundreds of calls would each
+    pay it)."""
+    held = _episode.get("frozen")
+    if held is not None and held[0] == frozen:
+        return
+    if held is not None:
+        held[1].stop()
+        _episode["frozen"] = None
+    if frozen is not None:
         import datetime
 
         import freezegun  # the grader's process has it: the project's environment, shared, does too
 
-        moment, offset = request["frozen"]
+        moment, offset = frozen
         freezer = freezegun.freeze_time(moment, tz_offset=datetime.timedelta(seconds=offset))
         freezer.start()
-        undo.append((freezer, None, undo))
+        _episode["frozen"] = (frozen, freezer)
 
 
 def _unpatch(undo):
     for target, name, before in reversed(undo):
-        if name is None:  # a freezer
-            target.stop()
-        elif target is os.environ:
+        if target is os.environ:
             os.environ.pop(name, None) if before is undo else os.environ.__setitem__(name, before)
         elif before is undo:
             if name in vars(target):
