@@ -80,6 +80,7 @@ def test_held_out_loss_falls_and_the_run_exports(reference):
     assert (export / "tokenizer.json").is_file() and list(export.glob("model-*.safetensors"))
 
 
+@pytest.mark.slow  # ~35 s; the default suite keeps packing's unit tests and the per-conversation loss test (test_packing.py)
 def test_packed_samples_hold_several_conversations_and_the_run_learns_and_exports(workspace, reference):
     """sft.pack with room for three conversations a sample (max_length 1920, on the same model given 2048 positions):
     the preparation reports the packing, each step trains about three times the tokens a sample of the reference
