@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -23,17 +22,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.machine import cpu_model  # noqa: E402
 from tests.helpers import slurm_cluster  # noqa: E402
 from tests.helpers.data_helpers import train_tokenizer, write_recipe  # noqa: E402
 
 ENTRY_FILES = ("tokens.bin", "tokens.idx", "manifest.json", "redactions.jsonl")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:

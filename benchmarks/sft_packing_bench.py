@@ -3,7 +3,8 @@
 The same trainer core (the recipe's model, random weights, world size 1) trains on samples of the same conversations,
 alternating a packed and a padded step (each a global batch of `--samples` samples from its own sample stream:
 packed samples hold several conversations each); prints trained (assistant) tokens/s of each (median over steps),
-their ratio, the conversations per step, and the share of sample positions that hold a real token in each mode.
+their ratio, the conversations per step, and the share of sample positions that hold a real token in each mode;
+exits non-zero when packed is not the faster.
 Conversation lengths follow an agent-transcript-like distribution (log-normal, median `--median` tokens, sigma 0.8,
 between 64 and max_length): a few long transcripts among many short ones; the assistant's share of each is its
 second half.
@@ -14,8 +15,8 @@ second half.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.machine import cpu_model
 from composer.recipes.loader import load_recipe
 from composer.runtime.sft_examples import TokenizedConversations
 from composer.trainer.core import TrainerCore
@@ -31,13 +33,6 @@ from composer.trainer.midtrain import BatchPlacement, BatchSource, train_step
 from composer.trainer.sft import ConversationSamples, packing_summary
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def conversations(count: int, median: int, max_length: int, vocab: int, rng: np.random.Generator) -> TokenizedConversations:
@@ -120,6 +115,8 @@ def main() -> None:
         f"(x{summary[True]['real_share'] / summary[False]['real_share']:.2f}); conversations a step "
         f"{statistics.mean(per_step[True]):.1f} vs {args.samples}"
     )
+    if packed <= padded:  # the point of sft.pack: more trained tokens per second than padding
+        sys.exit(f"MISSED its target: packed {packed:.0f} trained tokens/s is not above padded {padded:.0f}")
 
 
 if __name__ == "__main__":

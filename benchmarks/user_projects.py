@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -23,16 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.machine import cpu_model  # noqa: E402
 from composer.recipes.errors import UserError  # noqa: E402
 from composer.rollout.tasks.repository.build import BuildReport  # noqa: E402
 from tests.helpers.user_corpus import CORPUS, KINDS, CorpusProject, build_project, missing, offline_index  # noqa: E402
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return platform.machine()
 
 
 def row(project: CorpusProject, report: BuildReport, seconds: float) -> str:
