@@ -13,6 +13,8 @@ import math
 import operator
 import os
 import pathlib
+import shutil
+import sys
 import threading
 import types
 import unittest
@@ -756,17 +758,19 @@ def environment():
 """
 
 
-def _serve_in_a_process(root):
+def _serve_in_a_process(root, python=None):
     """The episode's side as its own process (`python -c <codec and crossing> ROOT`, descriptors 4 in and 3 out), as
     the sandbox starts it: what the grader's process patches is not patched there unless the call carries it."""
     import subprocess
     import sys
 
+    python = python or sys.executable
+
     asked, ask = os.pipe()
     heard, hear = os.pipe()
     answered, answer = os.pipe()
     program = f"import os\nos.dup2({heard}, 4)\nos.dup2({answer}, 3)\nexec(compile({crossing_text()!r}, 'crossing', 'exec'))"
-    episode = subprocess.Popen([sys.executable, "-c", program, str(root)], pass_fds=(heard, answer))
+    episode = subprocess.Popen([python, "-c", program, str(root)], pass_fds=(heard, answer))
     os.close(heard)
     os.close(answer)
 
@@ -822,3 +826,42 @@ def test_a_time_frozen_by_freezegun_in_the_grader_is_frozen_for_the_call(monkeyp
     finally:
         crossing._patch({}, [])  # a call with no time frozen
     assert dt.date.today() != dt.date(2010, 3, 2) and crossing._episode["frozen"] is None
+
+
+def _older_python():
+    """An interpreter older than 3.11 that runs here (a pyenv shim of a version not selected does not), or None."""
+    import subprocess
+
+    for name in ("python3.10", "python3.9"):
+        path = shutil.which(name)
+        check = [path, "-c", "import sys; assert sys.version_info < (3, 11)"] if path else None
+        if check and subprocess.run(check, capture_output=True).returncode == 0:
+            return path
+    return None
+
+
+OLDER_PYTHON = _older_python()
+
+
+@pytest.mark.skipif(OLDER_PYTHON is None, reason="no Python 3.9 or 3.10 on this machine")
+def test_the_episodes_side_runs_on_a_projects_older_python(tmp_path):
+    """A project's interpreter (`projects[].python`) may predate 3.11: the episode's side names nothing newer
+    (`ExceptionGroup` only where the interpreter has it), so its answers and the package's exceptions still cross."""
+    (tmp_path / "older.py").write_text(
+        "class OlderError(ValueError):\n    def __init__(self, line):\n        self.line = line\n"
+        "        super().__init__(f'at {line}')\n\n\ndef fail(line):\n    raise OlderError(line)\n\n\n"
+        "def twice(x):\n    return [x, x]\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    episode, ask = _serve_in_a_process(tmp_path, OLDER_PYTHON)
+    try:
+        import older
+
+        assert crossing.call("older", "twice", ((1, "a"),), {}) == [(1, "a"), (1, "a")]
+        with pytest.raises(older.OlderError, match="at 7") as raised:
+            crossing.call("older", "fail", (7,), {})
+        assert raised.value.line == 7
+    finally:
+        sys.path.remove(str(tmp_path))
+        os.close(ask)
+        episode.wait(timeout=30)

@@ -286,12 +286,13 @@ def _exception(module, answer, depth=0):
     group = answer.get("group")
     if (
         name == "ExceptionGroup"
+        and _EXCEPTION_GROUP is not None
         and depth < 2
         and type(group) is list
         and 0 < len(group) <= MAX_GROUP
         and all(type(e) is dict for e in group)
     ):
-        return ExceptionGroup(message, [_exception(module, {"raise": "RuntimeError", **e}, depth + 1) for e in group])
+        return _EXCEPTION_GROUP(message, [_exception(module, {"raise": "RuntimeError", **e}, depth + 1) for e in group])
     try:
         found = _own_class(*answer["class"]) if "class" in answer else None
     except (TypeError, ValueError, ImportError):
@@ -356,6 +357,8 @@ def _call(module, qualname, args, kwargs):
 
 MAX_GROUP = 100
 """The most exceptions of an `ExceptionGroup` that cross."""
+_EXCEPTION_GROUP = getattr(__import__("builtins"), "ExceptionGroup", None)
+"""Python 3.11's; a project's interpreter may be older (then no group crosses: it has none to raise)."""
 WARNINGS = (
     *("Warning", "UserWarning", "DeprecationWarning", "PendingDeprecationWarning", "FutureWarning", "RuntimeWarning"),
     *("SyntaxWarning", "ImportWarning", "UnicodeWarning", "BytesWarning", "ResourceWarning", "EncodingWarning"),
@@ -731,7 +734,7 @@ def _raise_answer(error, depth=0):
     """The exception the episode's function raised: its type's name and message; for a class of the package, where
     the grader finds it and its arguments and attributes as data (what cannot cross is left out); for an
     `ExceptionGroup` (packaging's metadata validation), its message and its exceptions."""
-    if type(error) is ExceptionGroup and depth < 2:
+    if _EXCEPTION_GROUP is not None and type(error) is _EXCEPTION_GROUP and depth < 2:
         return {
             "raise": "ExceptionGroup",
             "message": error.message[:2000],
