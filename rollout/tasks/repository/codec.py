@@ -347,13 +347,7 @@ def _is_constant(value):
 
 def _named_constant(module, name):
     """This side's constant `module.name` of the package (ValueError for anything else)."""
-    import importlib
-
-    if type(module) is not str or type(name) is not str or not _own[0] or module.partition(".")[0] != _own[0]:
-        raise ValueError(f"not a constant of the project's package: {str(module)[:80]}")
-    found = importlib.import_module(module)
-    for part in name.split("."):
-        found = getattr(found, part, None)
+    found = _of_package(module, name, "a constant")
     if _constants().get(id(found), (None,))[0] is not found:
         raise ValueError(f"not a constant of the project's package: {module}.{name}"[:120])
     return found
@@ -389,15 +383,22 @@ def _std(module, qualname):
     return found
 
 
-def _own_class(module, qualname):
-    """This side's class `module.qualname` of the project's package (ValueError for anything else)."""
+def _of_package(module, name, what):
+    """This side's `module.name` (a dotted name; None where a part is missing) of a module of the project's package;
+    ValueError naming `what` for any other module."""
     import importlib
 
-    if type(module) is not str or type(qualname) is not str or not _own[0] or module.partition(".")[0] != _own[0]:
-        raise ValueError(f"not a class of the project's package: {str(module)[:80]}")
+    if type(module) is not str or type(name) is not str or not _own[0] or module.partition(".")[0] != _own[0]:
+        raise ValueError(f"not {what} of the project's package: {str(module)[:80]}")
     found = importlib.import_module(module)
-    for part in qualname.split("."):
+    for part in name.split("."):
         found = getattr(found, part, None)
+    return found
+
+
+def _own_class(module, qualname):
+    """This side's class `module.qualname` of the project's package (ValueError for anything else)."""
+    found = _of_package(module, qualname, "a class")
     if not isinstance(found, type) or found.__module__.partition(".")[0] != _own[0]:
         raise ValueError(f"not a class of the project's package: {module}.{qualname}"[:120])  # nor one it imports
     return found
