@@ -133,3 +133,16 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def running_cluster(tmp_path_factory):
+    """A test module's cluster (its `slurm` fixture, module-scoped): skipped where one cannot run, stopped after."""
+    import pytest
+
+    if reason := why_not():
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster
+    finally:
+        cluster.close()

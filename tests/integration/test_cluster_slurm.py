@@ -24,15 +24,7 @@ pytestmark = pytest.mark.engines
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    if reason := slurm_cluster.why_not():
-        pytest.skip(reason)
-    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        yield cluster
-    finally:
-        cluster.close()
+slurm = pytest.fixture(scope="module", name="slurm")(slurm_cluster.running_cluster)
 
 
 def midtrain(init: Path, run_dir: Path, name: str, *more: str) -> list[str]:

@@ -21,16 +21,7 @@ import pytest
 from tests.conftest import RECIPES
 from tests.helpers import slurm_cluster
 
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    if reason := slurm_cluster.why_not():
-        pytest.skip(reason)
-    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        yield cluster
-    finally:
-        cluster.close()
+slurm = pytest.fixture(scope="module", name="slurm")(slurm_cluster.running_cluster)
 
 
 @pytest.fixture
