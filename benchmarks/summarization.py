@@ -195,7 +195,9 @@ def main() -> None:
     parser.add_argument("--held-out", type=int, default=32, help="held-out recall tasks (evaluated, never demonstrated or trained on)")
     parser.add_argument("--sft-steps", type=int, default=24, help="SFT steps")
     parser.add_argument("--sft-batch", type=int, default=8, help="SFT global batch (conversations per step; even: 2 ranks)")
-    parser.add_argument("--sft-max-length", type=int, default=2048, help="SFT sequence length (sft.pack: whole conversations packed into it)")
+    parser.add_argument(
+        "--sft-max-length", type=int, default=2048, help="SFT sequence length (sft.pack: whole conversations packed into it)"
+    )
     parser.add_argument("--rl-steps", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=2)

@@ -6,9 +6,9 @@ Part of the recipe schema (`recipes.schema` holds the other sections and the who
 from __future__ import annotations
 
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from composer.recipes.section import Section
 
@@ -88,8 +88,16 @@ class ProjectSettings(Section):
         return list(self.packages) if self.packages is not None else [self.package]
 
 
+ProjectEntry = Annotated[
+    Annotated[Literal["networkx", "sympy"], Tag("name")] | Annotated[ProjectSettings, Tag("ProjectSettings")],
+    Discriminator(lambda value: "ProjectSettings" if isinstance(value, (dict, ProjectSettings)) else "name"),
+]
+"""A ready-made project by name, or a mapping of the user's own (each checked as what it is: a mapping's error is
+never also reported as an unknown name)."""
+
+
 class RepoTaskSettings(Section):
-    projects: list[Literal["networkx", "sympy"] | ProjectSettings] = Field(default_factory=lambda: ["networkx", "sympy"], min_length=1)
+    projects: list[ProjectEntry] = Field(default_factory=lambda: ["networkx", "sympy"], min_length=1)
     """Projects whose own test suites make the tasks: `networkx`, `sympy` (installed packages: their version is part
     of the cache key), or a project of your own (a mapping: name, path, commit, package or packages, install, ...)."""
     kinds: list[Literal["bug", "feature", "history", "multi"]] = Field(default_factory=lambda: ["bug", "feature"], min_length=1)
