@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from composer.rl.evaluation import bootstrap_interval  # noqa: E402
+from composer.rollout.engines.vllm_engine import cpu_has_native_bf16  # noqa: E402
 from composer.runtime.status import run_status  # noqa: E402
 
 MODULES = [  # modules whose test files run in about a second or two: 40 tasks build in minutes
@@ -81,7 +82,8 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     model = yaml.safe_load((REPO / "recipes" / "smollm2-rl.yaml").read_text())["model"]
     sft = {
         "run": {"name": "sft", "dir": str(work / "runs")},
-        "model": {**model, "checkpoint": str(args.checkpoint)},
+        # bf16 is emulated (several times slower) on CPUs without AVX-512 BF16 or AMX: train in fp32 there
+        "model": {**model, "checkpoint": str(args.checkpoint), "dtype": "bfloat16" if cpu_has_native_bf16() else "float32"},
         "cluster": {"hosts": ["localhost"], "procs_per_host": 2},
         "parallelism": {"ep": 1},
         "sft": {
