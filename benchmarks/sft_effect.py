@@ -62,6 +62,11 @@ def tasks_section(work: Path, num_tasks: int, held_out: int) -> dict:
     }
 
 
+def training_dtype() -> str:
+    """The learner's dtype: bf16 is emulated, several times slower, on CPUs without AVX-512 BF16 or AMX."""
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
 def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     """The evaluation recipe (smollm2-rl.yaml with the tools harness on the repository tasks) and the SFT recipe (the
     same model and tasks, SmolLM2's chat template as the evaluation renders it)."""
@@ -82,8 +87,7 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     model = yaml.safe_load((REPO / "recipes" / "smollm2-rl.yaml").read_text())["model"]
     sft = {
         "run": {"name": "sft", "dir": str(work / "runs")},
-        # bf16 is emulated (several times slower) on CPUs without AVX-512 BF16 or AMX: train in fp32 there
-        "model": {**model, "checkpoint": str(args.checkpoint), "dtype": "bfloat16" if cpu_has_native_bf16() else "float32"},
+        "model": {**model, "checkpoint": str(args.checkpoint), "dtype": training_dtype()},
         "cluster": {"hosts": ["localhost"], "procs_per_host": 2},
         "parallelism": {"ep": 1},
         "sft": {
@@ -108,7 +112,7 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     rl = {
         "extends": str(work / "eval.yaml"),
         "run": {"name": "rl-from-sft", "dir": str(work / "runs")},
-        "model": {"checkpoint": str(work / "runs" / "sft" / "export")},
+        "model": {"checkpoint": str(work / "runs" / "sft" / "export"), "dtype": training_dtype()},
         "train": {"steps": max(args.rl_steps, 1), "global_batch_size": args.group_size * 2, "checkpoint_every": 1},
         "rl": {"group_size": args.group_size, "prompts_per_step": 2, "eval": None},
     }

@@ -38,7 +38,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.sft_effect import composer  # noqa: E402  (run one stage, its output in the log)
+from benchmarks.sft_effect import composer, training_dtype  # noqa: E402  (run one stage, its output in the log)
 from composer.rl.evaluation import bootstrap_interval  # noqa: E402
 
 POLICIES = ("summarize", "drop_oldest", "large_context")
@@ -61,6 +61,7 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     rl_recipe = {
         "extends": str(REPO / "recipes" / "smollm2-recall.yaml"),
         "run": {"name": RL_RUN, "dir": str(work / "runs")},
+        "model": {"dtype": training_dtype()},
         "train": {"steps": args.rl_steps, "seed": args.seed, "checkpoint_every": min(8, args.rl_steps)},
         "rollout": {"kv_cache_gib": 1.0},  # a batch of large-context episodes without preemption
         "env": env,
@@ -74,7 +75,7 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     model = yaml.safe_load((REPO / "recipes" / "smollm2-rl.yaml").read_text())["model"]
     sft_recipe = {
         "run": {"name": "sft", "dir": str(work / "runs")},
-        "model": {**model, "checkpoint": str(args.checkpoint)},
+        "model": {**model, "checkpoint": str(args.checkpoint), "dtype": training_dtype()},
         "cluster": {"hosts": ["localhost"], "procs_per_host": 2},
         "parallelism": {"ep": 1},
         "sft": {
