@@ -113,7 +113,8 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
         "extends": str(work / "eval.yaml"),
         "run": {"name": "rl-from-sft", "dir": str(work / "runs")},
         "model": {"checkpoint": str(work / "runs" / "sft" / "export"), "dtype": training_dtype()},
-        "train": {"steps": max(args.rl_steps, 1), "global_batch_size": args.group_size * 2, "checkpoint_every": 1},
+        # one episode (up to --context tokens) a micro-batch: smollm2-rl.yaml's 4 are sized for 512-token replies
+        "train": {"steps": max(args.rl_steps, 1), "micro_batch_size": 1, "global_batch_size": args.group_size * 2, "checkpoint_every": 1},
         "rl": {"group_size": args.group_size, "prompts_per_step": 2, "eval": None},
     }
     paths = work / "eval.yaml", work / "sft.yaml", work / "rl.yaml"
