@@ -345,8 +345,10 @@ def _check_rl(r: Recipe) -> list[Problem]:
     rl_parts = {"rollout": r.rollout, "env": r.env, "rl": r.rl}
     present = [k for k, v in rl_parts.items() if v is not None]
     # an SFT recipe may hold env alone: its references source renders the tasks env describes
-    sft_references = r.sft is not None and present == ["env"] and any(s.kind == "references" for s in r.sft.sources)
-    if present and len(present) < 3 and not sft_references:
+    if r.sft is not None and present == ["env"]:
+        if not any(s.kind == "references" for s in r.sft.sources):
+            out.append(Problem("env", "an SFT recipe reads env only for a `references` source, and sft.sources has none; remove env"))
+    elif present and len(present) < 3:
         missing = [k for k in rl_parts if k not in present]
         out.append(Problem(missing[0], f"an RL recipe needs rollout, env and rl together; missing: {', '.join(missing)}"))
     if r.rollout and r.rollout.engine == "embedded" and r.rollout.hosts != ["localhost"]:

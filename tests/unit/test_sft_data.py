@@ -213,6 +213,16 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, tokenizer, c
     assert not (tmp_path / "runs").exists()
 
 
+def test_env_without_a_references_source_is_refused_as_sft_not_as_rl(tmp_path, tokenizer):
+    demos = write_demonstrations(tmp_path / "d.jsonl", 3)
+    sets = [f"model.checkpoint={tokenizer}", f"sft.sources=[{{name: d, paths: [{demos}]}}]"]
+    with pytest.raises(UserError) as refused:
+        load_recipe(RECIPES / "smoke-sft.yaml", sets)
+    assert "env: an SFT recipe reads env only for a `references` source" in str(refused.value)
+    assert "rollout" not in str(refused.value)
+    assert load_recipe(RECIPES / "smoke-sft.yaml", [*sets, "env=null"]).env is None
+
+
 def test_a_checkpoint_that_is_missing_or_has_no_tokenizer_is_refused(tmp_path, tokenizer):
     source = [{"name": "demos", "paths": [str(write_demonstrations(tmp_path / "d.jsonl", 3))]}]
     with pytest.raises(UserError, match="nope: no such directory"):
