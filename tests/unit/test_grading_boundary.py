@@ -762,15 +762,12 @@ def _serve_in_a_process(root, python=None):
     """The episode's side as its own process (`python -c <codec and crossing> ROOT`, descriptors 4 in and 3 out), as
     the sandbox starts it: what the grader's process patches is not patched there unless the call carries it."""
     import subprocess
-    import sys
-
-    python = python or sys.executable
 
     asked, ask = os.pipe()
     heard, hear = os.pipe()
     answered, answer = os.pipe()
     program = f"import os\nos.dup2({heard}, 4)\nos.dup2({answer}, 3)\nexec(compile({crossing_text()!r}, 'crossing', 'exec'))"
-    episode = subprocess.Popen([python, "-c", program, str(root)], pass_fds=(heard, answer))
+    episode = subprocess.Popen([python or sys.executable, "-c", program, str(root)], pass_fds=(heard, answer))
     os.close(heard)
     os.close(answer)
 
