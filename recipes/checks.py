@@ -278,6 +278,15 @@ def _check_lengths(r: Recipe) -> list[Problem]:
                 f"{r.rollout.sampling.max_tokens} leaves no room for a prompt in rollout.max_context={r.rollout.max_context}",
             )
         )
+    observed = r.rollout.max_observation_tokens if r.rollout else None
+    if r.rollout and observed and observed + r.rollout.sampling.max_tokens >= r.rollout.max_context:
+        out.append(
+            Problem(
+                "rollout.max_observation_tokens",
+                f"{observed} and a reply of rollout.sampling.max_tokens={r.rollout.sampling.max_tokens} "
+                f"leave no room for a prompt in rollout.max_context={r.rollout.max_context}",
+            )
+        )
     if r.parallelism.cp > 1 and r.data and r.data.seq_length % (2 * r.parallelism.cp):
         out.append(
             Problem(

@@ -609,6 +609,9 @@ class RolloutSection(Section):
     """Context window of the engines (vLLM max_model_len)."""
     max_turns: int = Field(default=1, gt=0)
     """Agent turns per episode (1 = single-turn)."""
+    max_observation_tokens: int | None = Field(default=None, gt=0)
+    """Most tokens of what the tools or the tests show the policy after a reply (a longer output keeps its start
+    and end, with a note of what was cut). Unset: sampling.max_tokens. Set it to hold the file reads a task needs."""
     harness: Literal["reply", "tools"] = "reply"
     """What a reply does. `reply`: its code is the solution, graded at once, the test results shown at the next turn
     (function tasks). `tools`: it calls the agent's tools (read_file, search, edit, write_file, shell, run_tests,

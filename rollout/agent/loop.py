@@ -277,7 +277,7 @@ class EpisodeRunner:
 
     @property
     def _observation_cap(self) -> int:
-        return self.cfg.sampling.max_tokens
+        return self.cfg.max_observation_tokens or self.cfg.sampling.max_tokens
 
     def _tool_message_overhead(self) -> int:
         """Tokens the chat format adds around a tool message, the opening of the next reply included (an upper bound)."""

@@ -272,13 +272,16 @@ def test_malformed_calls_get_error_observations_and_the_episode_goes_on(tok, env
     assert stats["tool_calls_per_episode"] == 7 and stats["tool_error_rate"] == 5 / 7
 
 
-def test_long_observations_are_cut_to_the_budget_with_a_note(tok, env):
-    rollout = TOOLS.model_copy(update={"sampling": SamplingSection(max_tokens=128)})
+@pytest.mark.parametrize("observation_tokens", [None, 400])
+def test_long_observations_are_cut_to_the_budget_with_a_note(tok, env, observation_tokens):
+    """The budget is rollout.max_observation_tokens, or a reply's sampling.max_tokens when that is unset."""
+    rollout = TOOLS.model_copy(update={"sampling": SamplingSection(max_tokens=128), "max_observation_tokens": observation_tokens})
     _, policy = run_episode(tok, env, [call("shell", command="seq 1 5000"), call("finish")], rollout=rollout)
     observation = policy.prompts[1][len(policy.prompts[0]) :].split("</tool_call>", 1)[1]
     assert "\n1\n2\n" in observation and observation.rstrip().endswith("5000\n</tool_response>")
     assert "lines) cut: redirect the output to a file" in observation
-    assert len(tok.encode(observation)) <= 128 + 16
+    budget = observation_tokens or 128
+    assert budget - 64 < len(tok.encode(observation)) <= budget + 16
 
 
 def test_self_summarization_keeps_working_with_tools(tok, env):

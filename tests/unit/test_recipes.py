@@ -177,6 +177,15 @@ def test_seq_length_beyond_positions(write_recipe):
     assert "exceeds model.max_position_embeddings=256" in problems_of(path)["data.seq_length"]
 
 
+def test_observations_and_a_reply_must_leave_room_for_the_prompt(write_recipe):
+    rl = "env: {tasks: [{name: smoke}]}\nrl: {group_size: 4}\nrollout: {max_context: 200, sampling: {max_tokens: 64}, max_observation_tokens: %d}\n"
+    assert (
+        "leave no room for a prompt in rollout.max_context=200"
+        in problems_of(write_recipe(MINIMAL + rl % 136))["rollout.max_observation_tokens"]
+    )
+    assert load_recipe(write_recipe(MINIMAL + rl % 100)).rollout.max_observation_tokens == 100
+
+
 def test_rl_sections_come_together(write_recipe):
     path = write_recipe(MINIMAL + "rl: {group_size: 4}\n")
     assert "missing: rollout, env" in problems_of(path)["rollout"]
