@@ -62,7 +62,8 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
         "extends": str(REPO / "recipes" / "smollm2-recall.yaml"),
         "run": {"name": RL_RUN, "dir": str(work / "runs")},
         "model": {"dtype": training_dtype()},
-        "train": {"steps": args.rl_steps, "seed": args.seed, "checkpoint_every": min(8, args.rl_steps)},
+        # one episode segment a micro-batch: smollm2-rl.yaml's 4 of 1536 tokens in fp32 outgrow 24 GiB beside the engine
+        "train": {"steps": args.rl_steps, "seed": args.seed, "checkpoint_every": min(8, args.rl_steps), "micro_batch_size": 1},
         "rollout": {"kv_cache_gib": 1.0},  # a batch of large-context episodes without preemption
         "env": env,
         "rl": {

@@ -384,6 +384,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow  # three data runs, two killed (about 30 s)
 @pytest.mark.engines
 def test_kill_9_of_a_worker_or_the_driver_then_a_rerun_gives_the_bytes_of_one_uninterrupted_worker(tmp_path, tokenizer_dir):
     corpus = ["{stdlib}/email/**/*.py", "{stdlib}/asyncio/*.py", "{stdlib}/json/*.py"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from composer.recipes.env_schema import RepoTaskSettings, SandboxSection
 from composer.rollout.sandbox.runs import Sandbox
 from composer.rollout.tasks.repository.build import build_repo_tasks
@@ -111,6 +113,7 @@ def written(path: str, text: str) -> str:
     return f"cat > {path} <<'COMPOSER_EOF'\n{text}COMPOSER_EOF"
 
 
+@pytest.mark.slow  # a project install and its task build (about 35 s); tests/unit/test_repo_packages.py stays in the default run
 def test_a_project_of_several_packages_installs_without_them_and_grades_tasks_from_each(tmp_path):
     repo = tmp_path / "tallygeom"
     for name, text in FILES.items():

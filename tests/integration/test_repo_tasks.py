@@ -198,6 +198,7 @@ def test_an_unbuilt_set_is_one_clear_error(tmp_path):
         load_tasks(settings(tmp_path))
 
 
+@pytest.mark.slow  # two kill -9 drills of the build (about 40 s)
 def test_a_build_killed_mid_way_resumes_to_the_same_set(built, tmp_path, composer):
     """kill -9 while validating, then again: the same tasks as an uninterrupted build (and a torn verdict file is redone)."""
     recipe = tmp_path / "recipe.yaml"

@@ -43,6 +43,7 @@ def group(index: int, version: int, size: int, layers: int, top_k: int, experts:
     return trajectories
 
 
+@pytest.mark.slow  # waits out a collective timeout on purpose (about 30 s)
 def test_a_step_whose_rollouts_outlast_the_collective_timeout_is_trained(tmp_path):
     """Long episodes make slow steps normal: no rank may wait for rollouts inside a collective, which would end
     the run when its timeout passes ("Timed out waiting ...ms for recv")."""
