@@ -49,8 +49,9 @@ RL_RUN = "recall-rl"
 def policy_overrides(policy: str, large_context: int) -> list[str]:
     return {
         "summarize": [],
-        "drop_oldest": ["rollout.compaction=drop_oldest"],
-        "large_context": ["rollout.summarize_at=null", f"rollout.max_context={large_context}"],
+        # (rl.summary_reward, the RL run's shaped term, is refused in a recipe without summaries)
+        "drop_oldest": ["rollout.compaction=drop_oldest", "rl.summary_reward=0"],
+        "large_context": ["rollout.summarize_at=null", f"rollout.max_context={large_context}", "rl.summary_reward=0"],
     }[policy]
 
 
