@@ -139,6 +139,7 @@ ROLLOUT_RESULT_KEYS = (
     "sampling",
     "max_context",
     "max_turns",
+    "max_observation_tokens",
     "harness",
     "summarize_at",
     "max_summaries",
