@@ -278,7 +278,7 @@ def _check_lengths(r: Recipe) -> list[Problem]:
                 f"{r.rollout.sampling.max_tokens} leaves no room for a prompt in rollout.max_context={r.rollout.max_context}",
             )
         )
-    observed = r.rollout.max_observation_tokens if r.rollout else None
+    observed = r.rollout.max_observation_tokens if r.rollout else None  # unset: the reply's budget, checked above
     if r.rollout and observed and observed + r.rollout.sampling.max_tokens >= r.rollout.max_context:
         out.append(
             Problem(
