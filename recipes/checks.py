@@ -398,7 +398,13 @@ def _check_rl(r: Recipe) -> list[Problem]:
         out.append(Problem("rollout.summarize_at", "self-summarization happens between turns; set rollout.max_turns > 1"))
     summarizes = r.rollout and r.rollout.summarize_at is not None and r.rollout.compaction == "summarize"
     if r.rl and r.rl.summary_reward > 0 and not summarizes:
-        out.append(Problem("rl.summary_reward", "rewards summaries: set rollout.summarize_at with rollout.compaction: summarize"))
+        out.append(
+            Problem(
+                "rl.summary_reward",
+                "rewards summaries: set rollout.summarize_at with rollout.compaction: summarize, or rl.summary_reward: 0 "
+                "(e.g. to evaluate another compaction with `composer eval`)",
+            )
+        )
     if r.rl and r.rl.eval and r.env:
         out += _eval_split_problems(r.rl.eval.tasks, r.env.tasks)
     if r.env:

@@ -204,7 +204,9 @@ class RLConsole:
         trained = f"   trained {value('trained_tokens_per_s', '.0f')}" if r else ""
         rows.append(("tokens/s", f"generated {self.generated_tokens_per_s():.0f}{trained}"))
         if "sync_ratio" in r:
-            rows.append(("last sync", f"v{self.step}   ratio {value('sync_ratio', '.1f')}x   {value('sync_seconds', '.2f')} s"))
+            # a version that changed no byte stores nothing: its ratio (full size over 1 byte) would read as billions
+            size = "nothing changed" if r.get("sync_bytes") == 0 else f"ratio {value('sync_ratio', '.1f')}x"
+            rows.append(("last sync", f"v{self.step}   {size}   {value('sync_seconds', '.2f')} s"))
         waiting = f"   waiting {value('wait_seconds', '.1f')} s of the last step" if r else ""
         rows.append(("groups", f"{self.groups} made here{waiting}"))
         if self._sandboxes:

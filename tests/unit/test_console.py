@@ -113,6 +113,13 @@ def test_plain_lines_off_a_terminal_say_step_eta_and_figures_without_control_cod
     assert "g0000000" not in out.getvalue()  # group lines only with --verbose
 
 
+def test_a_sync_that_stored_nothing_says_so_rather_than_a_ratio_over_one_byte(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    write_steps(metrics, [1], sync_bytes=0)
+    with RLConsole(Console(file=io.StringIO(), width=200), "smoke-rl", steps=1, metrics=metrics, verbose=False) as view:
+        assert dict(view.figures())["last sync"] == "v1   nothing changed   0.30 s"
+
+
 def test_live_view_on_a_terminal_and_group_lines_with_verbose(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     write_steps(metrics, [1, 2, 3])  # a resumed run: the steps done count from the start

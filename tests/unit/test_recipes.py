@@ -349,7 +349,8 @@ def test_the_shaped_summary_reward_needs_self_summarization(write_recipe):
     rl = "env: {tasks: [{name: smoke}]}\nrl: {group_size: 4, summary_reward: 0.5}\nrollout: {max_context: 200, max_turns: 4, sampling: {max_tokens: 64}}\n"
     path = write_recipe(MINIMAL + rl)
     assert "set rollout.summarize_at" in problems_of(path)["rl.summary_reward"]
-    assert "rl.summary_reward" in problems_of(path, ["rollout.summarize_at=0.5", "rollout.compaction=drop_oldest"])
+    assert "rl.summary_reward: 0" in problems_of(path, ["rollout.summarize_at=0.5", "rollout.compaction=drop_oldest"])["rl.summary_reward"]
+    assert load_recipe(path, ["rollout.summarize_at=0.5", "rollout.compaction=drop_oldest", "rl.summary_reward=0"]).rl.summary_reward == 0
     assert load_recipe(path, ["rollout.summarize_at=0.5"]).rl.summary_reward == 0.5
 
 
