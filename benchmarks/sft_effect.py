@@ -96,6 +96,7 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
             "overlong": "cut",
             "held_out": 0.1,
             "chat_template": True,
+            "max_observation_tokens": evaluation["rollout"]["sampling"]["max_tokens"],  # tool outputs as the evaluation shows them
         },
         "env": env,
         "optim": {"lr": 5.0e-5, "min_lr": 5.0e-6, "schedule": "cosine", "warmup_steps": 2, "weight_decay": 0.0},

@@ -86,6 +86,10 @@ def write_recipes(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
             "overlong": "cut",
             "held_out": 0.1,
             "chat_template": True,
+            # the demonstrations show tool outputs as the recall recipe's episodes do
+            "max_observation_tokens": yaml.safe_load((REPO / "recipes" / "smollm2-recall.yaml").read_text())["rollout"][
+                "max_observation_tokens"
+            ],
         },
         "env": env,
         "optim": {"lr": 5.0e-5, "min_lr": 5.0e-6, "schedule": "cosine", "warmup_steps": min(2, args.sft_steps - 1), "weight_decay": 0.0},

@@ -269,6 +269,8 @@ def _check_lengths(r: Recipe) -> list[Problem]:
         out.append(Problem("data.seq_length", f"{r.data.seq_length} exceeds model.max_position_embeddings={limit}"))
     if r.sft and r.sft.max_length > limit:
         out.append(Problem("sft.max_length", f"{r.sft.max_length} exceeds model.max_position_embeddings={limit}"))
+    if r.sft and r.sft.max_observation_tokens is not None and not any(s.kind == "references" for s in r.sft.sources):
+        out.append(Problem("sft.max_observation_tokens", "cuts the tool outputs of a `references` source; sft.sources has none"))
     if r.rollout and r.rollout.max_context > limit:
         out.append(Problem("rollout.max_context", f"{r.rollout.max_context} exceeds model.max_position_embeddings={limit}"))
     if r.rollout and r.rollout.sampling.max_tokens >= r.rollout.max_context:

@@ -431,6 +431,10 @@ class SftSection(Section):
     chat_template: bool = False
     """Render in the tokenizer's chat template (as `rollout.chat_template: true` does), else the harness's plain format:
     set it as the RL recipe that follows sets `rollout.chat_template`."""
+    max_observation_tokens: int | None = Field(default=None, gt=0)
+    """Cut each tool output of a `references` episode as the harness cuts it in RL (start and end kept, with its
+    note): set it to the tool output budget of the RL recipe that follows (its `rollout.max_observation_tokens`, else
+    its `rollout.sampling.max_tokens`), so that demonstrations show what episodes will. Unset: outputs whole."""
 
 
 class MuonSection(Section):

@@ -45,6 +45,8 @@ class SourceCounts:
     dropped: int = 0
     skipped: int = 0
     """Tasks without a reference that passes its own tests in the harness (references sources)."""
+    observations_cut: int = 0
+    """Tool outputs cut to `sft.max_observation_tokens` (references sources)."""
 
 
 def _files(source: SftSource, suffixes: tuple[str, ...]) -> list[Path]:
@@ -206,16 +208,29 @@ def _reference_episodes(
     recipe: Recipe, renderer: ConversationRenderer, counts: SourceCounts
 ) -> Iterator[tuple[str, list[int], list[bool]]]:
     import tempfile
+    import threading
 
-    from composer.rl.sft_references import reference_episodes
+    from composer.rl.sft_references import reference_episodes, whole
     from composer.rollout.agent.environment import CodingEnvironment
-    from composer.rollout.agent.harness import ToolBox
+    from composer.rollout.agent.harness import ToolBox, observation_share, truncate
 
     env_section = recipe.env
+    observe = whole
+    if recipe.sft.max_observation_tokens is not None:  # as the harness cuts a reply's one call in RL
+        share = observation_share(recipe.sft.max_observation_tokens, 1, renderer.format.tool_message_overhead())
+        counting = threading.Lock()  # the episodes play on the sandbox's threads
+
+        def observe(text: str, more: str) -> str:
+            shown = truncate(text, share, renderer.tok, more)
+            if shown != text:
+                with counting:
+                    counts.observations_cut += 1
+            return shown
+
     with tempfile.TemporaryDirectory(prefix="composer-sft-") as scratch:
         env = CodingEnvironment(env_section, seed=recipe.train.seed, sandbox_root=Path(scratch), ssh=recipe.cluster.ssh)
         try:
-            for where, messages in reference_episodes(env, ToolBox(env_section.sandbox.wall_seconds)):
+            for where, messages in reference_episodes(env, ToolBox(env_section.sandbox.wall_seconds), observe):
                 if messages is None:
                     counts.skipped += 1
                     continue
@@ -296,7 +311,12 @@ def prepare_sft_examples(recipe: Recipe, console=None) -> SftExamples:
             console.print(
                 f"sft source {name}: {c.conversations} conversations, {c.tokens} tokens ({c.assistant_tokens} trained on); "
                 f"cut to sft.max_length={sft.max_length}: {c.cut}, dropped: {c.dropped}"
-                + (f", tasks skipped (no passing reference): {c.skipped}" if source_kinds[name] == "references" else ""),
+                + (f", tasks skipped (no passing reference): {c.skipped}" if source_kinds[name] == "references" else "")
+                + (
+                    f", tool outputs cut to sft.max_observation_tokens={sft.max_observation_tokens}: {c.observations_cut}"
+                    if source_kinds[name] == "references" and sft.max_observation_tokens is not None
+                    else ""
+                ),
                 highlight=False,
             )
         console.print(f"sft: {n - held} conversations for training, {held} held out", highlight=False)

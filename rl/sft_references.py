@@ -120,9 +120,17 @@ def repo_reference_calls(tests: RepoTests, read: Callable[[str], str]) -> list[T
     return calls
 
 
-def reference_messages(env: CodingEnvironment, task: Task, toolbox: ToolBox) -> list[dict] | None:
-    """A task's reference as the harness's episode (real tool outputs from a real workspace and sandbox), or None
-    when the workspace does not grade 1.0 after it."""
+Observe = Callable[[str, str], str]
+"""A tool output's text and its `more` hint -> what the episode shows of it."""
+
+
+def whole(text: str, more: str) -> str:
+    return text
+
+
+def reference_messages(env: CodingEnvironment, task: Task, toolbox: ToolBox, observe: Observe = whole) -> list[dict] | None:
+    """A task's reference as the harness's episode (real tool outputs from a real workspace and sandbox, each shown as
+    `observe` gives it), or None when the workspace does not grade 1.0 after it."""
     messages = [{"role": "user", "content": env.task_prompt(task, tools=True)}]
     workspace = env.open_workspace(task, tools=True)
     try:
@@ -145,14 +153,14 @@ def reference_messages(env: CodingEnvironment, task: Task, toolbox: ToolBox) -> 
                 }
             )
             if not output.finished:
-                messages.append({"role": "tool", "name": call.name, "content": output.text})
+                messages.append({"role": "tool", "name": call.name, "content": observe(output.text, output.more)})
         passed = env.grade_workspace(workspace).reward == 1.0
     finally:
         workspace.close()
     return messages if passed else None
 
 
-def reference_episodes(env: CodingEnvironment, toolbox: ToolBox) -> Iterator[tuple[str, list[dict] | None]]:
+def reference_episodes(env: CodingEnvironment, toolbox: ToolBox, observe: Observe = whole) -> Iterator[tuple[str, list[dict] | None]]:
     """(where, messages or None when skipped) for every training task of the environment's task sets with a
     reference (function tasks with one, every repository task), in task order; the sandbox runs them concurrently."""
     work = []
@@ -165,7 +173,7 @@ def reference_episodes(env: CodingEnvironment, toolbox: ToolBox) -> Iterator[tup
         task = env.pool.task(set_index, index)
         if task is None or not (task.reference or isinstance(task.tests, RepoTests)):
             return f"{name} task {index}", None
-        return f"{name} task {task.id}", reference_messages(env, task, toolbox)
+        return f"{name} task {task.id}", reference_messages(env, task, toolbox, observe)
 
     pool = ThreadPoolExecutor(max_workers=max(1, env.sandbox.max_concurrent))
     try:

@@ -479,6 +479,12 @@ class ChatFormat:
             )
         return self._rest_of(closing, reply_ids), self.tok.encode(after[len(before) :])
 
+    def tool_message_overhead(self) -> int:
+        """Tokens the format adds around a tool message, the opening of the next reply included (an upper bound)."""
+        empty = {"role": "tool", "name": "t", "content": ""}
+        one, two = (len(self.after_reply([], [empty] * n)[1]) for n in (1, 2))
+        return max(one, two - one)
+
     @staticmethod
     def _rest_of(closing: list[int], reply_ids: list[int]) -> list[int]:
         """The part of the turn's closing tokens the reply did not already end with (a reply stopped at its end-of-turn
@@ -501,6 +507,11 @@ class TurnResult:
     """Calls the harness could not parse or that its schemas refuse (among `calls`)."""
     tests_run: int = 0
     """run_tests calls that ran."""
+
+
+def observation_share(budget_tokens: int, outputs: int, message_overhead: int) -> int:
+    """Tokens each of a reply's `outputs` tool outputs is cut to: its share of the budget, less the format's own."""
+    return max(budget_tokens // outputs - message_overhead, 8)
 
 
 def run_reply(
@@ -535,7 +546,7 @@ def run_reply(
                 ToolOutput(f"error: only {MAX_CALLS_PER_REPLY} tool calls run per reply; {len(calls) - MAX_CALLS_PER_REPLY} were not run"),
             )
         )
-    share = max(budget_tokens // len(outputs) - message_overhead, 8)
+    share = observation_share(budget_tokens, len(outputs), message_overhead)
     messages = [{"role": "tool", "name": name, "content": truncate(o.text, share, tok, o.more)} for name, o in outputs]
     malformed = sum(isinstance(c, CallError) for c in calls)
     tests_run = sum(name == "run_tests" for name, _ in outputs)

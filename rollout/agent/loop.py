@@ -150,7 +150,7 @@ class EpisodeRunner:
         self._summary_request = tokenizer.encode(SUMMARY_REQUEST)
         self._summary_header = tokenizer.encode(SUMMARY_HEADER)
         self._dropped_note = tokenizer.encode(DROPPED_NOTE)
-        self._message_overhead = self._tool_message_overhead() if self.tools else 0
+        self._message_overhead = self.chat.tool_message_overhead() if self.tools else 0
         # Sandbox work of a turn (grading, tools) runs for all of a batch's episodes at once, as many as the fleet runs.
         self._graders = ThreadPoolExecutor(max_workers=env.sandbox.max_concurrent, thread_name_prefix="grade")
 
@@ -278,12 +278,6 @@ class EpisodeRunner:
     @property
     def _observation_cap(self) -> int:
         return self.cfg.max_observation_tokens or self.cfg.sampling.max_tokens
-
-    def _tool_message_overhead(self) -> int:
-        """Tokens the chat format adds around a tool message, the opening of the next reply included (an upper bound)."""
-        empty = {"role": "tool", "name": "t", "content": ""}
-        one, two = (len(self.chat.after_reply([], [empty] * n)[1]) for n in (1, 2))
-        return max(one, two - one)
 
     def _needs_summary(self, e: _Episode) -> bool:
         """At the trigger, or when one more turn would leave no room to summarize after it."""

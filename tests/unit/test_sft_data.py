@@ -221,6 +221,8 @@ def test_env_without_a_references_source_is_refused_as_sft_not_as_rl(tmp_path, t
     assert "env: an SFT recipe reads env only for a `references` source" in str(refused.value)
     assert "rollout" not in str(refused.value)
     assert load_recipe(RECIPES / "smoke-sft.yaml", [*sets, "env=null"]).env is None
+    with pytest.raises(UserError, match="sft.max_observation_tokens: cuts the tool outputs of a `references` source"):
+        load_recipe(RECIPES / "smoke-sft.yaml", [*sets, "env=null", "sft.max_observation_tokens=64"])
 
 
 def test_a_checkpoint_that_is_missing_or_has_no_tokenizer_is_refused(tmp_path, tokenizer):
@@ -284,3 +286,47 @@ def test_reference_edits_turn_a_changed_file_into_the_reference_each_old_string_
     # a change inside a function is read as the whole function, decorators included
     source = "import x\n\n\n@cache\ndef f(a):\n    b = a\n    return b\n\n\nc = 1\n"
     assert read_ranges(source, [(6, 6)]) == [(4, 7)] and read_ranges(source, [(10, 10)]) == [(4, 10)]
+
+
+def test_a_references_episode_shows_each_tool_output_as_the_rl_harness_would(tmp_path, tokenizer):
+    """`sft.max_observation_tokens`: a demonstration's tool output is what `run_reply` shows an RL episode under that
+    budget (start and end kept, the cut noted), so SFT teaches on what RL will show; unset, outputs are whole."""
+    from composer.rollout.agent.environment import CodingEnvironment
+    from composer.rollout.agent.harness import ToolBox, run_reply
+
+    sets = [
+        f"model.checkpoint={tokenizer}",
+        "env.tasks=[{name: recall, limit: 3, held_out: 1, recall: {parts: 2, filler_lines: 12}}]",
+        "sft.max_length=4096",
+        "model.max_position_embeddings=4096",
+        "sft.held_out=0.5",
+    ]
+    renderer = ConversationRenderer(str(tokenizer), chat_template=False)
+
+    def shown(overrides: list[str]) -> str:
+        examples = prepare_sft_examples(load_recipe(RECIPES / "smoke-sft.yaml", [*sets, *overrides]))
+        cut = examples.summary["sources"]["smoke-references"]["observations_cut"]
+        assert cut == (4 if overrides else 0)  # two tasks' two part files each (their test reports are short)
+        return "\n".join(renderer.tok.decode(part[i][0].tolist()) for part in (examples.train, examples.valid) for i in range(len(part)))
+
+    recipe = load_recipe(RECIPES / "smoke-sft.yaml", sets)
+    env = CodingEnvironment(recipe.env, seed=recipe.train.seed, sandbox_root=tmp_path / "sandbox")
+    try:
+        task = env.pool.task(0, env.pool.indices(0)[0])
+        workspace = env.open_workspace(task, tools=True)
+        try:
+            read = '<tool_call>{"name": "read_file", "arguments": {"path": "notes/part_1.txt"}}</tool_call>'
+            in_rl, in_full = (
+                run_reply(
+                    read, workspace, ToolBox(shell_seconds=10), renderer.tok, budget, renderer.format.tool_message_overhead()
+                ).messages[0]["content"]
+                for budget in (64, 100_000)
+            )
+        finally:
+            workspace.close()
+    finally:
+        env.close()
+    assert "characters (" in in_rl and "characters (" not in in_full  # the file is longer than the budget
+    whole, cut = shown([]), shown(["sft.max_observation_tokens=64"])
+    assert in_full in whole and in_rl not in whole
+    assert in_rl in cut and in_full not in cut
