@@ -43,7 +43,7 @@ def validate(
             failed += 1
             console.print(f"[red]✗[/] {escape(str(file))}: {escape(str(e))}", highlight=False)
             continue
-        kind = "rl" if recipe.rl else "midtrain" if recipe.data else "model"
+        kind = "rl" if recipe.rl else "sft" if recipe.sft else "midtrain" if recipe.data else "model"
         console.print(f"[green]✓[/] {escape(str(file))} [dim]({kind}, world size {recipe.cluster.world_size})[/]", highlight=False)
     if failed:
         raise UserError(f"{failed} of {len(files)} recipe(s) invalid")

@@ -23,6 +23,7 @@ def test_validate_all_shipped(composer):
     result = composer("recipe", "validate", *SHIPPED)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("✓") == len(SHIPPED)
+    assert "smoke-sft.yaml (sft, world size 2)" in result.stdout and "smoke-rl.yaml (rl, world size 2)" in result.stdout
 
 
 def test_validate_reports_every_file_and_exits_2(composer, write_recipe):
