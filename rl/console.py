@@ -203,8 +203,7 @@ class RLConsole:
             rows.append(("staleness", f"mean {value('staleness_mean', '.2f')}   max {value('staleness_max', '.0f')}"))
         trained = f"   trained {value('trained_tokens_per_s', '.0f')}" if r else ""
         rows.append(("tokens/s", f"generated {self.generated_tokens_per_s():.0f}{trained}"))
-        if "sync_ratio" in r:
-            # a version that changed no byte stores nothing: its ratio (full size over 1 byte) would read as billions
+        if "sync_seconds" in r:
             size = "nothing changed" if r.get("sync_bytes") == 0 else f"ratio {value('sync_ratio', '.1f')}x"
             rows.append(("last sync", f"v{self.step}   {size}   {value('sync_seconds', '.2f')} s"))
         waiting = f"   waiting {value('wait_seconds', '.1f')} s of the last step" if r else ""

@@ -163,7 +163,8 @@ def publish(learner: RLLearner, recipe: Recipe, files: RLRunFiles, version: int,
                 shutil.rmtree(old, ignore_errors=True)
         metrics = {
             "sync_bytes": info.stored_bytes,
-            "sync_ratio": info.ratio,
+            # a version that changed no byte stores nothing: no ratio (full size over 1 byte would plot as billions)
+            **({"sync_ratio": info.ratio} if info.stored_bytes else {}),
             "sync_seconds": info.seconds,
             "sync_changed_fraction": info.changed_elements / max(info.total_elements, 1),
             "publish_seconds": time.monotonic() - started,
